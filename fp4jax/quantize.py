@@ -1,0 +1,194 @@
+"""quantize / dequantize / fake_quant: the public functional quantizers for NVFP4, MXFP4 and FP8.
+
+A tensor is split into scaling blocks (1D along `axis`, or 2D tiles over the last two axes); each format module
+computes its block scales; elements are scaled and rounded onto the element grid; FP4 codes are packed two per byte.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax import formats
+from fp4jax import fp8
+from fp4jax import grids
+from fp4jax import mxfp4
+from fp4jax import nvfp4
+from fp4jax import rounding as rounding_lib
+from fp4jax.qarray import QArray, block_shape
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+# --- validation ---------------------------------------------------------------------------------------------------
+
+def _check_input(x, fmt, axis, block_2d, rounding, key, random_bits):
+  if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+    raise ValueError(f"quantize supports float32, bfloat16 and float16 inputs; got dtype {jnp.dtype(x.dtype).name}.")
+  if x.ndim < 1 or (block_2d and x.ndim < 2):
+    raise ValueError(f"cannot quantize an array of shape {x.shape} with block_2d={block_2d}.")
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}.")
+  axis = axis % x.ndim
+  if block_2d and axis < x.ndim - 2:
+    raise ValueError(f"block_2d blocks span the last two axes; axis must be one of them, got axis={axis}.")
+  if rounding not in rounding_lib.ROUNDING_MODES:
+    raise ValueError(f"rounding must be one of {rounding_lib.ROUNDING_MODES}; got {rounding!r}.")
+  if rounding == "stochastic":
+    if key is None:
+      raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...).")
+    if not fmt.is_fp4:
+      raise ValueError(f"stochastic rounding is implemented for the FP4 formats; got {fmt.name}.")
+  if random_bits not in rounding_lib.RANDOM_BITS:
+    raise ValueError(f"random_bits must be one of {rounding_lib.RANDOM_BITS}; got {random_bits!r}.")
+  return axis
+
+
+def _blocked_axes(fmt, ndim, axis, block_2d):
+  if isinstance(fmt, formats.FP8) and fmt.scaling == "tensor":
+    return ()
+  return (ndim - 2, ndim - 1) if block_2d else (axis,)
+
+
+def _padded_shape(shape, fmt, blocked_axes, pad):
+  padded = list(shape)
+  for a in blocked_axes:
+    n, b = shape[a], fmt.block_size
+    if n % b:
+      if not pad:
+        raise ValueError(f"axis {a} has length {n}, not a multiple of the {fmt.name} block size {b} "
+                         f"(shape {tuple(shape)}); pass pad=True to zero-pad it, or use fp4jax.pad_to_blocks.")
+      padded[a] = -(-n // b) * b
+  return tuple(padded)
+
+
+def pad_to_blocks(x, fmt, *, axis=-1, block_2d=False):
+  """Zero-pads `x` so the blocked axes are multiples of `fmt`'s block size (zeros never change amax)."""
+  fmt = formats.get_format(fmt)
+  axis = axis % x.ndim
+  padded = _padded_shape(x.shape, fmt, _blocked_axes(fmt, x.ndim, axis, block_2d), pad=True)
+  return jnp.pad(x, [(0, p - s) for s, p in zip(x.shape, padded)])
+
+
+# --- blocks -------------------------------------------------------------------------------------------------------
+
+def _split_blocks(x, block):
+  """Reshapes [S0, S1, ...] to [S0/B0, B0, S1/B1, B1, ...] so each block's elements lie on the odd axes."""
+  return x.reshape([d for s, b in zip(x.shape, block) for d in (s // b, b)])
+
+
+def _block_amax(x_blocks):
+  return jnp.max(jnp.abs(x_blocks), axis=tuple(range(1, x_blocks.ndim, 2)), keepdims=True)
+
+
+def _scale_shape(shape, block):
+  return tuple(s // b for s, b in zip(shape, block))
+
+
+# --- quantize -----------------------------------------------------------------------------------------------------
+
+def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
+             random_bits: int = 32, pad: bool = False) -> QArray:
+  """Quantizes `x` to `fmt` (NVFP4, MXFP4, FP8 or a name from fp4jax.FORMAT_NAMES).
+
+  Args:
+    x: float32, bfloat16 or float16 array; the arithmetic is float32.
+    fmt: the format.
+    axis: the axis the 1D blocks run along (the GEMM's contraction axis); FP4 codes are packed along it.
+    block_2d: square blocks over the last two axes (16x16 for NVFP4 weights); `axis` then only picks the packing axis.
+    rounding: "nearest" (round-to-nearest-even, saturating) or "stochastic" (FP4 only, needs `key`).
+    key: JAX PRNG key for stochastic rounding; the same key gives the same bits.
+    random_bits: 32 for full-width uniforms, 8 for hardware-style 8 random bits per element.
+    pad: zero-pad blocked axes up to a multiple of the block size instead of raising.
+
+  Returns:
+    A QArray. NaN anywhere makes amax NaN; NaN or inf anywhere makes the whole dequantized tensor non-finite.
+  """
+  fmt = formats.get_format(fmt)
+  x = jnp.asarray(x)
+  axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits)
+  blocked = _blocked_axes(fmt, x.ndim, axis, block_2d)
+  shape = _padded_shape(x.shape, fmt, blocked, pad)
+  x32 = x.astype(jnp.float32)
+  if shape != x.shape:
+    x32 = jnp.pad(x32, [(0, p - s) for s, p in zip(x.shape, shape)])
+
+  amax = jnp.max(jnp.abs(x32))
+  block = block_shape(fmt, x.ndim, axis, block_2d) if blocked else shape
+  x_blocks = _split_blocks(x32, block)
+  amax_b = _block_amax(x_blocks)
+
+  if isinstance(fmt, formats.FP8):
+    scale, encode = fp8.scales(amax_b)
+    y = grids.round_e4m3(x_blocks * encode).reshape(shape)
+    codes, scales = y.astype(jnp.float8_e4m3fn), scale.reshape(_scale_shape(shape, block))
+  else:
+    if isinstance(fmt, formats.NVFP4):
+      s_b, encode = nvfp4.scales(amax_b, amax)
+      y_blocks = x_blocks * encode
+      scales = s_b.astype(jnp.float8_e4m3fn)
+    else:
+      e = mxfp4.scale_exponent(amax_b, fmt.scale_rule)
+      y_blocks = mxfp4.scale_by_pow2(x_blocks, -e)
+      scales = mxfp4.encode_scales(e, amax_b)
+    v = rounding_lib.round_e2m1(y_blocks.reshape(shape), rounding=rounding, key=key, random_bits=random_bits)
+    codes = grids.pack_nibbles(grids.e2m1_codes(v), axis)
+    scales = scales.reshape(_scale_shape(shape, block))
+  return QArray(codes, scales, amax, fmt=fmt, shape=shape, orig_shape=tuple(x.shape), axis=axis,
+                block_2d=block_2d, dtype=x.dtype)
+
+
+# --- dequantize ---------------------------------------------------------------------------------------------------
+
+def _block_of(q: QArray):
+  if not _blocked_axes(q.fmt, q.ndim, q.axis, q.block_2d):
+    return q.shape
+  return block_shape(q.fmt, q.ndim, q.axis, q.block_2d)
+
+
+def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
+  """Float values of a QArray (code * block scale * global scale), cropped to the original shape, in `dtype`."""
+  if not isinstance(q, QArray):
+    raise ValueError(f"dequantize expects a QArray; got {type(q).__name__}.")
+  block = _block_of(q)
+  scales_shape = [d for s in q.scales.shape for d in (s, 1)] if q.scales.ndim else [1] * (2 * q.ndim)
+  if isinstance(q.fmt, formats.FP8):
+    values = _split_blocks(q.codes.astype(jnp.float32), block) * q.scales.astype(jnp.float32).reshape(scales_shape)
+  else:
+    codes = _split_blocks(grids.e2m1_decode(q.unpacked_codes()), block)
+    if isinstance(q.fmt, formats.NVFP4):
+      s_b = q.scales.astype(jnp.float32).reshape(scales_shape)
+      values = codes * s_b * nvfp4.global_decode_scale(q.amax)
+    else:
+      e, is_nan = mxfp4.decode_exponents(q.scales)
+      values = mxfp4.scale_by_pow2(codes, e.reshape(scales_shape))
+      values = jnp.where(is_nan.reshape(scales_shape), jnp.nan, values)
+  # Non-finite input poisons the whole tensor: fail loudly rather than return plausible numbers.
+  values = jnp.where(jnp.isfinite(q.amax), values, jnp.nan).reshape(q.shape)
+  if q.shape != q.orig_shape:
+    values = values[tuple(slice(0, n) for n in q.orig_shape)]
+  return values.astype(dtype)
+
+
+def fake_quant(x, fmt, **kwargs) -> jax.Array:
+  """dequantize(quantize(x, fmt, **kwargs)) in x's dtype: the values a quantized GEMM would see."""
+  x = jnp.asarray(x)
+  return dequantize(quantize(x, fmt, **kwargs), x.dtype)
+
+
+def quantization_error(x, fmt, **kwargs) -> jax.Array:
+  """Relative Frobenius error ||fake_quant(x) - x|| / ||x|| in float32."""
+  x32 = jnp.asarray(x).astype(jnp.float32)
+  err = fake_quant(x, fmt, **kwargs).astype(jnp.float32) - x32
+  return jnp.linalg.norm(err) / jnp.maximum(jnp.linalg.norm(x32), jnp.finfo(jnp.float32).tiny)
+
+
+def num_blocks(shape, fmt, *, axis=-1, block_2d=False) -> int:
+  """How many scaling blocks a tensor of `shape` has."""
+  fmt = formats.get_format(fmt)
+  blocked = _blocked_axes(fmt, len(shape), axis % len(shape), block_2d)
+  if not blocked:
+    return 1
+  return math.prod(_scale_shape(shape, block_shape(fmt, len(shape), axis % len(shape), block_2d)))

@@ -1,0 +1,93 @@
+"""Random Hadamard Transform (RHT): H = diag(s) H_d / sqrt(d), applied to each run of d elements along an axis.
+
+H is orthonormal, so transforming both GEMM operands along their shared contraction axis leaves the exact product
+unchanged while spreading outliers across each tile, which shrinks block amaxes relative to typical values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The sign vector hard-coded by the NVFP4 reference implementation (d = 16), shared by all layers for the run.
+REFERENCE_SIGNS_16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+MIN_SIZE, MAX_SIZE = 2, 256
+
+
+def check_size(size: int) -> None:
+  if not isinstance(size, (int, np.integer)) or size < MIN_SIZE or size > MAX_SIZE or size & (size - 1):
+    raise ValueError(f"RHT size must be a power of two in [{MIN_SIZE}, {MAX_SIZE}]; got {size!r}.")
+
+
+@functools.lru_cache(maxsize=None)
+def sylvester_hadamard(size: int) -> np.ndarray:
+  """The unnormalised Sylvester Hadamard matrix H_d (entries +-1), in scipy.linalg.hadamard's ordering."""
+  check_size(size)
+  h = np.ones((1, 1), np.float64)
+  while h.shape[0] < size:
+    h = np.block([[h, h], [h, -h]])
+  return h
+
+
+@functools.lru_cache(maxsize=None)
+def default_signs(size: int) -> tuple[int, ...]:
+  """The fixed sign vector used when `signs=None`.
+
+  size 16: the reference implementation's vector. Other sizes: bit 16 of a 31-bit linear congruential sequence
+  (x <- 1103515245 x + 12345 mod 2^31, seeded with `size`): fixed forever, independent of any library's RNG.
+  """
+  check_size(size)
+  if size == 16:
+    return REFERENCE_SIGNS_16
+  x, signs = size, []
+  for _ in range(size):
+    x = (1103515245 * x + 12345) % 2**31
+    signs.append(1 if (x >> 16) & 1 else -1)
+  return tuple(signs)
+
+
+def resolve_signs(size: int, signs=None) -> jax.Array:
+  """Sign vector as float32 [size]: None -> default_signs, a PRNG key -> random +-1, an array -> as given."""
+  check_size(size)
+  if signs is None:
+    return jnp.asarray(default_signs(size), jnp.float32)
+  if isinstance(signs, jax.Array) and jax.dtypes.issubdtype(signs.dtype, jax.dtypes.prng_key):
+    return jax.random.rademacher(signs, (size,), dtype=jnp.float32)
+  signs = jnp.asarray(signs)
+  if signs.dtype == jnp.uint32 and signs.shape == (2,):  # raw (legacy) PRNG key
+    return jax.random.rademacher(signs, (size,), dtype=jnp.float32)
+  if signs.shape != (size,):
+    raise ValueError(f"RHT signs must have shape ({size},) or be a PRNG key; got shape {signs.shape}.")
+  return signs.astype(jnp.float32)
+
+
+def hadamard_matrix(size: int = 16, signs=None) -> jax.Array:
+  """H = diag(s) @ H_d / sqrt(size) as float32 [size, size]."""
+  s = resolve_signs(size, signs)
+  h = jnp.asarray(sylvester_hadamard(size) / np.sqrt(size), jnp.float32)
+  return s[:, None] * h
+
+
+def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: bool = False):
+  """Applies H (or H^T with inverse=True) to every run of `size` consecutive elements of `x` along `axis`.
+
+  Computed in float32 at HIGHEST precision and returned in x's dtype (so a bf16 operand's RHT output is rounded to
+  bf16, as in the reference, which runs the RHT as a bf16 matmul with float32 accumulation).
+  """
+  check_size(size)
+  x = jnp.asarray(x)
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}.")
+  n = x.shape[axis]
+  if n % size:
+    raise ValueError(f"RHT size {size} does not divide the length {n} of axis {axis} (shape {x.shape}).")
+  h = hadamard_matrix(size, signs)
+  x_moved = jnp.moveaxis(x, axis, -1)
+  tiles = x_moved.reshape(*x_moved.shape[:-1], n // size, size).astype(jnp.float32)
+  # Per tile y = H t (row vectors: t @ H^T); the inverse is H^T y (row vectors: y @ H).
+  y = jnp.einsum("...j,ij->...i" if not inverse else "...j,ji->...i", tiles, h,
+                 precision=jax.lax.Precision.HIGHEST)
+  return jnp.moveaxis(y.reshape(x_moved.shape).astype(x.dtype), -1, axis)

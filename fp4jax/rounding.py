@@ -1,0 +1,54 @@
+"""Rounding onto the E2M1 grid: round-to-nearest-even and stochastic rounding keyed off a JAX PRNG key.
+
+Stochastic rounding (SR) picks the lower or upper grid neighbour with probability proportional to closeness, so
+E[SR(y)] = y for |y| <= 6. Random bits come from `jax.random.bits` over the whole tensor's shape; with JAX's
+partitionable threefry (the default since jax 0.5) they do not depend on how the tensor is sharded.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax import grids
+
+ROUNDING_MODES = ("nearest", "stochastic")
+RANDOM_BITS = (32, 8)
+
+
+def uniform_from_bits(bits, random_bits: int):
+  """Returns (u, scale): thresholds compared against p * scale.
+
+  32: u = top 24 bits / 2^24, a full-width uniform in [0, 1), compared with p.
+  8:  u = top 8 bits (0..255), compared with floor(p * 256), as hardware with 8 random bits per element does
+      (probabilities truncated to multiples of 1/256).
+  """
+  if random_bits == 32:
+    return jax.lax.shift_right_logical(bits, jnp.uint32(8)).astype(jnp.float32) * jnp.float32(2.0**-24)
+  if random_bits == 8:
+    return jax.lax.shift_right_logical(bits, jnp.uint32(24)).astype(jnp.float32)
+  raise ValueError(f"random_bits must be one of {RANDOM_BITS}; got {random_bits!r}.")
+
+
+def round_e2m1_nearest(y):
+  """Signed E2M1 values nearest to float32 `y` (ties to even, saturating at +-6, sign of zero kept)."""
+  return jnp.copysign(grids.round_e2m1_magnitude(jnp.abs(y)), y)
+
+
+def round_e2m1_stochastic(y, key, random_bits: int = 32):
+  """Signed E2M1 values: |y| (saturated at 6) rounded down or up at random, unbiased; deterministic given `key`."""
+  a = jnp.minimum(jnp.abs(y), grids.E2M1_MAX)
+  lo, gap = grids.e2m1_floor_magnitude(a)
+  p = (a - lo) / gap  # exact: gap is a power of two
+  u = uniform_from_bits(jax.random.bits(key, y.shape, jnp.uint32), random_bits)
+  threshold = p if random_bits == 32 else jnp.floor(p * 256.0)
+  up = u < threshold
+  r = jnp.where(up, lo + gap, lo)
+  return jnp.copysign(jnp.where(jnp.isnan(a), a, r), y)
+
+
+def round_e2m1(y, *, rounding: str = "nearest", key=None, random_bits: int = 32):
+  """Rounds scaled values onto the signed E2M1 grid with the chosen rounding mode."""
+  if rounding == "nearest":
+    return round_e2m1_nearest(y)
+  return round_e2m1_stochastic(y, key, random_bits)

