@@ -9,3 +9,7 @@ from fp4jax.quantize import dequantize, fake_quant, num_blocks, pad_to_blocks, q
 from fp4jax.rht import hadamard_matrix, random_hadamard
 
 __version__ = "0.1.0"
+from fp4jax import recipes
+from fp4jax.dot_general import dot_general, quantized_dot_general
+from fp4jax.recipes import Recipe
+from fp4jax import nn

@@ -1,0 +1,295 @@
+"""Recipes: which format, block layout, rounding and RHT each operand of a linear layer's three GEMMs gets.
+
+A linear layer y = x W (x [M tokens, K], W [K, N]) runs three GEMMs (NVFP4_SPEC.md section 6):
+
+  | GEMM  | lhs                                | rhs                              | contracted |
+  | Fprop | x, 1x16 along K, RNE               | W, 16x16 2D, RNE                 | K          |
+  | Dgrad | dY, 1x16 along N, SR               | W, the Fprop 2D codes reused     | N          |
+  | Wgrad | dY, RHT + 1x16 along M, SR         | x, RHT + 1x16 along M, RNE       | M (tokens) |
+
+`nvfp4()` is the paper's recipe; its keyword switches give the ablations. Recipes are frozen and hashable, so they
+are static arguments of `jax.jit`: switching a model's recipe compiles once per distinct recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from fp4jax import formats
+from fp4jax import rht as rht_lib
+
+GEMMS = ("fprop", "dgrad", "wgrad")
+BACKENDS = ("xla", "pallas")
+RHT_SIGNS = ("fixed", "none", "per_call")
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandConfig:
+  """How one GEMM operand is quantized; `fmt=None` keeps it in high precision."""
+
+  fmt: formats.Format | None = None
+  block_2d: bool = False
+  rounding: Literal["nearest", "stochastic"] = "nearest"
+  rht: bool = False
+  pad: bool = False  # zero-pad the contraction axis to the block size (FP8's 128-blocks on small layers)
+
+  @property
+  def quantized(self) -> bool:
+    return self.fmt is not None
+
+  def describe(self) -> str:
+    if self.fmt is None:
+      return "bf16"
+    fmt = self.fmt
+    if isinstance(fmt, formats.MXFP4):
+      name = f"mxfp4({fmt.scale_rule})"
+    elif isinstance(fmt, formats.FP8):
+      name = f"fp8({fmt.scaling})"
+    else:
+      name = fmt.name
+    if isinstance(fmt, formats.FP8) and fmt.scaling == "tensor":
+      layout = "tensor"
+    else:
+      b = fmt.block_size
+      layout = f"{b}x{b}" if self.block_2d else f"1x{b}"
+    parts = [name, layout, "SR" if self.rounding == "stochastic" else "RNE"]
+    if self.rht:
+      parts.append("RHT")
+    return " ".join(parts)
+
+
+HIGH_PRECISION = OperandConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+  """The two operands of one GEMM: lhs (activations or output gradient) and rhs (weight or activations)."""
+
+  lhs: OperandConfig = HIGH_PRECISION
+  rhs: OperandConfig = HIGH_PRECISION
+
+  @property
+  def quantized(self) -> bool:
+    return self.lhs.quantized or self.rhs.quantized
+
+  @property
+  def rht(self) -> bool:
+    return self.lhs.rht or self.rhs.rht
+
+
+HIGH_PRECISION_GEMM = GemmConfig()
+_OPERAND_NAMES = {"fprop": ("x", "W"), "dgrad": ("dY", "W"), "wgrad": ("dY", "x")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """Per-GEMM quantization of a linear layer, plus the shared RHT and randomness settings.
+
+  Attributes:
+    name: label used in logs and tables.
+    fprop, dgrad, wgrad: GemmConfig per GEMM (see the module docstring for what lhs/rhs are in each).
+    rht_size: Hadamard tile size d (power of two, 2..256).
+    rht_signs: "fixed" (one sign vector for the whole run, the paper's default), "none" (plain Hadamard, an
+      ablation) or "per_call" (fresh signs from the layer's key at every call).
+    random_bits: 32 (full-width uniforms) or 8 (hardware-style) for stochastic rounding.
+    reuse_fprop_weight: Dgrad uses the transposed Fprop weight codes (needs the same 2D quantization in both).
+    backend: "xla" (dequantize + float32 matmul emulation) or "pallas" (pallas_kernels).
+  """
+
+  name: str = "bf16"
+  fprop: GemmConfig = HIGH_PRECISION_GEMM
+  dgrad: GemmConfig = HIGH_PRECISION_GEMM
+  wgrad: GemmConfig = HIGH_PRECISION_GEMM
+  rht_size: int = 16
+  rht_signs: Literal["fixed", "none", "per_call"] = "fixed"
+  random_bits: int = 32
+  reuse_fprop_weight: bool = True
+  backend: Literal["xla", "pallas"] = "xla"
+
+  def __post_init__(self):
+    rht_lib.check_size(self.rht_size)
+    if self.rht_signs not in RHT_SIGNS:
+      raise ValueError(f"rht_signs must be one of {RHT_SIGNS}; got {self.rht_signs!r}.")
+    if self.backend not in BACKENDS:
+      raise ValueError(f"backend must be one of {BACKENDS}; got {self.backend!r}.")
+    if self.random_bits not in (8, 32):
+      raise ValueError(f"random_bits must be 8 or 32; got {self.random_bits!r}.")
+    for gemm in GEMMS:
+      cfg = getattr(self, gemm)
+      if cfg.lhs.rht != cfg.rhs.rht:
+        raise ValueError(f"{gemm}: RHT must apply to both operands (it is only exact when both are transformed).")
+
+  def replace(self, **changes) -> "Recipe":
+    return dataclasses.replace(self, **changes)
+
+  def gemm(self, name: str) -> GemmConfig:
+    return getattr(self, name)
+
+  @property
+  def is_quantized(self) -> bool:
+    return any(self.gemm(g).quantized for g in GEMMS)
+
+  @property
+  def needs_key(self) -> bool:
+    """Whether a PRNG key is needed: stochastic rounding or per-call random RHT signs."""
+    sr = any(op.rounding == "stochastic" and op.quantized for g in GEMMS for op in (self.gemm(g).lhs, self.gemm(g).rhs))
+    signs = self.rht_signs == "per_call" and any(self.gemm(g).rht for g in GEMMS)
+    return sr or signs
+
+  @property
+  def dgrad_reuses_weight(self) -> bool:
+    """Dgrad's weight is the Fprop weight transposed: same 2D quantization, no RHT on either GEMM."""
+    fw, dw = self.fprop.rhs, self.dgrad.rhs
+    return (self.reuse_fprop_weight and fw.quantized and fw == dw and fw.block_2d and fw.rounding == "nearest"
+            and not self.fprop.rht and not self.dgrad.rht)
+
+  def with_bf16(self, forward: bool = True, backward: bool = True) -> "Recipe":
+    """A copy whose forward (Fprop) and/or backward (Dgrad, Wgrad) GEMMs run in high precision."""
+    changes = {}
+    if forward:
+      changes["fprop"] = HIGH_PRECISION_GEMM
+    if backward:
+      changes["dgrad"] = changes["wgrad"] = HIGH_PRECISION_GEMM
+    suffix = "+bf16" + ("fwd" if forward and not backward else "bwd" if backward and not forward else "")
+    if not self.is_quantized or not changes:
+      return self
+    return dataclasses.replace(self, name=self.name + suffix, **changes)
+
+  def table(self) -> str:
+    """The recipe as a readable table: one row per GEMM."""
+    rows = [f"Recipe {self.name!r} (backend={self.backend}, rht_size={self.rht_size}, rht_signs={self.rht_signs}, "
+            f"random_bits={self.random_bits})",
+            f"  {'GEMM':<6} {'lhs':<30} {'rhs':<30}"]
+    for g in GEMMS:
+      cfg = self.gemm(g)
+      ln, rn = _OPERAND_NAMES[g]
+      rhs = cfg.rhs.describe()
+      if g == "dgrad" and self.dgrad_reuses_weight:
+        rhs += " (Fprop W^T reused)"
+      rows.append(f"  {g:<6} {ln + ': ' + cfg.lhs.describe():<30} {rn + ': ' + rhs:<30}")
+    return "\n".join(rows)
+
+  def __str__(self) -> str:
+    return self.table()
+
+
+# --- presets ------------------------------------------------------------------------------------------------------
+
+def bf16() -> Recipe:
+  """No quantization: every GEMM is a plain dot_general in the compute dtype."""
+  return Recipe(name="bf16")
+
+
+def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht_on, random_signs, random_bits,
+                backend) -> Recipe:
+  rht_on = tuple(rht_on) if rht else ()
+  unknown = set(rht_on) - set(GEMMS)
+  if unknown:
+    raise ValueError(f"rht_on entries must be among {GEMMS}; got {sorted(unknown)}.")
+  grad_rounding = "stochastic" if stochastic_rounding else "nearest"
+
+  def op(rounding="nearest", block_2d=False, gemm="fprop"):
+    return OperandConfig(fmt=fmt, block_2d=block_2d, rounding=rounding, rht=gemm in rht_on)
+
+  if random_signs is True:
+    signs = "fixed"
+  elif random_signs is False:
+    signs = "none"
+  elif random_signs in RHT_SIGNS:
+    signs = random_signs
+  else:
+    raise ValueError(f"random_signs must be True, False or one of {RHT_SIGNS}; got {random_signs!r}.")
+  return Recipe(
+      name=name,
+      fprop=GemmConfig(op(gemm="fprop"), op(block_2d=weight_2d, gemm="fprop")),
+      dgrad=GemmConfig(op(grad_rounding, gemm="dgrad"), op(block_2d=weight_2d, gemm="dgrad")),
+      wgrad=GemmConfig(op(grad_rounding, gemm="wgrad"), op(gemm="wgrad")),
+      rht_size=rht_size, rht_signs=signs, random_bits=random_bits, backend=backend)
+
+
+def nvfp4(*, rht: bool = True, rht_size: int = 16, stochastic_rounding: bool = True, weight_2d: bool = True,
+          rht_on: tuple[str, ...] = ("wgrad",), random_signs=True, random_bits: int = 32,
+          backend: str = "xla") -> Recipe:
+  """The paper's NVFP4 recipe; each keyword switches one component off or changes it (for ablations).
+
+  rht: Random Hadamard Transform on the GEMMs in `rht_on` (paper: Wgrad only), tile size `rht_size`.
+  stochastic_rounding: SR on the output-gradient operands of Dgrad and Wgrad (RNE elsewhere).
+  weight_2d: 16x16 weight blocks, so Dgrad reuses the Fprop weight exactly (else 1x16 re-quantized per GEMM).
+  random_signs: True = fixed random sign vector (paper), False = no signs, "per_call" = fresh signs per call.
+  """
+  return _fp4_recipe("nvfp4", formats.NVFP4(), rht=rht, rht_size=rht_size, stochastic_rounding=stochastic_rounding,
+                     weight_2d=weight_2d, rht_on=rht_on, random_signs=random_signs, random_bits=random_bits,
+                     backend=backend)
+
+
+def mxfp4(*, scale_rule: str = "ceil", rht: bool = True, rht_size: int = 32, stochastic_rounding: bool = True,
+          weight_2d: bool = True, rht_on: tuple[str, ...] = ("wgrad",), random_signs=True, random_bits: int = 32,
+          backend: str = "xla") -> Recipe:
+  """The paper's MXFP4 comparison: 32-element E8M0 blocks ("ceil" scales), RHT size 32 on Wgrad, SR on gradients.
+
+  Weights use 32x32 2D blocks by default so the comparison with nvfp4() changes only the format.
+  """
+  return _fp4_recipe("mxfp4", formats.MXFP4(scale_rule=scale_rule), rht=rht, rht_size=rht_size,
+                     stochastic_rounding=stochastic_rounding, weight_2d=weight_2d, rht_on=rht_on,
+                     random_signs=random_signs, random_bits=random_bits, backend=backend)
+
+
+def fp8(*, block_size: int = 128, scaling: str = "block") -> Recipe:
+  """The paper's FP8 baseline: E4M3 everywhere, 1x128 blocks for activations/gradients, 128x128 for weights, RNE.
+
+  Partial blocks at the end of a contraction axis are zero-padded (layers narrower than 128 still work).
+  """
+  fmt = formats.FP8(scaling=scaling, block_size=block_size)
+  act = OperandConfig(fmt=fmt, pad=True)
+  weight = OperandConfig(fmt=fmt, block_2d=True, pad=True)
+  return Recipe(name="fp8", fprop=GemmConfig(act, weight), dgrad=GemmConfig(act, weight), wgrad=GemmConfig(act, act))
+
+
+PRESETS = {"bf16": bf16, "nvfp4": nvfp4, "mxfp4": mxfp4, "fp8": fp8}
+RECIPE_NAMES = tuple(PRESETS)
+
+
+def _parse_value(text: str):
+  low = text.strip().lower()
+  if low in ("true", "yes", "on"):
+    return True
+  if low in ("false", "no", "off"):
+    return False
+  if low in ("none", "null"):
+    return None
+  for cast in (int, float):
+    try:
+      return cast(low)
+    except ValueError:
+      pass
+  if "+" in text:  # tuples: rht_on=wgrad+dgrad
+    return tuple(t.strip() for t in text.split("+") if t.strip())
+  return text.strip()
+
+
+def get_recipe(spec: str | Recipe) -> Recipe:
+  """A recipe from its CLI form "name[:key=value,...]", e.g. "nvfp4:rht_size=4,stochastic_rounding=false".
+
+  Tuple values use '+': "nvfp4:rht_on=wgrad+dgrad".
+  """
+  if isinstance(spec, Recipe):
+    return spec
+  name, _, args = str(spec).partition(":")
+  name = name.strip().lower()
+  if name not in PRESETS:
+    raise ValueError(f"Unknown recipe {name!r}; expected one of {list(RECIPE_NAMES)}.")
+  kwargs = {}
+  for item in filter(None, (a.strip() for a in args.split(","))):
+    key, eq, value = item.partition("=")
+    if not eq:
+      raise ValueError(f"Recipe override {item!r} is not of the form key=value.")
+    kwargs[key.strip()] = _parse_value(value)
+  import inspect  # pylint: disable=g-import-not-at-top
+  valid = list(inspect.signature(PRESETS[name]).parameters)
+  unknown = [k for k in kwargs if k not in valid]
+  if unknown:
+    raise ValueError(f"Unknown option(s) {unknown} for recipe {name!r}; valid: {valid}.")
+  if isinstance(kwargs.get("rht_on"), str):
+    kwargs["rht_on"] = (kwargs["rht_on"],)
+  return PRESETS[name](**kwargs)
