@@ -3,6 +3,9 @@
 Rounding is done arithmetically (scale by an exact power of two, `round` half-to-even, scale back) rather than with
 dtype casts: XLA may fold an f32 -> f8 -> f32 round trip away under jit, and an f32 -> float8_e4m3fn cast does not
 saturate. The results are exactly representable, so a later cast to the storage dtype is lossless.
+
+Speed (XLA:CPU, see benchmarks/quantize.py): everything here is plain elementwise integer/float arithmetic with no
+table lookups and no frexp, so a whole quantize chain fuses into one vectorised loop.
 """
 
 from __future__ import annotations
@@ -17,9 +20,16 @@ E2M1_MAX = 6.0
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 E2M1_SIGN_BIT = 8
 
+# Round-to-nearest-even decision points on the E2M1 magnitudes: |y| beyond each threshold (or at it, when the upper
+# neighbour has the even code, i.e. ties go up) adds one to the magnitude code. 0.25 -> 0, 0.75 -> 1, 5 -> 4, 7 -> 6.
+E2M1_RNE_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
 E4M3_MAX = 448.0
 E4M3_MIN_EXPONENT = -6  # smallest normal exponent; subnormal step is 2^-9
 E4M3_MANTISSA_BITS = 3
+
+_F32_EXPONENT_MASK = 0x7F800000
+_F32_MANTISSA_BITS = 23
 
 
 def exponent_of(x):
@@ -62,6 +72,30 @@ def e2m1_floor_magnitude(a):
   return lo, gap
 
 
+def e2m1_magnitude_code_nearest(a):
+  """3-bit code (int32 0..7) of the E2M1 magnitude nearest to non-negative float32 `a` (RNE, saturating; NaN -> 0).
+
+  Equal to `e2m1_code_of_magnitude(round_e2m1_magnitude(a))`, but seven compares instead of frexp + round.
+  """
+  code = jnp.zeros(a.shape, jnp.int32)
+  for threshold, ties_up in E2M1_RNE_THRESHOLDS:
+    code = code + ((a >= threshold) if ties_up else (a > threshold)).astype(jnp.int32)
+  return code
+
+
+def e2m1_floor_code(a):
+  """Code (int32 0..7) of the largest E2M1 magnitude <= non-negative `a` (NaN -> 0)."""
+  code = jnp.zeros(a.shape, jnp.int32)
+  for threshold in E2M1_VALUES[1:]:
+    code = code + (a >= threshold).astype(jnp.int32)
+  return code
+
+
+def sign_bit(x):
+  """1 (int32) where float32 `x` has its sign bit set (negatives, -0.0, negative NaNs), else 0."""
+  return jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(x, jnp.int32), jnp.int32(31))
+
+
 def e2m1_code_of_magnitude(m):
   """Maps an E2M1 magnitude in {0, .5, 1, 1.5, 2, 3, 4, 6} to its 3-bit code 0..7."""
   code = jnp.zeros(m.shape, jnp.uint8)
@@ -77,9 +111,17 @@ def e2m1_codes(v):
 
 
 def e2m1_decode(codes, dtype=jnp.float32):
-  """Float values of 4-bit E2M1 codes (uint8 0..15)."""
-  table = jnp.asarray(np.concatenate([E2M1_VALUES, -E2M1_VALUES]), dtype)
-  return table[codes.astype(jnp.int32)]
+  """Float values of 4-bit E2M1 codes (uint8 0..15); code 8 is -0.0.
+
+  Arithmetic, not a table lookup: XLA:CPU turns a lookup into a gather, which does not vectorise. Magnitude codes
+  2..7 are normal numbers 2^((m>>1)-1) * (1 + (m&1)/2): their three bits go straight under a float32 exponent bias.
+  """
+  c = codes.astype(jnp.int32)
+  m = c & 7
+  normal = jax.lax.bitcast_convert_type((m << 22) + (126 << _F32_MANTISSA_BITS), jnp.float32)
+  magnitude = jnp.where(m >= 2, normal, m.astype(jnp.float32) * jnp.float32(0.5))
+  signed = jax.lax.bitcast_convert_type(magnitude, jnp.int32) | ((c & E2M1_SIGN_BIT) << 28)
+  return jax.lax.bitcast_convert_type(signed, jnp.float32).astype(dtype)
 
 
 def round_e4m3(x):
@@ -88,26 +130,37 @@ def round_e4m3(x):
   The quantum is 2^(max(floor(log2|x|), -6) - 3): 3 mantissa bits for normals, 2^-9 steps for subnormals.
   Infinities saturate to +-448.
   """
-  a = jnp.abs(x)
-  q_exp = jnp.clip(exponent_of(a), E4M3_MIN_EXPONENT, 9) - E4M3_MANTISSA_BITS
-  r = round_to_quantum(jnp.minimum(a, 512.0), q_exp)
-  r = jnp.minimum(r, E4M3_MAX)
+  # Beyond 512 everything saturates; clamping first keeps the exponent <= 9. The quantum 2^(max(e, -6) - 3) and its
+  # inverse are built from the exponent bits of the clamped value (exact, and much cheaper than frexp).
+  a = jnp.minimum(jnp.abs(x), 512.0)
+  e_bits = jnp.maximum(jax.lax.bitcast_convert_type(a, jnp.int32) & _F32_EXPONENT_MASK,
+                       (127 + E4M3_MIN_EXPONENT) << _F32_MANTISSA_BITS)
+  q_bits = e_bits - (E4M3_MANTISSA_BITS << _F32_MANTISSA_BITS)
+  quantum = jax.lax.bitcast_convert_type(q_bits, jnp.float32)
+  inv_quantum = jax.lax.bitcast_convert_type((254 << _F32_MANTISSA_BITS) - q_bits, jnp.float32)
+  r = jnp.minimum(jnp.round(a * inv_quantum) * quantum, E4M3_MAX)
   r = jnp.where(jnp.isnan(x), x, r)
   return jnp.copysign(r, x)
 
 
 def pack_nibbles(codes, axis):
   """Packs uint8 codes (0..15) two per byte along `axis`: element 2i in the low nibble, 2i+1 in the high one."""
-  codes = jnp.moveaxis(codes, axis, -1)
-  lo, hi = codes[..., 0::2], codes[..., 1::2]
-  packed = lo | jax.lax.shift_left(hi, jnp.uint8(4))
-  return jnp.moveaxis(packed, -1, axis)
+  axis = axis % codes.ndim
+  n = codes.shape[axis]
+  # Pairs as a new axis next to `axis` (no transpose, so XLA fuses this with the code computation).
+  pairs = codes.reshape(codes.shape[:axis] + (n // 2, 2) + codes.shape[axis + 1:])
+  lo = jax.lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)
+  hi = jax.lax.index_in_dim(pairs, 1, axis + 1, keepdims=False)
+  return (lo | jax.lax.shift_left(hi, jnp.uint8(4))).astype(jnp.uint8)
 
 
 def unpack_nibbles(packed, axis):
   """Inverse of `pack_nibbles`: uint8 codes 0..15 with the packed axis doubled."""
-  packed = jnp.moveaxis(packed, axis, -1)
-  lo = packed & jnp.uint8(0x0F)
-  hi = jax.lax.shift_right_logical(packed, jnp.uint8(4))
-  codes = jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-  return jnp.moveaxis(codes, -1, axis)
+  axis = axis % packed.ndim
+  n = packed.shape[axis]
+  # Broadcast each byte to a pair and shift by (0, 4): elementwise, so it fuses (a stack/concatenate does not).
+  pairs_shape = packed.shape[:axis] + (n, 2) + packed.shape[axis + 1:]
+  pairs = jax.lax.broadcast_in_dim(packed, pairs_shape, [d for d in range(len(pairs_shape)) if d != axis + 1])
+  shift = jax.lax.broadcasted_iota(jnp.uint8, pairs_shape, axis + 1) * jnp.uint8(4)
+  codes = jax.lax.shift_right_logical(pairs, shift) & jnp.uint8(0x0F)
+  return codes.reshape(packed.shape[:axis] + (2 * n,) + packed.shape[axis + 1:])

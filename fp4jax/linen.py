@@ -34,7 +34,7 @@ class Dense(nn.Module):
     x = x.astype(self.dtype)
     kernel = kernel if recipe.is_quantized else kernel.astype(self.dtype)
     y = dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), recipe=recipe, key=key,
-                                    preferred_element_type=self.dtype)
+                                    preferred_element_type=jnp.float32).astype(self.dtype)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(self.dtype)
     return y

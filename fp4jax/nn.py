@@ -32,10 +32,8 @@ class Linear(nnx.Module):
     self.dtype, self.param_dtype = dtype, param_dtype
     self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
     self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else nnx.data(None)
-    try:
-      self.quant_rngs = rngs["quant"].fork()
-    except (KeyError, AttributeError):
-      self.quant_rngs = nnx.data(None)
+    # Only an explicit "quant" stream: nnx.Rngs falls back to its default stream for unknown names.
+    self.quant_rngs = rngs["quant"].fork() if "quant" in rngs else nnx.data(None)
 
   def __call__(self, x_xK, *, key=None):
     if x_xK.shape[-1] != self.in_features:
@@ -50,7 +48,7 @@ class Linear(nnx.Module):
     # Quantized recipes quantize the float32 master weight directly, so the weight gradient stays float32.
     kernel = self.kernel[...] if recipe.is_quantized else self.kernel[...].astype(self.dtype)
     y = dot_general(x_xK, kernel, (((x_xK.ndim - 1,), (0,)), ((), ())), recipe=recipe, key=key,
-                                    preferred_element_type=self.dtype)
+                                    preferred_element_type=jnp.float32).astype(self.dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return y

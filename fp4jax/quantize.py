@@ -73,18 +73,56 @@ def pad_to_blocks(x, fmt, *, axis=-1, block_2d=False):
 
 
 # --- blocks -------------------------------------------------------------------------------------------------------
+# Per-block quantities have the scales' shape (each blocked axis divided by its block size). The full-size tensor is
+# never reshaped into blocks: a reduce_window computes block maxima, and per-block factors are broadcast back to the
+# full shape. On XLA:CPU this keeps the elementwise chain one vectorised loop that may write in place into a donated
+# input (a blocked reshape of the input made XLA add a full-size copy and a fresh output buffer).
 
-def _split_blocks(x, block):
-  """Reshapes [S0, S1, ...] to [S0/B0, B0, S1/B1, B1, ...] so each block's elements lie on the odd axes."""
-  return x.reshape([d for s, b in zip(x.shape, block) for d in (s // b, b)])
+def _block_amax(x, block):
+  """max |x| over each block (NaN-propagating), with the scales' shape."""
+  return jax.lax.reduce_window(jnp.abs(x), jnp.float32(-jnp.inf), jax.lax.max, block, block, "VALID")
 
 
-def _block_amax(x_blocks):
-  return jnp.max(jnp.abs(x_blocks), axis=tuple(range(1, x_blocks.ndim, 2)), keepdims=True)
+def _expand_blocks(s, block):
+  """Repeats each per-block value over its block: [S0/B0, S1/B1, ...] -> [S0, S1, ...]."""
+  interleaved = [d for n in s.shape for d in (n, 1)]
+  repeated = [d for n, b in zip(s.shape, block) for d in (n, b)]
+  return jnp.broadcast_to(s.reshape(interleaved), repeated).reshape([n * b for n, b in zip(s.shape, block)])
 
 
 def _scale_shape(shape, block):
   return tuple(s // b for s, b in zip(shape, block))
+
+
+def _quantize_elements(x32, fmt, block, rounding, key, random_bits):
+  """The quantizer proper on the (padded) float32 tensor.
+
+  Returns (elements, scales, amax, decode): `elements` has x32's shape, E2M1 codes (int32 0..15) for FP4 or E4M3
+  values (float32) for FP8; `scales` are the stored block scales; `decode(elements)` is what `dequantize` returns
+  before the non-finite check, without the round trip through packed codes and stored scales.
+  """
+  amax_b = _block_amax(x32, block)
+  amax = jnp.max(amax_b)  # == max|x|, NaN-propagating; saves a pass over x
+
+  if isinstance(fmt, formats.FP8):
+    scale, encode = fp8.scales(amax_b)
+    elements = grids.round_e4m3(x32 * _expand_blocks(encode, block))
+    return elements, scale, amax, lambda v: v * _expand_blocks(scale, block)
+
+  if isinstance(fmt, formats.NVFP4):
+    s_b, encode = nvfp4.scales(amax_b, amax)
+    y = x32 * _expand_blocks(encode, block)
+    scales = s_b.astype(jnp.float8_e4m3fn)
+    # s_b is exactly an E4M3 value (the float8 round trip only matters for NaN, which the caller maps to NaN anyway).
+    decode = lambda c: grids.e2m1_decode(c) * _expand_blocks(s_b, block) * nvfp4.global_decode_scale(amax)
+  else:
+    e = mxfp4.scale_exponent(amax_b, fmt.scale_rule)
+    y = mxfp4.scale_by_pow2(x32, _expand_blocks(-e, block))
+    scales = mxfp4.encode_scales(e, amax_b)
+    decode = lambda c: jnp.where(_expand_blocks(jnp.isnan(amax_b), block), jnp.nan,
+                                 mxfp4.scale_by_pow2(grids.e2m1_decode(c), _expand_blocks(e, block)))
+  codes = rounding_lib.e2m1_codes(y, rounding=rounding, key=key, random_bits=random_bits)
+  return codes, scales, amax, decode
 
 
 # --- quantize -----------------------------------------------------------------------------------------------------
@@ -109,35 +147,25 @@ def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = 
   fmt = formats.get_format(fmt)
   x = jnp.asarray(x)
   axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits)
+  x32, shape, block = _prepare(x, fmt, axis, block_2d, pad)
+  elements, scales, amax, _ = _quantize_elements(x32, fmt, block, rounding, key, random_bits)
+  if isinstance(fmt, formats.FP8):
+    codes = elements.astype(jnp.float8_e4m3fn)
+  else:
+    codes = grids.pack_nibbles(elements.astype(jnp.uint8), axis)
+  return QArray(codes, scales.reshape(_scale_shape(shape, block)), amax, fmt=fmt, shape=shape,
+                orig_shape=tuple(x.shape), axis=axis, block_2d=block_2d, dtype=x.dtype)
+
+
+def _prepare(x, fmt, axis, block_2d, pad):
+  """(float32 x zero-padded to whole blocks, the padded shape, the block shape; the whole shape for FP8 tensor)."""
   blocked = _blocked_axes(fmt, x.ndim, axis, block_2d)
   shape = _padded_shape(x.shape, fmt, blocked, pad)
   x32 = x.astype(jnp.float32)
   if shape != x.shape:
     x32 = jnp.pad(x32, [(0, p - s) for s, p in zip(x.shape, shape)])
-
-  amax = jnp.max(jnp.abs(x32))
   block = block_shape(fmt, x.ndim, axis, block_2d) if blocked else shape
-  x_blocks = _split_blocks(x32, block)
-  amax_b = _block_amax(x_blocks)
-
-  if isinstance(fmt, formats.FP8):
-    scale, encode = fp8.scales(amax_b)
-    y = grids.round_e4m3(x_blocks * encode).reshape(shape)
-    codes, scales = y.astype(jnp.float8_e4m3fn), scale.reshape(_scale_shape(shape, block))
-  else:
-    if isinstance(fmt, formats.NVFP4):
-      s_b, encode = nvfp4.scales(amax_b, amax)
-      y_blocks = x_blocks * encode
-      scales = s_b.astype(jnp.float8_e4m3fn)
-    else:
-      e = mxfp4.scale_exponent(amax_b, fmt.scale_rule)
-      y_blocks = mxfp4.scale_by_pow2(x_blocks, -e)
-      scales = mxfp4.encode_scales(e, amax_b)
-    v = rounding_lib.round_e2m1(y_blocks.reshape(shape), rounding=rounding, key=key, random_bits=random_bits)
-    codes = grids.pack_nibbles(grids.e2m1_codes(v), axis)
-    scales = scales.reshape(_scale_shape(shape, block))
-  return QArray(codes, scales, amax, fmt=fmt, shape=shape, orig_shape=tuple(x.shape), axis=axis,
-                block_2d=block_2d, dtype=x.dtype)
+  return x32, shape, block
 
 
 # --- dequantize ---------------------------------------------------------------------------------------------------
@@ -148,34 +176,46 @@ def _block_of(q: QArray):
   return block_shape(q.fmt, q.ndim, q.axis, q.block_2d)
 
 
+def _finish(values, amax, orig_shape, dtype):
+  """Non-finite amax poisons the whole tensor (fail loudly, never plausible numbers); crop padding; cast."""
+  values = jnp.where(jnp.isfinite(amax), values, jnp.nan)
+  if values.shape != tuple(orig_shape):
+    values = values[tuple(slice(0, n) for n in orig_shape)]
+  return values.astype(dtype)
+
+
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
   """Float values of a QArray (code * block scale * global scale), cropped to the original shape, in `dtype`."""
   if not isinstance(q, QArray):
     raise ValueError(f"dequantize expects a QArray; got {type(q).__name__}.")
   block = _block_of(q)
-  scales_shape = [d for s in q.scales.shape for d in (s, 1)] if q.scales.ndim else [1] * (2 * q.ndim)
+  scales = q.scales.reshape(_scale_shape(q.shape, block))
   if isinstance(q.fmt, formats.FP8):
-    values = _split_blocks(q.codes.astype(jnp.float32), block) * q.scales.astype(jnp.float32).reshape(scales_shape)
+    values = q.codes.astype(jnp.float32) * _expand_blocks(scales.astype(jnp.float32), block)
   else:
-    codes = _split_blocks(grids.e2m1_decode(q.unpacked_codes()), block)
+    codes = grids.e2m1_decode(q.unpacked_codes())
     if isinstance(q.fmt, formats.NVFP4):
-      s_b = q.scales.astype(jnp.float32).reshape(scales_shape)
-      values = codes * s_b * nvfp4.global_decode_scale(q.amax)
+      values = codes * _expand_blocks(scales.astype(jnp.float32), block) * nvfp4.global_decode_scale(q.amax)
     else:
-      e, is_nan = mxfp4.decode_exponents(q.scales)
-      values = mxfp4.scale_by_pow2(codes, e.reshape(scales_shape))
-      values = jnp.where(is_nan.reshape(scales_shape), jnp.nan, values)
-  # Non-finite input poisons the whole tensor: fail loudly rather than return plausible numbers.
-  values = jnp.where(jnp.isfinite(q.amax), values, jnp.nan).reshape(q.shape)
-  if q.shape != q.orig_shape:
-    values = values[tuple(slice(0, n) for n in q.orig_shape)]
-  return values.astype(dtype)
+      e, is_nan = mxfp4.decode_exponents(scales)
+      values = mxfp4.scale_by_pow2(codes, _expand_blocks(e, block))
+      values = jnp.where(_expand_blocks(is_nan, block), jnp.nan, values)
+  return _finish(values, q.amax, q.orig_shape, dtype)
 
 
-def fake_quant(x, fmt, **kwargs) -> jax.Array:
-  """dequantize(quantize(x, fmt, **kwargs)) in x's dtype: the values a quantized GEMM would see."""
+def fake_quant(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
+               random_bits: int = 32, pad: bool = False) -> jax.Array:
+  """dequantize(quantize(x, fmt, ...)) in x's dtype: the values a quantized GEMM would see.
+
+  Bit-identical to that composition, but decodes the codes where they are computed (no packing, no float8 scale
+  round trip), so under jit the whole chain is a block-max pass plus one fused elementwise pass.
+  """
+  fmt = formats.get_format(fmt)
   x = jnp.asarray(x)
-  return dequantize(quantize(x, fmt, **kwargs), x.dtype)
+  axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits)
+  x32, _, block = _prepare(x, fmt, axis, block_2d, pad)
+  elements, _, amax, decode = _quantize_elements(x32, fmt, block, rounding, key, random_bits)
+  return _finish(decode(elements), amax, x.shape, x.dtype)
 
 
 def quantization_error(x, fmt, **kwargs) -> jax.Array:

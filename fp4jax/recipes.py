@@ -183,7 +183,13 @@ def bf16() -> Recipe:
 
 def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht_on, random_signs, random_bits,
                 backend) -> Recipe:
-  rht_on = tuple(rht_on) if rht else ()
+  # A CLI typo ("stochastic_rounding=flase") parses to a truthy string: reject it rather than silently enable.
+  for flag, value in (("rht", rht), ("stochastic_rounding", stochastic_rounding), ("weight_2d", weight_2d)):
+    if not isinstance(value, bool):
+      raise ValueError(f"{flag} must be True or False; got {value!r}.")
+  if rht_on is None:
+    rht_on = ()
+  rht_on = ((rht_on,) if isinstance(rht_on, str) else tuple(rht_on)) if rht else ()
   unknown = set(rht_on) - set(GEMMS)
   if unknown:
     raise ValueError(f"rht_on entries must be among {GEMMS}; got {sorted(unknown)}.")

@@ -47,6 +47,34 @@ def round_e2m1_stochastic(y, key, random_bits: int = 32):
   return jnp.copysign(jnp.where(jnp.isnan(a), a, r), y)
 
 
+def e2m1_codes_nearest(y):
+  """4-bit E2M1 codes (int32 0..15) of round_e2m1_nearest(y), computed directly (no float rounding pass)."""
+  return grids.e2m1_magnitude_code_nearest(jnp.abs(y)) | (grids.sign_bit(y) * grids.E2M1_SIGN_BIT)
+
+
+def e2m1_codes_stochastic(y, key, random_bits: int = 32):
+  """4-bit E2M1 codes (int32 0..15) of round_e2m1_stochastic(y, key, random_bits): the same random bits and decisions.
+
+  Rounding up moves to the next code, so the code is the lower neighbour's code plus the up/down decision.
+  """
+  a = jnp.minimum(jnp.abs(y), grids.E2M1_MAX)
+  lo_code = grids.e2m1_floor_code(a)
+  lo = grids.e2m1_decode(lo_code)
+  gap = jnp.where(lo >= 4.0, jnp.float32(2.0), jnp.where(lo >= 2.0, jnp.float32(1.0), jnp.float32(0.5)))
+  p = (a - lo) / gap  # exact: gap is a power of two
+  u = uniform_from_bits(jax.random.bits(key, y.shape, jnp.uint32), random_bits)
+  threshold = p if random_bits == 32 else jnp.floor(p * 256.0)
+  up = (u < threshold).astype(jnp.int32)  # False for NaN: a NaN keeps only its sign, as in round_e2m1_stochastic
+  return (lo_code + up) | (grids.sign_bit(y) * grids.E2M1_SIGN_BIT)
+
+
+def e2m1_codes(y, *, rounding: str = "nearest", key=None, random_bits: int = 32):
+  """4-bit E2M1 codes (int32 0..15) of round_e2m1(y, ...): what `quantize` stores."""
+  if rounding == "nearest":
+    return e2m1_codes_nearest(y)
+  return e2m1_codes_stochastic(y, key, random_bits)
+
+
 def round_e2m1(y, *, rounding: str = "nearest", key=None, random_bits: int = 32):
   """Rounds scaled values onto the signed E2M1 grid with the chosen rounding mode."""
   if rounding == "nearest":

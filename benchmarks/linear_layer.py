@@ -1,0 +1,116 @@
+"""One quantized linear layer: forward+backward time and saved-residual memory, as ratios to the bf16 layer.
+
+  python benchmarks/linear_layer.py                       # M=4096 tokens, K=N=1024, recipes nvfp4 mxfp4 fp8
+  python benchmarks/linear_layer.py --tokens 512 --k 256 --n 256 --iters 5 --recipes nvfp4,nvfp4:rht=false
+
+The layer is y = x W as fp4jax.nn.Linear runs it: x bf16 [M, K], a float32 master weight W [K, N], bf16 output;
+the bf16 baseline casts W to bf16 and calls lax.dot_general. Time: jitted value_and_grad of sum(y * G) w.r.t.
+(x, W), warmed up, median of --iters runs. Residuals: the bytes the custom_vjp forward saves for the backward
+(fp4jax.dot_general._qmatmul_fwd, shapes only via jax.eval_shape) vs bf16 autodiff's x and W in bf16,
+(M*K + K*N) * 2 bytes. The "xla" backend emulates FP4 GEMMs (dequantize + float32 matmul), so times measure
+quantization overhead on this machine, not FP4 tensor-core speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
+import numpy as np
+
+import fp4jax
+from fp4jax import recipes as recipes_lib
+from fp4jax.dot_general import _qmatmul_fwd
+
+DN = (((1,), (0,)), ((), ()))
+
+
+def layer_loss(recipe: recipes_lib.Recipe):
+  """loss(x_MxK, w_KxN, g_MxN, key) = sum(y * G) for the layer under `recipe` (the bf16 one for bf16)."""
+
+  def loss(x_MxK, w_KxN, g_MxN, key):
+    if recipe.is_quantized:
+      y = fp4jax.dot_general(x_MxK, w_KxN, DN, recipe=recipe, key=key if recipe.needs_key else None,
+                             preferred_element_type=jnp.bfloat16)
+    else:
+      y = jax.lax.dot_general(x_MxK, w_KxN.astype(jnp.bfloat16), DN, preferred_element_type=jnp.bfloat16)
+    return jnp.sum(y.astype(jnp.float32) * g_MxN)
+
+  return loss
+
+
+def time_fwd_bwd(recipe, x, w, g, *, iters: int, warmup: int) -> tuple[float, float]:
+  """(compile + first run seconds, median seconds per jitted value_and_grad call)."""
+  step = jax.jit(jax.value_and_grad(layer_loss(recipe), argnums=(0, 1)))
+  t0 = time.perf_counter()
+  jax.block_until_ready(step(x, w, g, jax.random.key(0)))
+  first = time.perf_counter() - t0
+  for i in range(warmup):
+    jax.block_until_ready(step(x, w, g, jax.random.key(1 + i)))
+  times = []
+  for i in range(iters):
+    key = jax.random.key(100 + i)  # a fresh key per step, as in training
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(x, w, g, key))
+    times.append(time.perf_counter() - t0)
+  return first, statistics.median(times)
+
+
+def _nbytes(leaf) -> int:
+  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    return 8 * math.prod(leaf.shape)  # threefry key data: 2 x uint32
+  return math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+
+
+def residual_bytes(recipe, x, w) -> int:
+  """Bytes saved between forward and backward by the layer's VJP."""
+  if not recipe.is_quantized:
+    return (x.size + w.size) * 2  # autodiff of a bf16 dot_general saves x and W (cast to bf16)
+  _, residuals = jax.eval_shape(lambda x, w: _qmatmul_fwd(x, w, jax.random.key(0), recipe), x, w)
+  return sum(_nbytes(leaf) for leaf in jax.tree.leaves(residuals))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tokens", type=int, default=4096, help="M: tokens (batch x sequence)")
+  parser.add_argument("--k", type=int, default=1024, help="K: input features")
+  parser.add_argument("--n", type=int, default=1024, help="N: output features")
+  parser.add_argument("--iters", type=int, default=10, help="timed runs (median reported)")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed runs after compilation")
+  parser.add_argument("--recipes", default="nvfp4,mxfp4,fp8",
+                      help="comma-separated recipe specs; '+' joins tuple values (nvfp4:rht_on=wgrad+dgrad)")
+  args = parser.parse_args(argv)
+
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((args.tokens, args.k)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((args.k, args.n)) / np.sqrt(args.k), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((args.tokens, args.n)), jnp.float32)
+  specs = ["bf16"] + [s for s in args.recipes.split(",") if s.strip() and s.strip() != "bf16"]
+  recipes = [recipes_lib.get_recipe(s) for s in specs]
+
+  print(f"linear layer M={args.tokens} K={args.k} N={args.n}  backend={jax.default_backend()} "
+        f"({jax.devices()[0].device_kind}), jax {jax.__version__}, median of {args.iters}")
+  rows = []
+  for spec, recipe in zip(specs, recipes):
+    first, median = time_fwd_bwd(recipe, x, w, g, iters=args.iters, warmup=args.warmup)
+    rows.append((spec, first, median, residual_bytes(recipe, x, w)))
+  base_t, base_b = rows[0][2], rows[0][3]
+  header = f"{'recipe':<28} {'compile+1st s':>13} {'fwd+bwd ms':>11} {'x bf16':>7} {'residual MiB':>13} {'x bf16':>7}"
+  print(header)
+  print("-" * len(header))
+  for spec, first, median, nbytes in rows:
+    print(f"{spec:<28} {first:>13.2f} {median * 1e3:>11.2f} {median / base_t:>7.2f} {nbytes / 2**20:>13.2f} "
+          f"{nbytes / base_b:>7.3f}")
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,111 @@
+"""Checkpoints: an orbax CheckpointManager holding the train state plus JSON run metadata per step.
+
+Layout: <out>/checkpoints/<step>/{state, meta}. `state` is the pytree {"params", "opt_state", "step"} (float32
+master weights and optimizer state, bit-exact); `meta` is JSON: config, recipe, policy, seed and run-key data, and
+the data position (batches are a pure function of (seed, step), so the step is the position).
+
+Failures to find or read a checkpoint raise `CheckpointError` and never delete or overwrite anything on disk.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+class CheckpointError(ValueError):
+  """A checkpoint is missing, unreadable or does not match the run it is restored into."""
+
+
+def checkpoint_dir(out_dir: str | pathlib.Path) -> pathlib.Path:
+  """Where the checkpoints of the run in `out_dir` live."""
+  return pathlib.Path(out_dir).expanduser().absolute() / CHECKPOINT_DIR
+
+
+def open_manager(out_dir: str | pathlib.Path, *, max_to_keep: int | None = 3, save_interval_steps: int = 1,
+                 create: bool = True) -> ocp.CheckpointManager:
+  """A CheckpointManager over <out_dir>/checkpoints (created unless `create=False`)."""
+  if save_interval_steps < 1:
+    raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}.")
+  if max_to_keep is not None and max_to_keep < 1:
+    raise ValueError(f"max_to_keep must be >= 1 or None (keep all), got {max_to_keep}.")
+  directory = checkpoint_dir(out_dir)
+  if not create and not directory.is_dir():
+    raise CheckpointError(f"No checkpoints found: {directory} does not exist.")
+  options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
+                                         create=create)
+  return ocp.CheckpointManager(directory, options=options)
+
+
+def save(manager: ocp.CheckpointManager, step: int, state: dict[str, Any], meta: dict[str, Any], *,
+         force: bool = False) -> bool:
+  """Saves `state` (a pytree of arrays) and `meta` (JSON-able) at `step`; returns whether a save happened.
+
+  Without `force`, the manager's save interval decides. The caller must never pass a non-finite state.
+  """
+  args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+  return manager.save(int(step), args=args, force=force)
+
+
+def available_steps(manager: ocp.CheckpointManager) -> list[int]:
+  """Steps with a finished checkpoint, ascending."""
+  return sorted(manager.all_steps())
+
+
+def _pick_step(manager: ocp.CheckpointManager, step: int | None) -> int:
+  steps = available_steps(manager)
+  if not steps:
+    raise CheckpointError(f"No checkpoints found in {manager.directory}.")
+  if step is None:
+    return steps[-1]
+  if step not in steps:
+    raise CheckpointError(f"No checkpoint for step {step} in {manager.directory}; available: {steps}.")
+  return step
+
+
+def restore_meta(manager: ocp.CheckpointManager, step: int | None = None) -> tuple[int, dict[str, Any]]:
+  """(step, meta) of the checkpoint at `step` (default: latest)."""
+  step = _pick_step(manager, step)
+  try:
+    restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+  except Exception as e:  # orbax raises many types for damaged files; all mean the same to the caller
+    raise CheckpointError(f"Checkpoint {step} in {manager.directory} is unreadable (metadata): {e}. "
+                          "Nothing was deleted; pass an earlier step or remove that folder.") from e
+  meta = restored["meta"]
+  if not isinstance(meta, dict):
+    raise CheckpointError(f"Checkpoint {step} in {manager.directory} has malformed metadata: {meta!r}.")
+  return step, meta
+
+
+def restore(manager: ocp.CheckpointManager, target: dict[str, Any], step: int | None = None
+            ) -> tuple[int, dict[str, Any], dict[str, Any]]:
+  """(step, state, meta) from the checkpoint at `step` (default: latest).
+
+  `target` is a state pytree of the same structure (arrays or jax.ShapeDtypeStruct) giving shapes, dtypes and
+  shardings; a checkpoint whose structure, shapes or dtypes differ raises CheckpointError.
+  """
+  step = _pick_step(manager, step)
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+  args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+  try:
+    restored = manager.restore(step, args=args)
+  except Exception as e:  # orbax raises many types for damaged files; all mean the same to the caller
+    raise CheckpointError(f"Checkpoint {step} in {manager.directory} could not be restored: "
+                          f"{type(e).__name__}: {e}. Nothing was deleted; pass an earlier step or remove that "
+                          "folder.") from e
+  state, meta = restored["state"], restored["meta"]
+  want = jax.tree.structure(abstract)
+  got = jax.tree.structure(state)
+  if want != got:
+    raise CheckpointError(f"Checkpoint {step} in {manager.directory} has a different state structure than this "
+                          f"run (model or optimizer config changed?).\n  expected {want}\n  found    {got}")
+  for a, b in zip(jax.tree.leaves(abstract), jax.tree.leaves(state)):
+    if a.shape != b.shape or a.dtype != b.dtype:
+      raise CheckpointError(f"Checkpoint {step} in {manager.directory} holds an array {b.shape} {b.dtype} where "
+                            f"this run expects {a.shape} {a.dtype} (model config changed?).")
+  return step, state, meta

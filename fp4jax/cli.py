@@ -1,0 +1,105 @@
+"""The `fp4jax` command: `fp4jax train ...` and `fp4jax eval --out RUN`.
+
+  fp4jax train --model tiny --recipe nvfp4 --steps 200 --out runs/x
+  fp4jax train --model small --model.d_model 256 --recipe "nvfp4:rht_size=4,stochastic_rounding=false" --out runs/y
+  fp4jax train --recipe nvfp4 --bf16-last 1 --switch-at 0.8 --out runs/z
+  fp4jax train --out runs/x --resume --steps 400          (resume: the stored config, with the options given)
+  fp4jax eval --out runs/x                                 (validation loss of the latest checkpoint)
+
+Exit codes: 0 done, 1 training diverged, 2 bad arguments/config/data or unusable checkpoint, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+EXIT_DIVERGED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+def _train_parser(prog: str = "fp4jax train") -> argparse.ArgumentParser:
+  from fp4jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  parser = argparse.ArgumentParser(
+      prog=prog, description="Train a transformer with quantized GEMMs (NVFP4 recipe and comparisons). Every "
+      "TrainConfig field is an option; with --resume the stored config is the base and the given options change it.")
+  config_lib.add_config_arguments(parser)
+  return parser
+
+
+def _eval_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="fp4jax eval", description="Validation loss of a run's checkpoint.")
+  parser.add_argument("--out", required=True, help="run folder (as given to fp4jax train --out)")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  parser.add_argument("--eval-batches", "--eval_batches", dest="eval_batches", type=int, default=None,
+                      help="validation batches (default: the run's)")
+  parser.add_argument("--json", action="store_true", help="print the result as JSON")
+  return parser
+
+
+def config_from_args(argv: Sequence[str]):
+  """The TrainConfig that `fp4jax train ARGV` runs (reads the stored config when --resume is given)."""
+  from fp4jax import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+  from fp4jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  args = _train_parser().parse_args(list(argv))
+  overrides = config_lib.config_overrides(args)
+  if overrides.get("resume"):
+    out = overrides.get("out", config_lib.TrainConfig.__dataclass_fields__["out"].default)
+    manager = ckpt.open_manager(out, create=False)
+    try:
+      _, meta = ckpt.restore_meta(manager, overrides.get("resume_step"))
+    finally:
+      manager.close()
+    base = config_lib.TrainConfig.from_dict(meta["config"])
+    return config_lib.config_from_overrides(overrides, base=base)
+  return config_lib.config_from_overrides(overrides)
+
+
+def _run_train(argv: Sequence[str]) -> int:
+  from fp4jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  config = config_from_args(argv)
+  summary = train_lib.train(config)
+  print(json.dumps({k: v for k, v in summary.items() if k not in ("params", "losses", "val_losses", "layer_recipes")}))
+  return 0
+
+
+def _run_eval(argv: Sequence[str]) -> int:
+  from fp4jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  args = _eval_parser().parse_args(list(argv))
+  result = train_lib.evaluate(args.out, args.step, eval_batches=args.eval_batches)
+  if args.json:
+    print(json.dumps(result))
+  else:
+    print(f"step {result['step']}: val_loss {result['val_loss']:.6f} ({result['eval_batches']} batches)")
+  return 0
+
+
+COMMANDS = {"train": _run_train, "eval": _run_eval}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point of the `fp4jax` console script; returns the exit code."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+    if argv and argv[0] not in ("-h", "--help"):
+      print(f"\nfp4jax: unknown command {argv[0]!r}; expected one of {sorted(COMMANDS)}.", file=sys.stderr)
+      return EXIT_USAGE
+    return 0 if argv else EXIT_USAGE
+  from fp4jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  try:
+    return COMMANDS[argv[0]](argv[1:])
+  except train_lib.TrainingDiverged as e:
+    print(f"fp4jax: {e}", file=sys.stderr)
+    return EXIT_DIVERGED
+  except KeyboardInterrupt:
+    print("fp4jax: interrupted.", file=sys.stderr)
+    return EXIT_INTERRUPTED
+  except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
+    print(f"fp4jax: error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,166 @@
+"""Training metrics: per-layer quantization statistics and the append-only metrics.jsonl log.
+
+Quantization statistics, per quantizable linear layer, for the weight (2D blocks, as Fprop sees it) and for the
+layer's input activations (1D blocks along the features), quantized with an FP4 format:
+  zero: fraction of elements whose E2M1 code is +-0;  sat: fraction at +-6 (the top of the grid);
+  err: relative Frobenius error ||dequantize(quantize(t)) - t|| / ||t||.
+Inputs are captured with a separate forward pass in which each layer is wrapped to `sow` its input; statistics are
+taken whatever the layer's own recipe is (BF16 layers included), so layers can be compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fp4jax import formats
+from fp4jax.quantize import dequantize, quantize
+
+METRICS_FILE = "metrics.jsonl"
+
+
+# --- quantization statistics -------------------------------------------------------------------------------------
+
+def tensor_stats(x: jax.Array, fmt, *, axis: int = -1, block_2d: bool = False) -> dict[str, jax.Array]:
+  """{"zero", "sat", "err"} of `x` quantized to the FP4 format `fmt` (round-to-nearest, padded to whole blocks)."""
+  fmt = formats.get_format(fmt)
+  if not fmt.is_fp4:
+    raise ValueError(f"Quantization statistics count FP4 codes; got format {fmt.name}.")
+  q = quantize(x, fmt, axis=axis, block_2d=block_2d, pad=True)
+  # Padding elements would count as zero codes: look at the original extent only.
+  magnitude = q.unpacked_codes()[tuple(slice(0, n) for n in q.orig_shape)] & 7
+  x32 = x.astype(jnp.float32)
+  err = jnp.linalg.norm(dequantize(q, jnp.float32) - x32) / jnp.maximum(jnp.linalg.norm(x32),
+                                                                         jnp.finfo(jnp.float32).tiny)
+  return {"zero": jnp.mean(magnitude == 0), "sat": jnp.mean(magnitude == 7), "err": err}
+
+
+class _InputRecorder(nnx.Module):
+  """Wraps a linear layer and sows each input it receives (for statistics only; never trained)."""
+
+  def __init__(self, inner: nnx.Module):
+    self.inner = inner
+
+  def __call__(self, x, *, key=None):
+    self.sow(nnx.Intermediate, "inputs", x)
+    return self.inner(x, key=key)
+
+
+def _parent_and_attr(model: nnx.Module, name: str):
+  *path, attr = name.split(".")
+  parent = model
+  for part in path:
+    parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+  return parent, attr
+
+
+def capture_linear_inputs(model: nnx.Module, tokens_BxT: jax.Array, key: jax.Array | None
+                          ) -> dict[str, jax.Array]:
+  """Runs `model` on tokens and returns each linear layer's input by layer name. Mutates `model`: pass a copy.
+
+  `model` is a fp4jax.model.Transformer (anything with `linear_layers()` and `config.remat`).
+  """
+  if getattr(model.config, "remat", False):
+    # sow does not cross nnx.remat; statistics need no memory savings.
+    model.config = dataclasses.replace(model.config, remat=False)
+  recorders = {}
+  for name, layer in model.linear_layers().items():
+    parent, attr = _parent_and_attr(model, name)
+    recorders[name] = _InputRecorder(layer)
+    setattr(parent, attr, recorders[name])
+  model(tokens_BxT, key=key)
+  return {name: rec.inputs.value[0] for name, rec in recorders.items()}
+
+
+def quant_stats(graphdef, params, tokens_BxT: jax.Array, key: jax.Array | None, fmt="nvfp4"
+                ) -> dict[str, dict[str, jax.Array]]:
+  """Per-layer statistics {layer: {w_zero, w_sat, w_err, x_zero, x_sat, x_err}}; pure, jit with graphdef static."""
+  fmt = formats.get_format(fmt)
+  model = nnx.merge(graphdef, params)
+  kernels = {name: layer.kernel[...] for name, layer in model.linear_layers().items()}
+  inputs = capture_linear_inputs(model, tokens_BxT, key)
+  out = {}
+  for name, kernel_KxN in kernels.items():
+    # Weight blocks as Fprop sees them (2D tiles); activations in 1D blocks along the contraction (feature) axis.
+    w = tensor_stats(kernel_KxN, fmt, axis=0, block_2d=True)
+    x = tensor_stats(inputs[name].reshape(-1, kernel_KxN.shape[0]), fmt, axis=-1)
+    out[name] = {**{f"w_{k}": v for k, v in w.items()}, **{f"x_{k}": v for k, v in x.items()}}
+  return out
+
+
+def summarize_stats(stats: dict[str, dict[str, Any]]) -> dict[str, float]:
+  """Means over layers of each statistic (for progress bars and quick plots)."""
+  if not stats:
+    return {}
+  keys = next(iter(stats.values())).keys()
+  return {k: float(np.mean([float(s[k]) for s in stats.values()])) for k in keys}
+
+
+# --- metrics.jsonl -----------------------------------------------------------------------------------------------
+
+def _jsonable(value):
+  """Plain JSON values; non-finite floats become the strings "nan" / "inf" / "-inf" (strict JSON has none)."""
+  if isinstance(value, dict):
+    return {str(k): _jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    value = np.asarray(value).item() if np.ndim(value) == 0 else np.asarray(value).tolist()
+    return _jsonable(value)
+  if isinstance(value, float) and not math.isfinite(value):
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+  return value
+
+
+class MetricsLog:
+  """Appends one JSON object per line to <out>/metrics.jsonl, flushed after each record."""
+
+  def __init__(self, out_dir: str | pathlib.Path):
+    self.path = pathlib.Path(out_dir) / METRICS_FILE
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+
+  def write(self, record: dict[str, Any]) -> None:
+    self._file.write(json.dumps(_jsonable(record)) + "\n")
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
+  """All records of a metrics.jsonl file (or of <path>/metrics.jsonl for a run folder)."""
+  path = pathlib.Path(path)
+  if path.is_dir():
+    path = path / METRICS_FILE
+  if not path.is_file():
+    raise FileNotFoundError(f"No metrics file at {path}.")
+  return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def truncate_metrics(out_dir: str | pathlib.Path, after_step: int) -> int:
+  """Drops step records beyond `after_step` (logged after the checkpoint a run resumes from); returns how many."""
+  path = pathlib.Path(out_dir) / METRICS_FILE
+  if not path.is_file():
+    return 0
+  lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+  keep = [line for line in lines if json.loads(line).get("step", -1) <= after_step]
+  if len(keep) != len(lines):
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+    tmp.replace(path)
+  return len(lines) - len(keep)

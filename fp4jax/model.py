@@ -1,0 +1,298 @@
+"""Decoder-only transformer (Flax NNX) whose linear layers run through fp4jax's quantized GEMMs.
+
+Pre-norm RMSNorm blocks, RoPE, grouped-query attention, a SwiGLU or squared-ReLU MLP, untied embeddings and LM
+head, no biases. The q/k/v/o projections and the MLP up/gate/down projections are `fp4jax.nn.Linear` layers whose
+`recipe` attribute picks each GEMM's precision (see fp4jax.policy for per-layer choices). Kept in high precision,
+as in the paper: embeddings, the LM head, norms, nonlinearities, the attention softmax (float32) and the two
+attention batched GEMMs (QK^T, PV: compute dtype in, float32 accumulation). The residual stream is float32.
+
+Layer names: "blocks.{i}.attn.{q,k,v,o}" and "blocks.{i}.mlp.{up,gate,down}" ("gate" only for SwiGLU), the same
+paths nnx.split / nnx.state use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import fp4jax.nn
+import fp4jax.recipes
+
+MLP_KINDS = ("swiglu", "squared_relu")
+# NVFP4's block size: every quantized GEMM dimension of a weight must split into whole 16-element blocks.
+BLOCK_SIZE = 16
+# Sub-layer order inside a block; fixes each layer's integer id (and so its PRNG stream) forever.
+SUBLAYERS = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.up", "mlp.gate", "mlp.down")
+_LAYER_NAME = re.compile(r"blocks\.(\d+)\.(attn\.[qkvo]|mlp\.(?:up|gate|down))")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """Transformer shape and dtypes. The attention width is n_heads * head_dim (need not equal d_model)."""
+
+  vocab_size: int = 256
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  d_ff: int
+  mlp: str = "swiglu"
+  max_seq_len: int
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  dtype: str = "bfloat16"  # compute dtype of activations fed to GEMMs
+  param_dtype: str = "float32"  # master weights
+  remat: bool = False  # rematerialise each block's activations in the backward pass
+
+  def __post_init__(self):
+    for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"ModelConfig.{field} must be a positive int; got {value!r}.")
+    if self.mlp not in MLP_KINDS:
+      raise ValueError(f"ModelConfig.mlp must be one of {MLP_KINDS}; got {self.mlp!r}.")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}).")
+    if self.head_dim % 2:
+      raise ValueError(f"ModelConfig.head_dim must be even (RoPE rotates pairs); got {self.head_dim}.")
+    widths = {"d_model": self.d_model, "d_ff": self.d_ff, "n_heads * head_dim": self.n_heads * self.head_dim,
+              "n_kv_heads * head_dim": self.n_kv_heads * self.head_dim}
+    for field, width in widths.items():
+      if width % BLOCK_SIZE:
+        raise ValueError(f"ModelConfig.{field} = {width} must be a multiple of {BLOCK_SIZE} (the NVFP4 block size): "
+                         "it is an in/out feature count of a quantized linear layer.")
+    for field in ("rope_theta", "norm_eps"):
+      value = getattr(self, field)
+      if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"ModelConfig.{field} must be a positive number; got {value!r}.")
+    for field in ("dtype", "param_dtype"):
+      value = getattr(self, field)
+      try:
+        ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+      except TypeError:
+        ok = False
+      if not ok or not isinstance(value, str):
+        raise ValueError(f"ModelConfig.{field} must name a float dtype like 'bfloat16'; got {value!r}.")
+    if not isinstance(self.remat, bool):
+      raise ValueError(f"ModelConfig.remat must be a bool; got {self.remat!r}.")
+
+  @property
+  def linear_shapes(self) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each quantized linear layer of one block, by sub-layer name."""
+    q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+    shapes = {"attn.q": (self.d_model, q_width), "attn.k": (self.d_model, kv_width),
+              "attn.v": (self.d_model, kv_width), "attn.o": (q_width, self.d_model),
+              "mlp.up": (self.d_model, self.d_ff), "mlp.gate": (self.d_model, self.d_ff),
+              "mlp.down": (self.d_ff, self.d_model)}
+    if self.mlp != "swiglu":
+      del shapes["mlp.gate"]
+    return shapes
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # CPU smoke tests: a training step in well under a second.
+    "tiny": ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=192, max_seq_len=64),
+    # CPU experiments: minutes per run.
+    "small": ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=512, max_seq_len=128),
+    # GPU scale, after the paper's 1.2B ablation model (20 layers, d_model 2048, d_ff 6144, 16 query / 8 KV heads
+    # of 128). Not verified against the paper: the squared-ReLU MLP (Nemotron's choice), the 4096 context and the
+    # byte vocabulary (the paper uses a large BPE vocabulary; set vocab_size to match the tokenizer) are assumptions.
+    "paper_1b": ModelConfig(d_model=2048, n_layers=20, n_heads=16, n_kv_heads=8, head_dim=128, d_ff=6144,
+                            mlp="squared_relu", max_seq_len=4096),
+}
+
+
+def get_model_config(name: str, **overrides) -> ModelConfig:
+  """A preset from MODEL_PRESETS with fields replaced by `overrides` (re-validated)."""
+  if name not in MODEL_PRESETS:
+    raise ValueError(f"Unknown model preset {name!r}; choose from {sorted(MODEL_PRESETS)}.")
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(overrides) - fields)
+  if unknown:
+    raise ValueError(f"Unknown ModelConfig field(s) {unknown}; valid fields: {sorted(fields)}.")
+  return dataclasses.replace(MODEL_PRESETS[name], **overrides)
+
+
+def layer_id(name: str) -> int:
+  """Stable integer id of a linear layer name ("blocks.3.mlp.down" -> 3 * 7 + 6); seeds its PRNG stream."""
+  match = _LAYER_NAME.fullmatch(name)
+  if match is None:
+    raise ValueError(f"Not a linear layer name: {name!r}; expected 'blocks.<i>.<one of {SUBLAYERS}>'.")
+  return int(match.group(1)) * len(SUBLAYERS) + SUBLAYERS.index(match.group(2))
+
+
+def layer_key(key: jax.Array | None, name: str) -> jax.Array | None:
+  """The layer's own key folded from the model-level `key` (None stays None)."""
+  return None if key is None else jax.random.fold_in(key, layer_id(name))
+
+
+def _resolve_recipe(recipe):
+  return fp4jax.recipes.get_recipe(recipe) if isinstance(recipe, str) else recipe
+
+
+def _params_only(rngs: nnx.Rngs) -> nnx.Rngs:
+  # Linear layers get no stream to draw quantization randomness from: it must come from the model's explicit
+  # `key` (reproducible per step and per layer), never from hidden RNG state that jit or remat could freeze.
+  return nnx.Rngs(params=rngs.params())
+
+
+def rope(x_BxTxNxH: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding (split-half pairing), computed in float32, returned in x's dtype."""
+  half = x_BxTxNxH.shape[-1] // 2
+  inv_freq_F = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles_TxF = positions_T.astype(jnp.float32)[:, None] * inv_freq_F[None, :]
+  cos_1xTx1xF, sin_1xTx1xF = (f(angles_TxF)[None, :, None, :] for f in (jnp.cos, jnp.sin))
+  x = x_BxTxNxH.astype(jnp.float32)
+  x1, x2 = x[..., :half], x[..., half:]
+  out = jnp.concatenate([x1 * cos_1xTx1xF - x2 * sin_1xTx1xF, x2 * cos_1xTx1xF + x1 * sin_1xTx1xF], axis=-1)
+  return out.astype(x_BxTxNxH.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm with a learned scale; statistics in float32, output in the compute dtype."""
+
+  def __init__(self, features: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs):
+    del rngs  # the scale starts at ones
+    self.scale = nnx.Param(jnp.ones((features,), param_dtype))
+    self.eps, self.dtype = eps, dtype
+
+  def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    x = x_BxTxD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+    return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class Attention(nnx.Module):
+  """Causal grouped-query attention; q/k/v/o are quantizable, QK^T / softmax / PV stay high precision."""
+
+  def __init__(self, config: ModelConfig, index: int, *, recipe, rngs: nnx.Rngs):
+    self.config, self.index = config, index
+    shapes, dtype, param_dtype = config.linear_shapes, jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+    for sub in ("q", "k", "v", "o"):
+      setattr(self, sub, fp4jax.nn.Linear(*shapes[f"attn.{sub}"], recipe=recipe, rngs=_params_only(rngs),
+                                           dtype=dtype, param_dtype=param_dtype))
+
+  def __call__(self, x_BxTxD: jax.Array, positions_T: jax.Array, key: jax.Array | None) -> jax.Array:
+    c = self.config
+    b, t, _ = x_BxTxD.shape
+    group = c.n_heads // c.n_kv_heads
+    k_ = lambda sub: layer_key(key, f"blocks.{self.index}.attn.{sub}")
+    q_BxTxNxH = self.q(x_BxTxD, key=k_("q")).reshape(b, t, c.n_heads, c.head_dim)
+    k_BxSxKxH = self.k(x_BxTxD, key=k_("k")).reshape(b, t, c.n_kv_heads, c.head_dim)
+    v_BxSxKxH = self.v(x_BxTxD, key=k_("v")).reshape(b, t, c.n_kv_heads, c.head_dim)
+    q_BxTxNxH = rope(q_BxTxNxH, positions_T, c.rope_theta)
+    k_BxSxKxH = rope(k_BxSxKxH, positions_T, c.rope_theta)
+    # Query heads n = kv_head * group + g share kv_head, matching the usual GQA repeat order.
+    q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, c.n_kv_heads, group, c.head_dim)
+    logits_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
+                                  preferred_element_type=jnp.float32) / math.sqrt(c.head_dim)
+    causal_TxS = jnp.tril(jnp.ones((t, t), bool))
+    logits_BxKxGxTxS = jnp.where(causal_TxS, logits_BxKxGxTxS, jnp.finfo(jnp.float32).min)
+    probs_BxKxGxTxS = jax.nn.softmax(logits_BxKxGxTxS, axis=-1)
+    out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS.astype(v_BxSxKxH.dtype), v_BxSxKxH,
+                               preferred_element_type=jnp.float32)
+    out_BxTxA = out_BxTxKxGxH.reshape(b, t, c.n_heads * c.head_dim).astype(jnp.dtype(c.dtype))
+    return self.o(out_BxTxA, key=k_("o"))
+
+
+class Mlp(nnx.Module):
+  """SwiGLU (silu(gate) * up) or squared-ReLU (relu(up)^2) MLP; the nonlinearity runs in float32."""
+
+  def __init__(self, config: ModelConfig, index: int, *, recipe, rngs: nnx.Rngs):
+    self.config, self.index = config, index
+    shapes, dtype, param_dtype = config.linear_shapes, jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+    make = lambda sub: fp4jax.nn.Linear(*shapes[f"mlp.{sub}"], recipe=recipe, rngs=_params_only(rngs),
+                                         dtype=dtype, param_dtype=param_dtype)
+    self.up = make("up")
+    if config.mlp == "swiglu":
+      self.gate = make("gate")
+    self.down = make("down")
+
+  def __call__(self, x_BxTxD: jax.Array, key: jax.Array | None) -> jax.Array:
+    k_ = lambda sub: layer_key(key, f"blocks.{self.index}.mlp.{sub}")
+    up_BxTxF = self.up(x_BxTxD, key=k_("up")).astype(jnp.float32)
+    if self.config.mlp == "swiglu":
+      gate_BxTxF = self.gate(x_BxTxD, key=k_("gate")).astype(jnp.float32)
+      h_BxTxF = jax.nn.silu(gate_BxTxF) * up_BxTxF
+    else:
+      h_BxTxF = jnp.square(jax.nn.relu(up_BxTxF))
+    return self.down(h_BxTxF.astype(jnp.dtype(self.config.dtype)), key=k_("down"))
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); the residual stream is float32."""
+
+  def __init__(self, config: ModelConfig, index: int, *, recipe, rngs: nnx.Rngs):
+    norm = lambda: RMSNorm(config.d_model, eps=config.norm_eps, dtype=jnp.dtype(config.dtype),
+                           param_dtype=jnp.dtype(config.param_dtype), rngs=rngs)
+    self.attn_norm = norm()
+    self.attn = Attention(config, index, recipe=recipe, rngs=rngs)
+    self.mlp_norm = norm()
+    self.mlp = Mlp(config, index, recipe=recipe, rngs=rngs)
+
+  def __call__(self, x_BxTxD: jax.Array, positions_T: jax.Array, key: jax.Array | None) -> jax.Array:
+    x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), positions_T, key).astype(jnp.float32)
+    return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD), key).astype(jnp.float32)
+
+
+def _block_forward(block: Block, x_BxTxD, positions_T, key):
+  return block(x_BxTxD, positions_T, key)
+
+
+_block_forward_remat = nnx.remat(_block_forward)
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM. `model(tokens_BxT, key=...)` -> float32 logits [B, T, vocab_size].
+
+  `recipe` (a fp4jax Recipe or its string form) is the initial recipe of every quantizable linear layer; change
+  layers later through `linear_layers()` or `fp4jax.policy.PrecisionPolicy.apply`. Quantization randomness comes
+  only from `key` (each layer folds in its `layer_id`; fold the step in before calling); key=None is allowed
+  only when no layer's recipe needs randomness. `rngs` is used for initialisation only.
+  """
+
+  def __init__(self, config: ModelConfig, *, recipe=None, rngs: nnx.Rngs):
+    if not isinstance(config, ModelConfig):
+      raise ValueError(f"config must be a ModelConfig; got {type(config).__name__}.")
+    recipe = fp4jax.recipes.bf16() if recipe is None else _resolve_recipe(recipe)
+    self.config = config
+    param_dtype = jnp.dtype(config.param_dtype)
+    self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=jnp.float32, param_dtype=param_dtype,
+                           rngs=rngs)
+    self.blocks = nnx.List([Block(config, i, recipe=recipe, rngs=rngs) for i in range(config.n_layers)])
+    self.final_norm = RMSNorm(config.d_model, eps=config.norm_eps, dtype=jnp.dtype(config.dtype),
+                              param_dtype=param_dtype, rngs=rngs)
+    # Plain high-precision GEMM: compute-dtype operands, float32 accumulation and output.
+    self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, dtype=jnp.dtype(config.dtype),
+                              param_dtype=param_dtype, preferred_element_type=jnp.float32, rngs=rngs)
+
+  def __call__(self, tokens_BxT: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+    c = self.config
+    if tokens_BxT.ndim != 2 or not jnp.issubdtype(tokens_BxT.dtype, jnp.integer):
+      raise ValueError(f"tokens must be an integer array [batch, seq]; got {tokens_BxT.dtype} {tokens_BxT.shape}.")
+    t = tokens_BxT.shape[1]
+    if t > c.max_seq_len:
+      raise ValueError(f"Sequence length {t} exceeds ModelConfig.max_seq_len={c.max_seq_len}.")
+    if key is None:
+      needing = [name for name, layer in self.linear_layers().items() if layer.recipe.needs_key]
+      if needing:
+        raise ValueError(f"key=None, but {len(needing)} linear layers (e.g. {needing[0]!r}, recipe "
+                         f"{self.linear_layers()[needing[0]].recipe.name!r}) need randomness; pass key=.")
+    positions_T = jnp.arange(t, dtype=jnp.int32)
+    x_BxTxD = self.embed(tokens_BxT).astype(jnp.float32)
+    forward = _block_forward_remat if c.remat else _block_forward
+    for block in self.blocks:
+      x_BxTxD = forward(block, x_BxTxD, positions_T, key)
+    return self.lm_head(self.final_norm(x_BxTxD)).astype(jnp.float32)
+
+  def linear_layers(self) -> dict[str, fp4jax.nn.Linear]:
+    """The quantizable linear layers by name ("blocks.3.mlp.down"), in block then SUBLAYERS order."""
+    found = {".".join(map(str, path)): module for path, module in nnx.iter_modules(self)
+             if isinstance(module, fp4jax.nn.Linear)}
+    return dict(sorted(found.items(), key=lambda item: layer_id(item[0])))

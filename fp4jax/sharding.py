@@ -1,0 +1,217 @@
+"""Device meshes with axes (data, fsdp, tensor), readable partition rules, and the checks that keep NVFP4 blocks
+inside shards.
+
+Parallelism: batches are split over (data, fsdp); parameters and optimizer state are split over `fsdp` (FSDP: each
+device holds a slice, XLA all-gathers before use); the attention and MLP projections are Megatron-style
+tensor-parallel over `tensor` (q/k/v/up/gate column-parallel, o/down row-parallel).
+
+Mesh-independent numerics: quantization runs inside `jax.jit` on the global (logical) array, so the per-tensor amax
+is the global max over all shards (XLA inserts an all-reduce-max: one scalar per quantized operand, the only
+collective quantization adds), and stochastic-rounding bits come from `jax.random.bits` over the global shape with
+partitionable threefry, identical however the tensor is split. `check_divisibility` makes sure every 16-block (and
+16x16 weight tile, and RHT tile along tokens) lies within one shard, so no block straddles a shard boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# Partition rules: (regex searched in the parameter path "blocks.3.attn.q.kernel", PartitionSpec). First match wins;
+# optimizer-state leaves match through their parameter path suffix (e.g. "0.mu.blocks.3.attn.q.kernel").
+PARTITION_RULES: tuple[tuple[str, P], ...] = (
+    (r"blocks\.\d+\.attn\.(q|k|v)\.kernel$", P("fsdp", "tensor")),  # column-parallel [D, heads*hd]
+    (r"blocks\.\d+\.attn\.o\.kernel$", P("tensor", "fsdp")),  # row-parallel [heads*hd, D]
+    (r"blocks\.\d+\.mlp\.(up|gate)\.kernel$", P("fsdp", "tensor")),  # column-parallel [D, F]
+    (r"blocks\.\d+\.mlp\.down\.kernel$", P("tensor", "fsdp")),  # row-parallel [F, D]
+    (r"embed\.embedding$", P(None, "fsdp")),  # [V, D]
+    (r"lm_head\.kernel$", P("fsdp", None)),  # [D, V]
+    (r".*", P()),  # norms, scalars, counters: replicated
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Sizes of the (data, fsdp, tensor) mesh axes; their product must equal the device count."""
+
+  data: int = 1
+  fsdp: int = 1
+  tensor: int = 1
+
+  def __post_init__(self):
+    for axis in AXES:
+      size = getattr(self, axis)
+      if not isinstance(size, int) or size < 1:
+        raise ValueError(f"mesh axis {axis!r} must be a positive int; got {size!r}.")
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    return (self.data, self.fsdp, self.tensor)
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @classmethod
+  def parse(cls, spec: str | None) -> "MeshConfig":
+    """From "data=2,fsdp=2,tensor=2" (missing axes are 1); None or "" means all devices on `data`."""
+    if not spec:
+      return cls(data=jax.device_count())
+    sizes = {}
+    for item in spec.split(","):
+      name, eq, value = item.partition("=")
+      name = name.strip()
+      if not eq or name not in AXES:
+        raise ValueError(f"bad mesh entry {item!r} in {spec!r}: expected axis=size with axis in {AXES}.")
+      try:
+        sizes[name] = int(value)
+      except ValueError:
+        raise ValueError(f"mesh axis {name!r} size must be an int; got {value!r}.") from None
+    return cls(**sizes)
+
+  def __str__(self) -> str:
+    return ",".join(f"{a}={getattr(self, a)}" for a in AXES)
+
+
+def make_mesh(config: MeshConfig | str | None = None, devices: Sequence[Any] | None = None) -> Mesh:
+  """A Mesh with axes (data, fsdp, tensor) over `devices` (default: all devices)."""
+  if not isinstance(config, MeshConfig):
+    config = MeshConfig.parse(config)
+  devices = list(jax.devices() if devices is None else devices)
+  if config.size != len(devices):
+    raise ValueError(f"mesh {config} has {config.size} devices but {len(devices)} are available; the product of "
+                     f"the axis sizes must equal the device count.")
+  return Mesh(np.asarray(devices).reshape(config.shape), AXES)
+
+
+def path_str(path) -> str:
+  """'blocks.3.attn.q.kernel' from a jax key path (an NNX Variable's trailing '.value' is dropped)."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  if parts and parts[-1] == "value":
+    parts.pop()
+  return ".".join(parts)
+
+
+def spec_for(path: str, ndim: int, rules=PARTITION_RULES) -> P:
+  """The PartitionSpec of the first rule whose regex is found in `path`, truncated/padded to the leaf's rank."""
+  for pattern, spec in rules:
+    if re.search(pattern, path):
+      if len(spec) > ndim:
+        return P(*spec[:ndim]) if ndim else P()
+      return spec
+  return P()
+
+
+def check_rules(mesh: Mesh, rules=PARTITION_RULES) -> None:
+  """Every axis a rule names must be a mesh axis."""
+  for pattern, spec in rules:
+    for entry in spec:
+      for name in (entry if isinstance(entry, tuple) else (entry,)):
+        if name is not None and name not in mesh.axis_names:
+          raise ValueError(f"partition rule {pattern!r} names axis {name!r}, not in the mesh axes {mesh.axis_names}.")
+
+
+def _shards(mesh: Mesh, entry) -> int:
+  names = entry if isinstance(entry, tuple) else (entry,)
+  return math.prod(mesh.shape[n] for n in names if n is not None)
+
+
+def tree_shardings(tree, mesh: Mesh, rules=PARTITION_RULES):
+  """NamedShardings for every leaf of `tree` (params or optimizer state) from the partition rules.
+
+  A sharded dimension that does not divide by its shard count raises a ValueError naming the leaf.
+  """
+  check_rules(mesh, rules)
+
+  def one(path, leaf):
+    name = path_str(path)
+    shape = getattr(leaf, "shape", ())
+    spec = spec_for(name, len(shape), rules)
+    for dim, entry in enumerate(spec):
+      n = _shards(mesh, entry)
+      if n > 1 and shape[dim] % n:
+        raise ValueError(f"parameter {name!r} dim {dim} has size {shape[dim]}, not divisible by the {n} shards of "
+                         f"mesh axis {entry!r} (mesh {dict(mesh.shape)}).")
+    return NamedSharding(mesh, spec)
+
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Batches [B, T] split over (data, fsdp) along B."""
+  return NamedSharding(mesh, P(BATCH_AXES, None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def check_divisibility(params, mesh: Mesh, *, block_size: int = 16, weight_2d: bool = True, batch_size: int,
+                       seq_len: int, rht_size: int = 16, rules=PARTITION_RULES, quantized=r"blocks\.\d+\..*kernel$"):
+  """Raises ValueError unless quantization blocks stay inside shards.
+
+  - each sharded dim of a quantized kernel holds a whole number of blocks per shard (16, or 16x16 tiles for 2D);
+  - each batch shard holds a whole number of 16-token blocks and RHT tiles (Wgrad blocks run along tokens).
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = path_str(path)
+    if not re.search(quantized, name):
+      continue
+    spec = spec_for(name, leaf.ndim, rules)
+    for dim, entry in enumerate(spec):
+      n = _shards(mesh, entry)
+      per_shard, rem = divmod(leaf.shape[dim], n)
+      if rem or (n > 1 and per_shard % block_size):
+        layout = "16x16 weight tiles" if weight_2d else f"{block_size}-element blocks"
+        raise ValueError(f"parameter {name!r} dim {dim} (size {leaf.shape[dim]}) split over {n} shards of mesh axis "
+                         f"{entry!r} gives {leaf.shape[dim] / n:g} per shard, not a multiple of {block_size}: NVFP4 "
+                         f"{layout} would straddle shard boundaries.")
+  n_batch = _shards(mesh, BATCH_AXES)
+  if batch_size % n_batch:
+    raise ValueError(f"batch_size {batch_size} is not divisible by the {n_batch} batch shards (data x fsdp).")
+  tokens = batch_size // n_batch * seq_len
+  multiple = math.lcm(block_size, rht_size)
+  if n_batch > 1 and tokens % multiple:
+    raise ValueError(f"each batch shard holds {tokens} tokens ({batch_size // n_batch} x {seq_len}), not a multiple "
+                     f"of {multiple}: Wgrad's token blocks / RHT tiles would straddle shards.")
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+  """Multi-host setup: `jax.distributed.initialize` from arguments or the environment.
+
+  Environment: FP4JAX_COORDINATOR (host:port), FP4JAX_NUM_PROCESSES, FP4JAX_PROCESS_ID; with none given and no
+  variables set this is a no-op (single host). On managed clusters (SLURM, TPU pods) jax auto-detects them.
+  """
+  coordinator_address = coordinator_address or os.environ.get("FP4JAX_COORDINATOR")
+  num_processes = num_processes or (int(os.environ["FP4JAX_NUM_PROCESSES"])
+                                    if "FP4JAX_NUM_PROCESSES" in os.environ else None)
+  if process_id is None and "FP4JAX_PROCESS_ID" in os.environ:
+    process_id = int(os.environ["FP4JAX_PROCESS_ID"])
+  if coordinator_address is None and num_processes is None:
+    return
+  jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                             process_id=process_id)
+
+
+def global_batch(local_batch: dict, mesh: Mesh) -> dict:
+  """Assembles each host's slice of the batch (rows process_index*B/P ...) into global sharded arrays."""
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}

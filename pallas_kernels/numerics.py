@@ -1,0 +1,146 @@
+"""Kernel-safe versions of fp4jax's rounding and format arithmetic, bit-identical to fp4jax.grids / fp4jax.rounding.
+
+Inside a Pallas Triton kernel three things differ from XLA, and each is avoided here:
+  * `lax.round` has no Triton lowering: round-half-to-even is rebuilt from `floor` (exact for |x| < 2^23).
+  * float32 `/` lowers to PTX `div.full.f32` (approximate, up to 2 ulp): divisions by powers of two become exact
+    multiplications, and the one real division (the block encode scale) uses `div.rn.f32` through inline PTX when
+    compiled (`exact_divide`); interpret mode runs XLA's IEEE division.
+  * float min/max lower to `minnumf`/`maxnumf`, which drop NaN: every NaN-sensitive clamp restores NaN explicitly.
+No table lookups either (Triton has no gather): E2M1/E4M3/E8M0 values are decoded arithmetically.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax import grids
+
+E4M3_NAN_BITS = 0x7F
+E8M0_NAN_BITS = 0xFF
+E8M0_BIAS = 127
+
+
+def round_half_even(x):
+  """jnp.round(x) (ties to even) for float32 |x| < 2^23, from floor; NaN and +-inf pass through."""
+  f = jnp.floor(x)
+  d = x - f  # exact: f and x share the binade's quantum
+  f_odd = (f - 2.0 * jnp.floor(f * 0.5)) == 1.0
+  up = (d > 0.5) | ((d == 0.5) & f_odd)
+  return jnp.copysign(jnp.where(up, f + 1.0, f), x)  # jnp.round(-0.3) is -0.0
+
+
+def round_to_quantum(x, exponent):
+  """grids.round_to_quantum with the floor-based round."""
+  return round_half_even(x * grids.pow2(-exponent)) * grids.pow2(exponent)
+
+
+def keep_nan(x, y):
+  """y where x is not NaN, else x: undoes Triton's NaN-dropping min/max."""
+  return jnp.where(jnp.isnan(x), x, y)
+
+
+def round_e2m1_magnitude(a):
+  """grids.round_e2m1_magnitude: non-negative float32 onto the E2M1 magnitudes, RNE, saturating at 6."""
+  step_exponent = jnp.minimum(jnp.maximum(grids.exponent_of(a), 0) - 1, 1)
+  r = round_to_quantum(jnp.minimum(a, 8.0), step_exponent)
+  return keep_nan(a, jnp.minimum(r, grids.E2M1_MAX))
+
+
+def round_e2m1_nearest(y):
+  """rounding.round_e2m1_nearest: signed E2M1 values nearest to `y` (sign of zero kept)."""
+  return jnp.copysign(round_e2m1_magnitude(jnp.abs(y)), y)
+
+
+def uniform_threshold(bits, p, random_bits: int):
+  """(u, threshold) of rounding.round_e2m1_stochastic: round up iff u < threshold.
+
+  bits: uint32 from jax.random.bits for random_bits=32; for random_bits=8 the top byte (bits >> 24) as uint8, which
+  is all the 8-bit rule reads, so the kernel reads a quarter of the random bytes.
+  """
+  if random_bits == 32:
+    u = jax.lax.shift_right_logical(bits, jnp.uint32(8)).astype(jnp.float32) * jnp.float32(2.0**-24)
+    return u, p
+  return bits.astype(jnp.float32), jnp.floor(p * 256.0)
+
+
+def round_e2m1_stochastic(y, bits, random_bits: int):
+  """rounding.round_e2m1_stochastic with the random bits passed in (see `uniform_threshold`)."""
+  a_raw = jnp.abs(y)
+  a = keep_nan(a_raw, jnp.minimum(a_raw, grids.E2M1_MAX))
+  lo, gap = grids.e2m1_floor_magnitude(a)
+  inv_gap = jnp.where(lo >= 4.0, 0.5, jnp.where(lo >= 2.0, 1.0, 2.0))
+  p = (a - lo) * inv_gap  # == (a - lo) / gap exactly: gap is a power of two
+  u, threshold = uniform_threshold(bits, p, random_bits)
+  r = jnp.where(u < threshold, lo + gap, lo)
+  return jnp.copysign(keep_nan(a, r), y)
+
+
+def e2m1_codes(v):
+  """grids.e2m1_codes as int32 (0..15): magnitudes already on the grid, sign from the sign bit."""
+  m = jnp.zeros(v.shape, jnp.int32)
+  a = jnp.abs(v)
+  for threshold in grids.E2M1_VALUES[1:]:
+    m = m + (a >= float(threshold)).astype(jnp.int32)
+  return m | (jnp.signbit(v).astype(jnp.int32) * grids.E2M1_SIGN_BIT)
+
+
+def e2m1_value(codes):
+  """Float32 values of int32 E2M1 codes 0..15: 0, .5 for magnitude codes 0, 1; (2 + (m & 1)) * 2^((m >> 1) - 2) else."""
+  m = codes & 7
+  mf = m.astype(jnp.float32)
+  normal = (2.0 + (m & 1).astype(jnp.float32)) * grids.pow2((m >> 1) - 2)
+  mag = jnp.where(m < 2, mf * 0.5, normal)
+  return jnp.where((codes & 8) != 0, -mag, mag)
+
+
+def round_e4m3(x):
+  """grids.round_e4m3: float32 onto E4M3 values, RNE, saturating at +-448, NaN kept."""
+  a = jnp.abs(x)
+  q_exp = jnp.clip(grids.exponent_of(a), grids.E4M3_MIN_EXPONENT, 9) - grids.E4M3_MANTISSA_BITS
+  r = round_to_quantum(jnp.minimum(a, 512.0), q_exp)
+  r = keep_nan(x, jnp.minimum(r, grids.E4M3_MAX))
+  return jnp.copysign(r, x)
+
+
+def e4m3_bits(v):
+  """float8_e4m3fn bit patterns (int32 0..255) of float32 values already on the E4M3 grid.
+
+  Normals: a float32 with a 3-bit mantissa has bits (E+127)<<23 | m<<20, and E4M3 wants (E+7)<<3 | m, which is
+  (float32 bits >> 20) - (120 << 3). Subnormals (< 2^-6) are integer multiples of 2^-9. NaN -> 0x7F (| sign).
+  """
+  a = jnp.abs(v)
+  fbits = jax.lax.bitcast_convert_type(a, jnp.int32)
+  normal = jax.lax.shift_right_logical(fbits, 20) - (120 << 3)
+  subnormal = (a * 512.0).astype(jnp.int32)
+  mag = jnp.where(jnp.isnan(a), E4M3_NAN_BITS, jnp.where(a >= 2.0**-6, normal, subnormal))
+  return mag | (jnp.signbit(v).astype(jnp.int32) << 7)
+
+
+def e4m3_value(bits):
+  """Float32 values of float8_e4m3fn bit patterns (int32 0..255)."""
+  e = (bits >> 3) & 15
+  m = bits & 7
+  mant = jnp.where(e == 0, m, m + 8).astype(jnp.float32)
+  mag = mant * grids.pow2(jnp.where(e == 0, -9, e - 10))
+  mag = jnp.where((bits & 0x7F) == E4M3_NAN_BITS, jnp.nan, mag)
+  return jnp.where((bits & 0x80) != 0, -mag, mag)
+
+
+def e8m0_value(bits):
+  """Float32 2^(bits - 127) of float8_e8m0fnu bit patterns (int32 0..255); 0xFF is NaN; 2^-127 via two factors."""
+  e = bits - E8M0_BIAS
+  half = e >> 1  # floor(e / 2): arithmetic shift
+  value = grids.pow2(half) * grids.pow2(e - half)
+  return jnp.where(bits == E8M0_NAN_BITS, jnp.nan, value)
+
+
+def exact_divide(a, b, *, interpret: bool):
+  """IEEE round-to-nearest a / b: XLA's division in interpret mode, PTX `div.rn.f32` in a compiled Triton kernel."""
+  if interpret:
+    return a / b
+  from jax.experimental.pallas import triton as plt  # pylint: disable=g-import-not-at-top
+  a, b = jnp.broadcast_arrays(a.astype(jnp.float32), b.astype(jnp.float32))
+  [q] = plt.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+                                   result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+  return q

@@ -1,0 +1,190 @@
+"""Pallas FP4 GEMM (interpret mode) vs dequantize-then-matmul in float32 HIGHEST; cuda lowering; bad operands.
+
+The kernel's products are exact (code * scale fits bf16) and only the float32 summation order differs, so each
+output is compared within 1e-5 of sum_k |a_mk| |b_kn| (the magnitude of what was summed).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4jax
+from pallas_kernels import fp4_matmul
+from pallas_kernels import matmul as matmul_lib
+from pallas_kernels import quantize_nvfp4
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _input(shape, seed, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray((rng.standard_normal(shape) * np.exp(rng.standard_normal(shape)) * scale).astype(np.float32))
+
+
+def _dims(contract):
+  return (((contract[0],), (contract[1],)), ((), ()))
+
+
+def _reference(a, b, contract):
+  da, db = fp4jax.dequantize(a), fp4jax.dequantize(b)
+  ref = jax.lax.dot_general(da, db, _dims(contract), precision=HIGHEST)
+  bound = jax.lax.dot_general(jnp.abs(da), jnp.abs(db), _dims(contract), precision=HIGHEST)
+  return ref, bound
+
+
+def _q(x, fmt="nvfp4", **kw):
+  """A quantization recipe for one operand, applied inside the test's jit: (x, fmt, kwargs)."""
+  return (x, fmt, kw)
+
+
+def _make(spec):
+  x, fmt, kw = spec
+  if fmt == "pallas":
+    return quantize_nvfp4(x, interpret=True, **kw)
+  return fp4jax.quantize(x, fmt, **kw)
+
+
+def _check_group(cases):
+  """cases: (label, a spec, b spec, contract, tiles). Quantization, kernels and references run in one jit."""
+  def run(inputs):
+    out = []
+    for (xa, xb), (_, (_, fa, ka), (_, fb, kb), c, t) in zip(inputs, cases):
+      a, b = _make((xa, fa, ka)), _make((xb, fb, kb))
+      out.append((fp4_matmul(a, b, contract=c, tiles=t, interpret=True), *_reference(a, b, c)))
+    return out
+
+  results = jax.jit(run)([(sa[0], sb[0]) for _, sa, sb, _, _ in cases])
+  for (label, *_), (out, ref, bound) in zip(cases, results):
+    assert out.dtype == jnp.float32, label
+    assert out.shape == ref.shape, (label, out.shape, ref.shape)
+    assert float(jnp.max(bound)) > 0, f"{label}: operands quantized to all zeros would prove nothing"
+    err = np.abs(np.asarray(out) - np.asarray(ref))
+    tol = 1e-5 * np.asarray(bound) + 1e-30
+    assert np.all(err <= tol), f"{label}: max err / bound {np.max(err / tol) * 1e-5:.2e}"
+
+
+def test_nvfp4_layouts():
+  x, w = _input((48, 96), 0), _input((96, 80), 1)
+  cases = [
+      ("a[M,K] @ b[K,N], padded M/N/K", _q(x, axis=1), _q(w, axis=0), (1, 0), None),
+      ("grid 3x5, 3 K steps", _q(x, axis=1), _q(w, axis=0), (1, 0), (16, 16, 32)),
+      ("b 2D packed along K", _q(x, axis=1), _q(w, axis=0, block_2d=True), (1, 0), None),
+      ("b 2D packed along N (Dgrad reuse)", _q(x, axis=1), _q(w, axis=1, block_2d=True), (1, 0), (16, 16, 32)),
+      ("b given as [N, K]", _q(x, axis=1), _q(w.T, axis=1), (1, 1), None),
+      ("a given as [K, M] (Wgrad)", _q(x.T, axis=0), _q(w, axis=0), (0, 0), (16, 16, 32)),
+      ("smallest: 1x16 @ 16x16", _q(_input((1, 16), 2)), _q(_input((16, 16), 3), axis=0), (1, 0), None),
+      ("gradient-sized values", _q(_input((16, 64), 4, 1e-7)), _q(_input((64, 16), 5, 1e-6), axis=0), (1, 0), None),
+  ]
+  _check_group(cases)
+
+
+def test_mxfp4_and_mixed_formats():
+  x, w = _input((32, 128), 10), _input((128, 48), 11)
+  cases = [
+      ("mxfp4 x mxfp4", _q(x, "mxfp4", axis=1), _q(w, "mxfp4", axis=0), (1, 0), None),
+      ("mxfp4(ceil) x mxfp4 32x32 packed along N", _q(x, "mxfp4_ceil", axis=1),
+       _q(w[:, :32], "mxfp4", axis=1, block_2d=True), (1, 0), (16, 32, 64)),
+      ("mxfp4 x nvfp4", _q(x, "mxfp4", axis=1), _q(w, "nvfp4", axis=0), (1, 0), None),
+  ]
+  _check_group(cases)
+
+
+def test_operands_from_the_pallas_quantizer():
+  """The paper's three GEMMs with kernel-quantized operands (Fprop 2D weight, Dgrad reuse, Wgrad RHT + SR)."""
+  x, w, dy = _input((32, 64), 20).astype(jnp.bfloat16), _input((64, 48), 21), _input((32, 48), 22, 1e-4)
+  key = jax.random.key(0)
+  wq = _q(w, "pallas", axis=0, block_2d=True)
+  cases = [
+      ("fprop", _q(x, "pallas"), wq, (1, 0), None),
+      ("dgrad", _q(dy, "pallas", rounding="stochastic", key=key), wq, (1, 1), None),
+      ("wgrad", _q(x, "pallas", axis=0, rht_size=16),
+       _q(dy, "pallas", axis=0, rht_size=16, rounding="stochastic", key=key), (0, 0), None),
+  ]
+  _check_group(cases)
+
+
+@jax.jit
+def _padded_and_nonfinite(x, w, x_inf, w2):
+  a = fp4jax.quantize(x, "nvfp4", axis=1, pad=True)
+  b = fp4jax.quantize(w, "nvfp4", axis=0, pad=True)
+  bad = fp4jax.quantize(x_inf, "nvfp4", axis=1)
+  good = fp4jax.quantize(w2, "nvfp4", axis=0)
+  zero = fp4jax.quantize(jnp.zeros_like(x_inf), "nvfp4", axis=1)
+  return (fp4_matmul(a, b), fp4jax.dequantize(a) @ fp4jax.dequantize(b), fp4_matmul(bad, good),
+          fp4_matmul(zero, good))
+
+
+def test_padded_qarrays_and_nonfinite():
+  out, ref, nonfinite, zero = _padded_and_nonfinite(
+      _input((20, 40), 30), _input((40, 24), 31), _input((16, 32), 32).at[0, 0].set(jnp.inf), _input((32, 16), 33))
+  assert out.shape == (20, 24)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+  assert np.all(np.isnan(np.asarray(nonfinite)))
+  np.testing.assert_array_equal(np.asarray(zero), 0.0)
+
+
+def _abstract(shape, fmt="nvfp4", **kw):
+  """A QArray of ShapeDtypeStructs: enough to trace, validate and lower without computing anything."""
+  return jax.eval_shape(lambda x: fp4jax.quantize(x, fmt, **kw), jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+def test_bad_operands_raise():
+  a, b = _abstract((16, 32), axis=1), _abstract((32, 16), axis=0)
+
+  def call(a, b, **kw):
+    return jax.eval_shape(lambda a, b: fp4_matmul(a, b, interpret=True, **kw), a, b)
+
+  with pytest.raises(ValueError, match="1D blocks must run along the contraction axis"):
+    call(a, _abstract((32, 16), axis=1))
+  with pytest.raises(ValueError, match="contraction lengths differ"):
+    call(a, _abstract((48, 16), axis=0))
+  with pytest.raises(ValueError, match="NVFP4 or MXFP4"):
+    call(a, _abstract((32, 16), "fp8", axis=0, pad=True))
+  with pytest.raises(ValueError, match="2D"):
+    call(_abstract((2, 16, 32)), b)
+  with pytest.raises(ValueError, match="QArray"):
+    call(jnp.ones((16, 32)), b)
+  with pytest.raises(ValueError, match="power of two"):
+    call(a, b, tiles=(24, 16, 32))
+  with pytest.raises(ValueError, match="block size"):
+    call(_abstract((16, 64), "mxfp4", axis=1), _abstract((64, 32), "mxfp4", axis=1, block_2d=True),
+         tiles=(16, 16, 32))
+  assert call(a, b).shape == (16, 16)
+
+
+@pytest.mark.parametrize("kind", ["nvfp4_1d", "nvfp4_2d_dgrad", "wgrad_transposed", "mxfp4"])
+def test_lowers_for_cuda(kind):
+  if kind == "nvfp4_1d":
+    a, b, c = _abstract((256, 192), axis=1), _abstract((192, 128), axis=0), (1, 0)
+  elif kind == "nvfp4_2d_dgrad":
+    a, b, c = _abstract((256, 128), axis=1), _abstract((192, 128), axis=0, block_2d=True), (1, 1)
+  elif kind == "wgrad_transposed":
+    a, b, c = _abstract((192, 256), axis=0), _abstract((192, 128), axis=0), (0, 0)
+  else:
+    a, b, c = _abstract((256, 192), "mxfp4", axis=1), _abstract((192, 128), "mxfp4", axis=0), (1, 0)
+  f = lambda a, b: fp4_matmul(a, b, contract=c, interpret=False, use_blackwell=False)
+  text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 1
+
+
+def test_blackwell_path_lowers_and_its_operands_are_exact():
+  """The cc >= 10 path (jax.nn.scaled_matmul) cannot run here: check it lowers for cuda to the block-scaled dot,
+  and that the operands it builds give the reference product under scaled_matmul's documented semantics."""
+  op_a, op_b = matmul_lib.Operand(1, 1, (1, 16), "nvfp4"), matmul_lib.Operand(0, 0, (16, 1), "nvfp4")
+  a_abs, b_abs = _abstract((32, 64), axis=1), _abstract((64, 48), axis=0)
+  text = jax.jit(lambda a, b: matmul_lib.blackwell_matmul(a, b, op_a, op_b)).trace(a_abs, b_abs).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "block_scaled_dot" in text or "scaled_matmul" in text
+
+  @jax.jit
+  def emulate(x, w):
+    a, b = fp4jax.quantize(x, "nvfp4", axis=1), fp4jax.quantize(w, "nvfp4", axis=0)
+    (lhs, ls), (rhs, rs) = matmul_lib.blackwell_operand(a, op_a), matmul_lib.blackwell_operand(b, op_b)
+    assert lhs.dtype == jnp.float4_e2m1fn and ls.dtype == jnp.float8_e4m3fn and lhs.shape == (1, 32, 64)
+    scaled = lambda v, s: v[0].astype(jnp.float32) * jnp.repeat(s[0].astype(jnp.float32), 16, axis=-1)
+    out = jnp.dot(scaled(lhs, ls), scaled(rhs, rs).T, precision=HIGHEST) * (a.amax / 2688) * (b.amax / 2688)
+    return out, jnp.dot(fp4jax.dequantize(a), fp4jax.dequantize(b), precision=HIGHEST)
+
+  out, ref = emulate(_input((32, 64), 40), _input((64, 48), 41))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))

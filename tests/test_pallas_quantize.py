@@ -1,0 +1,234 @@
+"""Pallas NVFP4 quantize kernel (interpret mode) vs fp4jax.quantize, bit for bit; cuda lowering; kernel numerics.
+
+Interpret-mode kernels cost ~1 s of compile each on CPU, so each test jit-compiles a group of configurations at once.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp4jax
+from fp4jax import grids
+from pallas_kernels import numerics
+from pallas_kernels import platform
+from pallas_kernels import quantize_nvfp4
+
+NVFP4 = fp4jax.NVFP4()
+
+
+def _input(shape, dtype, seed, scale=1.0):
+  """Fresh random values with a wide dynamic range (log-normal magnitudes), so blocks get varied scales."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape) * np.exp(1.5 * rng.standard_normal(shape)) * scale
+  return jnp.asarray(x.astype(np.float32)).astype(dtype)
+
+
+def _reference(x, rht_size=None, **kw):
+  kw.pop("tile", None)
+  if rht_size is not None:
+    x = fp4jax.random_hadamard(x, size=rht_size, axis=kw.get("axis", -1))
+  return fp4jax.quantize(x, NVFP4, **kw)
+
+
+def _bits(a):
+  return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)) if a.dtype != jnp.float32 else np.asarray(a)
+
+
+def _assert_same(q, r, label):
+  assert isinstance(q, fp4jax.QArray), label
+  for field in ("shape", "orig_shape", "axis", "block_2d", "fmt"):
+    assert getattr(q, field) == getattr(r, field), (label, field, getattr(q, field), getattr(r, field))
+  assert jnp.dtype(q.dtype) == jnp.dtype(r.dtype), label
+  assert q.codes.dtype == jnp.uint8 and q.scales.dtype == jnp.float8_e4m3fn, label
+  assert q.codes.shape == r.codes.shape and q.scales.shape == r.scales.shape, label
+  np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(r.codes), err_msg=f"codes: {label}")
+  np.testing.assert_array_equal(_bits(q.scales), _bits(r.scales), err_msg=f"scales: {label}")
+  np.testing.assert_array_equal(np.asarray(q.amax).view(np.uint32), np.asarray(r.amax).view(np.uint32),
+                                err_msg=f"amax: {label}")
+
+
+def _check_group(cases):
+  """cases: list of (label, x, kwargs). One jit for all kernels and references; compares each pair bit for bit."""
+  xs = [x for _, x, _ in cases]
+
+  def run(xs):
+    return [(quantize_nvfp4(x, interpret=True, **kw), _reference(x, **kw)) for x, (_, _, kw) in zip(xs, cases)]
+
+  results = jax.jit(run)(xs)
+  for (label, _, _), (q, r) in zip(cases, results):
+    _assert_same(q, r, label)
+  return [q for q, _ in results]
+
+
+def test_layouts_rne_bit_identical():
+  cases = [
+      ("row f32 2x2 grid", _input((32, 64), jnp.float32, 0), dict(tile=(16, 32))),
+      ("row bf16 non-pow2", _input((48, 80), jnp.bfloat16, 1), {}),
+      ("row f16 3D", _input((2, 3, 32), jnp.float16, 2), {}),
+      ("col axis0 f32", _input((64, 48), jnp.float32, 3), dict(axis=0)),
+      ("col axis1 of 3D bf16", _input((2, 32, 24), jnp.bfloat16, 4), dict(axis=1, tile=(16, 8))),
+      ("2d pack cols bf16", _input((32, 48), jnp.bfloat16, 5), dict(block_2d=True)),
+      ("2d pack rows f32", _input((48, 32), jnp.float32, 6), dict(block_2d=True, axis=0)),
+      ("2d 3D pack rows f16", _input((2, 16, 32), jnp.float16, 7), dict(block_2d=True, axis=-2)),
+      ("smallest row", _input((1, 16), jnp.float32, 8), {}),
+      ("smallest col", _input((16, 1), jnp.bfloat16, 9), dict(axis=0)),
+      ("smallest 2d", _input((16, 16), jnp.float32, 10), dict(block_2d=True)),
+      ("1D vector", _input((48,), jnp.float32, 11), {}),
+  ]
+  _check_group(cases)
+
+
+def test_stochastic_rounding_bit_identical():
+  k1, k2 = jax.random.key(1), jax.random.key(2)
+  x = _input((32, 64), jnp.bfloat16, 20)
+  cases = [
+      ("SR32 row bf16", x, dict(rounding="stochastic", key=k1)),
+      ("SR32 row other key", x, dict(rounding="stochastic", key=k2)),
+      ("SR8 col f32", _input((64, 32), jnp.float32, 21), dict(axis=0, rounding="stochastic", key=k1, random_bits=8)),
+      ("SR32 2d", _input((32, 32), jnp.float32, 22), dict(block_2d=True, rounding="stochastic", key=k2)),
+  ]
+  a, b, *_ = _check_group(cases)
+  assert not np.array_equal(np.asarray(a.codes), np.asarray(b.codes)), "different keys must give different draws"
+
+
+def test_rht_bit_identical():
+  k = jax.random.key(3)
+  cases = [
+      ("RHT16 row bf16", _input((32, 64), jnp.bfloat16, 30), dict(rht_size=16)),
+      ("RHT16 col bf16 SR (Wgrad dY^T)", _input((64, 48), jnp.bfloat16, 31),
+       dict(axis=0, rht_size=16, rounding="stochastic", key=k)),
+      ("RHT4 row f32 (block-diagonal H)", _input((16, 64), jnp.float32, 32), dict(rht_size=4)),
+      ("RHT32 col f32", _input((64, 16), jnp.float32, 33), dict(axis=0, rht_size=32)),
+      ("RHT16 tiny (padded rows)", _input((1, 32), jnp.float32, 34), dict(rht_size=16)),
+      ("RHT16 2d", _input((32, 32), jnp.bfloat16, 35), dict(block_2d=True, rht_size=16)),
+  ]
+  _check_group(cases)
+
+
+def test_extreme_inputs_and_padding():
+  big = jnp.full((16, 32), np.finfo(np.float32).max, jnp.float32).at[0, 0].set(-np.finfo(np.float32).max)
+  with_inf = _input((16, 32), jnp.float32, 40).at[3, 5].set(jnp.inf)
+  cases = [
+      ("zeros", jnp.zeros((16, 32), jnp.float32), {}),
+      ("finfo.max", big, {}),
+      ("gradient-sized", _input((32, 32), jnp.float32, 41, scale=1e-7), dict(axis=0)),
+      ("inf element", with_inf, {}),
+      ("pad row", _input((3, 20), jnp.bfloat16, 42), dict(pad=True)),
+      ("pad 2d", _input((20, 24), jnp.float32, 43), dict(block_2d=True, pad=True)),
+  ]
+  _check_group(cases)
+
+
+def test_nan_poisons_and_gradient_stops():
+  """NaN: amax is NaN and the whole tensor dequantizes to NaN (codes of NaN elements are platform-dependent).
+  The quantizer is not differentiable: jax.grad through it gives zeros instead of tracing into the kernel."""
+  @jax.jit
+  def run(x):
+    q = quantize_nvfp4(x.at[2, 7].set(jnp.nan), interpret=True)
+    grad = jax.grad(lambda x: jnp.sum(fp4jax.dequantize(quantize_nvfp4(x, interpret=True))))(x)
+    return q.amax, fp4jax.dequantize(q), grad
+
+  amax, values, grad = run(_input((16, 32), jnp.float32, 44))
+  assert np.isnan(float(amax))
+  assert np.all(np.isnan(np.asarray(values)))
+  np.testing.assert_array_equal(np.asarray(grad), 0.0)
+
+
+def test_bad_inputs_raise():
+  x = jnp.ones((4, 24), jnp.float32)
+  with pytest.raises(ValueError, match="multiple of the NVFP4 block size"):
+    quantize_nvfp4(x)
+  with pytest.raises(ValueError, match="PRNG key"):
+    quantize_nvfp4(jnp.ones((4, 32)), rounding="stochastic")
+  with pytest.raises(ValueError, match="dtype|supports"):
+    quantize_nvfp4(jnp.ones((4, 32), jnp.int32))
+  with pytest.raises(ValueError, match="tile"):
+    quantize_nvfp4(jnp.ones((4, 32)), tile=(3, 16))
+  with pytest.raises(ValueError, match="tile"):
+    quantize_nvfp4(jnp.ones((4, 32)), tile=(4, 8))  # not a whole block
+  with pytest.raises(ValueError, match="RHT size"):
+    quantize_nvfp4(jnp.ones((4, 48)), rht_size=32)
+  with pytest.raises(ValueError, match="RHT size"):
+    quantize_nvfp4(jnp.ones((4, 32)), rht_size=12)
+  with pytest.raises(ValueError, match="axis"):
+    quantize_nvfp4(jnp.ones((2, 16, 16)), axis=0, block_2d=True)
+  with pytest.raises(ValueError, match="random_bits"):
+    quantize_nvfp4(jnp.ones((4, 32)), rounding="stochastic", key=jax.random.key(0), random_bits=16)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(axis=0), dict(block_2d=True), dict(block_2d=True, axis=0),
+    dict(rounding="stochastic", random_bits=8, axis=0, rht_size=16), dict(rht_size=4, rounding="stochastic"),
+], ids=["row", "col", "2d", "2d_rows", "col_sr8_rht16", "row_sr_rht4"])
+def test_lowers_for_cuda(kw):
+  """The compiled (Triton) kernels lower for cuda on a CPU-only machine; the custom call is XLA's Triton call."""
+  x = jnp.zeros((64, 256), jnp.bfloat16)
+  key = jax.random.key(0)
+
+  def f(x, key):
+    q = quantize_nvfp4(x, interpret=False, key=key if kw.get("rounding") else None, **kw)
+    return q.codes, q.scales, q.amax
+
+  text = jax.jit(f).trace(x, key).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == (2 if "rht_size" in kw else 1)
+
+
+def test_platform_reports_cpu():
+  ok, why = platform.available(reason=True)
+  assert ok is (jax.default_backend() == "gpu" and platform.compute_capability() is not None
+                and platform.compute_capability() >= 8.0)
+  assert isinstance(why, str) and why
+  if jax.default_backend() == "cpu":
+    assert platform.resolve_interpret(None) is True
+    assert "GPU" in why
+
+
+# --- kernel-safe numerics == fp4jax.grids, bit for bit -------------------------------------------------------------
+
+def _all_bf16_values():
+  bits = np.arange(1 << 16, dtype=np.uint16)
+  return jnp.asarray(bits.view(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_numerics_match_grids():
+  x = _all_bf16_values()
+  x = x[jnp.isfinite(x)]
+  f = jax.jit(lambda x: (
+      numerics.round_half_even(jnp.where(jnp.abs(x) < 2.0**22, x, 0.0)),
+      jnp.round(jnp.where(jnp.abs(x) < 2.0**22, x, 0.0)),
+      numerics.round_e4m3(x), grids.round_e4m3(x),
+      numerics.round_e2m1_magnitude(jnp.abs(x)), grids.round_e2m1_magnitude(jnp.abs(x)),
+      numerics.e2m1_codes(numerics.round_e2m1_nearest(x)), grids.e2m1_codes(fp4jax.rounding.round_e2m1_nearest(x)),
+  ))
+  out = f(x)
+  for a, b in zip(out[::2], out[1::2]):
+    np.testing.assert_array_equal(np.asarray(a).astype(np.float32).view(np.uint32),
+                                  np.asarray(b).astype(np.float32).view(np.uint32))
+  # round_half_even on halves and near-halves, where floor(x + 0.5) goes wrong.
+  v = jnp.asarray([0.5, 1.5, 2.5, -0.5, -2.5, 0.49999997, 4194304.5, 3.5, 0.0, -0.0], jnp.float32)
+  np.testing.assert_array_equal(np.asarray(numerics.round_half_even(v)).view(np.uint32),
+                                np.asarray(jnp.round(v)).view(np.uint32))
+
+
+def test_format_codecs_match_ml_dtypes():
+  bits = jnp.arange(256, dtype=jnp.int32)
+  e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  finite = np.isfinite(e4m3)
+  e8m0 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+  codes = jnp.arange(16, dtype=jnp.int32)
+
+  @jax.jit
+  def run(bits, e4m3_finite, codes):
+    return (numerics.e4m3_value(bits), numerics.e4m3_bits(e4m3_finite), numerics.e8m0_value(bits),
+            fp4jax.mxfp4.scale_by_pow2(jnp.ones((1,)), jnp.asarray([-127])), numerics.e2m1_value(codes),
+            grids.e2m1_decode(codes.astype(jnp.uint8)))
+
+  e4m3_v, e4m3_b, e8m0_v, e8m0_min, e2m1_v, e2m1_ref = run(bits, jnp.asarray(e4m3[finite]), codes)
+  np.testing.assert_array_equal(np.asarray(e4m3_v), e4m3)
+  np.testing.assert_array_equal(np.asarray(e4m3_b), np.arange(256)[finite])
+  # 2^-127 is a float32 subnormal, which XLA on CPU flushes: compare that one with fp4jax's own arithmetic.
+  np.testing.assert_array_equal(np.asarray(e8m0_v)[1:], e8m0[1:])
+  np.testing.assert_array_equal(np.asarray(e8m0_v)[:1], np.asarray(e8m0_min))
+  np.testing.assert_array_equal(np.asarray(e2m1_v), np.asarray(e2m1_ref))

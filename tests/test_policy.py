@@ -1,0 +1,182 @@
+"""Tests for fp4jax.policy: layer selection, the late switch, apply(), serialization and CLI parsing."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import fp4jax.recipes
+from fp4jax import model as model_lib
+from fp4jax.policy import PrecisionPolicy, policy_from_strings
+
+N_LAYERS = 4
+CONFIG = model_lib.get_model_config("tiny", n_layers=N_LAYERS)
+NAMES = [f"blocks.{i}.{s}" for i in range(N_LAYERS) for s in CONFIG.linear_shapes]
+NVFP4 = fp4jax.recipes.nvfp4()
+BF16 = fp4jax.recipes.bf16()
+
+
+@nnx.jit
+def _forward(model, tokens_BxT, key=None):
+  return model(tokens_BxT, key=key)
+
+
+def _bf16_names(policy, step=0, total_steps=None):
+  recipes = policy.layer_recipes(NAMES, N_LAYERS, step, total_steps)
+  assert set(recipes) == set(NAMES)
+  assert all(r in (BF16, NVFP4) for r in recipes.values())
+  return {name for name, r in recipes.items() if r == BF16}
+
+
+def _in_blocks(*blocks):
+  return {n for n in NAMES if int(n.split(".")[1]) in blocks}
+
+
+def test_default_policy_quantizes_everything():
+  assert _bf16_names(PrecisionPolicy(recipe=NVFP4)) == set()
+
+
+@pytest.mark.parametrize("kwargs, blocks", [
+    (dict(first=2), (0, 1)),
+    (dict(last=2), (2, 3)),
+    (dict(first=1, last=2), (0, 2, 3)),
+    (dict(blocks=(3, 1)), (1, 3)),
+    (dict(first=1, blocks=(1, 2), last=1), (0, 1, 2, 3)),
+    (dict(first=1, blocks=(2,)), (0, 2)),
+    (dict(first=N_LAYERS, last=N_LAYERS), tuple(range(N_LAYERS))),
+])
+def test_block_selection(kwargs, blocks):
+  policy = PrecisionPolicy(recipe="nvfp4", **kwargs)
+  assert policy.bf16_blocks(N_LAYERS) == blocks
+  assert _bf16_names(policy) == _in_blocks(*blocks)
+
+
+def test_pattern_selection_fullmatch():
+  assert _bf16_names(PrecisionPolicy(pattern=r".*mlp\.down")) == {f"blocks.{i}.mlp.down" for i in range(N_LAYERS)}
+  assert _bf16_names(PrecisionPolicy(pattern=r"blocks\.(0|1)\..*")) == _in_blocks(0, 1)
+  assert _bf16_names(PrecisionPolicy(pattern=r"blocks\.3\.attn\..*", first=1)) == (
+      _in_blocks(0) | {f"blocks.3.attn.{s}" for s in "qkvo"})
+  # Whole-name matching: a bare "mlp.down" matches nothing, which is an error rather than a silent no-op.
+  with pytest.raises(ValueError, match="matches none"):
+    PrecisionPolicy(pattern="mlp.down").layer_recipes(NAMES, N_LAYERS)
+
+
+@pytest.mark.parametrize("switch_at, total, switch_step", [(0.5, 10, 5), (0.82, 1000, 820), (0.29, 100, 29),
+                                                          (7, 10, 7), (7, None, 7), (0, 10, 0)])
+def test_switch_all_happens_at_requested_step(switch_at, total, switch_step):
+  policy = PrecisionPolicy(recipe=NVFP4, last=1, switch_at=switch_at, switch="all")
+  assert policy.switch_step(total) == switch_step
+  if switch_step > 0:
+    assert policy.phase(switch_step - 1, total) == 0
+    assert _bf16_names(policy, switch_step - 1, total) == _in_blocks(N_LAYERS - 1)
+  assert policy.phase(switch_step, total) == 1
+  assert policy.phase(switch_step + 100, total) == 1
+  assert _bf16_names(policy, switch_step, total) == set(NAMES)
+
+
+def test_switch_forward_only():
+  policy = PrecisionPolicy(recipe=NVFP4, first=1, switch_at=4, switch="forward")
+  before = policy.layer_recipes(NAMES, N_LAYERS, step=3)
+  after = policy.layer_recipes(NAMES, N_LAYERS, step=4)
+  switched = NVFP4.with_bf16(forward=True, backward=False)
+  for name in NAMES:
+    if name in _in_blocks(0):
+      assert before[name] == after[name] == BF16
+    else:
+      assert before[name] == NVFP4
+      assert after[name] == switched
+  assert not switched.fprop.quantized and switched.dgrad.quantized and switched.wgrad.quantized
+
+
+def test_no_switch_is_phase_zero_forever():
+  policy = PrecisionPolicy()
+  assert policy.switch_step(100) is None
+  assert policy.phase(10**9, 100) == 0
+
+
+def test_switch_errors():
+  with pytest.raises(ValueError, match="total_steps is required"):
+    PrecisionPolicy(switch_at=0.8).phase(0)
+  with pytest.raises(ValueError, match="never reaches"):
+    PrecisionPolicy(switch_at=100).phase(0, 100)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(first=-1), "first"),
+    (dict(last=1.5), "last"),
+    (dict(blocks=(1, -2)), "blocks"),
+    (dict(blocks="1,2"), "blocks"),
+    (dict(pattern="blocks.(0"), "not a valid regex"),
+    (dict(switch_at=1.0), "switch_at"),
+    (dict(switch_at=0.0), "switch_at"),
+    (dict(switch_at=-3), "switch_at"),
+    (dict(switch_at=True), "switch_at"),
+    (dict(switch="backward"), "switch"),
+    (dict(recipe="nvfp5"), "Unknown recipe"),
+    (dict(recipe=3), "recipe"),
+])
+def test_bad_policy_raises(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    PrecisionPolicy(**kwargs)
+
+
+def test_out_of_range_blocks_raise():
+  for kwargs in (dict(first=N_LAYERS + 1), dict(last=N_LAYERS + 1), dict(blocks=(N_LAYERS,))):
+    with pytest.raises(ValueError, match=f"{N_LAYERS} blocks"):
+      PrecisionPolicy(**kwargs).layer_recipes(NAMES, N_LAYERS)
+
+
+def test_apply_sets_each_layer_recipe():
+  model = model_lib.Transformer(CONFIG, recipe=BF16, rngs=nnx.Rngs(0))
+  policy = PrecisionPolicy(recipe=NVFP4, first=1, last=1, pattern=r".*attn\.o", switch_at=0.5, switch="forward")
+  applied = policy.apply(model, step=0, total_steps=10)
+  layers = model.linear_layers()
+  assert set(applied) == set(layers)
+  bf16_expected = _in_blocks(0, N_LAYERS - 1) | {f"blocks.{i}.attn.o" for i in range(N_LAYERS)}
+  for name, layer in layers.items():
+    assert layer.recipe == (BF16 if name in bf16_expected else NVFP4), name
+  policy.apply(model, step=5, total_steps=10)
+  for name, layer in model.linear_layers().items():
+    want = BF16 if name in bf16_expected else NVFP4.with_bf16(forward=True, backward=False)
+    assert layer.recipe == want, name
+  # After a forward-only switch every forward GEMM is BF16: the logits equal the unquantized model's.
+  tokens = jax.random.randint(jax.random.key(0), (1, 16), 0, 256)
+  reference = model_lib.Transformer(CONFIG, recipe=BF16, rngs=nnx.Rngs(0))
+  np.testing.assert_array_equal(np.asarray(_forward(model, tokens, jax.random.key(1))),
+                                np.asarray(_forward(reference, tokens)))
+
+
+def test_to_dict_roundtrip_through_json():
+  for recipe in ("nvfp4:rht_size=4", fp4jax.recipes.nvfp4(rht_size=4, stochastic_rounding=False),
+                 fp4jax.recipes.mxfp4(), fp4jax.recipes.fp8()):
+    policy = PrecisionPolicy(recipe=recipe, first=2, last=8, blocks=(5,), pattern=r".*mlp\.down", switch_at=0.82,
+                             switch="forward")
+    restored = PrecisionPolicy.from_dict(json.loads(json.dumps(policy.to_dict())))
+    assert restored == policy
+    assert restored.resolved_recipe() == policy.resolved_recipe()
+  with pytest.raises(ValueError, match="Unknown PrecisionPolicy field"):
+    PrecisionPolicy.from_dict({"recipe": "nvfp4", "frist": 2})
+
+
+def test_policy_from_strings():
+  policy = policy_from_strings("nvfp4:stochastic_rounding=false", first="2", last="2", blocks="5, 7-9",
+                               pattern=r".*mlp\.down", switch_at="0.82", switch="forward")
+  assert policy == PrecisionPolicy(recipe="nvfp4:stochastic_rounding=false", first=2, last=2, blocks=(5, 7, 8, 9),
+                                   pattern=r".*mlp\.down", switch_at=0.82, switch="forward")
+  assert policy_from_strings("nvfp4", switch_at="8200").switch_at == 8200
+  assert policy_from_strings("nvfp4", switch_at="", pattern="").switch_at is None
+  assert policy_from_strings("nvfp4", pattern="").pattern is None
+  for bad in (dict(blocks="3-1"), dict(blocks="a"), dict(first="x"), dict(switch_at="soon")):
+    with pytest.raises(ValueError):
+      policy_from_strings("nvfp4", **bad)
+
+
+def test_describe_mentions_blocks_switch_and_recipe():
+  policy = PrecisionPolicy(recipe=NVFP4, first=2, last=8, switch_at=0.82, switch="all")
+  text = policy.describe(62, [f"blocks.{i}.{s}" for i in range(62) for s in model_lib.SUBLAYERS])
+  assert "[0, 1, 54, 55, 56, 57, 58, 59, 60, 61]" in text
+  assert "10 of 62 blocks" in text and "70 of 434" in text
+  assert "82%" in text and "all GEMMs" in text
+  assert NVFP4.table() in text

@@ -1,0 +1,148 @@
+"""Recipes: presets match NVFP4_SPEC.md section 6, ablation switches, the CLI string form, with_bf16, validation,
+and that a recipe is a hashable static argument (one compilation per distinct recipe)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import fp4jax
+from fp4jax import recipes
+from fp4jax.recipes import GemmConfig, OperandConfig, Recipe
+
+NVFP4 = fp4jax.NVFP4()
+
+
+def _rows(recipe):
+  """{gemm: row text} from str(recipe)."""
+  lines = str(recipe).splitlines()
+  return {g: next(l for l in lines if l.strip().startswith(g + " ")) for g in recipes.GEMMS}
+
+
+def test_nvfp4_preset_is_the_paper_recipe():
+  r = recipes.nvfp4()
+  assert r.fprop == GemmConfig(OperandConfig(NVFP4), OperandConfig(NVFP4, block_2d=True))
+  assert r.dgrad == GemmConfig(OperandConfig(NVFP4, rounding="stochastic"), OperandConfig(NVFP4, block_2d=True))
+  assert r.wgrad == GemmConfig(OperandConfig(NVFP4, rounding="stochastic", rht=True), OperandConfig(NVFP4, rht=True))
+  assert (r.rht_size, r.rht_signs, r.random_bits, r.backend) == (16, "fixed", 32, "xla")
+  assert r.is_quantized and r.needs_key and r.dgrad_reuses_weight
+
+
+def test_str_shows_each_gemm():
+  rows = _rows(recipes.nvfp4())
+  assert "x: nvfp4 1x16 RNE" in rows["fprop"] and "W: nvfp4 16x16 RNE" in rows["fprop"]
+  assert "dY: nvfp4 1x16 SR" in rows["dgrad"] and "(Fprop W^T reused)" in rows["dgrad"]
+  assert "dY: nvfp4 1x16 SR RHT" in rows["wgrad"] and "x: nvfp4 1x16 RNE RHT" in rows["wgrad"]
+  assert "rht_size=16" in str(recipes.nvfp4())
+  rows = _rows(recipes.mxfp4())
+  assert "mxfp4(ceil) 1x32" in rows["fprop"] and "32x32" in rows["fprop"] and "SR RHT" in rows["wgrad"]
+  assert "rht_size=32" in str(recipes.mxfp4())
+  rows = _rows(recipes.fp8())
+  assert "1x128 RNE" in rows["wgrad"] and "128x128" in rows["fprop"] and "SR" not in str(recipes.fp8())
+  assert all(row.count("bf16") == 2 for row in _rows(recipes.bf16()).values())
+  assert "reused" not in _rows(recipes.nvfp4(weight_2d=False))["dgrad"]
+
+
+def test_ablation_switches():
+  assert not any(recipes.nvfp4(rht=False).gemm(g).rht for g in recipes.GEMMS)
+  no_sr = recipes.nvfp4(stochastic_rounding=False)
+  assert {op.rounding for g in recipes.GEMMS for op in (no_sr.gemm(g).lhs, no_sr.gemm(g).rhs)} == {"nearest"}
+  assert not no_sr.needs_key
+  one_d = recipes.nvfp4(weight_2d=False)
+  assert not one_d.fprop.rhs.block_2d and not one_d.dgrad_reuses_weight
+  assert recipes.nvfp4(random_signs=False).rht_signs == "none"
+  per_call = recipes.nvfp4(stochastic_rounding=False, random_signs="per_call")
+  assert per_call.rht_signs == "per_call" and per_call.needs_key  # fresh signs need a key even without SR
+  assert not recipes.nvfp4(rht=False, stochastic_rounding=False, random_signs="per_call").needs_key
+  everywhere = recipes.nvfp4(rht_on=("fprop", "dgrad", "wgrad"))
+  assert all(everywhere.gemm(g).rht for g in recipes.GEMMS) and not everywhere.dgrad_reuses_weight
+  assert recipes.nvfp4(random_bits=8).random_bits == 8
+  assert recipes.mxfp4(scale_rule="floor").fprop.lhs.fmt == fp4jax.MXFP4(scale_rule="floor")
+  assert not recipes.fp8().needs_key and not recipes.bf16().is_quantized
+
+
+def test_get_recipe_parses_cli_form():
+  r = recipes.get_recipe("nvfp4:rht_size=4,stochastic_rounding=false")
+  assert r == recipes.nvfp4(rht_size=4, stochastic_rounding=False)
+  assert r.rht_size == 4 and r.dgrad.lhs.rounding == "nearest" and not r.needs_key
+  r = recipes.get_recipe("nvfp4:rht_on=wgrad+dgrad")
+  assert r == recipes.nvfp4(rht_on=("wgrad", "dgrad"))
+  assert r.wgrad.rht and r.dgrad.rht and not r.fprop.rht
+  assert recipes.get_recipe("nvfp4:rht_on=dgrad").dgrad.rht  # a single entry is a one-element tuple
+  assert recipes.get_recipe("nvfp4:random_signs=per_call").rht_signs == "per_call"
+  assert recipes.get_recipe("nvfp4:rht_on=none") == recipes.nvfp4(rht_on=()) == recipes.nvfp4(rht=False)
+  assert recipes.nvfp4(rht_on="dgrad") == recipes.nvfp4(rht_on=("dgrad",))
+  assert recipes.get_recipe(" NVFP4 ") == recipes.nvfp4()
+  assert recipes.get_recipe("mxfp4:scale_rule=floor,rht_size=16") == recipes.mxfp4(scale_rule="floor", rht_size=16)
+  assert recipes.get_recipe("fp8:block_size=32") == recipes.fp8(block_size=32)
+  r = recipes.nvfp4()
+  assert recipes.get_recipe(r) is r
+  assert {recipes.get_recipe(n).name for n in recipes.RECIPE_NAMES} == set(recipes.RECIPE_NAMES)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("nvfp5", r"Unknown recipe 'nvfp5'.*'bf16', 'nvfp4', 'mxfp4', 'fp8'"),
+    ("nvfp4:rht_sz=4", r"Unknown option\(s\) \['rht_sz'\].*rht_size"),
+    ("bf16:rht=true", r"Unknown option\(s\) \['rht'\]"),
+    ("nvfp4:rht_size", "key=value"),
+    ("nvfp4:rht_size=3", "power of two"),
+    ("nvfp4:rht_on=wgrad+attention", "rht_on"),
+    ("nvfp4:random_signs=sometimes", "random_signs"),
+    ("nvfp4:random_bits=16", "random_bits"),
+    ("nvfp4:backend=cuda", "backend"),
+    ("mxfp4:scale_rule=round", "scale_rule"),
+    ("nvfp4:stochastic_rounding=flase", "stochastic_rounding must be True or False"),  # not a truthy string
+    ("nvfp4:rht=1", "rht must be True or False"),
+    ("mxfp4:weight_2d=yes please", "weight_2d must be True or False"),
+])
+def test_get_recipe_errors(spec, match):
+  with pytest.raises(ValueError, match=match):
+    recipes.get_recipe(spec)
+
+
+def test_recipe_validation():
+  with pytest.raises(ValueError, match="RHT must apply to both operands"):
+    Recipe(wgrad=GemmConfig(OperandConfig(NVFP4, rht=True), OperandConfig(NVFP4)))
+  with pytest.raises(ValueError, match="rht_signs"):
+    Recipe(rht_signs="random")
+  with pytest.raises(ValueError, match="power of two"):
+    Recipe(rht_size=512)
+
+
+def test_with_bf16():
+  r = recipes.nvfp4()
+  fwd = r.with_bf16(forward=True, backward=False)
+  assert not fwd.fprop.quantized and fwd.dgrad == r.dgrad and fwd.wgrad == r.wgrad and fwd.name == "nvfp4+bf16fwd"
+  assert fwd.is_quantized and not fwd.dgrad_reuses_weight  # Dgrad re-quantizes W itself from high precision
+  bwd = r.with_bf16(forward=False, backward=True)
+  assert bwd.fprop == r.fprop and not bwd.dgrad.quantized and not bwd.wgrad.quantized and bwd.name == "nvfp4+bf16bwd"
+  assert not bwd.needs_key
+  both = r.with_bf16()
+  assert not both.is_quantized and not both.needs_key and both.name == "nvfp4+bf16"
+  assert r.with_bf16(forward=False, backward=False) is r
+  assert recipes.bf16().with_bf16() == recipes.bf16()
+  assert "x: bf16" in _rows(fwd)["fprop"] and "SR RHT" in _rows(fwd)["wgrad"]
+
+
+def test_recipes_are_hashable_values():
+  assert recipes.nvfp4() == recipes.nvfp4() and hash(recipes.nvfp4()) == hash(recipes.nvfp4())
+  assert recipes.nvfp4() != recipes.nvfp4(rht_size=4)
+  assert len({recipes.get_recipe(s) for s in ("nvfp4", "nvfp4:rht_size=16", "nvfp4:rht=false")}) == 2
+  with pytest.raises(Exception):
+    recipes.nvfp4().rht_size = 4  # frozen
+
+
+def test_switching_recipes_compiles_once_per_recipe():
+  traces = []
+
+  @functools.partial(jax.jit, static_argnames="recipe")
+  def forward(x, w, recipe):
+    traces.append(recipe.name)
+    return fp4jax.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=recipe)
+
+  x, w = jnp.ones((32, 32)), jnp.ones((32, 32))
+  for _ in range(4):
+    for spec in ("fp8", "nvfp4:stochastic_rounding=false"):
+      forward(x, w, recipes.get_recipe(spec))  # a fresh, equal recipe object each time
+  assert sorted(traces) == ["fp8", "nvfp4"]

@@ -1,0 +1,156 @@
+"""Mesh sharding: mesh construction, partition rules, block-in-shard checks, mesh-independent quantization."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import fp4jax
+from fp4jax import model as model_lib
+from fp4jax import sharding
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated devices (tests/conftest.py)")
+
+MESHES = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2)]
+
+
+def _mesh(shape):
+  return sharding.make_mesh(sharding.MeshConfig(*shape))
+
+
+def test_parse_and_make_mesh():
+  cfg = sharding.MeshConfig.parse("data=2,fsdp=2,tensor=2")
+  assert cfg.shape == (2, 2, 2) and str(cfg) == "data=2,fsdp=2,tensor=2"
+  assert sharding.MeshConfig.parse("fsdp=8").shape == (1, 8, 1)
+  mesh = sharding.make_mesh(cfg)
+  assert mesh.axis_names == ("data", "fsdp", "tensor") and dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("data=2,fsdp=2", "has 4 devices but 8"),
+    ("data=3,tensor=3", "has 9 devices"),
+    ("pipeline=8", "axis in"),
+    ("data=two", "must be an int"),
+    ("data=0,fsdp=8", "positive int"),
+])
+def test_bad_mesh(spec, match):
+  with pytest.raises(ValueError, match=match):
+    sharding.make_mesh(spec)
+
+
+def test_rule_naming_unknown_axis():
+  mesh = _mesh((8, 1, 1))
+  rules = ((r"kernel", P("model", None)),) + sharding.PARTITION_RULES
+  with pytest.raises(ValueError, match="'model', not in the mesh axes"):
+    sharding.tree_shardings({"kernel": jnp.zeros((16, 16))}, mesh, rules)
+
+
+def _tiny_params():
+  cfg = model_lib.get_model_config("tiny")
+  model = model_lib.Transformer(cfg, recipe="nvfp4", rngs=nnx.Rngs(0))
+  return nnx.state(model, nnx.Param), cfg
+
+
+def test_partition_rules_megatron_and_fsdp():
+  params, _ = _tiny_params()
+  mesh = _mesh((2, 2, 2))
+  sh = sharding.tree_shardings(params, mesh)
+  flat = {sharding.path_str(p): s.spec for p, s in jax.tree_util.tree_flatten_with_path(sh)[0]}
+  assert flat["blocks.0.attn.q.kernel"] == P("fsdp", "tensor")
+  assert flat["blocks.1.attn.o.kernel"] == P("tensor", "fsdp")
+  assert flat["blocks.0.mlp.up.kernel"] == P("fsdp", "tensor")
+  assert flat["blocks.0.mlp.down.kernel"] == P("tensor", "fsdp")
+  assert flat["blocks.0.attn_norm.scale"] == P()
+
+
+def test_indivisible_parameter_names_it():
+  mesh = _mesh((1, 1, 8))
+  with pytest.raises(ValueError, match=r"blocks\.0\.attn\.q\.kernel.*not divisible by the 8 shards"):
+    sharding.tree_shardings({"blocks": {"0": {"attn": {"q": {"kernel": jnp.zeros((64, 36))}}}}}, mesh)
+
+
+def test_blocks_must_not_straddle_shards():
+  params, cfg = _tiny_params()
+  # tiny: attention width 64 over 8 tensor shards = 8 columns per shard < one 16-block.
+  with pytest.raises(ValueError, match=r"attn\.[qkv]\.kernel.*per shard, not a multiple of 16"):
+    sharding.check_divisibility(params, _mesh((1, 1, 8)), batch_size=8, seq_len=64)
+  # Tokens per batch shard: 8 / 8 rows x 10 tokens = 10, not a multiple of 16.
+  with pytest.raises(ValueError, match="10 tokens"):
+    sharding.check_divisibility(params, _mesh((8, 1, 1)), batch_size=8, seq_len=10)
+  with pytest.raises(ValueError, match="batch_size 6 is not divisible"):
+    sharding.check_divisibility(params, _mesh((8, 1, 1)), batch_size=6, seq_len=64)
+  sharding.check_divisibility(params, _mesh((2, 2, 2)), batch_size=8, seq_len=64)
+
+
+def _assert_same_qarray(a, b):
+  np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+  np.testing.assert_array_equal(np.asarray(a.scales.astype(jnp.float32)), np.asarray(b.scales.astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(a.amax), np.asarray(b.amax))
+
+
+@pytest.mark.parametrize("spec, mesh_shape", [(P("data"), (8, 1, 1)), (P(None, "tensor"), (1, 1, 8)),
+                                              (P(("data", "fsdp"), "tensor"), (2, 2, 2))])
+@pytest.mark.parametrize("rounding, axis, block_2d", [("nearest", -1, False), ("stochastic", -1, False),
+                                                      ("stochastic", 0, False), ("nearest", -1, True)])
+def test_quantize_sharded_equals_unsharded(spec, mesh_shape, rounding, axis, block_2d):
+  x = jax.random.t(jax.random.key(0), 3.0, (256, 256)).astype(jnp.bfloat16)
+  key = jax.random.key(7)
+  fn = jax.jit(lambda x, k: fp4jax.quantize(x, "nvfp4", axis=axis, block_2d=block_2d, rounding=rounding, key=k))
+  xs = jax.device_put(x, NamedSharding(_mesh(mesh_shape), spec))
+  assert len(xs.sharding.device_set) == 8
+  _assert_same_qarray(fn(xs, key), fn(x, key))
+
+
+def test_rht_quantize_sharded_along_tokens():
+  mesh = _mesh((8, 1, 1))
+  x = jax.random.normal(jax.random.key(1), (512, 64))
+  fn = jax.jit(lambda x: fp4jax.quantize(fp4jax.random_hadamard(x, axis=0), "nvfp4", axis=0))
+  _assert_same_qarray(fn(jax.device_put(x, NamedSharding(mesh, P("data")))), fn(x))
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_quantized_layer_fwd_bwd_independent_of_mesh(shape):
+  """Fprop, Dgrad and Wgrad with SR and RHT: equal up to float32 summation order on every mesh."""
+  mesh = _mesh(shape)
+  x = jax.random.normal(jax.random.key(0), (256, 128)).astype(jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (128, 256)) * 0.1
+  g = jax.random.normal(jax.random.key(2), (256, 256)).astype(jnp.bfloat16)
+
+  @jax.jit
+  def fwd_bwd(x, w, key):
+    y, vjp = jax.vjp(lambda x, w: fp4jax.dot_general(x, w, (((1,), (0,)), ((), ())), recipe="nvfp4", key=key,
+                                                     preferred_element_type=jnp.bfloat16), x, w)
+    return (y,) + vjp(g)
+
+  ref = fwd_bwd(x, w, jax.random.key(3))
+  out = fwd_bwd(jax.device_put(x, sharding.batch_sharding(mesh)),
+                jax.device_put(w, NamedSharding(mesh, P("fsdp", "tensor"))), jax.random.key(3))
+  for a, b in zip(out, ref):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-5)
+    assert float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32))) < 1e-4  # bf16 ulp flips
+
+
+@pytest.mark.parametrize("recipe, rtol", [("bf16", 1e-5), ("nvfp4", 2e-3)])
+def test_model_loss_independent_of_mesh(recipe, rtol):
+  """End to end, float32 summation order differs between meshes; FP4's coarse grid turns the rare ulp-level
+  difference at a rounding boundary into a code flip, so nvfp4 losses agree to ~1e-3, bf16 to ~1e-6."""
+  # Every width / 8 shards is a multiple of 16, so all four meshes keep blocks inside shards.
+  cfg = model_lib.get_model_config("tiny", d_model=128, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=256)
+  model = model_lib.Transformer(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tokens = jax.random.randint(jax.random.key(2), (8, 64), 0, cfg.vocab_size)
+
+  @jax.jit
+  def loss_fn(params, tokens):
+    logits = nnx.merge(graphdef, params, rest)(tokens[:, :-1], key=jax.random.key(3))
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+  ref = float(loss_fn(params, tokens))
+  for shape in MESHES:
+    mesh = _mesh(shape)
+    sharding.check_divisibility(params, mesh, batch_size=8, seq_len=64)
+    loss = loss_fn(jax.device_put(params, sharding.tree_shardings(params, mesh)),
+                   jax.device_put(tokens, sharding.batch_sharding(mesh)))
+    np.testing.assert_allclose(float(loss), ref, rtol=rtol, err_msg=str(shape))

@@ -1,0 +1,232 @@
+"""Stochastic rounding of NVFP4 elements: neighbours only, unbiased, reproducible, 8-bit mode, sharding-independent."""
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4jax
+import reference as ref
+
+FMT = fp4jax.NVFP4()
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NUM_KEYS = 512
+
+
+def _x(seed=0, shape=(32, 64)):
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@functools.cache
+def _sr(random_bits, axis=-1):
+  return jax.jit(functools.partial(fp4jax.quantize, fmt=FMT, axis=axis, rounding="stochastic",
+                                   random_bits=random_bits))
+
+
+@functools.cache
+def _sr_many(random_bits):
+  """Unpacked codes [NUM_KEYS, ...] for NUM_KEYS keys under one vmap."""
+  return jax.jit(jax.vmap(lambda x, k: fp4jax.quantize(x, FMT, rounding="stochastic", key=k,
+                                                       random_bits=random_bits).codes, in_axes=(None, 0)))
+
+
+def _codes_for_keys(x, random_bits=32, seed=0):
+  keys = jax.random.split(jax.random.key(seed), NUM_KEYS)
+  packed = np.asarray(_sr_many(random_bits)(jnp.asarray(x), keys))
+  return ref.unpack_codes(packed, -1)
+
+
+def _block_of(t, j):
+  """A 16-block [6, t, ..., t] * 2^j (S_enc = 1 when the tensor amax is 2688): x * enc_b == t exactly."""
+  return (np.array([6.0] + [t] * 15) * 2.0**j).astype(np.float32)
+
+
+def _exact_fraction_tensor(t):
+  """[8, 64]: amax 2688 and 31 blocks whose non-max elements scale to exactly t."""
+  x = np.zeros((8, 64), np.float32)
+  x[0, :16] = np.float32(2688.0) * np.linspace(1, 0.1, 16, dtype=np.float32)
+  for i in range(1, 32):
+    x[i // 4, 16 * (i % 4):16 * (i % 4) + 16] = _block_of(t, (i % 7) - 3) * (1 if i % 2 else -1)
+  return x
+
+
+# ---------------------------------------------------------------- basic properties
+
+
+def test_two_keys_differ_and_same_key_same_bits():
+  x = jnp.asarray(_x())
+  a = _sr(32)(x, key=jax.random.key(0))
+  b = _sr(32)(x, key=jax.random.key(1))
+  a2 = _sr(32)(x, key=jax.random.key(0))
+  assert np.mean(np.asarray(a.unpacked_codes()) != np.asarray(b.unpacked_codes())) > 0.1
+  np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(a2.codes))
+  # Eager and jit draw the same bits from the same key.
+  eager = fp4jax.quantize(x, FMT, rounding="stochastic", key=jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(eager.codes), np.asarray(a.codes))
+
+
+def test_scales_and_amax_are_the_round_to_nearest_ones():
+  x = _x(1)
+  r = ref.nvfp4_quantize(x)
+  for bits in (32, 8):
+    q = _sr(bits)(jnp.asarray(x), key=jax.random.key(3))
+    np.testing.assert_array_equal(ref.as_f64(q.scales), r["scales"])
+    np.testing.assert_array_equal(np.float64(q.amax), r["amax"])
+
+
+@pytest.mark.parametrize("random_bits", [32, 8])
+def test_every_code_is_a_neighbour_of_the_exact_value(random_bits):
+  """|code_value - x * enc_b| < grid step, and the code is the floor or ceil grid point (after saturation to 6)."""
+  x = np.concatenate([_x(2), np.random.default_rng(3).standard_t(2, (32, 64)).astype(np.float32)])
+  codes = _codes_for_keys(x, random_bits)  # [512, 64, 64]
+  v = ref.nvfp4_quantize(x)["scaled"]
+  lo, hi = ref.e2m1_neighbours(v)
+  mag = ref.E2M1_GRID[codes & 7]
+  assert np.all((mag == lo) | (mag == hi))
+  assert np.all(np.abs(mag - np.minimum(np.abs(v), 6)) <= hi - lo)
+  # Sign comes from the scaled value (a value rounding to zero keeps its sign bit).
+  assert np.all((codes >= 8) == np.signbit(v))
+  # Both neighbours really occur wherever the value is off the grid.
+  off_grid = lo != hi
+  assert np.all(np.any(mag == lo, axis=0)[off_grid].mean() > 0.99)
+  assert np.all(np.any(mag == hi, axis=0)[off_grid].mean() > 0.99)
+
+
+def test_unbiased_and_better_than_nearest_on_average():
+  """Mean over 512 keys is within 5 standard errors of x * enc_b (Bernoulli variance of each element)."""
+  x = _x(4)
+  r = ref.nvfp4_quantize(x)
+  v = np.clip(r["scaled"], -6, 6)
+  codes = _codes_for_keys(x, 32, seed=5)
+  values = ref.e2m1_value(codes)  # [512, 32, 64]
+  mean = values.mean(axis=0)
+  lo, hi = ref.e2m1_neighbours(v)
+  step = hi - lo
+  p = np.where(step > 0, (np.abs(v) - lo) / np.where(step > 0, step, 1), 0.0)
+  se = step * np.sqrt(p * (1 - p) / NUM_KEYS)
+  # Per element: the normal approximation fails for p ~ 1/512, so floor the variance at one flip in 512 draws.
+  se_floor = step / NUM_KEYS
+  assert np.all(np.abs(mean - v) <= 5 * np.maximum(se, se_floor) + 1e-12)
+  # Over the whole tensor: the summed deviation is within 5 standard errors too (a strict bias test).
+  z = np.sum(mean - v) / np.sqrt(np.sum(se**2))
+  assert abs(z) < 5, z
+  # The key-averaged SR result is far closer to the exact value than round-to-nearest.
+  rne = ref.e2m1_value(r["codes"])
+  err_sr = np.sqrt(np.mean((mean - v)**2))
+  err_rne = np.sqrt(np.mean((rne - v)**2))
+  assert err_sr < 0.25 * err_rne, (err_sr, err_rne)  # measured: ~0.02 vs ~0.25 in scaled units
+
+
+def test_dequantized_mean_matches_input():
+  """In x's units: E[dequantize(SR)] == x up to float32 rounding of the scales, for values inside +-6 * scale."""
+  x = _x(6)
+  keys = jax.random.split(jax.random.key(7), NUM_KEYS)
+  deq = jax.jit(jax.vmap(lambda k: fp4jax.dequantize(fp4jax.quantize(jnp.asarray(x), FMT, rounding="stochastic",
+                                                                       key=k))))(keys)
+  mean = np.asarray(deq, np.float64).mean(axis=0)
+  r = ref.nvfp4_quantize(x)
+  unit = np.repeat(r["scales"], 16, axis=-1) * r["amax"] / 2688  # value of one scaled unit, per element
+  inside = np.abs(r["scaled"]) <= 6
+  assert np.all(np.abs(mean - x)[inside] <= 5 * 2 * unit[inside] * np.sqrt(0.25 / NUM_KEYS) + 1e-6 * np.abs(x[inside]))
+
+
+# ---------------------------------------------------------------- 8-bit mode
+
+
+def test_eight_bit_mode_quantizes_probabilities():
+  """p = 1/512: floor(p * 256) = 0, so with 8 random bits the value never rounds up; 32 bits round up ~1/512."""
+  x = _exact_fraction_tensor(4.0 + 2.0 / 512)  # between grid points 4 and 6, p = 1/512
+  r = ref.nvfp4_quantize(x)
+  target = np.abs(r["scaled"]) == 4.0 + 2.0 / 512
+  assert target.sum() == 31 * 15
+  up8 = ref.E2M1_GRID[_codes_for_keys(x, 8) & 7][:, target] == 6.0
+  up32 = ref.E2M1_GRID[_codes_for_keys(x, 32) & 7][:, target] == 6.0
+  n = up32.size  # 512 keys * 465 elements
+  assert up8.sum() == 0
+  assert abs(up32.sum() - n / 512) < 5 * np.sqrt(n / 512), up32.sum()  # measured ~465
+
+
+def test_eight_bit_mode_rounds_probability_down_to_multiple_of_1_256():
+  """p = 3/512 = 1.5/256: 8-bit probability is floor(1.5)/256 = 1/256, full width keeps 3/512."""
+  x = _exact_fraction_tensor(4.0 + 2.0 * 3 / 512)
+  target = np.abs(ref.nvfp4_quantize(x)["scaled"]) == 4.0 + 6.0 / 512
+  up8 = ref.E2M1_GRID[_codes_for_keys(x, 8, seed=1) & 7][:, target] == 6.0
+  up32 = ref.E2M1_GRID[_codes_for_keys(x, 32, seed=1) & 7][:, target] == 6.0
+  n = up8.size
+  for ups, p in ((up8.sum(), 1 / 256), (up32.sum(), 3 / 512)):
+    assert abs(ups - n * p) < 5 * np.sqrt(n * p * (1 - p)), (ups, n * p)
+
+
+def test_values_on_the_grid_never_move():
+  x = _exact_fraction_tensor(3.0)
+  r = ref.nvfp4_quantize(x)
+  lo, hi = ref.e2m1_neighbours(r["scaled"])
+  on_grid = lo == hi
+  assert on_grid.sum() >= 31 * 16
+  for bits in (8, 32):
+    codes = _codes_for_keys(x, bits)
+    assert np.all(codes[:, on_grid] == r["codes"][on_grid])
+
+
+def test_saturated_values_stay_at_six():
+  """Elements scaled beyond 6 (block scale rounded down) are saturated to 6 before SR, so they never move."""
+  x = np.zeros((8, 64), np.float32)
+  x[0, 0] = 2688.0
+  x[1, :16] = np.float32(1.06 * 6) * np.linspace(1, 0.99, 16, dtype=np.float32)  # s_b = 1, scaled > 6
+  v = ref.nvfp4_quantize(x)["scaled"]
+  assert np.all(np.abs(v[1, :16]) > 6)
+  codes = _codes_for_keys(x, 32)
+  assert np.all(codes[:, 1, :16] == 7)
+
+
+# ---------------------------------------------------------------- sharding
+
+
+_SHARDING_SCRIPT = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import functools
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import fp4jax
+
+    assert jax.device_count() == 8, jax.devices()
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32))
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    checked = 0
+    for axis, bits in ((-1, 32), (0, 8)):
+      q = jax.jit(functools.partial(fp4jax.quantize, fmt=fp4jax.NVFP4(), axis=axis, rounding="stochastic",
+                                    key=jax.random.key(42), random_bits=bits))
+      base = q(x)
+      for spec in (P("d", None), P(None, "d")):
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        assert len(xs.sharding.device_set) == 8
+        out = q(xs)
+        for name in ("codes", "scales", "amax"):
+          a, b = np.asarray(getattr(base, name)), np.asarray(getattr(out, name))
+          assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype)
+          bits_of = lambda v: v.view(np.uint8 if v.dtype.itemsize == 1 else np.uint32)
+          assert np.array_equal(bits_of(a), bits_of(b)), (name, axis, bits, spec)
+        checked += 1
+    print("SHARDING_OK", checked)
+""")
+
+
+def test_stochastic_rounding_is_independent_of_sharding():
+  """Row- and column-sharded [64, 256] over 8 CPU devices give the unsharded codes, scales and amax bit for bit."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+  res = subprocess.run([sys.executable, "-c", _SHARDING_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+  assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+  assert "SHARDING_OK 4" in res.stdout

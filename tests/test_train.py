@@ -1,0 +1,285 @@
+"""Tests for fp4jax.train / config / metrics / cli: loss drops per recipe, policy switch, bit-exact resume, divergence,
+bad input, command line. All runs share one settings block (and a CompileCache), so each graph compiles once."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fp4jax import checkpoint as ckpt
+from fp4jax import cli
+from fp4jax import config as config_lib
+from fp4jax import data
+from fp4jax import metrics
+from fp4jax import model as model_lib
+from fp4jax import train as train_lib
+from fp4jax.config import TrainConfig
+
+STEPS = 16
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  """Data cache folder and a compile cache shared by every run in this module."""
+  return {"data": data.DataConfig(cache_dir=str(tmp_path_factory.mktemp("data_cache"))),
+          "cache": train_lib.CompileCache()}
+
+
+def make_config(env, out, **changes) -> TrainConfig:
+  """One block of settings for every test run: a 1-block tiny model, 16 steps of batch 8 x 32 tokens."""
+  base = dict(out=str(out), model=model_lib.get_model_config("tiny", n_layers=1), data=env["data"], seq_len=32,
+              batch_size=8, steps=STEPS, lr=1e-2, warmup_fraction=0.1, decay_fraction=0.25, eval_every=0,
+              eval_batches=1, checkpoint_every=4, progress=False)
+  base.update(changes)
+  return TrainConfig(**base)
+
+
+def run(env, config, hooks=()):
+  return train_lib.train(config, hooks, log=None, compile_cache=env["cache"])
+
+
+def tree_equal(a, b) -> bool:
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+# --- training --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "mxfp4", "fp8"])
+def test_loss_drops_with_each_recipe(env, tmp_path, recipe):
+  stats_every = 8 if recipe == "bf16" else 0  # statistics checked once (they compile their own forward)
+  summary = run(env, make_config(env, tmp_path / recipe, recipe=recipe, stats_every=stats_every))
+  losses = summary["losses"]
+  assert len(losses) == STEPS and all(np.isfinite(losses))
+  assert np.mean(losses[-4:]) < losses[0] - 1.5, losses
+  assert summary["final_val_loss"] < losses[0] - 1.5
+  assert set(summary["layer_recipes"][0].values()) == {recipe}
+
+  records = metrics.read_metrics(tmp_path / recipe)
+  assert [r["step"] for r in records] == list(range(STEPS + 1))
+  for r in records[:-1]:
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time", "phase"} <= set(r)
+  assert records[-1]["val_loss"] == pytest.approx(summary["final_val_loss"])
+  assert records[0]["lr"] == pytest.approx(1e-2 * 1 / 2)  # warmup 2 steps, the first at half the peak
+  assert records[-2]["lr"] == pytest.approx(1e-2 / 4)  # linear decay over the last 4 steps, floor 0 at step 16
+  if stats_every:
+    with_stats = [r for r in records if "quant" in r]
+    assert [r["step"] for r in with_stats] == [0, 8, 16]
+    layer_stats = with_stats[-1]["quant"]
+    assert set(layer_stats) == set(model_lib.Transformer(
+        make_config(env, tmp_path).model, rngs=nnx.Rngs(0)).linear_layers())
+    for s in layer_stats.values():
+      assert set(s) == {"w_zero", "w_sat", "w_err", "x_zero", "x_sat", "x_err"}
+      assert 0 < s["w_err"] < 0.3 and 0 < s["x_err"] < 0.3
+      assert 0 < s["w_sat"] < 0.5 and 0 <= s["w_zero"] < 0.5
+
+
+def test_policy_switch_phase_and_bf16_layers(env, tmp_path):
+  config = make_config(env, tmp_path, recipe="nvfp4", bf16_pattern=r".*mlp\.down", switch_at=10)
+  summary = run(env, config)
+  records = metrics.read_metrics(tmp_path)
+  assert [r["phase"] for r in records if "loss" in r] == [0] * 10 + [1] * 6
+  before, after = summary["layer_recipes"][0], summary["layer_recipes"][1]
+  assert before.pop("blocks.0.mlp.down") == "bf16" and set(before.values()) == {"nvfp4"}
+  assert set(after.values()) == {"bf16"}
+  manager = ckpt.open_manager(tmp_path, create=False)
+  _, meta = ckpt.restore_meta(manager)
+  manager.close()
+  assert meta["policy"] == config.policy().to_dict()
+  assert meta["phase"] == 1
+
+
+def test_bf16_layers_are_not_quantized(env):
+  config = make_config(env, "unused", recipe="nvfp4", bf16_last=1, model=model_lib.get_model_config("tiny"))
+  model = train_lib.build_model(config, jax.random.key(0))
+  for name, layer in model.linear_layers().items():
+    assert layer.recipe.is_quantized == name.startswith("blocks.0."), name
+  x = jax.random.normal(jax.random.key(1), (32, 64), jnp.bfloat16)
+  layer = model.linear_layers()["blocks.1.mlp.up"]
+  plain = jnp.dot(x, layer.kernel[...].astype(jnp.bfloat16), preferred_element_type=jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(layer(x, key=jax.random.key(2)), np.float32), np.asarray(plain, np.float32))
+
+
+def test_sigint_checkpoint_and_resume_are_bit_identical(env, tmp_path):
+  """16 steps straight == 8 steps, Ctrl-C (checkpoint), resume 8 steps: same losses and params, SR included."""
+  straight = run(env, make_config(env, tmp_path / "straight", recipe="nvfp4"))
+
+  def interrupt(step, record):
+    if step == 7:
+      os.kill(os.getpid(), signal.SIGINT)
+
+  config = make_config(env, tmp_path / "split", recipe="nvfp4", checkpoint_every=5)
+  with pytest.raises(KeyboardInterrupt):
+    run(env, config, hooks=[interrupt])
+  manager = ckpt.open_manager(tmp_path / "split", create=False)
+  assert ckpt.available_steps(manager) == [5, 8]
+  manager.close()
+  resumed = run(env, config.replace(resume=True))
+  assert resumed["start_step"] == 8
+  assert resumed["losses"] == straight["losses"][8:]  # exact float equality
+  assert tree_equal(resumed["params"], straight["params"])
+  assert resumed["final_val_loss"] == straight["final_val_loss"]
+  records = metrics.read_metrics(tmp_path / "split")
+  assert [r["step"] for r in records] == list(range(STEPS + 1))
+  assert [r["loss"] for r in records[:-1]] == straight["losses"]
+
+
+def test_different_seed_gives_different_run(env, tmp_path):
+  a = run(env, make_config(env, tmp_path / "a", recipe="nvfp4", steps=STEPS))
+  b = run(env, make_config(env, tmp_path / "b", recipe="nvfp4", seed=1))
+  assert a["losses"] != b["losses"]
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(env, tmp_path, monkeypatch):
+  real_get_batch = data.get_batch
+
+  def poisoned(dataset, split, step, **kw):
+    batch = real_get_batch(dataset, split, step, **kw)
+    if step == 6:  # an out-of-range token id embeds as NaN
+      batch["inputs"] = batch["inputs"].copy()
+      batch["inputs"][0, 0] = 10**6
+    return batch
+
+  monkeypatch.setattr(data, "get_batch", poisoned)
+  config = make_config(env, tmp_path, recipe="bf16", checkpoint_every=2)
+  with pytest.raises(train_lib.TrainingDiverged, match="diverged at step 6") as info:
+    run(env, config)
+  assert info.value.step == 6 and info.value.last_checkpoint == 6
+  manager = ckpt.open_manager(tmp_path, create=False)
+  assert ckpt.available_steps(manager) == [2, 4, 6]
+  template = train_lib.TrainState(**ckpt.restore(manager, _state_template(config), 6)[1])
+  manager.close()
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(template.params))
+  last = metrics.read_metrics(tmp_path)[-1]
+  assert last["step"] == 6 and last["diverged"] is True and last["loss"] == "nan"
+
+
+def _state_template(config):
+  model = train_lib.build_model(config, jax.random.key(0))
+  params = nnx.state(model, nnx.Param)
+  return train_lib.TrainState(params, train_lib.make_optimizer(config).init(params), jnp.asarray(0, jnp.int32))._asdict()
+
+
+def test_wsd_schedule_shapes():
+  config = TrainConfig(steps=100, lr=1.0, warmup_fraction=0.1, decay_fraction=0.2, min_lr_ratio=0.1)
+  lr = train_lib.lr_schedule(config)
+  assert float(lr(0)) == pytest.approx(0.1) and float(lr(9)) == pytest.approx(1.0)
+  assert float(lr(50)) == 1.0 and float(lr(80)) == 1.0
+  assert float(lr(90)) == pytest.approx(0.1 + 0.9 * 0.5)
+  sqrt = train_lib.lr_schedule(config.replace(decay_shape="1-sqrt"))
+  assert float(sqrt(90)) == pytest.approx(0.1 + 0.9 * (1 - np.sqrt(0.5)))
+  assert float(lr(100)) == pytest.approx(0.1)
+
+
+def test_tensor_stats_counts_codes():
+  x = jnp.asarray([[6.0, 0.0, 0.1, 3.0] + [0.0] * 12], jnp.float32)  # one block: max -> 6, 0.1 -> 0
+  stats = jax.jit(metrics.tensor_stats, static_argnums=1)  # eager quantize would compile op by op
+  s = stats(x, "nvfp4")
+  assert float(s["zero"]) == 14 / 16 and float(s["sat"]) == 1 / 16
+  assert float(s["err"]) == pytest.approx(0.1 / np.linalg.norm([6, 0.1, 3]), rel=1e-6)
+  padded = stats(jnp.full((1, 20), 2.0), "nvfp4")  # padding must not count as zeros
+  assert float(padded["zero"]) == 0 and float(padded["sat"]) == 1
+  with pytest.raises(ValueError, match="FP4"):
+    metrics.tensor_stats(x, "fp8")
+
+
+# --- bad input -------------------------------------------------------------------------------------------------
+
+
+def test_missing_and_empty_corpus(env, tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    run(env, make_config(env, tmp_path / "a", data=data.DataConfig(corpus=str(tmp_path / "nope"))))
+  empty = tmp_path / "empty.txt"
+  empty.write_text("")
+  with pytest.raises(ValueError, match="empty"):
+    run(env, make_config(env, tmp_path / "b", data=data.DataConfig(corpus=str(empty))))
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"model.d_model": 100}, "multiple of 16"),
+    ({"model.n_heads": 3}, "multiple of n_kv_heads"),
+    ({"seq_len": 1000}, "max_seq_len"),
+    ({"warmup_fraction": 0.9}, "warmup_fraction \\+ decay_fraction"),
+    ({"recipe": "nvfp5"}, "Unknown recipe"),
+    ({"recipe": "nvfp4:rht_sise=4"}, "Unknown option"),
+    ({"bf16_last": 5}, "exceeds"),
+    ({"switch_at": 500}, "never reaches"),
+    ({"stats_format": "fp8"}, "stats_format"),
+])
+def test_bad_config_is_rejected(changes, match):
+  with pytest.raises(ValueError, match=match):
+    config_lib.config_from_overrides(changes)
+
+
+# --- command line ----------------------------------------------------------------------------------------------
+
+
+def test_cli_help_lists_every_field(capsys):
+  with pytest.raises(SystemExit) as info:
+    cli.main(["train", "--help"])
+  assert info.value.code == 0
+  text = capsys.readouterr().out
+  for name in TrainConfig.__dataclass_fields__:
+    if name not in ("model", "data"):
+      assert f"--{name.replace('_', '-')}" in text, name
+  for flag in ("--model.d_model", "--data.corpus", "--bf16-first", "--bf16-last", "--bf16-blocks", "--bf16-pattern",
+               "--switch-at", "--switch ", "--resume"):
+    assert flag in text, flag
+
+
+def test_cli_overrides_build_the_config():
+  config = cli.config_from_args([
+      "--model", "small", "--model.d_model", "256", "--recipe", "nvfp4:rht_size=4,stochastic_rounding=false",
+      "--bf16-last", "1", "--bf16-blocks", "0,2", "--switch-at", "0.5", "--switch", "forward", "--steps", "10",
+      "--batch_size", "4", "--progress", "false", "--resume-step", "none", "--data.val_fraction", "0.1"])
+  assert config.model == model_lib.get_model_config("small", d_model=256)
+  recipe = config.policy().resolved_recipe()
+  assert recipe.rht_size == 4 and recipe.dgrad.lhs.rounding == "nearest"
+  assert (config.bf16_last, config.bf16_blocks, config.switch_at, config.switch) == (1, (0, 2), 0.5, "forward")
+  assert config.policy().switch_step(config.steps) == 5
+  assert (config.steps, config.batch_size, config.progress, config.data.val_fraction) == (10, 4, False, 0.1)
+  assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+def test_cli_errors_exit_cleanly(tmp_path, capsys):
+  assert cli.main(["train", "--model.d_model", "100", "--out", str(tmp_path / "x")]) == cli.EXIT_USAGE
+  assert "multiple of 16" in capsys.readouterr().err
+  assert cli.main(["train", "--corpus", str(tmp_path / "nope"), "--out", str(tmp_path / "y")]) == cli.EXIT_USAGE
+  assert "does not exist" in capsys.readouterr().err
+  assert cli.main(["eval", "--out", str(tmp_path / "none")]) == cli.EXIT_USAGE
+  assert "No checkpoints" in capsys.readouterr().err
+  assert cli.main(["frobnicate"]) == cli.EXIT_USAGE
+
+
+def test_cli_maps_divergence_to_exit_code(monkeypatch, capsys):
+  def diverge(config):
+    raise train_lib.TrainingDiverged(3, float("nan"), 1.0, 2)
+
+  monkeypatch.setattr(train_lib, "train", diverge)
+  assert cli.main(["train", "--steps", "4", "--out", "unused"]) == cli.EXIT_DIVERGED
+  err = capsys.readouterr().err
+  assert "diverged at step 3" in err and "last good checkpoint is step 2" in err
+
+
+def test_cli_eval_prints_latest_val_loss(env, tmp_path, capsys):
+  summary = run(env, make_config(env, tmp_path, recipe="bf16"))
+  assert cli.main(["eval", "--out", str(tmp_path), "--json"]) == 0
+  result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert result["step"] == STEPS
+  assert result["val_loss"] == pytest.approx(summary["final_val_loss"], rel=1e-6)
+
+
+def test_python_m_entry_point_help():
+  proc = subprocess.run([sys.executable, "-m", "fp4jax.train", "--help"], cwd=REPO, capture_output=True, text=True,
+                        timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+  assert proc.returncode == 0, proc.stderr
+  assert "--recipe" in proc.stdout and "--bf16-last" in proc.stdout
