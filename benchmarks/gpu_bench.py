@@ -16,6 +16,8 @@ Sections (each row is independent: a failure is recorded with its traceback in e
   linear  one quantized linear layer forward + backward (fp4jax.dot_general, nvfp4 recipe) with backend="pallas"
           and "xla" vs the bf16 recipe; skipped with a message if this fp4jax has no pallas backend.
 Times: median over repeats of back-to-back calls (jax dispatch is asynchronous, so launches overlap).
+Table columns: value, baseline, ratio = value / baseline (quant: fraction of copy bandwidth; gemm: FP4 / bf16
+throughput; linear: time relative to bf16, > 1 is slower).
 """
 
 from __future__ import annotations
@@ -80,11 +82,11 @@ class Report:
   def _line(self, r):
     ok = {True: "PASS", False: "FAIL", None: ""}[r["ok"]]
     ratio = f"{r['ratio']:.3g}x" if r["ratio"] is not None else ""
-    return (f"| {r['section']:<6} | {r['name']:<44} | {self._fmt(r['value']):>10} {r['unit']:<7} | "
+    return (f"| {r['section']:<6} | {r['name']:<56} | {self._fmt(r['value']):>10} {r['unit']:<7} | "
             f"{self._fmt(r['baseline']):>10} {r['base_name']:<14} | {ratio:>7} | {ok:<4} | {r['note']}")
 
   def table(self) -> str:
-    head = (f"| {'sect':<6} | {'name':<44} | {'value':>10} {'unit':<7} | {'baseline':>10} {'(which)':<14} | "
+    head = (f"| {'sect':<6} | {'name':<56} | {'value':>10} {'unit':<7} | {'baseline':>10} {'(which)':<14} | "
             f"{'ratio':>7} | ok   | note")
     sep = "|" + "-" * (len(head) - 2) + "|"
     return "\n".join([head, sep] + [self._line(r) for r in self.rows])

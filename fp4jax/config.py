@@ -64,7 +64,7 @@ class TrainConfig:
   grad_clip: float = dataclasses.field(default=1.0, metadata=_help("global gradient-norm clip (0 = off)"))
   # Evaluation, statistics, logging.
   eval_every: int = dataclasses.field(default=50, metadata=_help("validate every N steps (0 = only at the end)"))
-  eval_batches: int = dataclasses.field(default=4, metadata=_help("fixed validation batches"))
+  eval_batches: int = dataclasses.field(default=4, metadata=_help("fixed validation batches (0 = no validation)"))
   stats_every: int = dataclasses.field(default=0, metadata=_help(
       "per-layer quantization statistics every N steps (0 = off)"))
   stats_format: str = dataclasses.field(default="nvfp4", metadata=_help("format the statistics quantize to"))
@@ -95,10 +95,10 @@ class TrainConfig:
       if not ok:
         raise ValueError(f"TrainConfig: {message}")
 
-    for name in ("steps", "batch_size", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints"):
+    for name in ("steps", "batch_size", "log_every", "checkpoint_every", "keep_checkpoints"):
       value = getattr(self, name)
       need(_is_int(value) and value >= 1, f"{name} must be an int >= 1; got {value!r}.")
-    for name in ("seed", "eval_every", "stats_every"):
+    for name in ("seed", "eval_every", "eval_batches", "stats_every"):
       value = getattr(self, name)
       need(_is_int(value) and value >= 0, f"{name} must be an int >= 0; got {value!r}.")
     if self.seq_len is not None:

@@ -181,8 +181,30 @@ def bf16() -> Recipe:
   return Recipe(name="bf16")
 
 
+def _ablation_name(name, *, rht_on, rht_size, default_rht_size, stochastic_rounding, weight_2d, signs,
+                   random_bits) -> str:
+  """'nvfp4' for the paper's recipe, with one tag per switched component, e.g. 'nvfp4-rht-sr'."""
+  tags = []
+  if not rht_on:
+    tags.append("-rht")
+  else:
+    if tuple(rht_on) != ("wgrad",):
+      tags.append("-rht@" + "+".join(rht_on))
+    if rht_size != default_rht_size:
+      tags.append(f"-rht{rht_size}")
+    if signs != "fixed":
+      tags.append(f"-signs:{signs}")
+  if not stochastic_rounding:
+    tags.append("-sr")
+  elif random_bits != 32:
+    tags.append(f"-sr{random_bits}bit")
+  if not weight_2d:
+    tags.append("-2d")
+  return name + "".join(tags)
+
+
 def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht_on, random_signs, random_bits,
-                backend) -> Recipe:
+                backend, default_rht_size) -> Recipe:
   # A CLI typo ("stochastic_rounding=flase") parses to a truthy string: reject it rather than silently enable.
   for flag, value in (("rht", rht), ("stochastic_rounding", stochastic_rounding), ("weight_2d", weight_2d)):
     if not isinstance(value, bool):
@@ -207,7 +229,9 @@ def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht
   else:
     raise ValueError(f"random_signs must be True, False or one of {RHT_SIGNS}; got {random_signs!r}.")
   return Recipe(
-      name=name,
+      name=_ablation_name(name, rht_on=rht_on, rht_size=rht_size, default_rht_size=default_rht_size,
+                          stochastic_rounding=stochastic_rounding, weight_2d=weight_2d, signs=signs,
+                          random_bits=random_bits),
       fprop=GemmConfig(op(gemm="fprop"), op(block_2d=weight_2d, gemm="fprop")),
       dgrad=GemmConfig(op(grad_rounding, gemm="dgrad"), op(block_2d=weight_2d, gemm="dgrad")),
       wgrad=GemmConfig(op(grad_rounding, gemm="wgrad"), op(gemm="wgrad")),
@@ -226,7 +250,7 @@ def nvfp4(*, rht: bool = True, rht_size: int = 16, stochastic_rounding: bool = T
   """
   return _fp4_recipe("nvfp4", formats.NVFP4(), rht=rht, rht_size=rht_size, stochastic_rounding=stochastic_rounding,
                      weight_2d=weight_2d, rht_on=rht_on, random_signs=random_signs, random_bits=random_bits,
-                     backend=backend)
+                     backend=backend, default_rht_size=16)
 
 
 def mxfp4(*, scale_rule: str = "ceil", rht: bool = True, rht_size: int = 32, stochastic_rounding: bool = True,
@@ -238,7 +262,7 @@ def mxfp4(*, scale_rule: str = "ceil", rht: bool = True, rht_size: int = 32, sto
   """
   return _fp4_recipe("mxfp4", formats.MXFP4(scale_rule=scale_rule), rht=rht, rht_size=rht_size,
                      stochastic_rounding=stochastic_rounding, weight_2d=weight_2d, rht_on=rht_on,
-                     random_signs=random_signs, random_bits=random_bits, backend=backend)
+                     random_signs=random_signs, random_bits=random_bits, backend=backend, default_rht_size=32)
 
 
 def fp8(*, block_size: int = 128, scaling: str = "block") -> Recipe:

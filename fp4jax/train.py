@@ -175,6 +175,8 @@ def load_data(config: TrainConfig) -> tuple[fp4jax.data.TokenDataset, list[dict[
   if dataset.vocab_size > config.model.vocab_size:
     raise ValueError(f"The tokenizer has {dataset.vocab_size} tokens but the model's vocab_size is "
                      f"{config.model.vocab_size}: pass --model.vocab_size {dataset.vocab_size}.")
+  if not config.eval_batches:
+    return dataset, []
   val = fp4jax.data.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
                                 num_batches=config.eval_batches)
   return dataset, val
@@ -313,7 +315,7 @@ def train(config: TrainConfig, hooks: Sequence[Hook] = (), *, log: Callable[[str
   hooks: callables (step, record) -> None, called after every step with that step's metrics record (the same dict
     written to metrics.jsonl: loss, lr, grad_norm, ..., val_loss / quant when computed), and once more for the
     final evaluation record (step == config.steps).
-  Returns a summary: final_loss, final_val_loss, val_losses {step: loss}, losses (this call's train losses),
+  Returns a summary: final_loss, final_val_loss (None without validation), val_losses {step: loss}, losses (this call's train losses),
     steps, start_step, tokens, wall_time, checkpoint_step, out, params (the final nnx.State), layer_recipes
     ({phase: {layer: recipe name}} for the phases this call ran).
   compile_cache: reuse jitted steps across calls (see CompileCache).
@@ -393,7 +395,7 @@ def _loop(config, hooks, log, out, dataset, val, keys, phases, state, manager, s
       record = {"step": step, "phase": phases.phase(step)}
       if record["phase"] not in layer_recipes:
         layer_recipes[record["phase"]] = phases.layer_recipes(step)
-      if config.eval_every and step % config.eval_every == 0:
+      if val and config.eval_every and step % config.eval_every == 0:
         record["val_loss"] = val_losses[step] = val_loss_at(step, state.params)
       if config.stats_every and step % config.stats_every == 0:
         record["quant"] = stats(step, state.params)
@@ -433,7 +435,7 @@ def _loop(config, hooks, log, out, dataset, val, keys, phases, state, manager, s
 
     final_step = config.steps
     final = {"step": final_step, "phase": phases.phase(final_step - 1)}
-    if final_step not in val_losses:
+    if val and final_step not in val_losses:
       final["val_loss"] = val_losses[final_step] = val_loss_at(final_step - 1, state.params)
     if config.stats_every:
       final["quant"] = stats(final_step - 1, state.params)
@@ -445,9 +447,10 @@ def _loop(config, hooks, log, out, dataset, val, keys, phases, state, manager, s
       save(final_step, state, force=True)
 
   wall = time.perf_counter() - t_start
-  log(f"Done: step {config.steps}, val_loss {val_losses[config.steps]:.4f}, {wall:.1f}s; outputs in {out}")
+  val_text = f", val_loss {val_losses[config.steps]:.4f}" if val else ""
+  log(f"Done: step {config.steps}{val_text}, {wall:.1f}s; outputs in {out}")
   return {"out": str(out), "steps": config.steps, "start_step": start, "losses": losses,
-          "final_loss": losses[-1] if losses else None, "final_val_loss": val_losses[config.steps],
+          "final_loss": losses[-1] if losses else None, "final_val_loss": val_losses.get(config.steps),
           "val_losses": val_losses, "tokens": (config.steps - start) * tokens_per_step, "wall_time": wall,
           "checkpoint_step": last_saved, "params": state.params,
           "layer_recipes": layer_recipes}
@@ -464,7 +467,11 @@ def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: 
   try:
     step, meta = ckpt.restore_meta(manager, step)
     config = TrainConfig.from_dict(meta["config"])
+    if eval_batches is None and not config.eval_batches:
+      eval_batches = TrainConfig.__dataclass_fields__["eval_batches"].default  # the run itself did not validate
     if eval_batches is not None:
+      if eval_batches < 1:
+        raise ValueError(f"eval_batches must be >= 1 to evaluate; got {eval_batches}.")
       config = config.replace(eval_batches=eval_batches)
     _, val = load_data(config)
     keys = run_keys(config.seed)

@@ -183,10 +183,10 @@ def _quantize_kernel(*refs, plan: Plan, in_dtype, rounding: str, random_bits: in
   enc = numerics.keep_nan(enc, jnp.minimum(enc, grids.FLT_MAX))
   y = t * _expand(enc, plan.block, t.shape)
   if rounding == "stochastic":
-    v = numerics.round_e2m1_stochastic(y, bits_ref[...], random_bits)
+    codes = numerics.e2m1_code_stochastic(y, bits_ref[...], random_bits)
   else:
-    v = numerics.round_e2m1_nearest(y)
-  codes_ref[...] = _pack(numerics.e2m1_codes(v), plan.pack_axis)
+    codes = numerics.e2m1_code_nearest(y)
+  codes_ref[...] = _pack(codes, plan.pack_axis)
   scales_ref[...] = numerics.e4m3_bits(s_b).astype(jnp.uint8)
 
 

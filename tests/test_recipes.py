@@ -145,4 +145,4 @@ def test_switching_recipes_compiles_once_per_recipe():
   for _ in range(4):
     for spec in ("fp8", "nvfp4:stochastic_rounding=false"):
       forward(x, w, recipes.get_recipe(spec))  # a fresh, equal recipe object each time
-  assert sorted(traces) == ["fp8", "nvfp4"]
+  assert sorted(traces) == ["fp8", "nvfp4-sr"]

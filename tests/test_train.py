@@ -56,22 +56,26 @@ def tree_equal(a, b) -> bool:
 
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "mxfp4", "fp8"])
 def test_loss_drops_with_each_recipe(env, tmp_path, recipe):
-  stats_every = 8 if recipe == "bf16" else 0  # statistics checked once (they compile their own forward)
-  summary = run(env, make_config(env, tmp_path / recipe, recipe=recipe, stats_every=stats_every))
+  # Statistics and validation checked with bf16 only: each compiles its own forward of the quantized graph.
+  extra = dict(stats_every=8) if recipe == "bf16" else dict(eval_batches=0)
+  summary = run(env, make_config(env, tmp_path / recipe, recipe=recipe, **extra))
   losses = summary["losses"]
   assert len(losses) == STEPS and all(np.isfinite(losses))
   assert np.mean(losses[-4:]) < losses[0] - 1.5, losses
-  assert summary["final_val_loss"] < losses[0] - 1.5
   assert set(summary["layer_recipes"][0].values()) == {recipe}
 
   records = metrics.read_metrics(tmp_path / recipe)
-  assert [r["step"] for r in records] == list(range(STEPS + 1))
-  for r in records[:-1]:
+  assert [r["step"] for r in records] == list(range(STEPS + (recipe == "bf16")))
+  for r in records[:STEPS]:
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time", "phase"} <= set(r)
-  assert records[-1]["val_loss"] == pytest.approx(summary["final_val_loss"])
+  if recipe == "bf16":
+    assert summary["final_val_loss"] < losses[0] - 1.5
+    assert records[-1]["val_loss"] == pytest.approx(summary["final_val_loss"])
+  else:
+    assert summary["final_val_loss"] is None and "val_loss" not in records[-1]
   assert records[0]["lr"] == pytest.approx(1e-2 * 1 / 2)  # warmup 2 steps, the first at half the peak
-  assert records[-2]["lr"] == pytest.approx(1e-2 / 4)  # linear decay over the last 4 steps, floor 0 at step 16
-  if stats_every:
+  assert records[STEPS - 1]["lr"] == pytest.approx(1e-2 / 4)  # linear decay over the last 4 steps, floor 0 at step 16
+  if recipe == "bf16":
     with_stats = [r for r in records if "quant" in r]
     assert [r["step"] for r in with_stats] == [0, 8, 16]
     layer_stats = with_stats[-1]["quant"]
@@ -84,12 +88,13 @@ def test_loss_drops_with_each_recipe(env, tmp_path, recipe):
 
 
 def test_policy_switch_phase_and_bf16_layers(env, tmp_path):
-  config = make_config(env, tmp_path, recipe="nvfp4", bf16_pattern=r".*mlp\.down", switch_at=10)
+  # fp8 compiles fastest of the quantized recipes; the policy does not depend on the format.
+  config = make_config(env, tmp_path, recipe="fp8", bf16_pattern=r".*mlp\.down", switch_at=10)
   summary = run(env, config)
   records = metrics.read_metrics(tmp_path)
   assert [r["phase"] for r in records if "loss" in r] == [0] * 10 + [1] * 6
   before, after = summary["layer_recipes"][0], summary["layer_recipes"][1]
-  assert before.pop("blocks.0.mlp.down") == "bf16" and set(before.values()) == {"nvfp4"}
+  assert before.pop("blocks.0.mlp.down") == "bf16" and set(before.values()) == {"fp8"}
   assert set(after.values()) == {"bf16"}
   manager = ckpt.open_manager(tmp_path, create=False)
   _, meta = ckpt.restore_meta(manager)
@@ -111,13 +116,13 @@ def test_bf16_layers_are_not_quantized(env):
 
 def test_sigint_checkpoint_and_resume_are_bit_identical(env, tmp_path):
   """16 steps straight == 8 steps, Ctrl-C (checkpoint), resume 8 steps: same losses and params, SR included."""
-  straight = run(env, make_config(env, tmp_path / "straight", recipe="nvfp4"))
+  straight = run(env, make_config(env, tmp_path / "straight", recipe="nvfp4", eval_batches=0))
 
   def interrupt(step, record):
     if step == 7:
       os.kill(os.getpid(), signal.SIGINT)
 
-  config = make_config(env, tmp_path / "split", recipe="nvfp4", checkpoint_every=5)
+  config = make_config(env, tmp_path / "split", recipe="nvfp4", eval_batches=0, checkpoint_every=5)
   with pytest.raises(KeyboardInterrupt):
     run(env, config, hooks=[interrupt])
   manager = ckpt.open_manager(tmp_path / "split", create=False)
@@ -127,15 +132,13 @@ def test_sigint_checkpoint_and_resume_are_bit_identical(env, tmp_path):
   assert resumed["start_step"] == 8
   assert resumed["losses"] == straight["losses"][8:]  # exact float equality
   assert tree_equal(resumed["params"], straight["params"])
-  assert resumed["final_val_loss"] == straight["final_val_loss"]
   records = metrics.read_metrics(tmp_path / "split")
-  assert [r["step"] for r in records] == list(range(STEPS + 1))
-  assert [r["loss"] for r in records[:-1]] == straight["losses"]
+  assert [r["loss"] for r in records] == straight["losses"]
 
 
 def test_different_seed_gives_different_run(env, tmp_path):
-  a = run(env, make_config(env, tmp_path / "a", recipe="nvfp4", steps=STEPS))
-  b = run(env, make_config(env, tmp_path / "b", recipe="nvfp4", seed=1))
+  a = run(env, make_config(env, tmp_path / "a", recipe="nvfp4", eval_batches=0))
+  b = run(env, make_config(env, tmp_path / "b", recipe="nvfp4", eval_batches=0, seed=1))
   assert a["losses"] != b["losses"]
 
 
