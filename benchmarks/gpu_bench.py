@@ -276,9 +276,11 @@ def bench_quantize(rep: Report, shape, copy_gbs, interpret, key):
 
 
 GEMM_SIZES = [(16, 8192, 8192), (128, 8192, 8192), (1024, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192)]
+# Tile variants timed on one compute-bound size, to pick better defaults from the first GPU run.
+TILE_VARIANTS = [(128, 128, 128), (128, 256, 64), (64, 128, 128), (256, 128, 64)]
 
 
-def bench_gemm(rep: Report, sizes, interpret, key):
+def bench_gemm(rep: Report, sizes, interpret, key, tile_variants_at=None, tile_variants=()):
   for m, n, k in sizes:
     label = f"fp4_matmul nvfp4 M,N,K={m},{n},{k}"
     if rep.time_left() < 45:
@@ -298,6 +300,16 @@ def bench_gemm(rep: Report, sizes, interpret, key):
                                          preferred_element_type=jnp.float32))
       t_emu = median_time(emu, a, b)
       rep.add("gemm", "  vs XLA dequantize(bf16) + dot: speedup", t_emu / t, "x", note=f"XLA {t_emu * 1e6:.1f} us")
+      if (m, n, k) == tile_variants_at:
+        for tiles in tile_variants:
+          if rep.time_left() < 45:
+            break
+          try:
+            t_v = median_time(jax.jit(lambda a, b, tiles=tiles: fp4_matmul(a, b, interpret=interpret, tiles=tiles)),
+                              a, b)
+            rep.add("gemm", f"  tiles {tiles}", flops / t_v / 1e12, "TFLOP/s", flops / t / 1e12, "default tiles")
+          except Exception as e:  # pylint: disable=broad-except
+            rep.fail("gemm", f"  tiles {tiles}", e)
     except Exception as e:  # pylint: disable=broad-except
       rep.fail("gemm", label, e)
 
@@ -372,7 +384,7 @@ def main(argv=None):
     check_gemm(rep, (48, 64, 96), interpret, keys[1])
     copy_gbs = bench_copy(rep, (256, 256), keys[2])
     bench_quantize(rep, (256, 256), copy_gbs, interpret, keys[3])
-    bench_gemm(rep, [(16, 128, 128), (128, 128, 128)], interpret, keys[4])
+    bench_gemm(rep, [(16, 128, 128), (128, 128, 128)], interpret, keys[4], (128, 128, 128), [(32, 32, 64)])
     bench_linear(rep, 64, 64, 64, keys[5])
   else:
     check_quantize(rep, (2048, 1536), interpret, keys[0])
@@ -380,7 +392,7 @@ def main(argv=None):
     check_gemm(rep, (16, 256, 512), interpret, keys[6])
     copy_gbs = bench_copy(rep, (8192, 8192), keys[2])
     bench_quantize(rep, (8192, 8192), copy_gbs, interpret, keys[3])
-    bench_gemm(rep, GEMM_SIZES, interpret, keys[4])
+    bench_gemm(rep, GEMM_SIZES, interpret, keys[4], (4096, 4096, 4096), TILE_VARIANTS)
     bench_linear(rep, 8192, 4096, 4096, keys[5])
 
   print(f"\n# pallas_kernels GPU check + benchmark ({time.time() - start:.0f} s)\n{env}\n", flush=True)

@@ -43,6 +43,11 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
 
   Returns a QArray, or `x` cast to `compute_dtype` (if given) when the operand stays in high precision.
   """
+  if recipe.backend == "pallas" and cfg.quantized:
+    from fp4jax import backends  # pylint: disable=g-import-not-at-top
+    q = backends.pallas_quantize(x, cfg, axis=axis, recipe=recipe, key=key, signs=signs)
+    if q is not None:
+      return q
   if cfg.rht:
     x = rht_lib.random_hadamard(x, size=recipe.rht_size, axis=axis, signs=signs)
   if not cfg.quantized:
@@ -63,7 +68,9 @@ def _gemm(a, b, contract, recipe):
   """a . b contracting axes `contract` = (a_axis, b_axis), float32 accumulation."""
   if recipe.backend == "pallas" and isinstance(a, QArray) and isinstance(b, QArray):
     from fp4jax import backends  # pylint: disable=g-import-not-at-top
-    return backends.pallas_gemm(a, b, contract)
+    out = backends.pallas_gemm(a, b, contract)
+    if out is not None:
+      return out
   dims = (((contract[0],), (contract[1],)), ((), ()))
   return jax.lax.dot_general(_values(a), _values(b), dims, precision=_HIGHEST, preferred_element_type=jnp.float32)
 

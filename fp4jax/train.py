@@ -164,7 +164,14 @@ def run_keys(seed: int) -> dict[str, jax.Array]:
 
 def build_model(config: TrainConfig, key: jax.Array) -> fp4jax.model.Transformer:
   """The model with freshly initialised float32 params; layer recipes set by the policy for step 0."""
-  model = fp4jax.model.Transformer(config.model, recipe=config.policy().resolved_recipe(), rngs=nnx.Rngs(params=key))
+  recipe = config.policy().resolved_recipe()
+
+  def make(k):
+    return fp4jax.model.Transformer(config.model, recipe=recipe, rngs=nnx.Rngs(params=k))
+
+  # Initialised under jit: one compile instead of one per eager initializer op (and the place for out_shardings).
+  graphdef = nnx.graphdef(nnx.eval_shape(make, key))
+  model = nnx.merge(graphdef, jax.jit(lambda k: nnx.state(make(k)))(key))
   config.policy().apply(model, 0, config.steps)
   return model
 
@@ -330,7 +337,7 @@ def train(config: TrainConfig, hooks: Sequence[Hook] = (), *, log: Callable[[str
   optimizer = make_optimizer(config)
   phases = _Phases(config, model, optimizer, compile_cache)
   params = nnx.state(model, nnx.Param)
-  state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.asarray(0, jnp.int32))
+  state = TrainState(params=params, opt_state=jax.jit(optimizer.init)(params), step=jnp.asarray(0, jnp.int32))
   # Committed like a restored state, so a fresh and a resumed run hit the same compiled step.
   state = jax.device_put(state, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
 
@@ -439,7 +446,7 @@ def _loop(config, hooks, log, out, dataset, val, keys, phases, state, manager, s
       final["val_loss"] = val_losses[final_step] = val_loss_at(final_step - 1, state.params)
     if config.stats_every:
       final["quant"] = stats(final_step - 1, state.params)
-    if start < final_step or "val_loss" in final:
+    if "val_loss" in final or "quant" in final:
       metrics_log.write(final)
     for hook in hooks:
       hook(final_step, final)

@@ -17,6 +17,10 @@ Operands (2D QArrays; `contract=(ca, cb)` names the contraction axis of each, de
 Shapes that are not multiples of the tile are zero-padded (codes and scales) in XLA before the kernel and the
 output is cropped; pass `tiles` to avoid that copy. Code 0 decodes to 0 whatever its scale, so padding is exact.
 NaN/inf: a non-finite amax of either operand makes the whole output NaN, like dequantize-then-matmul.
+
+When both operands are packed along the contraction axis (Fprop, Wgrad), each K step is two dots over the even and
+the odd contraction indices (low and high nibbles), so codes are never interleaved in registers; otherwise (Dgrad
+with the reused 2D weight) the nibbles are joined into natural order first.
 """
 
 from __future__ import annotations
@@ -58,25 +62,45 @@ class Operand:
     return (r // self.block[0], c // self.block[1])
 
 
-def _decode_tile(codes_u8, scale_u8, op: Operand):
-  """Dequantized bf16 tile (code * block scale) and the contraction axis of that tile.
+def _scale_values(scale_u8, op: Operand):
+  bits = scale_u8.astype(jnp.int32)
+  return numerics.e4m3_value(bits) if op.kind == "nvfp4" else numerics.e8m0_value(bits)
 
-  Codes are unpacked in registers by joining low/high nibbles along the packed axis; when that is the stored row
-  axis the tile is produced transposed (no transpose back: the dot takes either orientation).
+
+def _expand(scale, block, shape):
+  """Per-block values [R/br, C/bc] broadcast to a [R, C] tile."""
+  nr, nc = scale.shape
+  return jnp.broadcast_to(scale.reshape(nr, 1, nc, 1), (nr, block[0], nc, block[1])).reshape(shape)
+
+
+def _decode_halves(codes_u8, scale_u8, op: Operand):
+  """(even, odd) halves of a tile packed along its contraction axis, as bf16 code * block scale, stored orientation.
+
+  Low nibbles hold the even contraction indices and high nibbles the odd ones, and a dot product does not care
+  how its terms are ordered: a . b = a_even . b_even + a_odd . b_odd. So no interleaving is needed. Within a half,
+  a block of 16 (or 32) contraction indices spans 8 (or 16) positions.
+  """
+  c = codes_u8.astype(jnp.int32)
+  block = list(op.block)
+  block[op.pack_axis] //= 2
+  scale = _expand(_scale_values(scale_u8, op), block, c.shape)
+  return tuple((numerics.e2m1_value(h) * scale).astype(jnp.bfloat16) for h in (c & 15, c >> 4))
+
+
+def _decode_natural(codes_u8, scale_u8, op: Operand):
+  """bf16 tile in natural element order, and its contraction axis: nibbles are joined along the packed axis.
+
+  When the packed axis is the stored row axis the tile comes out transposed (the dot takes either orientation).
   """
   c = codes_u8.astype(jnp.int32)
   lo, hi = c & 15, c >> 4
-  scale_bits = scale_u8.astype(jnp.int32)
-  br, bc = op.block
-  contract = op.contract
+  scale, block, contract = _scale_values(scale_u8, op), op.block, op.contract
   if op.pack_axis == 0:
-    lo, hi, scale_bits, (br, bc), contract = lo.T, hi.T, scale_bits.T, (bc, br), 1 - contract
+    lo, hi, scale, block, contract = lo.T, hi.T, scale.T, block[::-1], 1 - contract
   r, half = lo.shape
   codes = jnp.stack([lo, hi], axis=-1).reshape(r, 2 * half)
-  scale = numerics.e4m3_value(scale_bits) if op.kind == "nvfp4" else numerics.e8m0_value(scale_bits)
-  nr, nc = scale.shape
-  scale = jnp.broadcast_to(scale.reshape(nr, 1, nc, 1), (nr, br, nc, bc)).reshape(r, 2 * half)
-  return (numerics.e2m1_value(codes) * scale).astype(jnp.bfloat16), contract
+  values = numerics.e2m1_value(codes) * _expand(scale, block, codes.shape)
+  return values.astype(jnp.bfloat16), contract
 
 
 def _load(ref, op: Operand, k_len: int, k_step):
@@ -86,17 +110,27 @@ def _load(ref, op: Operand, k_len: int, k_step):
   return ref[tuple(idx)]
 
 
+def _dot(a, a_k, b, b_k):
+  return jax.lax.dot_general(a, b, (((a_k,), (b_k,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 def _matmul_kernel(a_codes_ref, a_scales_ref, b_codes_ref, b_scales_ref, g_ref, out_ref, *, a: Operand, b: Operand,
                    tiles: tuple[int, int, int], k_steps: int):
   bm, bn, bk = tiles
+  split_k = a.pack_axis == a.contract and b.pack_axis == b.contract
+
+  def load(codes_ref, scales_ref, op, k):
+    code_len = bk // 2 if op.pack_axis == op.contract else bk
+    return _load(codes_ref, op, code_len, k), _load(scales_ref, op, bk // op.block[op.contract], k)
 
   def body(k, acc):
-    a_tile, a_k = _decode_tile(_load(a_codes_ref, a, bk // 2 if a.pack_axis == a.contract else bk, k),
-                               _load(a_scales_ref, a, bk // a.block[a.contract], k), a)
-    b_tile, b_k = _decode_tile(_load(b_codes_ref, b, bk // 2 if b.pack_axis == b.contract else bk, k),
-                               _load(b_scales_ref, b, bk // b.block[b.contract], k), b)
-    return acc + jax.lax.dot_general(a_tile, b_tile, (((a_k,), (b_k,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+    a_tiles, b_tiles = load(a_codes_ref, a_scales_ref, a, k), load(b_codes_ref, b_scales_ref, b, k)
+    if split_k:
+      (a_even, a_odd), (b_even, b_odd) = _decode_halves(*a_tiles, a), _decode_halves(*b_tiles, b)
+      return acc + _dot(a_even, a.contract, b_even, b.contract) + _dot(a_odd, a.contract, b_odd, b.contract)
+    a_tile, a_k = _decode_natural(*a_tiles, a)
+    b_tile, b_k = _decode_natural(*b_tiles, b)
+    return acc + _dot(a_tile, a_k, b_tile, b_k)
 
   acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((bm, bn), jnp.float32))
   out_ref[...] = acc * g_ref[0]

@@ -3,7 +3,7 @@
 `quantize_nvfp4(x, ...)` returns the same `fp4jax.QArray` as
 `fp4jax.quantize(x_t, fp4jax.NVFP4(), axis=..., block_2d=..., rounding=..., key=..., random_bits=..., pad=...)` with
 `x_t = x`, or with rht_size set `x_t = fp4jax.random_hadamard(x, size=rht_size, axis=axis)` (already in x.dtype):
-identical codes, scales and amax.
+identical codes, scales and amax (`rht_signs` is passed on as random_hadamard's `signs`).
 
 Data flow. The per-tensor amax is needed before any block can be encoded, so it comes first: one XLA reduction
 max|x|, or with RHT a Pallas pass that transforms each tile and writes only its tile maximum (the transformed tensor
@@ -39,7 +39,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from fp4jax import formats
@@ -282,18 +281,17 @@ def _padded_shape(shape, blocked_axes, pad):
   return tuple(padded)
 
 
-def _rht_matrix_t(rht_size: int) -> jax.Array:
+def _rht_matrix_t(rht_size: int, signs=None) -> jax.Array:
   """H^T for the kernel's dot: H itself for size >= 16, else a 16x16 block-diagonal copy of H (same transform)."""
-  with jax.ensure_compile_time_eval():  # a constant even when called under jit
-    h = np.asarray(rht_lib.hadamard_matrix(rht_size), np.float32)
+  h = rht_lib.hadamard_matrix(rht_size, signs)
   if rht_size < BLOCK:
-    h = np.kron(np.eye(BLOCK // rht_size, dtype=np.float32), h)
-  return jnp.asarray(h.T)
+    h = jnp.kron(jnp.eye(BLOCK // rht_size, dtype=jnp.float32), h)
+  return h.T
 
 
 def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
                    rht_size: int | None = None, interpret: bool | None = None, random_bits: int = 32,
-                   pad: bool = False, tile: tuple[int, int] | None = None) -> QArray:
+                   pad: bool = False, rht_signs=None, tile: tuple[int, int] | None = None) -> QArray:
   """NVFP4-quantizes `x` with the fused Pallas kernel; same QArray as fp4jax.quantize (see the module docstring).
 
   Args:
@@ -307,6 +305,8 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
     interpret: None = interpret mode on CPU, compiled on GPU (RuntimeError if the GPU cannot run the kernels).
     random_bits: 32 or 8, as in fp4jax.quantize.
     pad: zero-pad the blocked axes (and for RHT, `axis`) to a multiple of 16 instead of raising ValueError.
+    rht_signs: the RHT sign vector, as fp4jax.random_hadamard's `signs`: None (the default fixed vector), a PRNG key
+      (random signs) or a +-1 array of length rht_size.
     tile: (rows, cols) of the kernel's [P, R, C] view tile; powers of two. None picks one.
 
   Not differentiable (integer outputs; gradients stop at x). Call it inside a custom_vjp rule.
@@ -336,7 +336,7 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
   if extra:
     x_view = jnp.pad(x_view, widths)
 
-  h_t = _rht_matrix_t(rht_size) if rht_size is not None else None
+  h_t = _rht_matrix_t(rht_size, rht_signs) if rht_size is not None else None
   if rht_size is None:
     amax = jnp.max(jnp.abs(xp.astype(jnp.float32)))
   else:

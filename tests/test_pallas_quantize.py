@@ -27,8 +27,9 @@ def _input(shape, dtype, seed, scale=1.0):
 
 def _reference(x, rht_size=None, **kw):
   kw.pop("tile", None)
+  signs = kw.pop("rht_signs", None)
   if rht_size is not None:
-    x = fp4jax.random_hadamard(x, size=rht_size, axis=kw.get("axis", -1))
+    x = fp4jax.random_hadamard(x, size=rht_size, axis=kw.get("axis", -1), signs=signs)
   return fp4jax.quantize(x, NVFP4, **kw)
 
 
@@ -103,6 +104,8 @@ def test_rht_bit_identical():
       ("RHT32 col f32", _input((64, 16), jnp.float32, 33), dict(axis=0, rht_size=32)),
       ("RHT16 tiny (padded rows)", _input((1, 32), jnp.float32, 34), dict(rht_size=16)),
       ("RHT16 2d", _input((32, 32), jnp.bfloat16, 35), dict(block_2d=True, rht_size=16)),
+      ("RHT16 signs from a key", _input((16, 32), jnp.bfloat16, 36), dict(rht_size=16, rht_signs=jax.random.key(5))),
+      ("RHT8 no signs", _input((16, 32), jnp.float32, 37), dict(rht_size=8, rht_signs=jnp.ones((8,)))),
   ]
   _check_group(cases)
 

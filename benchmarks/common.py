@@ -1,0 +1,133 @@
+"""Shared timing helpers for the benchmarks: jit with donated buffers, warm-up, median of N runs, ratio tables.
+
+Timings on a shared machine are noisy, so every benchmark reports ratios to a baseline measured in the same run,
+and each timing keeps its spread (min and max of the runs) next to the median.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Wall-clock seconds of one jitted computation over `elements` elements: median, min and max of the runs."""
+
+  name: str
+  group: str
+  elements: int
+  median_s: float
+  min_s: float
+  max_s: float
+
+  @property
+  def elements_per_s(self) -> float:
+    return self.elements / self.median_s
+
+
+def _fresh_copy(a):
+  """A new device buffer with `a`'s contents (a donated buffer is consumed by the call it is passed to)."""
+  return jax.tree.map(lambda t: jnp.array(t, copy=True), a)
+
+
+def time_jitted(fn: Callable, args: Sequence, *, name: str, group: str = "", elements: int | None = None,
+                donate_argnums: tuple[int, ...] = (0,), warmup: int = 2, repeats: int = 5) -> Timing:
+  """Times `jax.jit(fn, donate_argnums=...)(*args)`: `warmup` untimed calls (compile + caches), then `repeats` timed.
+
+  Donated arguments are copied afresh before every call, outside the timed region, so each call may reuse its
+  input's memory for the output (as a training step does); the others are passed as they are. `elements` defaults
+  to the size of the first argument.
+  """
+  if repeats < 1 or warmup < 0:
+    raise ValueError(f"need repeats >= 1 and warmup >= 0; got repeats={repeats}, warmup={warmup}.")
+  jitted = jax.jit(fn, donate_argnums=donate_argnums)
+
+  def call_args():
+    fresh = [_fresh_copy(a) if i in donate_argnums else a for i, a in enumerate(args)]
+    return jax.block_until_ready(fresh)
+
+  for _ in range(warmup):
+    jax.block_until_ready(jitted(*call_args()))
+  runs = []
+  for _ in range(repeats):
+    call = call_args()
+    start = time.perf_counter()
+    jax.block_until_ready(jitted(*call))
+    runs.append(time.perf_counter() - start)
+  if elements is None:
+    elements = math.prod(jax.tree.leaves(args)[0].shape)
+  return Timing(name, group, elements, statistics.median(runs), min(runs), max(runs))
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence], align: str | None = None) -> str:
+  """Plain-text table with aligned columns; `align` is one of 'l'/'r' per column (default: first left, rest right)."""
+  cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+  widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+  align = align or "l" + "r" * (len(headers) - 1)
+
+  def line(r):
+    return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align)).rstrip()
+
+  rule = "  ".join("-" * w for w in widths)
+  return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def ratio_table(timings: Sequence[Timing], baseline: str) -> str:
+  """One row per timing: median and spread, elements/s, and throughput relative to the `baseline` row of its group."""
+  base = {t.group: t for t in timings if t.name == baseline}
+  rows = []
+  for t in timings:
+    if t.group not in base:
+      raise ValueError(f"group {t.group!r} has no baseline row named {baseline!r}.")
+    rows.append([t.group, t.name, f"{t.median_s * 1e3:.2f}", f"{t.min_s * 1e3:.2f}-{t.max_s * 1e3:.2f}",
+                 f"{t.elements_per_s / 1e9:.3f}", f"{t.elements_per_s / base[t.group].elements_per_s:.3f}"])
+  return format_table(["dtype", "computation", "median ms", "min-max ms", "Gelem/s", "vs baseline"], rows,
+                      align="llrrrr")
+
+
+def print_ratio_table(timings: Sequence[Timing], baseline: str, title: str | None = None, file=sys.stdout) -> None:
+  """Prints `ratio_table` under an optional title."""
+  if title:
+    print(title, file=file)
+  print(ratio_table(timings, baseline), file=file, flush=True)
+
+
+_ENTRY_OP = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+?)(\{[^}]*\})? (\S+?)\((.*?)\)")
+_SHAPE = re.compile(r"^\w+\[([\d,]*)\]")
+_SKIP = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}
+
+
+def hlo_passes(fn: Callable, args: Sequence, full_elements: int) -> list[str]:
+  """The optimised HLO's top-level kernels (fusions, copies, custom calls) of `jax.jit(fn)(*args)`, one line each.
+
+  A kernel whose output has at least `full_elements` elements, or which reads a parameter of that size, is a pass
+  over the full-size data (marked '*'); the rest touch only per-block or scalar data.
+  """
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  entry = text[text.index("\nENTRY"):].splitlines()[1:]
+  sizes = {}
+  lines = []
+  for row in entry:
+    m = _ENTRY_OP.match(row)
+    if not m:
+      continue
+    name, shape, _, op, operands = m.groups()
+    dims = _SHAPE.match(shape)
+    size = math.prod(int(d) for d in dims.group(1).split(",") if d) if dims else 0
+    sizes[name] = size
+    if op in _SKIP:
+      continue
+    reads = [o.strip().lstrip("%") for o in operands.split(",")]
+    full = size >= full_elements or any(sizes.get(r, 0) >= full_elements for r in reads)
+    kind = re.search(r"kind=(\w+)", row)
+    lines.append(f"{'*' if full else ' '} {op}{'(' + kind.group(1) + ')' if kind else ''} -> {shape}  [{name}]")
+  return lines

@@ -1,0 +1,119 @@
+"""Quantize + dequantize throughput (elements/s) on the CPU, each as a ratio to a same-run copy-like baseline.
+
+  python benchmarks/quantize.py [--size 4096] [--repeats 5] [--warmup 2] [--dtypes float32,bfloat16] [--hlo]
+
+Every computation is jitted with its input donated, warmed up, and timed as the median of `--repeats` runs on a
+`size x size` tensor (16M elements by default). The baseline reads the input and writes an output of the same size
+and dtype (`x + 1`); "vs baseline" is throughput / baseline throughput, measured in the same run, so it is far less
+noisy than the absolute numbers on a shared machine. Rows ("q+dq" is `fake_quant`, bit-identical to
+`dequantize(quantize(x))`, with the codes decoded in the same fused pass):
+  nvfp4 rne / sr q+dq         NVFP4, round-to-nearest-even / stochastic rounding (32 random bits)
+  nvfp4 rne / sr +rht q+dq    the same after a 16-point random Hadamard transform along the blocked axis
+  mxfp4 q+dq                  MXFP4, OCP floor scale rule
+  nvfp4 quantize              quantize() alone: packed codes + E4M3 scales + amax (outputs 9/16 of a float32 size)
+  nvfp4 dequantize            dequantize() alone, from a QArray (the input is not donatable: new output buffer)
+  nvfp4 dequantize(quantize)  the two public calls composed in one jit (codes packed, unpacked, decoded)
+
+HLO findings (XLA:CPU, jax 0.10; `--hlo` prints the kernel list of the NVFP4 RNE chain):
+  Before (fake_quant was `dequantize(quantize(x))` on a [S/16, 16]-reshaped tensor): ~0.02x the baseline. The
+  kernels were (1) global amax, (2) block amax as a reduce over the minor 16-axis (~5x slower than a reduce_window
+  here), (3) the per-block scales, and (4) one loop fusion for everything else. (4) held the E2M1 decode as a gather
+  (a 16-entry table lookup per element, not vectorised), the nibble unpack as a concatenate (a
+  branch per element), and the stride-2 slices of the pack, so every output element recomputed both codes of its
+  byte, each through frexp-based rounding. The reshape of the input into blocks also stopped XLA from writing the
+  result in place into the donated input: it added a full-size copy and a fresh (page-faulting) output buffer.
+  After: block amax is one reduce_window (a YNNPACK reduce fusion); the global amax is the max of the block amaxes
+  (a pass over 1/16 of the data instead of a second full read); the per-block scales are small kLoop fusions; and
+  the rest is one elementwise kLoop fusion that reads x once and writes the output in place: scale, RNE to E2M1
+  codes by seven compares, arithmetic decode (bit tricks, no gather), times block and global scale. Two full passes
+  over the data in all (block amax: read; fused chain: read + write) against the baseline's one.
+  Still duplicated: XLA:CPU fuses cheap per-block producers into their broadcasting consumer, so the E4M3 rounding of
+  each block scale (a dozen integer ops since it no longer uses frexp) is recomputed per element in the dequantize
+  multiply; the block encode scale is materialised once, because it ends in a divide, which XLA does not duplicate.
+  For MXFP4 the frexp-based power-of-two exponent of each block is likewise recomputed per element.
+  Stochastic rounding adds threefry bit generation per element (the dominant cost of the SR rows); the RHT adds a
+  [.., 16] x [16, 16] float32 matmul at HIGHEST precision (a dot kernel plus its own full read and write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import fp4jax  # noqa: E402
+from benchmarks import common  # noqa: E402
+
+BASELINE = "baseline x+1"
+NVFP4 = fp4jax.NVFP4()
+MXFP4 = fp4jax.MXFP4()
+
+
+def _rht(x):
+  return fp4jax.random_hadamard(x, size=16, axis=-1)
+
+
+def computations(x, key):
+  """(name, fn, args, donate_argnums) for each row; every fn returns a result of x's size."""
+  q = jax.jit(lambda x: fp4jax.quantize(x, NVFP4))(x)
+  return [
+      (BASELINE, lambda x: x + jnp.asarray(1, x.dtype), (x,), (0,)),
+      ("nvfp4 rne q+dq", lambda x: fp4jax.fake_quant(x, NVFP4), (x,), (0,)),
+      ("nvfp4 sr q+dq", lambda x, k: fp4jax.fake_quant(x, NVFP4, rounding="stochastic", key=k), (x, key), (0,)),
+      ("nvfp4 rne +rht q+dq", lambda x: fp4jax.fake_quant(_rht(x), NVFP4), (x,), (0,)),
+      ("nvfp4 sr +rht q+dq", lambda x, k: fp4jax.fake_quant(_rht(x), NVFP4, rounding="stochastic", key=k), (x, key),
+       (0,)),
+      ("mxfp4 q+dq", lambda x: fp4jax.fake_quant(x, MXFP4), (x,), (0,)),
+      ("nvfp4 quantize", lambda x: fp4jax.quantize(x, NVFP4), (x,), ()),  # outputs are smaller: nothing to reuse
+      ("nvfp4 dequantize", lambda q: fp4jax.dequantize(q, q.dtype), (q,), ()),
+      ("nvfp4 dequantize(quantize)", lambda x: fp4jax.dequantize(fp4jax.quantize(x, NVFP4), x.dtype), (x,), (0,)),
+  ]
+
+
+def run(size: int, repeats: int, warmup: int, dtypes: list[str]) -> list[common.Timing]:
+  """Times every computation for every dtype; returns the timings in table order."""
+  timings = []
+  for dtype in dtypes:
+    x = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
+    for name, fn, args, donate in computations(x, jax.random.key(1)):
+      timings.append(common.time_jitted(fn, args, name=name, group=jnp.dtype(dtype).name, elements=x.size,
+                                        donate_argnums=donate, warmup=warmup, repeats=repeats))
+  return timings
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--size", type=int, default=4096, help="the tensor is size x size (default 4096: 16M elements)")
+  parser.add_argument("--repeats", type=int, default=5, help="timed runs per computation (median reported)")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (the first one compiles)")
+  parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated input dtypes")
+  parser.add_argument("--hlo", action="store_true", help="also print the optimised HLO kernels of nvfp4 rne q+dq")
+  args = parser.parse_args(argv)
+  if args.size < 32 or args.size % 32:
+    parser.error(f"--size must be a positive multiple of 32 (the MXFP4 block); got {args.size}.")
+  if args.repeats < 1:
+    parser.error("--repeats must be >= 1.")
+  dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+  for d in dtypes:
+    if d not in ("float32", "bfloat16", "float16"):
+      parser.error(f"unsupported dtype {d!r}: use float32, bfloat16 or float16.")
+
+  timings = run(args.size, args.repeats, args.warmup, dtypes)
+  n = args.size * args.size
+  title = (f"quantize+dequantize throughput, {args.size}x{args.size} ({n / 2**20:.0f}M elements), "
+           f"median of {args.repeats} (warmup {args.warmup}), {jax.devices()[0].platform} x{os.cpu_count()} cores")
+  common.print_ratio_table(timings, BASELINE, title)
+  if args.hlo:
+    x = jnp.zeros((args.size, args.size), jnp.float32)
+    print("\noptimised HLO kernels of nvfp4 rne q+dq (* = a pass over full-size data):")
+    print("\n".join(common.hlo_passes(lambda x: fp4jax.fake_quant(x, NVFP4), (x,), n)))
+  return timings
+
+
+if __name__ == "__main__":
+  main()
