@@ -23,7 +23,6 @@ throughput; linear: time relative to bf16, > 1 is slower).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics

@@ -22,6 +22,12 @@ class CheckpointError(ValueError):
   """A checkpoint is missing, unreadable or does not match the run it is restored into."""
 
 
+def _short(e: Exception, limit: int = 400) -> str:
+  """The first `limit` characters of an exception (tensorstore errors embed whole JSON specs)."""
+  text = f"{type(e).__name__}: {e}"
+  return text if len(text) <= limit else text[:limit] + " ..."
+
+
 def checkpoint_dir(out_dir: str | pathlib.Path) -> pathlib.Path:
   """Where the checkpoints of the run in `out_dir` live."""
   return pathlib.Path(out_dir).expanduser().absolute() / CHECKPOINT_DIR
@@ -39,7 +45,8 @@ def open_manager(out_dir: str | pathlib.Path, *, max_to_keep: int | None = 3, sa
     raise CheckpointError(f"No checkpoints found: {directory} does not exist.")
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
                                          create=create)
-  return ocp.CheckpointManager(directory, options=options)
+  handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+  return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: dict[str, Any], meta: dict[str, Any], *,
@@ -74,12 +81,46 @@ def restore_meta(manager: ocp.CheckpointManager, step: int | None = None) -> tup
   try:
     restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
   except Exception as e:  # orbax raises many types for damaged files; all mean the same to the caller
-    raise CheckpointError(f"Checkpoint {step} in {manager.directory} is unreadable (metadata): {e}. "
+    raise CheckpointError(f"Checkpoint {step} in {manager.directory} is unreadable (metadata): {_short(e)}. "
                           "Nothing was deleted; pass an earlier step or remove that folder.") from e
   meta = restored["meta"]
   if not isinstance(meta, dict):
     raise CheckpointError(f"Checkpoint {step} in {manager.directory} has malformed metadata: {meta!r}.")
   return step, meta
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "idx", "name"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _array_specs(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+  """{dotted path: (shape, dtype name)} in orbax's naming (namedtuple fields and dict keys alike)."""
+  return {".".join(_key_name(k) for k in path): (tuple(leaf.shape), str(leaf.dtype))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_compatible(manager: ocp.CheckpointManager, step: int, abstract) -> None:
+  """Compares the stored array names, shapes and dtypes with the target's before reading any data."""
+  try:
+    stored_tree = manager.item_metadata(step)["state"]
+    stored = _array_specs(stored_tree)
+  except Exception as e:  # damaged metadata surfaces as many exception types
+    raise CheckpointError(f"Checkpoint {step} in {manager.directory} is unreadable (array metadata): "
+                          f"{_short(e)}. Nothing was deleted; pass an earlier step or remove that "
+                          "folder.") from e
+  wanted = _array_specs(abstract)
+  if stored == wanted:
+    return
+  problems = [f"missing {k}" for k in sorted(set(wanted) - set(stored))]
+  problems += [f"unexpected {k}" for k in sorted(set(stored) - set(wanted))]
+  problems += [f"{k}: stored {stored[k][0]} {stored[k][1]}, expected {wanted[k][0]} {wanted[k][1]}"
+               for k in sorted(set(stored) & set(wanted)) if stored[k] != wanted[k]]
+  more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+  raise CheckpointError(f"Checkpoint {step} in {manager.directory} does not match this run's model/optimizer "
+                        f"(config changed?): {'; '.join(problems[:5])}{more}.")
 
 
 def restore(manager: ocp.CheckpointManager, target: dict[str, Any], step: int | None = None
@@ -91,12 +132,13 @@ def restore(manager: ocp.CheckpointManager, target: dict[str, Any], step: int | 
   """
   step = _pick_step(manager, step)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+  _check_compatible(manager, step, abstract)
   args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
   try:
     restored = manager.restore(step, args=args)
   except Exception as e:  # orbax raises many types for damaged files; all mean the same to the caller
     raise CheckpointError(f"Checkpoint {step} in {manager.directory} could not be restored: "
-                          f"{type(e).__name__}: {e}. Nothing was deleted; pass an earlier step or remove that "
+                          f"{_short(e)}. Nothing was deleted; pass an earlier step or remove that "
                           "folder.") from e
   state, meta = restored["state"], restored["meta"]
   want = jax.tree.structure(abstract)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from fp4jax import grids
+
 E4M3_MAX = 448.0
 
 
 def scales(amax_b):
   """(decode scale amax/448, encode factor 448/amax) per block, both float32; amax == 0 gives 1 and 1."""
   zero = amax_b == 0
-  decode = jnp.where(zero, jnp.float32(1.0), amax_b / jnp.float32(E4M3_MAX))
+  decode = jnp.where(zero, jnp.float32(1.0), grids.divide_by_constant(amax_b, E4M3_MAX))
   encode = jnp.where(zero, jnp.float32(1.0), jnp.float32(E4M3_MAX) / amax_b)
   return decode, encode

@@ -23,7 +23,7 @@ def global_encode_scale(amax):
 
 def global_decode_scale(amax):
   """The dequantization multiplier amax / 2688 applied after code * block scale."""
-  return amax / jnp.float32(GLOBAL_RANGE)
+  return grids.divide_by_constant(amax, GLOBAL_RANGE)
 
 
 def block_scale(amax_b, s_enc):

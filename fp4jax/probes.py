@@ -344,11 +344,18 @@ def _probe_layer(x_MxK, w_KxN, dy_MxN, key, recipe, num_draws):
              "wgrad.dY": operand_stats(dyq_t), "wgrad.x": operand_stats(ops.x_wgrad)}
     stats = {k: v for k, v in stats.items() if v}
 
-  refs = [refs_dx[r] for r in BIAS_REFERENCES] + [refs_dw[r] for r in BIAS_REFERENCES]
-  n_series, n_levels = len(refs), len(levels)
+  refs_dx_R = jnp.stack([refs_dx[r] for r in BIAS_REFERENCES])
+  refs_dw_R = jnp.stack([refs_dw[r] for r in BIAS_REFERENCES])
+  n_refs, n_levels = len(BIAS_REFERENCES), len(levels)
+  sizes_L = jnp.asarray(levels, jnp.int32)
 
-  def series_errors(mean_dx, mean_dw):
-    return jnp.stack([rel_error(mean_dx, r) for r in refs[:3]] + [rel_error(mean_dw, r) for r in refs[3:]])
+  def series_errors(mean_dx_L, mean_dw_L):
+    """[2 * refs, L] relative errors of per-level means (dgrad refs first, then wgrad refs)."""
+    def rel(mean_L, refs_R):
+      num = jnp.sqrt(jnp.sum(jnp.square(mean_L[None] - refs_R[:, None]), axis=(2, 3)))
+      den = jnp.sqrt(jnp.sum(jnp.square(refs_R), axis=(1, 2)))[:, None]
+      return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
+    return jnp.concatenate([rel(mean_dx_L, refs_dx_R), rel(mean_dw_L, refs_dw_R)])
 
   def per_draw_metrics(dx, dw):
     return jnp.stack([rel_error(dx, refs_dx["bf16"]), cosine(dx, refs_dx["bf16"]),
@@ -357,7 +364,8 @@ def _probe_layer(x_MxK, w_KxN, dy_MxN, key, recipe, num_draws):
   if not recipe.needs_key:
     # Every draw is the same: the mean of any K draws is the single draw, so each group has the same error.
     dx, dw = draw(key)
-    table = jnp.broadcast_to(series_errors(dx, dw)[:, None, None], (n_series, n_levels, num_draws))
+    errors = series_errors(dx[None], dw[None])  # [series, 1]
+    table = jnp.broadcast_to(errors[:, :, None], (2 * n_refs, n_levels, num_draws))
     per_draw = jnp.broadcast_to(per_draw_metrics(dx, dw)[:, None], (4, num_draws))
   else:
     def body(d, carry):
@@ -365,18 +373,19 @@ def _probe_layer(x_MxK, w_KxN, dy_MxN, key, recipe, num_draws):
       dx, dw = draw(jax.random.fold_in(key, d))
       per_draw = per_draw.at[:, d].set(per_draw_metrics(dx, dw))
       sums_dx, sums_dw = sums_dx + dx[None], sums_dw + dw[None]
-      for l, size in enumerate(levels):
-        done = (d + 1) % size == 0
-        errors = series_errors(sums_dx[l] / size, sums_dw[l] / size)
-        g = d // size
-        table = table.at[:, l, g].set(jnp.where(done, errors, table[:, l, g]))
-        sums_dx = sums_dx.at[l].set(jnp.where(done, 0.0, sums_dx[l]))
-        sums_dw = sums_dw.at[l].set(jnp.where(done, 0.0, sums_dw[l]))
+      # Level l closes a group of sizes_L[l] draws every sizes_L[l] draws: record its error, restart its sum.
+      done_L = (d + 1) % sizes_L == 0
+      scale_L = 1.0 / sizes_L.astype(jnp.float32)
+      errors = series_errors(sums_dx * scale_L[:, None, None], sums_dw * scale_L[:, None, None])
+      rows, groups = jnp.arange(n_levels), d // sizes_L
+      table = table.at[:, rows, groups].set(jnp.where(done_L[None], errors, table[:, rows, groups]))
+      sums_dx = jnp.where(done_L[:, None, None], 0.0, sums_dx)
+      sums_dw = jnp.where(done_L[:, None, None], 0.0, sums_dw)
       return sums_dx, sums_dw, table, per_draw
 
     init = (jnp.zeros((n_levels,) + refs_dx["bf16"].shape, jnp.float32),
             jnp.zeros((n_levels,) + refs_dw["bf16"].shape, jnp.float32),
-            jnp.full((n_series, n_levels, num_draws), jnp.nan, jnp.float32),
+            jnp.full((2 * n_refs, n_levels, num_draws), jnp.nan, jnp.float32),
             jnp.zeros((4, num_draws), jnp.float32))
     _, _, table, per_draw = jax.lax.fori_loop(0, num_draws, body, init)
 

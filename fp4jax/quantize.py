@@ -94,12 +94,13 @@ def _scale_shape(shape, block):
   return tuple(s // b for s, b in zip(shape, block))
 
 
-def _quantize_elements(x32, fmt, block, rounding, key, random_bits):
+def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False):
   """The quantizer proper on the (padded) float32 tensor.
 
-  Returns (elements, scales, amax, decode): `elements` has x32's shape, E2M1 codes (int32 0..15) for FP4 or E4M3
-  values (float32) for FP8; `scales` are the stored block scales; `decode(elements)` is what `dequantize` returns
-  before the non-finite check, without the round trip through packed codes and stored scales.
+  Returns (elements, scales, amax, decode): `elements` has x32's shape: E2M1 codes (int32 0..15) for FP4, or with
+  `values=True` the E2M1 values those codes stand for (float32); E4M3 values (float32) for FP8. `scales` are the
+  stored block scales. With `values=True`, `decode(elements)` is what `dequantize` returns before the non-finite
+  check, without the round trip through codes, packing and stored scales.
   """
   amax_b = _block_amax(x32, block)
   amax = jnp.max(amax_b)  # == max|x|, NaN-propagating; saves a pass over x
@@ -114,13 +115,15 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits):
     y = x32 * _expand_blocks(encode, block)
     scales = s_b.astype(jnp.float8_e4m3fn)
     # s_b is exactly an E4M3 value (the float8 round trip only matters for NaN, which the caller maps to NaN anyway).
-    decode = lambda c: grids.e2m1_decode(c) * _expand_blocks(s_b, block) * nvfp4.global_decode_scale(amax)
+    decode = lambda v: v * _expand_blocks(s_b, block) * nvfp4.global_decode_scale(amax)
   else:
     e = mxfp4.scale_exponent(amax_b, fmt.scale_rule)
     y = mxfp4.scale_by_pow2(x32, _expand_blocks(-e, block))
     scales = mxfp4.encode_scales(e, amax_b)
-    decode = lambda c: jnp.where(_expand_blocks(jnp.isnan(amax_b), block), jnp.nan,
-                                 mxfp4.scale_by_pow2(grids.e2m1_decode(c), _expand_blocks(e, block)))
+    decode = lambda v: jnp.where(_expand_blocks(jnp.isnan(amax_b), block), jnp.nan,
+                                 mxfp4.scale_by_pow2(v, _expand_blocks(e, block)))
+  if values:  # the rounded values equal the decoded codes (up to NaN inputs, whose tensor dequantizes to NaN)
+    return rounding_lib.round_e2m1(y, rounding=rounding, key=key, random_bits=random_bits), scales, amax, decode
   codes = rounding_lib.e2m1_codes(y, rounding=rounding, key=key, random_bits=random_bits)
   return codes, scales, amax, decode
 
@@ -153,7 +156,9 @@ def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = 
     codes = elements.astype(jnp.float8_e4m3fn)
   else:
     codes = grids.pack_nibbles(elements.astype(jnp.uint8), axis)
-  return QArray(codes, scales.reshape(_scale_shape(shape, block)), amax, fmt=fmt, shape=shape,
+  per_tensor = not _blocked_axes(fmt, x.ndim, axis, block_2d)
+  scales = scales.reshape(() if per_tensor else _scale_shape(shape, block))
+  return QArray(codes, scales, amax, fmt=fmt, shape=shape,
                 orig_shape=tuple(x.shape), axis=axis, block_2d=block_2d, dtype=x.dtype)
 
 
@@ -207,14 +212,14 @@ def fake_quant(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str 
                random_bits: int = 32, pad: bool = False) -> jax.Array:
   """dequantize(quantize(x, fmt, ...)) in x's dtype: the values a quantized GEMM would see.
 
-  Bit-identical to that composition, but decodes the codes where they are computed (no packing, no float8 scale
-  round trip), so under jit the whole chain is a block-max pass plus one fused elementwise pass.
+  Bit-identical to that composition, but multiplies the rounded E2M1/E4M3 values by their scales directly (no
+  codes, packing or float8 scale round trip), so under jit the chain is a block-max pass plus one fused pass.
   """
   fmt = formats.get_format(fmt)
   x = jnp.asarray(x)
   axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits)
   x32, _, block = _prepare(x, fmt, axis, block_2d, pad)
-  elements, _, amax, decode = _quantize_elements(x32, fmt, block, rounding, key, random_bits)
+  elements, _, amax, decode = _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=True)
   return _finish(decode(elements), amax, x.shape, x.dtype)
 
 

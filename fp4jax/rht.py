@@ -1,4 +1,4 @@
-"""Random Hadamard Transform (RHT): H = diag(s) H_d / sqrt(d), applied to each run of d elements along an axis.
+"""Random Hadamard Transform (RHT): H = diag(s) H_d / sqrt(d); each run t of d elements along an axis becomes t @ H.
 
 H is orthonormal, so transforming both GEMM operands along their shared contraction axis leaves the exact product
 unchanged while spreading outliers across each tile, which shrinks block amaxes relative to typical values.
@@ -72,7 +72,7 @@ def hadamard_matrix(size: int = 16, signs=None) -> jax.Array:
 
 
 def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: bool = False):
-  """Applies H (or H^T with inverse=True) to every run of `size` consecutive elements of `x` along `axis`.
+  """Maps every run t of `size` consecutive elements of `x` along `axis` to t @ H (or t @ H^T with inverse=True).
 
   Computed in float32 at HIGHEST precision and returned in x's dtype (so a bf16 operand's RHT output is rounded to
   bf16, as in the reference, which runs the RHT as a bf16 matmul with float32 accumulation).
@@ -87,7 +87,8 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
   h = hadamard_matrix(size, signs)
   x_moved = jnp.moveaxis(x, axis, -1)
   tiles = x_moved.reshape(*x_moved.shape[:-1], n // size, size).astype(jnp.float32)
-  # Per tile y = H t (row vectors: t @ H^T); the inverse is H^T y (row vectors: y @ H).
-  y = jnp.einsum("...j,ij->...i" if not inverse else "...j,ji->...i", tiles, h,
+  # Row-vector convention of the reference implementation: each tile t becomes t @ H = (H_d diag(s) t^T)^T / sqrt(d),
+  # i.e. the signs flip first, then the Hadamard mixes. The inverse is y @ H^T.
+  y = jnp.einsum("...j,ji->...i" if not inverse else "...j,ij->...i", tiles, h,
                  precision=jax.lax.Precision.HIGHEST)
   return jnp.moveaxis(y.reshape(x_moved.shape).astype(x.dtype), -1, axis)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -165,15 +166,20 @@ def run_keys(seed: int) -> dict[str, jax.Array]:
 def build_model(config: TrainConfig, key: jax.Array) -> fp4jax.model.Transformer:
   """The model with freshly initialised float32 params; layer recipes set by the policy for step 0."""
   recipe = config.policy().resolved_recipe()
-
-  def make(k):
-    return fp4jax.model.Transformer(config.model, recipe=recipe, rngs=nnx.Rngs(params=k))
-
-  # Initialised under jit: one compile instead of one per eager initializer op (and the place for out_shardings).
-  graphdef = nnx.graphdef(nnx.eval_shape(make, key))
-  model = nnx.merge(graphdef, jax.jit(lambda k: nnx.state(make(k)))(key))
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda k: _make_model(config.model, recipe, k), key))
+  model = nnx.merge(graphdef, _init_state(config.model, recipe, key))
   config.policy().apply(model, 0, config.steps)
   return model
+
+
+def _make_model(model_config, recipe, key):
+  return fp4jax.model.Transformer(model_config, recipe=recipe, rngs=nnx.Rngs(params=key))
+
+
+# Initialised under jit: one compile per (model config, recipe) instead of one per eager initializer op.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_state(model_config, recipe, key):
+  return nnx.state(_make_model(model_config, recipe, key))
 
 
 def load_data(config: TrainConfig) -> tuple[fp4jax.data.TokenDataset, list[dict[str, np.ndarray]]]:

@@ -24,7 +24,12 @@ RHT bit-identity: the kernel applies H with a float32 dot (precision HIGHEST) ov
 as a block-diagonal 16x16 matrix), like fp4jax.random_hadamard. In interpret mode both run XLA's CPU dot and agree
 bit for bit (tested). A compiled kernel sums the 16 products in Triton's order, which may differ from XLA's GPU dot
 in the last bit of a float32 sum; after rounding to bf16 that changes a code only rarely (benchmarks/gpu_bench.py
-counts such mismatches on the GPU).
+counts such mismatches on the GPU). The RHT amax comes from the kernel's own transform, so amax, scales and codes
+always agree with each other.
+
+Tiles are powers of two dividing the view (Triton's requirement), a few thousand elements when compiled and up to
+2^18 in interpret mode (each interpreted grid step costs ~1 ms); `tile=` overrides. With RHT, tensors too small to
+give a tile 16 RHT groups (Triton's dot minimum) get zero rows added, which are cropped from the outputs.
 
 NaN/inf: as in fp4jax, amax propagates NaN and non-finite input poisons the tensor (dequantize gives NaN). Codes of
 NaN elements carry the NaN's sign bit, which is platform-dependent, so only NaN-free inputs are promised identical
@@ -197,8 +202,11 @@ def _rht_amax_kernel(x_ref, h_ref, o_ref, *, plan: Plan, in_dtype):
   o_ref[...] = jnp.full((1, 1), jnp.where(n_nan > 0, jnp.nan, m), jnp.float32)
 
 
-def _tile_spec(plan: Plan, shape_rc):
-  return pl.BlockSpec((None, *shape_rc), lambda p, i, j: (p, i, j))
+_SQUEEZED = getattr(pl, "squeezed", None)  # jax >= 0.7 spells a squeezed block dimension `pl.squeezed`
+
+
+def _tile_spec(shape_rc):
+  return pl.BlockSpec((_SQUEEZED, *shape_rc), lambda p, i, j: (p, i, j))
 
 
 def _whole_spec(shape):
@@ -212,8 +220,8 @@ def rht_amax_call(x_view, h_t, plan: Plan, *, interpret: bool):
       functools.partial(_rht_amax_kernel, plan=plan, in_dtype=x_view.dtype),
       out_shape=jax.ShapeDtypeStruct(grid, jnp.float32),
       grid=grid,
-      in_specs=[_tile_spec(plan, plan.tile), _whole_spec(h_t.shape)],
-      out_specs=pl.BlockSpec((None, 1, 1), lambda p, i, j: (p, i, j)),
+      in_specs=[_tile_spec(plan.tile), _whole_spec(h_t.shape)],
+      out_specs=pl.BlockSpec((_SQUEEZED, 1, 1), lambda p, i, j: (p, i, j)),
       interpret=interpret,
       compiler_params=platform.compiler_params(num_warps=4, num_stages=2),
       name="nvfp4_rht_amax",
@@ -226,13 +234,13 @@ def quantize_call(x_view, scal, h_t, bits_view, plan: Plan, *, rounding: str, ra
   tr, tc = plan.tile
   br, bc = plan.block
   codes_tile = (tr // 2, tc) if plan.pack_axis == 0 else (tr, tc // 2)
-  inputs, in_specs = [x_view, scal], [_tile_spec(plan, plan.tile), _whole_spec(scal.shape)]
+  inputs, in_specs = [x_view, scal], [_tile_spec(plan.tile), _whole_spec(scal.shape)]
   if plan.rht_group:
     inputs.append(h_t)
     in_specs.append(_whole_spec(h_t.shape))
   if rounding == "stochastic":
     inputs.append(bits_view)
-    in_specs.append(_tile_spec(plan, plan.tile))
+    in_specs.append(_tile_spec(plan.tile))
   kernel = functools.partial(_quantize_kernel, plan=plan, in_dtype=x_view.dtype, rounding=rounding,
                              random_bits=random_bits, interpret=interpret)
   return pl.pallas_call(
@@ -240,7 +248,7 @@ def quantize_call(x_view, scal, h_t, bits_view, plan: Plan, *, rounding: str, ra
       out_shape=(jax.ShapeDtypeStruct(plan.codes_view, jnp.uint8), jax.ShapeDtypeStruct(plan.scales_view, jnp.uint8)),
       grid=plan.grid,
       in_specs=in_specs,
-      out_specs=(_tile_spec(plan, codes_tile), _tile_spec(plan, (tr // br, tc // bc))),
+      out_specs=(_tile_spec(codes_tile), _tile_spec((tr // br, tc // bc))),
       interpret=interpret,
       compiler_params=platform.compiler_params(num_warps=4, num_stages=2),
       name="nvfp4_quantize",
@@ -282,11 +290,12 @@ def _padded_shape(shape, blocked_axes, pad):
 
 
 def _rht_matrix_t(rht_size: int, signs=None) -> jax.Array:
-  """H^T for the kernel's dot: H itself for size >= 16, else a 16x16 block-diagonal copy of H (same transform)."""
+  """The matrix the kernel's dot right-multiplies by: fp4jax.random_hadamard maps each run t to t @ H, so H itself
+  for size >= 16, else a 16x16 block-diagonal copy of H (same transform)."""
   h = rht_lib.hadamard_matrix(rht_size, signs)
   if rht_size < BLOCK:
     h = jnp.kron(jnp.eye(BLOCK // rht_size, dtype=jnp.float32), h)
-  return h.T
+  return h
 
 
 def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,

@@ -1,0 +1,44 @@
+"""Which transformer blocks stay in BF16: none, the first k, the last k, the first k and last k (NVFP4_SPEC.md 6).
+
+Every other block runs the paper's NVFP4 recipe. Paper (1.2B, 20 blocks): all-NVFP4 diverged; the last 4 blocks in
+BF16 stabilised training, the first 4 alone did not; first 2 + last 2 worked. At 12B: first 2 + last 8 of 62.
+
+    python -m experiments.high_precision_layers --preset smoke --out runs/hp_layers_smoke
+    python -m experiments.high_precision_layers --preset cpu --out runs/hp_layers_cpu
+    python -m experiments.high_precision_layers --preset gpu --out runs/hp_layers_gpu
+"""
+
+import sys
+
+from experiments import sweep
+
+SEEDS = {"smoke": 1, "cpu": 2, "gpu": 1}
+# Block counts per preset (smoke and cpu models have 2 and 4 blocks; paper_1b has 20).
+KS = {"smoke": (1,), "cpu": (1, 2), "gpu": (1, 2, 4)}
+
+
+def get_config(preset: str) -> sweep.Sweep:
+  """The BF16-layer sweep for `preset`: python -m experiments.high_precision_layers --preset PRESET --out DIR."""
+  base = sweep.base_overrides(preset)
+  runs = [sweep.Run("bf16", {"recipe": "bf16"}, "BF16"),
+          sweep.Run("none", {"recipe": "nvfp4"}, "NVFP4 everywhere")]
+  for k in KS[preset]:
+    runs += [sweep.Run(f"first{k}", {"recipe": "nvfp4", "bf16_first": k}, f"first {k} BF16"),
+             sweep.Run(f"last{k}", {"recipe": "nvfp4", "bf16_last": k}, f"last {k} BF16"),
+             sweep.Run(f"first{k}_last{k}", {"recipe": "nvfp4", "bf16_first": k, "bf16_last": k},
+                       f"first {k} + last {k} BF16")]
+  if preset == "smoke":
+    runs = [r for r in runs if r.name in ("bf16", "none", "last1")]
+  return sweep.Sweep(experiment="high_precision_layers", preset=preset, runs=tuple(runs), base=base,
+                     seeds=SEEDS[preset], reference="bf16",
+                     command=f"python -m experiments.high_precision_layers --preset {preset} "
+                             f"--out runs/hp_layers_{preset}",
+                     description="NVFP4 with no, the first k, the last k, or the first k + last k blocks in BF16.")
+
+
+def main(argv=None) -> int:
+  return sweep.main(get_config, argv, prog="python -m experiments.high_precision_layers", doc=__doc__)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,380 @@
+"""Tables and plots of a sweep: `python -m experiments.report RUN_DIR [--reference NAME] [--smooth STEPS]`.
+
+Reads OUT/<run>/seed<k>/{summary.json, metrics.jsonl} (and OUT/sweep.json for the run order, labels and reference)
+and writes into OUT:
+  results.jsonl / results.csv  one row per run x seed: final val loss, gap to the reference (%), tokens/s, ...
+  curves.csv                   per-step train loss and validation loss of every run x seed (to replot elsewhere)
+  results.md                   mean +- std over seeds per run, gap to the reference in %, tokens/s
+  loss_curves.png              smoothed train loss (mean over seeds) and validation loss over tokens
+  loss_gap.png                 relative loss gap to the reference over tokens, as in the paper's figures
+The gap of a run is computed per seed against the reference run with the same seed (same initialisation and data
+order), then averaged: (loss - loss_ref) / loss_ref * 100. `read_results(dir)` reads the written files back (a
+copied results folder needs only results.jsonl, curves.csv and sweep.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import pathlib
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from experiments import sweep as sweep_lib
+
+RESULTS_JSONL, RESULTS_CSV, CURVES_CSV, RESULTS_MD = "results.jsonl", "results.csv", "curves.csv", "results.md"
+LOSS_PNG, GAP_PNG = "loss_curves.png", "loss_gap.png"
+_ROW_FIELDS = ("experiment", "preset", "run", "label", "seed", "status", "final_val_loss", "gap_pct", "final_loss",
+               "tokens_per_s", "steps", "tokens", "wall_time", "diverged_step", "bf16_blocks", "recipe_name")
+
+
+# --- reading ---------------------------------------------------------------------------------------------------
+
+def _read_meta(folder: pathlib.Path) -> dict[str, Any]:
+  path = folder / sweep_lib.SWEEP_FILE
+  return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _ordered_runs(meta: Mapping[str, Any], names: Sequence[str]) -> list[str]:
+  order = [r["name"] for r in meta.get("runs", [])]
+  return [n for n in order if n in names] + sorted(n for n in set(names) if n not in order)
+
+
+def _row(summary: Mapping[str, Any]) -> dict[str, Any]:
+  row = {k: summary.get(k) for k in _ROW_FIELDS if k in summary}
+  row["recipe_name"] = summary.get("recipe", "").split("'")[1] if "'" in summary.get("recipe", "") else None
+  row["val_losses"] = summary.get("val_losses", {})
+  row["overrides"] = summary.get("overrides", {})
+  return row
+
+
+def collect(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[tuple[str, int], dict]]:
+  """(meta, rows, curves) of the sweep in `folder` from its run folders; raises FileNotFoundError if none finished.
+
+  meta: sweep.json contents (or {} if absent); rows: one dict per finished run x seed, in sweep order;
+  curves: {(run, seed): {"step", "loss", "val_step", "val_loss"} numpy arrays}; a validation loss at step s is
+  measured before update s (after s steps), the final one at s == steps.
+  """
+  folder = pathlib.Path(folder)
+  meta = _read_meta(folder)
+  found = {}
+  for path in sorted(folder.glob(f"*/seed*/{sweep_lib.SUMMARY_FILE}")):
+    summary = json.loads(path.read_text(encoding="utf-8"))
+    found[summary["run"], summary["seed"]] = (path.parent, summary)
+  if not found:
+    raise FileNotFoundError(f"No finished runs (*/seed*/{sweep_lib.SUMMARY_FILE}) under {folder}.")
+  rows, curves = [], {}
+  for name in _ordered_runs(meta, [k[0] for k in found]):
+    for (run, seed) in sorted(k for k in found if k[0] == name):
+      run_folder, summary = found[run, seed]
+      rows.append(_row(summary))
+      curves[run, seed] = _curve(run_folder)
+  _add_gaps(rows, meta.get("reference"))
+  return meta, rows, curves
+
+
+def _curve(run_folder: pathlib.Path) -> dict[str, np.ndarray]:
+  """Train loss per logged step and validation loss per evaluated step (taken before that step's update)."""
+  path = run_folder / "metrics.jsonl"
+  records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+  steps = [r for r in records if "loss" in r]
+  vals = [r for r in records if "val_loss" in r]
+  return {"step": np.array([r["step"] for r in steps], int), "loss": np.array([r["loss"] for r in steps], float),
+          "val_step": np.array([r["step"] for r in vals], int),
+          "val_loss": np.array([r["val_loss"] for r in vals], float)}
+
+
+def _add_gaps(rows: list[dict[str, Any]], reference: str | None) -> None:
+  """Sets row["gap_pct"] against the reference run with the same seed (None without one)."""
+  ref = {r["seed"]: r["final_val_loss"] for r in rows if r["run"] == reference and r["status"] == "finished"}
+  for row in rows:
+    base = ref.get(row["seed"])
+    ok = base is not None and row["status"] == "finished" and row["final_val_loss"] is not None
+    row["gap_pct"] = 100.0 * (row["final_val_loss"] - base) / base if ok else None
+
+
+def read_results(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict]:
+  """(meta, rows, curves) from a folder's written results.jsonl and curves.csv (and sweep.json if present)."""
+  folder = pathlib.Path(folder)
+  path = folder / RESULTS_JSONL
+  if not path.is_file():
+    raise FileNotFoundError(f"No {RESULTS_JSONL} in {folder}: run `python -m experiments.report` on the sweep first.")
+  meta = _read_meta(folder)
+  rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+  curves: dict[tuple[str, int], dict[str, list]] = {}
+  curves_path = folder / CURVES_CSV
+  if curves_path.is_file():
+    with open(curves_path, newline="", encoding="utf-8") as f:
+      for rec in csv.DictReader(f):
+        c = curves.setdefault((rec["run"], int(rec["seed"])), {"step": [], "loss": [], "val_step": [],
+                                                               "val_loss": []})
+        for column, step_key in (("loss", "step"), ("val_loss", "val_step")):
+          if rec[column]:
+            c[step_key].append(int(rec["step"]))
+            c[column].append(float(rec[column]))
+  curves = {k: {name: np.asarray(v) for name, v in c.items()} for k, c in curves.items()}
+  return meta, rows, curves
+
+
+# --- tables ------------------------------------------------------------------------------------------------------
+
+def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
+  values = [v for v in values if v is not None]
+  if not values:
+    return None, None
+  return float(np.mean(values)), (float(np.std(values, ddof=1)) if len(values) > 1 else None)
+
+
+def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+  """One dict per run (in row order): seeds, diverged, val loss mean/std, gap mean/std (%), tokens/s mean."""
+  out = []
+  for name in dict.fromkeys(r["run"] for r in rows):
+    mine = [r for r in rows if r["run"] == name]
+    done = [r for r in mine if r["status"] == "finished"]
+    val_mean, val_std = _mean_std([r["final_val_loss"] for r in done])
+    gap_mean, gap_std = _mean_std([r.get("gap_pct") for r in done])
+    tps, _ = _mean_std([r.get("tokens_per_s") for r in mine])
+    out.append({"run": name, "label": mine[0].get("label", name), "seeds": len(done),
+                "diverged": [r.get("diverged_step") for r in mine if r["status"] == "diverged"],
+                "val_loss_mean": val_mean, "val_loss_std": val_std, "gap_pct_mean": gap_mean,
+                "gap_pct_std": gap_std, "tokens_per_s": tps, "steps": mine[0].get("steps"),
+                "tokens": mine[0].get("tokens"), "bf16_blocks": mine[0].get("bf16_blocks")})
+  return out
+
+
+def _fmt(mean: float | None, std: float | None, digits: int, signed: bool = False) -> str:
+  if mean is None:
+    return "-"
+  text = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
+  return text + (f" ± {std:.{digits}f}" if std is not None else "")
+
+
+def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
+  """The results.md text: a header describing the sweep, the per-run table, and how to read it."""
+  reference = meta.get("reference")
+  agg = aggregate(rows)
+  first = rows[0]
+  n_seeds = max(a["seeds"] + len(a["diverged"]) for a in agg)
+  lines = [f"# {meta.get('experiment', first.get('experiment', 'sweep'))} (preset {first.get('preset', '?')})", ""]
+  if meta.get("description"):
+    lines += [meta["description"], ""]
+  if meta.get("command"):
+    lines += [f"Command: `{meta['command']}`", ""]
+  lines += [f"{first['steps']} steps, {first['tokens'] / 1e6:.2f}M tokens per run, up to {n_seeds} seed(s) per run."]
+  if meta.get("base"):
+    lines += [f"Shared settings: `{json.dumps(meta['base'])}`."]
+  lines += [""]
+  gap_head = f"gap to {reference} (%)" if reference else "gap (%)"
+  lines += [f"| run | setting | BF16 blocks | seeds | final val loss | {gap_head} | tokens/s |",
+            "|---|---|---|---|---|---|---|"]
+  for a in agg:
+    run_rows = [r for r in rows if r["run"] == a["run"]]
+    setting = a["label"] if a["label"] != a["run"] else ", ".join(
+        f"{k}={v}" for k, v in (run_rows[0].get("overrides") or {}).items()) or a["run"]
+    seeds = f"{a['seeds']}" + (f" (+{len(a['diverged'])} diverged at step "
+                               f"{', '.join(map(str, a['diverged']))})" if a["diverged"] else "")
+    gap = "reference" if a["run"] == reference else _fmt(a["gap_pct_mean"], a["gap_pct_std"], 2, signed=True)
+    tps = f"{a['tokens_per_s']:.0f}" if a["tokens_per_s"] else "-"
+    blocks = ",".join(map(str, a["bf16_blocks"])) if a["bf16_blocks"] else "none"
+    lines.append(f"| {a['run']} | {setting} | {blocks} | {seeds} | "
+                 f"{_fmt(a['val_loss_mean'], a['val_loss_std'], 4)} | {gap} | {tps} |")
+  lines += ["", "Final val loss: mean ± std over seeds on fixed held-out batches. Gap: (val loss - reference val loss) "
+            "/ reference val loss, computed per seed against the reference run with the same seed (same "
+            "initialisation and data order), then mean ± std. Tokens/s: median training throughput of the CPU/XLA "
+            "emulation (quantize, dequantize, float matmul), not the speed of FP4 hardware.", ""]
+  return "\n".join(lines)
+
+
+def write_tables(folder: pathlib.Path, meta, rows, curves) -> list[pathlib.Path]:
+  """Writes results.jsonl, results.csv, curves.csv and results.md into `folder`."""
+  paths = [folder / RESULTS_JSONL, folder / RESULTS_CSV, folder / CURVES_CSV, folder / RESULTS_MD]
+  paths[0].write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+  with open(paths[1], "w", newline="", encoding="utf-8") as f:
+    writer = csv.DictWriter(f, fieldnames=_ROW_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    for r in rows:
+      writer.writerow({k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()})
+  with open(paths[2], "w", newline="", encoding="utf-8") as f:
+    writer = csv.writer(f)
+    writer.writerow(["run", "seed", "step", "loss", "val_loss"])
+    for (run, seed), c in curves.items():
+      val = dict(zip(c["val_step"].tolist(), c["val_loss"].tolist()))
+      for step, loss in zip(c["step"].tolist(), c["loss"].tolist()):
+        writer.writerow([run, seed, step, f"{loss:.6f}", f"{val.pop(step):.6f}" if step in val else ""])
+      for step, v in sorted(val.items()):  # the final evaluation (step == steps) has no train loss
+        writer.writerow([run, seed, step, "", f"{v:.6f}"])
+  paths[3].write_text(markdown_table(meta, rows), encoding="utf-8")
+  return paths
+
+
+# --- plots -------------------------------------------------------------------------------------------------------
+
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+  """Trailing moving average (the first window-1 entries average what is available)."""
+  values = np.asarray(values, float)
+  if window <= 1 or len(values) == 0:
+    return values
+  csum = np.cumsum(np.insert(values, 0, 0.0))
+  idx = np.arange(1, len(values) + 1)
+  lo = np.maximum(idx - window, 0)
+  return (csum[idx] - csum[lo]) / (idx - lo)
+
+
+def _default_window(curves) -> int:
+  longest = max((len(c["step"]) for c in curves.values()), default=1)
+  return max(1, longest // 20)
+
+
+def _mean_curve(curves, run: str, key: str, step_key: str, window: int = 1):
+  """(steps, mean over seeds of the smoothed curve) on the steps every seed of `run` logged."""
+  mine = [c for (name, _), c in sorted(curves.items()) if name == run and len(c[step_key])]
+  if not mine:
+    return None, None
+  common = sorted(set.intersection(*(set(c[step_key].tolist()) for c in mine)))
+  if not common:
+    return None, None
+  stacked = []
+  for c in mine:
+    values = smooth(c[key], window) if window > 1 else c[key]
+    lookup = dict(zip(c[step_key].tolist(), values))
+    stacked.append([lookup[s] for s in common])
+  return np.asarray(common), np.mean(stacked, axis=0)
+
+
+def _paired_gap(curves, run: str, reference: str, key: str, step_key: str, window: int):
+  """(steps, mean over seeds of 100 * (run - ref) / ref) using the smoothed curves of matching seeds."""
+  gaps, steps = [], None
+  for (name, seed), c in sorted(curves.items()):
+    ref = curves.get((reference, seed))
+    if name != run or ref is None or not len(c[step_key]) or not len(ref[step_key]):
+      continue
+    a = dict(zip(c[step_key].tolist(), smooth(c[key], window) if window > 1 else c[key]))
+    b = dict(zip(ref[step_key].tolist(), smooth(ref[key], window) if window > 1 else ref[key]))
+    common = sorted(set(a) & set(b))
+    steps = common if steps is None else sorted(set(steps) & set(common))
+    gaps.append({s: 100.0 * (a[s] - b[s]) / b[s] for s in common})
+  if not gaps or not steps:
+    return None, None
+  return np.asarray(steps), np.mean([[g[s] for s in steps] for g in gaps], axis=0)
+
+
+def _tokens_per_step(rows, run: str) -> float:
+  row = next(r for r in rows if r["run"] == run)
+  return row["tokens"] / row["steps"]
+
+
+def plot_loss_curves(meta, rows, curves, path: pathlib.Path, window: int | None = None) -> pathlib.Path:
+  """Smoothed train loss (mean over seeds, lines) and validation loss (markers) over tokens, one colour per run."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  window = window or _default_window(curves)
+  fig, ax = plt.subplots(figsize=(8, 5))
+  tail_values = []
+  for i, name in enumerate(dict.fromkeys(r["run"] for r in rows)):
+    label = next(r.get("label", name) for r in rows if r["run"] == name)
+    color = f"C{i % 10}"
+    tps = _tokens_per_step(rows, name)
+    steps, loss = _mean_curve(curves, name, "loss", "step", window)
+    if steps is not None:
+      ax.plot(steps * tps / 1e6, loss, color=color, lw=1.2, label=label)
+      tail_values.extend(loss[len(loss) // 10:])
+    vsteps, vloss = _mean_curve(curves, name, "val_loss", "val_step")
+    if vsteps is not None:
+      ax.plot(vsteps * tps / 1e6, vloss, "o", color=color, ms=3.5)
+      tail_values.extend(vloss[len(vloss) // 4:])
+  if tail_values:  # zoom on the part of training where recipes differ, not the initial drop
+    lo, hi = float(np.min(tail_values)), float(np.max(tail_values))
+    pad = 0.05 * (hi - lo) if hi > lo else 0.05
+    ax.set_ylim(lo - pad, hi + pad)
+  ax.set_xlabel("tokens (M)")
+  ax.set_ylabel(f"loss (train: moving average over {window} steps; dots: validation)")
+  ax.set_title(f"{meta.get('experiment', '')} ({rows[0].get('preset', '')}): loss, mean over seeds")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def plot_loss_gap(meta, rows, curves, path: pathlib.Path, reference: str, window: int | None = None
+                  ) -> pathlib.Path:
+  """Relative loss gap to `reference` (%) over tokens: smoothed train loss (lines), validation loss (markers)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  window = window or _default_window(curves)
+  fig, ax = plt.subplots(figsize=(8, 5))
+  ax.axhline(0.0, color="k", lw=0.8)
+  for i, name in enumerate(dict.fromkeys(r["run"] for r in rows)):
+    if name == reference:
+      continue
+    label = next(r.get("label", name) for r in rows if r["run"] == name)
+    color, tps = f"C{i % 10}", _tokens_per_step(rows, name)
+    steps, gap = _paired_gap(curves, name, reference, "loss", "step", window)
+    if steps is not None:
+      skip = len(steps) // 20  # the first steps' gaps are dominated by the warmup
+      ax.plot(steps[skip:] * tps / 1e6, gap[skip:], color=color, lw=1.2, label=label)
+    vsteps, vgap = _paired_gap(curves, name, reference, "val_loss", "val_step", 1)
+    if vsteps is not None:
+      keep = vsteps > 0
+      ax.plot(vsteps[keep] * tps / 1e6, vgap[keep], "o", color=color, ms=3.5)
+  ax.set_xlabel("tokens (M)")
+  ax.set_ylabel(f"relative loss gap to {reference} (%)")
+  ax.set_title(f"{meta.get('experiment', '')}: (loss - loss_{reference}) / loss_{reference}, paired seeds "
+               f"(lines: train, {window}-step average; dots: validation)", fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+# --- entry points ------------------------------------------------------------------------------------------------
+
+def write_report(folder: str | pathlib.Path, *, reference: str | None = None, window: int | None = None
+                 ) -> list[pathlib.Path]:
+  """Collects the runs under `folder` and writes the tables and plots there; returns the written paths."""
+  folder = pathlib.Path(folder)
+  meta, rows, curves = collect(folder)
+  if reference is not None:
+    if reference not in {r["run"] for r in rows}:
+      raise ValueError(f"Reference run {reference!r} has no finished seeds under {folder}; runs: "
+                       f"{sorted({r['run'] for r in rows})}.")
+    meta = dict(meta, reference=reference)
+    _add_gaps(rows, reference)
+  written = write_tables(folder, meta, rows, curves)
+  written.append(plot_loss_curves(meta, rows, curves, folder / LOSS_PNG, window))
+  ref = meta.get("reference")
+  if ref and any(r["run"] == ref for r in rows) and len({r["run"] for r in rows}) > 1:
+    written.append(plot_loss_gap(meta, rows, curves, folder / GAP_PNG, ref, window))
+  return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("run_dir", help="a sweep's --out folder")
+  parser.add_argument("--reference", default=None, help="run the gaps are measured against (default: the sweep's)")
+  parser.add_argument("--smooth", type=int, default=None, help="moving-average window in steps (default: 1/20 run)")
+  args = parser.parse_args(argv)
+  try:
+    written = write_report(args.run_dir, reference=args.reference, window=args.smooth)
+  except (FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print((pathlib.Path(args.run_dir) / RESULTS_MD).read_text(encoding="utf-8"))
+  print("Wrote: " + ", ".join(str(p) for p in written))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,428 @@
+"""Sweeps: named runs x seeds, each a `fp4jax.train.train` run in OUT/<run>/seed<k>, resumable, then a report.
+
+A `Run` is a name plus TrainConfig overrides (what the experiment varies); a `Sweep` holds the runs, the overrides
+shared by all of them (the preset's base, plus any given on the command line), the number of seeds and the
+reference run the loss gaps are measured against. A finished run leaves `summary.json` in its folder; running a
+sweep again skips those, resumes runs that left checkpoints and restarts the rest, so an interrupted sweep is
+continued by repeating its command.
+
+Override keys are TrainConfig fields (`steps`, `lr`, `recipe`, `bf16_last`, `switch_at`, ...), `model` (a preset
+name) and `model.FIELD` / `data.FIELD` sub-fields; `out`, `seed`, `resume`, `resume_step` and `overwrite` are set
+by the sweep itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import re
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import tqdm
+
+import fp4jax.checkpoint
+import fp4jax.data
+import fp4jax.metrics
+import fp4jax.model
+from fp4jax import config as config_lib
+from fp4jax import train as train_lib
+from fp4jax.config import TrainConfig
+
+PRESETS = ("smoke", "cpu", "gpu")
+SUMMARY_FILE = "summary.json"
+SWEEP_FILE = "sweep.json"
+LOG_FILE = "train.log"
+# Set per run by the sweep, never by an override.
+MANAGED_FIELDS = ("out", "seed", "resume", "resume_step", "overwrite")
+# Fields that may differ between a finished run and a repeated sweep without changing what the run computed.
+_FREE_FIELDS = ("out", "resume", "resume_step", "overwrite", "progress", "checkpoint_every", "keep_checkpoints",
+                "log_every")
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]*")
+
+# Settings shared by every experiment, per preset. Runs add what they vary; `--set` changes these.
+BASE_OVERRIDES: dict[str, dict[str, Any]] = {
+    # Seconds per run on a CPU: 2-block tiny model, 12 steps of 8 x 32 tokens, one validation at the end.
+    "smoke": {"model": "tiny", "model.n_layers": 2, "seq_len": 32, "batch_size": 8, "steps": 12, "lr": 1e-2,
+              "warmup_fraction": 0.1, "decay_fraction": 0.25, "eval_every": 0, "eval_batches": 1,
+              "checkpoint_every": 6, "keep_checkpoints": 1, "progress": False},
+    # Minutes per run on a 2-core CPU: a 4-block d_model=64 model, 300 steps of 16 x 64 tokens (~0.3M tokens), a
+    # high learning rate so quantization noise shows within the run. Byte-level Shakespeare.
+    "cpu": {"model": "tiny", "model.n_layers": 4, "seq_len": 64, "batch_size": 16, "steps": 300, "lr": 1e-2,
+            "warmup_fraction": 0.05, "decay_fraction": 0.2, "eval_every": 50, "eval_batches": 4,
+            "checkpoint_every": 100, "keep_checkpoints": 1, "progress": False},
+    # The paper's 1.2B ablation scale (model paper_1b, 20 blocks): needs a GPU and a real corpus
+    # (--set data.corpus=PATH --set data.tokenizer=bpe --set model.vocab_size=V). The paper trains ~1T tokens; this
+    # preset runs 20k steps of 64 x 4096 tokens (~5.2B), enough to rank recipes, not to reproduce the paper's curves.
+    "gpu": {"model": "paper_1b", "model.remat": True, "seq_len": 4096, "batch_size": 64, "steps": 20000,
+            "lr": 3e-4, "min_lr_ratio": 0.1, "warmup_fraction": 0.02, "decay_fraction": 0.2,
+            "decay_shape": "1-sqrt", "eval_every": 500, "eval_batches": 16, "checkpoint_every": 1000,
+            "keep_checkpoints": 2, "progress": False},
+}
+# BF16 blocks kept by the full recipe per preset: the paper keeps ~15% of linear layers in BF16, mostly at the end.
+HIGH_PRECISION_LAST = {"smoke": 1, "cpu": 1, "gpu": 2}
+
+
+def check_preset(preset: str) -> str:
+  """Returns `preset` if valid, else raises ValueError naming the valid ones."""
+  if preset not in PRESETS:
+    raise ValueError(f"Unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}.")
+  return preset
+
+
+def base_overrides(preset: str) -> dict[str, Any]:
+  """A copy of the overrides every run of a `preset` sweep starts from."""
+  return dict(BASE_OVERRIDES[check_preset(preset)])
+
+
+# --- override keys and values --------------------------------------------------------------------------------------
+
+def override_keys() -> tuple[str, ...]:
+  """Every key an override may set: TrainConfig fields (less the managed ones), model, model.X and data.X."""
+  top = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in MANAGED_FIELDS and f.name != "data"]
+  nested = [f"model.{f.name}" for f in dataclasses.fields(fp4jax.model.ModelConfig)]
+  nested += [f"data.{f.name}" for f in dataclasses.fields(fp4jax.data.DataConfig)]
+  return tuple(top + nested)
+
+
+def check_override_keys(overrides: Mapping[str, Any], where: str = "override") -> None:
+  """Raises ValueError for keys that are managed by the sweep or not config fields, listing the valid ones."""
+  valid = override_keys()
+  for key in overrides:
+    if key in MANAGED_FIELDS:
+      raise ValueError(f"{where} key {key!r} is set by the sweep itself (managed: {', '.join(MANAGED_FIELDS)}); "
+                       "use --out and --seeds instead.")
+    if key not in valid:
+      raise ValueError(f"Unknown {where} key {key!r}; valid keys: {', '.join(valid)}.")
+
+
+def _value_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+  config_lib.add_config_arguments(parser)
+  return parser
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+  """["steps=100", "model.d_model=128", "recipe=nvfp4:rht_size=4"] -> {key: typed value}, validated.
+
+  Values are parsed as the `fp4jax train` command line parses the same option (ints, floats, booleans, block
+  lists "3,5-7", "none"). Only the first '=' splits, so recipe strings keep theirs.
+  """
+  parser = _value_parser()
+  out = {}
+  for item in items:
+    key, eq, value = item.partition("=")
+    key = key.strip()
+    if not eq or not key:
+      raise ValueError(f"Override {item!r} is not of the form KEY=VALUE (e.g. steps=100, model.d_model=128).")
+    check_override_keys({key: None})
+    try:
+      namespace, rest = parser.parse_known_args([f"--{key}={value}"])
+    except (argparse.ArgumentError, argparse.ArgumentTypeError) as e:
+      raise ValueError(f"Bad value for override {key!r}: {e}") from e
+    if rest or key not in vars(namespace):
+      raise ValueError(f"Could not parse override {item!r}.")
+    out[key] = vars(namespace)[key]
+  return out
+
+
+def merge_overrides(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+  """`base` updated by `changes`; a new `model` preset drops the base's `model.X` keys (they belonged to the old one)."""
+  merged = dict(base)
+  if "model" in changes:
+    merged = {k: v for k, v in merged.items() if not k.startswith("model.")}
+  merged.update(changes)
+  return merged
+
+
+# --- runs and sweeps -----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One setting of a sweep: a folder name, the TrainConfig overrides it varies, and a legend label."""
+
+  name: str
+  overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  label: str = ""
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not _RUN_NAME.fullmatch(self.name):
+      raise ValueError(f"Run name {self.name!r} must be a folder name of letters, digits and _.+=- .")
+    check_override_keys(self.overrides, f"run {self.name!r} override")
+    object.__setattr__(self, "overrides", dict(self.overrides))
+    if not self.label:
+      object.__setattr__(self, "label", self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """Runs x seeds sharing `base` overrides; gaps are measured against the run named `reference`."""
+
+  experiment: str
+  preset: str
+  runs: tuple[Run, ...]
+  base: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  seeds: int = 1
+  reference: str | None = "bf16"
+  command: str = ""
+  description: str = ""
+
+  def __post_init__(self):
+    check_preset(self.preset)
+    object.__setattr__(self, "runs", tuple(self.runs))
+    object.__setattr__(self, "base", dict(self.base))
+    names = [r.name for r in self.runs]
+    if not names:
+      raise ValueError(f"Sweep {self.experiment!r} has no runs.")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+      raise ValueError(f"Sweep {self.experiment!r}: duplicate run names {duplicates}.")
+    if self.reference is not None and self.reference not in names:
+      raise ValueError(f"Sweep {self.experiment!r}: reference run {self.reference!r} is not among {names}.")
+    if not isinstance(self.seeds, int) or isinstance(self.seeds, bool) or self.seeds < 1:
+      raise ValueError(f"seeds must be an int >= 1; got {self.seeds!r}.")
+    check_override_keys(self.base, "base override")
+
+  def replace(self, **changes) -> Sweep:
+    return dataclasses.replace(self, **changes)
+
+  def with_overrides(self, overrides: Mapping[str, Any]) -> Sweep:
+    """The sweep with `overrides` applied to the shared base (a run's own overrides still win for its keys)."""
+    check_override_keys(overrides)
+    return self.replace(base=merge_overrides(self.base, overrides))
+
+  def select(self, names: Sequence[str]) -> Sweep:
+    """Only the named runs (the reference is kept so gaps can still be computed)."""
+    known = [r.name for r in self.runs]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+      raise ValueError(f"Unknown run(s) {unknown} in sweep {self.experiment!r}; runs: {', '.join(known)}.")
+    keep = set(names) | ({self.reference} if self.reference else set())
+    return self.replace(runs=tuple(r for r in self.runs if r.name in keep))
+
+  def run_overrides(self, run: Run) -> dict[str, Any]:
+    """The overrides of `run`: the base, then the run's own."""
+    return merge_overrides(self.base, run.overrides)
+
+  def config(self, run: Run, seed: int, out: str | pathlib.Path) -> TrainConfig:
+    """The TrainConfig of `run` with `seed`, writing to `out` (not yet resuming or overwriting)."""
+    overrides = dict(self.run_overrides(run), out=str(out), seed=seed)
+    try:
+      return config_lib.config_from_overrides(overrides)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"Sweep {self.experiment!r}, run {run.name!r}: invalid settings: {e}") from e
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready description (written to OUT/sweep.json for the report)."""
+    return {"experiment": self.experiment, "preset": self.preset, "seeds": self.seeds,
+            "reference": self.reference, "command": self.command, "description": self.description,
+            "base": _jsonable(self.base),
+            "runs": [{"name": r.name, "label": r.label, "overrides": _jsonable(r.overrides)} for r in self.runs]}
+
+
+def _jsonable(value):
+  return json.loads(json.dumps(value, default=str))
+
+
+def run_dir(out: str | pathlib.Path, run: str, seed: int) -> pathlib.Path:
+  """Folder of one run x seed: OUT/<run>/seed<k>."""
+  return pathlib.Path(out) / run / f"seed{seed}"
+
+
+def read_summary(folder: str | pathlib.Path) -> dict[str, Any] | None:
+  """The summary.json of a finished run folder, or None if it has not finished."""
+  path = pathlib.Path(folder) / SUMMARY_FILE
+  if not path.is_file():
+    return None
+  return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _write_json(path: pathlib.Path, data: Any) -> None:
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+  tmp.replace(path)  # atomic: a killed process never leaves a half-written summary
+
+
+def _comparable(config_dict: Mapping[str, Any]) -> dict[str, Any]:
+  return {k: v for k, v in _jsonable(dict(config_dict)).items() if k not in _FREE_FIELDS}
+
+
+def _check_same_settings(folder: pathlib.Path, stored: Mapping[str, Any], config: TrainConfig) -> None:
+  old, new = _comparable(stored), _comparable(config.to_dict())
+  changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+  if changed:
+    raise ValueError(f"{folder} holds a finished run with different settings ({', '.join(changed)}); "
+                     "use another --out, or delete that folder to rerun it.")
+
+
+def steady_tokens_per_s(records: Sequence[Mapping[str, Any]]) -> float | None:
+  """Median tokens/s over the step records (robust to the few steps that include compilation)."""
+  rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r.get("step_time")]
+  return float(np.median(rates)) if rates else None
+
+
+def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: pathlib.Path, status: str,
+               wall_time: float, summary: Mapping[str, Any] | None = None,
+               diverged: train_lib.TrainingDiverged | None = None) -> dict[str, Any]:
+  records = fp4jax.metrics.read_metrics(folder) if (folder / fp4jax.metrics.METRICS_FILE).is_file() else []
+  val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+  tokens_per_step = config.batch_size * config.train_seq_len
+  policy = config.policy()
+  out = {"experiment": sweep.experiment, "preset": sweep.preset, "run": run.name, "label": run.label,
+         "seed": seed, "overrides": _jsonable(run.overrides), "status": status, "steps": config.steps, "tokens_per_step": tokens_per_step,
+         "tokens": config.steps * tokens_per_step, "wall_time": wall_time,
+         "tokens_per_s": steady_tokens_per_s(records),
+         "final_val_loss": summary["final_val_loss"] if summary else None,
+         "final_loss": summary["final_loss"] if summary else None,
+         "val_losses": {str(k): v for k, v in sorted(val.items())},
+         "bf16_blocks": list(policy.bf16_blocks(config.model.n_layers)),
+         "recipe": str(policy.resolved_recipe()), "config": config.to_dict()}
+  if diverged is not None:
+    out.update(diverged_step=diverged.step, error=str(diverged))
+  return out
+
+
+def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], None] | None = print,
+              progress: bool = True, compile_cache: train_lib.CompileCache | None = None,
+              hooks_for: Callable[[str, int], Sequence[train_lib.Hook]] | None = None) -> list[dict[str, Any]]:
+  """Runs every run x seed of `sweep` under `out` that has not finished yet; returns one record per job.
+
+  Each record: run, seed, status ("skipped": finished before; "finished"; "diverged": stopped on a non-finite
+  loss, recorded as a result), out, summary (the summary.json contents). Runs that left checkpoints resume from the
+  latest one. A finished run with different settings raises ValueError before anything runs. `hooks_for(run, seed)`
+  gives extra train hooks (tests use it to interrupt a sweep).
+  """
+  log = log or (lambda _: None)
+  out = pathlib.Path(out)
+  jobs = [(run, seed) for run in sweep.runs for seed in range(sweep.seeds)]
+  configs = {}
+  for run, seed in jobs:  # build and check every config before the first run starts
+    folder = run_dir(out, run.name, seed)
+    configs[run.name, seed] = config = sweep.config(run, seed, folder)
+    done = read_summary(folder)
+    if done is not None:
+      _check_same_settings(folder, done["config"], config)
+  out.mkdir(parents=True, exist_ok=True)
+  _write_json(out / SWEEP_FILE, sweep.to_dict())
+  cache = compile_cache if compile_cache is not None else train_lib.CompileCache()
+
+  results = []
+  bar = tqdm.tqdm(jobs, desc=sweep.experiment, unit="run", disable=not progress, dynamic_ncols=True)
+  for run, seed in bar:
+    folder, config = run_dir(out, run.name, seed), configs[run.name, seed]
+    bar.set_postfix_str(f"{run.name} seed{seed}")
+    done = read_summary(folder)
+    if done is not None:
+      results.append({"run": run.name, "seed": seed, "status": "skipped", "out": str(folder), "summary": done})
+      continue
+    summary = _train_one(sweep, run, seed, config, folder, cache, hooks_for)
+    _write_json(folder / SUMMARY_FILE, summary)
+    results.append({"run": run.name, "seed": seed, "status": summary["status"], "out": str(folder),
+                    "summary": summary})
+    what = (f"val_loss {summary['final_val_loss']:.4f}" if summary["status"] == "finished"
+            else f"DIVERGED at step {summary['diverged_step']}")
+    message = f"{sweep.experiment}/{run.name} seed{seed}: {what} ({summary['wall_time']:.0f}s)"
+    (tqdm.tqdm.write if progress else log)(message)
+  return results
+
+
+def _train_one(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: pathlib.Path,
+               cache: train_lib.CompileCache, hooks_for) -> dict[str, Any]:
+  """Trains one run x seed (resuming from its checkpoints if any) and returns its summary."""
+  folder.mkdir(parents=True, exist_ok=True)
+  hooks = tuple(hooks_for(run.name, seed)) if hooks_for else ()
+  with open(folder / LOG_FILE, "a", encoding="utf-8") as log_file:
+    def write(line: str) -> None:
+      log_file.write(line + "\n")
+      log_file.flush()
+
+    t0 = time.perf_counter()
+    try:
+      summary = None
+      if fp4jax.checkpoint.checkpoint_dir(folder).is_dir():
+        try:
+          summary = train_lib.train(config.replace(resume=True), hooks, log=write, compile_cache=cache)
+        except fp4jax.checkpoint.CheckpointError as e:
+          write(f"Could not resume ({e}); starting afresh.")
+      if summary is None:
+        summary = train_lib.train(config.replace(overwrite=True), hooks, log=write, compile_cache=cache)
+    except train_lib.TrainingDiverged as e:
+      write(str(e))
+      return _summarize(sweep, run, seed, config, folder, "diverged", time.perf_counter() - t0, diverged=e)
+  return _summarize(sweep, run, seed, config, folder, "finished", time.perf_counter() - t0, summary)
+
+
+# --- command line ---------------------------------------------------------------------------------------------------
+
+def make_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+  """The command line shared by every experiment module."""
+  parser = argparse.ArgumentParser(
+      prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog="Overrides: --set KEY=VALUE (repeatable) changes a setting shared by all runs, e.g. --set steps=100 "
+             "--set model.d_model=128 --set recipe=nvfp4:rht_size=4. KEY is a TrainConfig field (see "
+             "`python -m fp4jax.train --help`), `model` (a preset: " + ", ".join(sorted(fp4jax.model.MODEL_PRESETS))
+             + "), model.FIELD or data.FIELD. A run's own settings (what the experiment varies) win over --set.")
+  parser.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
+  parser.add_argument("--out", required=True, help="sweep folder: OUT/<run>/seed<k>/, results.md, *.png")
+  parser.add_argument("--seeds", type=int, default=None, help="seeds per run (default: the preset's)")
+  parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a shared setting (repeatable)")
+  parser.add_argument("--runs", default=None, help="comma-separated subset of runs (the reference is kept)")
+  parser.add_argument("--list", action="store_true", help="print the runs and their settings, run nothing")
+  parser.add_argument("--no-report", action="store_true", help="skip writing results.md and plots at the end")
+  parser.add_argument("--quiet", action="store_true", help="no progress bar")
+  return parser
+
+
+def build_sweep(get_config: Callable[[str], Sweep], args: argparse.Namespace) -> Sweep:
+  """The sweep a parsed command line asks for (preset, --seeds, --set, --runs applied)."""
+  sweep = get_config(check_preset(args.preset))
+  if args.seeds is not None:
+    sweep = sweep.replace(seeds=args.seeds)
+  overrides = parse_overrides(args.overrides)
+  if overrides:
+    sweep = sweep.with_overrides(overrides)
+    for run in sweep.runs:
+      kept = sorted(set(overrides) & set(run.overrides))
+      if kept:
+        print(f"Note: run {run.name!r} keeps its own {', '.join(kept)} (what the experiment varies).")
+  if args.runs:
+    sweep = sweep.select([n.strip() for n in args.runs.split(",") if n.strip()])
+  return sweep
+
+
+def describe(sweep: Sweep) -> str:
+  """The sweep's runs and shared settings, one line each."""
+  lines = [f"{sweep.experiment} ({sweep.preset}): {len(sweep.runs)} runs x {sweep.seeds} seeds; "
+           f"reference {sweep.reference}", f"  shared: {sweep.base}"]
+  lines += [f"  {r.name:<24} {r.overrides}" for r in sweep.runs]
+  return "\n".join(lines)
+
+
+def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog: str, doc: str) -> int:
+  """Entry point of `python -m experiments.NAME`: parse, run the sweep, write the report; returns the exit code."""
+  parser = make_parser(prog, doc)
+  args = parser.parse_args(argv)
+  try:
+    sweep = build_sweep(get_config, args)
+  except ValueError as e:
+    parser.error(str(e))
+  if args.list:
+    print(describe(sweep))
+    return 0
+  print(describe(sweep))
+  try:
+    run_sweep(sweep, args.out, progress=not args.quiet)
+  except ValueError as e:  # settings clash with a finished run, invalid combined settings
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if not args.no_report:
+    from experiments import report  # pylint: disable=g-import-not-at-top
+    written = report.write_report(args.out)
+    print(f"Report: {', '.join(str(p) for p in written)}")
+  return 0

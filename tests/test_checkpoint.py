@@ -1,0 +1,150 @@
+"""Tests for fp4jax.checkpoint and the resume error paths of fp4jax.train: bit-exact round trip, clear errors for
+missing, corrupt or mismatched checkpoints, and no checkpoint ever deleted or changed by a failed resume."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fp4jax import checkpoint as ckpt
+from fp4jax import cli
+from fp4jax import data
+from fp4jax import metrics
+from fp4jax import model as model_lib
+from fp4jax import train as train_lib
+from fp4jax.config import TrainConfig
+
+
+@pytest.fixture(scope="module")
+def data_config(tmp_path_factory):
+  return data.DataConfig(cache_dir=str(tmp_path_factory.mktemp("data_cache")))
+
+
+def make_config(data_config, out, **changes) -> TrainConfig:
+  base = dict(out=str(out), model=model_lib.get_model_config("tiny", n_layers=1), data=data_config, seq_len=32,
+              steps=16, recipe="bf16", progress=False)
+  base.update(changes)
+  return TrainConfig(**base)
+
+
+def make_state(config, seed=0) -> dict:
+  """A train state with non-trivial optimizer moments (random values in every leaf)."""
+  model = train_lib.build_model(config, jax.random.key(seed))
+  params = nnx.state(model, nnx.Param)
+  state = train_lib.TrainState(params, train_lib.make_optimizer(config).init(params), jnp.asarray(7, jnp.int32))
+  leaves, treedef = jax.tree.flatten(state._asdict())
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  leaves = [jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            for k, x in zip(keys, leaves)]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def save_run(config, steps=(4, 8)):
+  """Checkpoints at `steps` as train() writes them, plus a metrics file."""
+  manager = ckpt.open_manager(config.out)
+  for step in steps:
+    state = make_state(config, seed=step)
+    state["step"] = jnp.asarray(step, jnp.int32)
+    ckpt.save(manager, step, state, train_lib._checkpoint_meta(config, step, 0), force=True)
+  manager.wait_until_finished()
+  manager.close()
+  with metrics.MetricsLog(config.out) as log:
+    for step in range(max(steps)):
+      log.write({"step": step, "loss": 1.0})
+
+
+def snapshot(folder: pathlib.Path) -> dict[str, bytes]:
+  return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_round_trip_is_bit_exact(data_config, tmp_path):
+  config = make_config(data_config, tmp_path)
+  state = make_state(config)
+  meta = train_lib._checkpoint_meta(config, 7, 0)
+  manager = ckpt.open_manager(tmp_path)
+  assert ckpt.save(manager, 7, state, meta, force=True)
+  manager.wait_until_finished()
+  step, restored, restored_meta = ckpt.restore(manager, make_state(config, seed=3))
+  manager.close()
+  assert step == 7 and restored_meta == meta
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+  assert TrainConfig.from_dict(restored_meta["config"]) == config
+  assert restored_meta["policy"] == config.policy().to_dict() and restored_meta["data_position"] == 7
+
+
+def test_restore_into_another_model_is_refused(data_config, tmp_path):
+  config = make_config(data_config, tmp_path)
+  save_run(config, steps=(4,))
+  other = make_config(data_config, tmp_path, model=model_lib.get_model_config("tiny", n_layers=1, d_ff=128))
+  manager = ckpt.open_manager(tmp_path, create=False)
+  with pytest.raises(ckpt.CheckpointError, match="Checkpoint 4"):
+    ckpt.restore(manager, make_state(other))
+  with pytest.raises(ckpt.CheckpointError, match="No checkpoint for step 5"):
+    ckpt.restore(manager, make_state(config), step=5)
+  manager.close()
+
+
+def test_resume_without_checkpoints_is_a_clear_error(data_config, tmp_path):
+  with pytest.raises(ckpt.CheckpointError, match="no checkpoints"):
+    train_lib.train(make_config(data_config, tmp_path / "never", resume=True), log=None)
+  assert not (tmp_path / "never").exists()
+  (tmp_path / "empty" / ckpt.CHECKPOINT_DIR).mkdir(parents=True)
+  with pytest.raises(ckpt.CheckpointError, match="No checkpoints found"):
+    train_lib.train(make_config(data_config, tmp_path / "empty", resume=True), log=None)
+  assert cli.main(["train", "--resume", "--out", str(tmp_path / "never")]) == cli.EXIT_USAGE
+
+
+def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(data_config, tmp_path):
+  config = make_config(data_config, tmp_path)
+  save_run(config)
+  ck_dir = ckpt.checkpoint_dir(tmp_path)
+  data_files = [p for p in (ck_dir / "8" / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+  assert data_files
+  for p in data_files:  # bit rot in the array data of the latest checkpoint
+    p.write_bytes(b"\0" * p.stat().st_size)
+  before = snapshot(tmp_path)
+
+  with pytest.raises(ckpt.CheckpointError, match="Checkpoint 8 .* unreadable"):
+    train_lib.train(config.replace(resume=True), log=None)
+  assert snapshot(tmp_path) == before
+  with pytest.raises(ckpt.CheckpointError, match="would overwrite the later checkpoints \\[8\\]"):
+    train_lib.train(config.replace(resume=True, resume_step=4), log=None)
+  assert snapshot(tmp_path) == before
+
+  (ck_dir / "8" / "meta" / "metadata").write_text("{not json")
+  before = snapshot(tmp_path)
+  with pytest.raises(ckpt.CheckpointError, match="unreadable"):
+    cli.config_from_args(["--resume", "--out", str(tmp_path)])
+  assert cli.main(["train", "--resume", "--out", str(tmp_path)]) == cli.EXIT_USAGE
+  assert cli.main(["eval", "--out", str(tmp_path)]) == cli.EXIT_USAGE
+  assert snapshot(tmp_path) == before
+
+
+def test_fresh_run_never_overwrites_an_existing_one(data_config, tmp_path):
+  config = make_config(data_config, tmp_path)
+  save_run(config)
+  before = snapshot(tmp_path)
+  with pytest.raises(ValueError, match="already holds a run"):
+    train_lib.train(config, log=None)
+  assert snapshot(tmp_path) == before
+  # --overwrite clears the old run before anything else happens (here: before a bad corpus is noticed).
+  bad = config.replace(overwrite=True, data=data.DataConfig(corpus=str(tmp_path / "nope")))
+  with pytest.raises(FileNotFoundError):
+    train_lib.train(bad, log=None)
+  assert not ckpt.checkpoint_dir(tmp_path).exists() and not (tmp_path / metrics.METRICS_FILE).exists()
+
+
+def test_metrics_after_the_resumed_step_are_dropped(tmp_path):
+  with metrics.MetricsLog(tmp_path) as log:
+    for step in range(10):
+      log.write({"step": step, "loss": float(step), "val_loss": float("nan") if step == 3 else 1.0})
+  assert metrics.truncate_metrics(tmp_path, 5) == 4
+  records = metrics.read_metrics(tmp_path)
+  assert [r["step"] for r in records] == list(range(6)) and records[3]["val_loss"] == "nan"
+  json.dumps(records, allow_nan=False)  # strict JSON: non-finite values are stored as strings
