@@ -153,6 +153,10 @@ def _fmt(mean: float | None, std: float | None, digits: int, signed: bool = Fals
   return text + (f" ± {std:.{digits}f}" if std is not None else "")
 
 
+def _count(n: float) -> str:
+  return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K" if n >= 1e3 else str(n)
+
+
 def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
   """The results.md text: a header describing the sweep, the per-run table, and how to read it."""
   reference = meta.get("reference")
@@ -164,7 +168,7 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
     lines += [meta["description"], ""]
   if meta.get("command"):
     lines += [f"Command: `{meta['command']}`", ""]
-  lines += [f"{first['steps']} steps, {first['tokens'] / 1e6:.2f}M tokens per run, up to {n_seeds} seed(s) per run."]
+  lines += [f"{first['steps']} steps, {_count(first['tokens'])} tokens per run, up to {n_seeds} seed(s) per run."]
   if meta.get("base"):
     lines += [f"Shared settings: `{json.dumps(meta['base'])}`."]
   lines += [""]

@@ -26,16 +26,13 @@ def _fallback(reason: str) -> None:
 
 
 def pallas_quantize(x, cfg, *, axis: int, recipe, key, signs):
-  """The fused Pallas NVFP4 quantizer (RHT fused when it uses the fixed default signs), or None if not covered."""
+  """The fused Pallas NVFP4 quantizer (with the RHT fused in), or None if not covered."""
   if not isinstance(cfg.fmt, formats.NVFP4):
     _fallback(f"the quantize kernel is NVFP4-only (got {cfg.fmt.name})")
     return None
-  if cfg.rht and (signs is not None or recipe.rht_signs != "fixed"):
-    _fallback(f"the fused RHT uses the fixed default signs (recipe has rht_signs={recipe.rht_signs!r})")
-    return None
   return _kernels().quantize_nvfp4(x, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding, key=key,
-                                   rht_size=recipe.rht_size if cfg.rht else None, random_bits=recipe.random_bits,
-                                   pad=cfg.pad)
+                                   rht_size=recipe.rht_size if cfg.rht else None, rht_signs=signs,
+                                   random_bits=recipe.random_bits, pad=cfg.pad)
 
 
 def pallas_gemm(a, b, contract):

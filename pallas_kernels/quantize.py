@@ -131,13 +131,13 @@ def make_plan(view, block, pack_axis, rht_group, interpret, tile=None) -> Plan:
 
 # --- in-kernel helpers (operate on one [TR, TC] tile) ---------------------------------------------------------------
 
-def _apply_rht(t, h_t, axis):
-  """Multiplies each run of g = h_t.shape[0] elements along `axis` by H (row vectors times H^T), float32 HIGHEST."""
-  g = h_t.shape[0]
+def _apply_rht(t, h_mat, axis):
+  """Maps each run t of g = h_mat.shape[0] elements along `axis` to t @ h_mat, float32 at HIGHEST precision."""
+  g = h_mat.shape[0]
   if axis == 0:
     t = t.T
   rows, cols = t.shape
-  y = jnp.dot(t.reshape(rows * cols // g, g), h_t, precision=jax.lax.Precision.HIGHEST,
+  y = jnp.dot(t.reshape(rows * cols // g, g), h_mat, precision=jax.lax.Precision.HIGHEST,
               preferred_element_type=jnp.float32).reshape(rows, cols)
   return y.T if axis == 0 else y
 
@@ -213,31 +213,31 @@ def _whole_spec(shape):
   return pl.BlockSpec(shape, lambda p, i, j: (0,) * len(shape))
 
 
-def rht_amax_call(x_view, h_t, plan: Plan, *, interpret: bool):
+def rht_amax_call(x_view, h_mat, plan: Plan, *, interpret: bool):
   """max |RHT(x)| over the tensor via per-tile maxima (Pallas) and a tiny XLA max; NaN-propagating."""
   grid = plan.grid
   partial = pl.pallas_call(
       functools.partial(_rht_amax_kernel, plan=plan, in_dtype=x_view.dtype),
       out_shape=jax.ShapeDtypeStruct(grid, jnp.float32),
       grid=grid,
-      in_specs=[_tile_spec(plan.tile), _whole_spec(h_t.shape)],
+      in_specs=[_tile_spec(plan.tile), _whole_spec(h_mat.shape)],
       out_specs=pl.BlockSpec((_SQUEEZED, 1, 1), lambda p, i, j: (p, i, j)),
       interpret=interpret,
       compiler_params=platform.compiler_params(num_warps=4, num_stages=2),
       name="nvfp4_rht_amax",
-  )(x_view, h_t)
+  )(x_view, h_mat)
   return jnp.max(partial)
 
 
-def quantize_call(x_view, scal, h_t, bits_view, plan: Plan, *, rounding: str, random_bits: int, interpret: bool):
+def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, random_bits: int, interpret: bool):
   """Runs the quantize kernel on the [P, R, C] view; returns (codes view uint8, E4M3 scale bits view uint8)."""
   tr, tc = plan.tile
   br, bc = plan.block
   codes_tile = (tr // 2, tc) if plan.pack_axis == 0 else (tr, tc // 2)
   inputs, in_specs = [x_view, scal], [_tile_spec(plan.tile), _whole_spec(scal.shape)]
   if plan.rht_group:
-    inputs.append(h_t)
-    in_specs.append(_whole_spec(h_t.shape))
+    inputs.append(h_mat)
+    in_specs.append(_whole_spec(h_mat.shape))
   if rounding == "stochastic":
     inputs.append(bits_view)
     in_specs.append(_tile_spec(plan.tile))
@@ -289,13 +289,13 @@ def _padded_shape(shape, blocked_axes, pad):
   return tuple(padded)
 
 
-def _rht_matrix_t(rht_size: int, signs=None) -> jax.Array:
-  """The matrix the kernel's dot right-multiplies by: fp4jax.random_hadamard maps each run t to t @ H, so H itself
-  for size >= 16, else a 16x16 block-diagonal copy of H (same transform)."""
-  h = rht_lib.hadamard_matrix(rht_size, signs)
+def _rht_matrix(rht_size: int, signs=None) -> jax.Array:
+  """The matrix M with random_hadamard(t) = t @ M for each row-vector group t, read off fp4jax.random_hadamard
+  applied to the identity (exact), so the kernel follows fp4jax's convention; sizes < 16 as a block-diagonal 16x16."""
+  m = rht_lib.random_hadamard(jnp.eye(rht_size, dtype=jnp.float32), size=rht_size, axis=-1, signs=signs)
   if rht_size < BLOCK:
-    h = jnp.kron(jnp.eye(BLOCK // rht_size, dtype=jnp.float32), h)
-  return h
+    m = jnp.kron(jnp.eye(BLOCK // rht_size, dtype=jnp.float32), m)
+  return m
 
 
 def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
@@ -345,11 +345,11 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
   if extra:
     x_view = jnp.pad(x_view, widths)
 
-  h_t = _rht_matrix_t(rht_size, rht_signs) if rht_size is not None else None
+  h_mat = _rht_matrix(rht_size, rht_signs) if rht_size is not None else None
   if rht_size is None:
     amax = jnp.max(jnp.abs(xp.astype(jnp.float32)))
   else:
-    amax = rht_amax_call(x_view, h_t, plan, interpret=interpret)
+    amax = rht_amax_call(x_view, h_mat, plan, interpret=interpret)
   s_enc = nvfp4.global_encode_scale(amax)
   scal = jnp.stack([s_enc * jnp.float32(1.0 / 6.0), jnp.float32(1.0) / s_enc])
 
@@ -362,7 +362,7 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
     if extra:
       bits_view = jnp.pad(bits_view, widths)
 
-  codes_v, scale_bits_v = quantize_call(x_view, scal, h_t, bits_view, plan, rounding=rounding,
+  codes_v, scale_bits_v = quantize_call(x_view, scal, h_mat, bits_view, plan, rounding=rounding,
                                         random_bits=random_bits, interpret=interpret)
   if extra:
     codes_v = jax.lax.slice_in_dim(codes_v, 0, view[other], axis=other)

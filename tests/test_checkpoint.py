@@ -32,12 +32,18 @@ def make_config(data_config, out, **changes) -> TrainConfig:
 
 
 def make_state(config, seed=0) -> dict:
-  """A train state with non-trivial optimizer moments (random values in every leaf)."""
+  """A train state with non-trivial optimizer moments (random values in every float leaf)."""
   model = train_lib.build_model(config, jax.random.key(seed))
   params = nnx.state(model, nnx.Param)
-  state = train_lib.TrainState(params, train_lib.make_optimizer(config).init(params), jnp.asarray(7, jnp.int32))
-  leaves, treedef = jax.tree.flatten(state._asdict())
-  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  opt_state = jax.jit(train_lib.make_optimizer(config).init)(params)
+  state = train_lib.TrainState(params, opt_state, jnp.asarray(7, jnp.int32))._asdict()
+  return _randomize(state, jax.random.key(seed + 1))
+
+
+@jax.jit
+def _randomize(tree, key):
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(key, len(leaves))
   leaves = [jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
             for k, x in zip(keys, leaves)]
   return jax.tree.unflatten(treedef, leaves)

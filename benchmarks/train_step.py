@@ -1,0 +1,125 @@
+"""Train-step time and memory of quantized recipes relative to bf16, for the tiny and small models.
+
+    python benchmarks/train_step.py                       # tiny and small, nvfp4 vs bf16
+    python benchmarks/train_step.py --models small --recipes bf16,nvfp4,mxfp4,fp8 --steps 20 --json out.json
+
+Per (model, recipe): compile time, median step time (the jitted fp4jax.train step on real batches, after a warmup,
+recipes interleaved step by step so load changes on a shared machine hit all alike), the forward-only (eval) median,
+and memory from XLA's compiled memory analysis: temp (scratch, incl. saved activations and residuals), argument and
+output bytes of the step. Ratios are against the first recipe (bf16 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fp4jax import data  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax import model as model_lib  # pylint: disable=wrong-import-position
+from fp4jax import train as train_lib  # pylint: disable=wrong-import-position
+from fp4jax.config import TrainConfig  # pylint: disable=wrong-import-position
+
+
+def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, dataset):
+  """Compiled train and eval steps, an initial state and a few batches for one (model, recipe)."""
+  config = TrainConfig(model=model_name, recipe=recipe, batch_size=batch_size, seq_len=seq_len, steps=1000,
+                       progress=False)
+  keys = train_lib.run_keys(0)
+  model = train_lib.build_model(config, keys["init"])
+  graphdef = nnx.graphdef(model)
+  optimizer = train_lib.make_optimizer(config)
+  params = nnx.state(model, nnx.Param)
+  state = train_lib.TrainState(params, jax.jit(optimizer.init)(params), jnp.asarray(0, jnp.int32))
+  batches = [data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=config.train_seq_len, seed=0)
+             for i in range(4)]
+  t0 = time.perf_counter()
+  step = jax.jit(train_lib.make_train_step(graphdef, optimizer)).lower(state, batches[0], keys["step"]).compile()
+  compile_s = time.perf_counter() - t0
+  evaluate = jax.jit(train_lib.make_eval_step(graphdef)).lower(params, batches[0], keys["step"]).compile()
+  mem = step.memory_analysis()
+  memory = {name: int(getattr(mem, f"{name}_size_in_bytes", 0) or 0) for name in ("temp", "argument", "output")}
+  return {"config": config, "step": step, "eval": evaluate, "state": state, "batches": batches,
+          "key": keys["step"], "compile_s": compile_s, "memory": memory,
+          "tokens": batch_size * config.train_seq_len, "step_times": [], "eval_times": []}
+
+
+def _time_once(run: dict, i: int) -> None:
+  batch, key = run["batches"][i % len(run["batches"])], jax.random.fold_in(run["key"], i)
+  t0 = time.perf_counter()
+  state, metrics = run["step"](run["state"], batch, key)
+  jax.block_until_ready((state, metrics))
+  run["step_times"].append(time.perf_counter() - t0)
+  run["state"] = state
+  t0 = time.perf_counter()
+  jax.block_until_ready(run["eval"](state.params, batch, key))
+  run["eval_times"].append(time.perf_counter() - t0)
+
+
+def benchmark(models, recipes, *, steps: int, warmup: int, batch_size: int, seq_len: int | None) -> list[dict]:
+  """One result row per (model, recipe)."""
+  dataset = data.load_dataset(data.DataConfig())
+  rows = []
+  for model_name in models:
+    runs = {r: _setup(model_name, r, batch_size, seq_len, dataset) for r in recipes}
+    for i in range(warmup + steps):
+      for r in recipes:  # interleaved: a load spike on a shared machine hits every recipe
+        _time_once(runs[r], i)
+    base = runs[recipes[0]]
+    base_step = float(np.median(base["step_times"][warmup:]))
+    base_eval = float(np.median(base["eval_times"][warmup:]))
+    for r in recipes:
+      run = runs[r]
+      step_s = float(np.median(run["step_times"][warmup:]))
+      eval_s = float(np.median(run["eval_times"][warmup:]))
+      mem = run["memory"]
+      rows.append({
+          "model": model_name, "recipe": r, "tokens_per_step": run["tokens"], "compile_s": run["compile_s"],
+          "step_ms": 1e3 * step_s, "step_ratio": step_s / base_step, "eval_ms": 1e3 * eval_s,
+          "eval_ratio": eval_s / base_eval, "tokens_per_s": run["tokens"] / step_s,
+          "temp_mb": mem["temp"] / 2**20, "temp_ratio": mem["temp"] / max(base["memory"]["temp"], 1),
+          "argument_mb": mem["argument"] / 2**20, "output_mb": mem["output"] / 2**20})
+  return rows
+
+
+def _print(rows: list[dict]) -> None:
+  head = (f"{'model':<6} {'recipe':<7} {'compile s':>9} {'step ms':>8} {'x':>6} {'fwd ms':>7} {'x':>6} "
+          f"{'tok/s':>8} {'temp MB':>8} {'x':>6} {'args MB':>8}")
+  print(head)
+  for r in rows:
+    print(f"{r['model']:<6} {r['recipe']:<7} {r['compile_s']:>9.1f} {r['step_ms']:>8.1f} {r['step_ratio']:>6.2f} "
+          f"{r['eval_ms']:>7.1f} {r['eval_ratio']:>6.2f} {r['tokens_per_s']:>8.0f} {r['temp_mb']:>8.2f} "
+          f"{r['temp_ratio']:>6.2f} {r['argument_mb']:>8.2f}")
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--models", default="tiny,small", help="comma-separated model presets")
+  parser.add_argument("--recipes", default="bf16,nvfp4", help="comma-separated recipes; the first is the baseline")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps per recipe")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
+  parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
+  parser.add_argument("--json", default=None, help="also write the rows to this file")
+  args = parser.parse_args(argv)
+  rows = benchmark(args.models.split(","), args.recipes.split(","), steps=args.steps, warmup=args.warmup,
+                   batch_size=args.batch_size, seq_len=args.seq_len)
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; batch {args.batch_size}")
+  _print(rows)
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(rows, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

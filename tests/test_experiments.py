@@ -1,0 +1,228 @@
+"""Tests for experiments/: every entry point's smoke preset end to end, resuming an interrupted sweep, the report,
+and clear errors for unknown presets and override keys. Runs share one CompileCache, so each graph compiles once."""
+
+import importlib
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments import report
+from experiments import sweep as sweep_lib
+from fp4jax import train as train_lib
+
+EXPERIMENTS = ("formats", "rht_size", "high_precision_layers", "components", "precision_switch")
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def cache():
+  return train_lib.CompileCache()
+
+
+def _module(name):
+  return importlib.import_module(f"experiments.{name}")
+
+
+# --- presets and configs (no training) ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+@pytest.mark.parametrize("preset", sweep_lib.PRESETS)
+def test_every_preset_builds_valid_configs(name, preset, tmp_path):
+  sweep = _module(name).get_config(preset)
+  assert sweep.preset == preset and sweep.reference == "bf16"
+  assert f"--preset {preset}" in sweep.command and f"experiments.{name}" in sweep.command
+  assert f"python -m experiments.{name} --preset {preset}" in _module(name).__doc__
+  configs = [sweep.config(run, seed, tmp_path / run.name) for run in sweep.runs for seed in range(sweep.seeds)]
+  # Runs differ from each other in what they compute (no two identical settings under different names).
+  distinct = {json.dumps({k: v for k, v in c.to_dict().items() if k != "out"}, sort_keys=True) for c in configs}
+  assert len(distinct) == len(configs)
+  if preset == "gpu":
+    assert configs[0].model.n_layers == 20 and configs[0].model.d_model == 2048
+  if preset == "smoke":
+    assert sweep.seeds == 1 and len(sweep.runs) <= 3 and configs[0].steps <= 20
+
+
+def test_ablation_settings_reach_the_recipe(tmp_path):
+  sweep = _module("components").get_config("cpu")
+  recipes = {r.name: sweep.config(r, 0, tmp_path).policy() for r in sweep.runs}
+  full = recipes["full"].resolved_recipe()
+  assert full.wgrad.rht and full.dgrad.lhs.rounding == "stochastic" and full.fprop.rhs.block_2d
+  assert not recipes["no_rht"].resolved_recipe().wgrad.rht
+  assert recipes["no_sr"].resolved_recipe().dgrad.lhs.rounding == "nearest"
+  assert not recipes["no_2d"].resolved_recipe().fprop.rhs.block_2d
+  assert recipes["full"].bf16_blocks(4) == (3,) and recipes["no_hp_layers"].bf16_blocks(4) == ()
+  assert not recipes["bf16"].resolved_recipe().is_quantized
+  rht = _module("rht_size").get_config("cpu")
+  got = {r.name: rht.config(r, 0, tmp_path).policy().resolved_recipe() for r in rht.runs}
+  assert {got[f"rht{d}"].rht_size for d in (2, 4, 16, 64, 128)} == {2, 4, 16, 64, 128}
+  assert got["rht16"].rht_signs == "fixed" and got["rht16_nosigns"].rht_signs == "none"
+  assert got["rht16_per_call"].rht_signs == "per_call" and not got["rht_none"].wgrad.rht
+  switch = _module("precision_switch").get_config("cpu")
+  fwd = switch.config(next(r for r in switch.runs if r.name == "fwd_at80"), 0, tmp_path).policy()
+  assert fwd.switch == "forward" and fwd.switch_step(300) == 240
+
+
+# --- overrides and errors ------------------------------------------------------------------------------------------
+
+def test_parse_overrides_types():
+  got = sweep_lib.parse_overrides(["steps=100", "model.d_model=128", "recipe=nvfp4:rht_size=4,random_signs=false",
+                                   "switch_at=0.5", "bf16_blocks=1,3-4", "progress=false", "data.tokenizer=bpe"])
+  assert got == {"steps": 100, "model.d_model": 128, "recipe": "nvfp4:rht_size=4,random_signs=false",
+                 "switch_at": 0.5, "bf16_blocks": (1, 3, 4), "progress": False, "data.tokenizer": "bpe"}
+
+
+@pytest.mark.parametrize("item, message", [
+    ("stepz=3", "Unknown override key 'stepz'; valid keys: model, recipe, bf16_first"),
+    ("model.widht=3", "Unknown override key 'model.widht'"),
+    ("seed=3", "set by the sweep itself"),
+    ("steps", "not of the form KEY=VALUE"),
+    ("steps=many", "Bad value for override 'steps'"),
+])
+def test_bad_overrides_raise_clear_errors(item, message):
+  with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    sweep_lib.parse_overrides([item])
+
+
+def test_unknown_preset_raises():
+  with pytest.raises(ValueError, match="Unknown preset 'huge'; valid presets: smoke, cpu, gpu"):
+    _module("formats").get_config("huge")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--preset", "huge"], "valid presets: smoke, cpu, gpu"),
+    (["--preset", "smoke", "--set", "stepz=3"], "valid keys: model, recipe"),
+    (["--preset", "smoke", "--runs", "nope"], "runs: bf16, nvfp4, mxfp4"),
+])
+def test_cli_errors_name_the_valid_choices(argv, expected, tmp_path, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    _module("formats").main(["--out", str(tmp_path), *argv])
+  assert exit_info.value.code == 2
+  assert expected in capsys.readouterr().err
+  assert not (tmp_path / "sweep.json").exists()
+
+
+def test_module_entry_point_runs():
+  proc = subprocess.run([sys.executable, "-m", "experiments.formats", "--help"], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert "--preset" in proc.stdout and "--set KEY=VALUE" in proc.stdout
+
+
+def test_cli_list_shows_runs_and_overrides(capsys, tmp_path):
+  assert _module("components").main(["--preset", "cpu", "--out", str(tmp_path), "--list", "--set", "steps=40",
+                                     "--set", "bf16_last=2"]) == 0
+  out = capsys.readouterr().out
+  for name in ("bf16", "full", "no_rht", "no_sr", "no_2d", "no_hp_layers"):
+    assert name in out
+  assert "'steps': 40" in out and "'bf16_last': 2" in out
+  assert "keeps its own bf16_last" in out  # the no_hp_layers run keeps bf16_last=0
+  assert not (tmp_path / "sweep.json").exists()
+
+
+def test_new_model_preset_drops_old_model_fields():
+  sweep = _module("formats").get_config("smoke").with_overrides({"model": "small"})
+  assert "model.n_layers" not in sweep.base and sweep.base["model"] == "small"
+
+
+# --- smoke sweeps ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_smoke_sweep_end_to_end(name, tmp_path, cache):
+  sweep = _module(name).get_config("smoke")
+  records = sweep_lib.run_sweep(sweep, tmp_path, compile_cache=cache, progress=False, log=None)
+  assert [(r["run"], r["status"]) for r in records] == [(run.name, "finished") for run in sweep.runs]
+  for r in records:
+    s = r["summary"]
+    assert math.isfinite(s["final_val_loss"]) and s["final_val_loss"] < math.log(256)  # learnt something
+    assert s["tokens_per_s"] > 0 and s["steps"] == sweep.base["steps"]
+    assert (tmp_path / r["run"] / "seed0" / sweep_lib.SUMMARY_FILE).is_file()
+  written = report.write_report(tmp_path)
+  names = {p.name for p in written}
+  assert {report.RESULTS_MD, report.RESULTS_CSV, report.RESULTS_JSONL, report.LOSS_PNG, report.GAP_PNG} <= names
+  for png in (report.LOSS_PNG, report.GAP_PNG):
+    assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
+  table = (tmp_path / report.RESULTS_MD).read_text()
+  rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| run")]
+  assert [row.split("|")[1].strip() for row in rows] == [run.name for run in sweep.runs]
+  assert "| reference |" in rows[0]
+  # The table's gap is the relative difference of the final validation losses.
+  val = {r["run"]: r["summary"]["final_val_loss"] for r in records}
+  other = sweep.runs[1].name
+  gap = 100 * (val[other] - val["bf16"]) / val["bf16"]
+  assert f"{gap:+.2f}" in rows[1]
+  # The report reads back the files it wrote (what the notebook and committed results use).
+  meta, rows_back, curves = report.read_results(tmp_path)
+  assert meta["experiment"] == sweep.experiment and len(rows_back) == len(sweep.runs)
+  assert set(curves) == {(run.name, 0) for run in sweep.runs}
+  assert len(curves["bf16", 0]["loss"]) == sweep.base["steps"]
+
+
+def test_interrupted_sweep_resumes_and_skips_finished_runs(tmp_path, cache):
+  base = sweep_lib.base_overrides("smoke")
+  # Two identical runs under different names: the resumed one must reproduce the uninterrupted one exactly.
+  sweep = sweep_lib.Sweep(experiment="resume", preset="smoke", base=base, reference="a",
+                          runs=(sweep_lib.Run("a", {"recipe": "bf16"}), sweep_lib.Run("b", {"recipe": "bf16"})))
+  stop_at = base["checkpoint_every"] + 2  # after the first checkpoint
+
+  def interrupt(step, record):
+    del record
+    if step == stop_at:
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    sweep_lib.run_sweep(sweep, tmp_path, compile_cache=cache, progress=False, log=None,
+                        hooks_for=lambda run, seed: [interrupt] if run == "b" else [])
+  summary_a = tmp_path / "a" / "seed0" / sweep_lib.SUMMARY_FILE
+  assert summary_a.is_file() and not (tmp_path / "b" / "seed0" / sweep_lib.SUMMARY_FILE).exists()
+  stamp = summary_a.stat().st_mtime_ns
+
+  records = sweep_lib.run_sweep(sweep, tmp_path, compile_cache=cache, progress=False, log=None)
+  assert [(r["run"], r["status"]) for r in records] == [("a", "skipped"), ("b", "finished")]
+  assert summary_a.stat().st_mtime_ns == stamp
+  assert f"Resumed from step {base['checkpoint_every']}" in (tmp_path / "b" / "seed0" / sweep_lib.LOG_FILE).read_text()
+  steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+  assert steps == list(range(base["steps"] + 1))  # each step once, then the final evaluation
+  assert records[1]["summary"]["final_val_loss"] == records[0]["summary"]["final_val_loss"]
+
+  # A third call runs nothing; changed settings on a finished folder are refused before anything runs.
+  assert [r["status"] for r in sweep_lib.run_sweep(sweep, tmp_path, progress=False, log=None)] == ["skipped"] * 2
+  with pytest.raises(ValueError, match=r"finished run with different settings \(lr\)"):
+    sweep_lib.run_sweep(sweep.with_overrides({"lr": 1e-3}), tmp_path, progress=False, log=None)
+
+
+def test_cli_on_finished_sweep_rewrites_report(tmp_path, cache, capsys):
+  sweep = _module("formats").get_config("smoke").select(["bf16"])
+  sweep_lib.run_sweep(sweep, tmp_path, compile_cache=cache, progress=False, log=None)
+  assert _module("formats").main(["--preset", "smoke", "--out", str(tmp_path), "--runs", "bf16", "--quiet"]) == 0
+  assert (tmp_path / report.RESULTS_MD).is_file() and (tmp_path / report.LOSS_PNG).is_file()
+  assert report.main([str(tmp_path), "--smooth", "3"]) == 0
+  assert "| bf16 | BF16 |" in capsys.readouterr().out
+  assert report.main([str(tmp_path / "missing")]) == 2
+
+
+# --- report arithmetic ---------------------------------------------------------------------------------------------
+
+def test_gaps_are_paired_by_seed_and_aggregated():
+  rows = [{"run": "bf16", "seed": 0, "status": "finished", "final_val_loss": 2.0},
+          {"run": "bf16", "seed": 1, "status": "finished", "final_val_loss": 3.0},
+          {"run": "q", "seed": 0, "status": "finished", "final_val_loss": 2.2},
+          {"run": "q", "seed": 1, "status": "finished", "final_val_loss": 3.0},
+          {"run": "d", "seed": 0, "status": "diverged", "final_val_loss": None, "diverged_step": 7}]
+  report._add_gaps(rows, "bf16")  # pylint: disable=protected-access
+  assert rows[2]["gap_pct"] == pytest.approx(10.0) and rows[3]["gap_pct"] == pytest.approx(0.0)
+  assert rows[4]["gap_pct"] is None
+  agg = {a["run"]: a for a in report.aggregate(rows)}
+  assert agg["q"]["gap_pct_mean"] == pytest.approx(5.0)
+  assert agg["q"]["gap_pct_std"] == pytest.approx(np.std([10.0, 0.0], ddof=1))
+  assert agg["q"]["val_loss_mean"] == pytest.approx(2.6) and agg["d"]["diverged"] == [7] and agg["d"]["seeds"] == 0
+
+
+def test_smooth_is_a_trailing_moving_average():
+  x = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+  np.testing.assert_allclose(report.smooth(x, 2), [1.0, 1.5, 2.5, 3.5, 4.5])
+  np.testing.assert_allclose(report.smooth(x, 1), x)
