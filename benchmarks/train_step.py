@@ -1,7 +1,7 @@
 """Train-step time and memory of quantized recipes relative to bf16, for the tiny and small models.
 
     python benchmarks/train_step.py                       # tiny and small, nvfp4 vs bf16
-    python benchmarks/train_step.py --models small --recipes bf16,nvfp4,mxfp4,fp8 --steps 20 --json out.json
+    python benchmarks/train_step.py --models small --recipes bf16 nvfp4 mxfp4 fp8 --steps 20 --json out.json
 
 Per (model, recipe): compile time, median step time (the jitted fp4jax.train step on real batches, after a warmup,
 recipes interleaved step by step so load changes on a shared machine hit all alike), the forward-only (eval) median,
@@ -92,11 +92,12 @@ def benchmark(models, recipes, *, steps: int, warmup: int, batch_size: int, seq_
 
 
 def _print(rows: list[dict]) -> None:
-  head = (f"{'model':<6} {'recipe':<7} {'compile s':>9} {'step ms':>8} {'x':>6} {'fwd ms':>7} {'x':>6} "
+  width = max(7, *(len(r["recipe"]) for r in rows))
+  head = (f"{'model':<6} {'recipe':<{width}} {'compile s':>9} {'step ms':>8} {'x':>6} {'fwd ms':>7} {'x':>6} "
           f"{'tok/s':>8} {'temp MB':>8} {'x':>6} {'args MB':>8}")
   print(head)
   for r in rows:
-    print(f"{r['model']:<6} {r['recipe']:<7} {r['compile_s']:>9.1f} {r['step_ms']:>8.1f} {r['step_ratio']:>6.2f} "
+    print(f"{r['model']:<6} {r['recipe']:<{width}} {r['compile_s']:>9.1f} {r['step_ms']:>8.1f} {r['step_ratio']:>6.2f} "
           f"{r['eval_ms']:>7.1f} {r['eval_ratio']:>6.2f} {r['tokens_per_s']:>8.0f} {r['temp_mb']:>8.2f} "
           f"{r['temp_ratio']:>6.2f} {r['argument_mb']:>8.2f}")
 
@@ -104,14 +105,15 @@ def _print(rows: list[dict]) -> None:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--models", default="tiny,small", help="comma-separated model presets")
-  parser.add_argument("--recipes", default="bf16,nvfp4", help="comma-separated recipes; the first is the baseline")
+  parser.add_argument("--recipes", nargs="+", default=["bf16", "nvfp4"],
+                      help="recipes (CLI form, e.g. nvfp4:stochastic_rounding=false); the first is the baseline")
   parser.add_argument("--steps", type=int, default=10, help="timed steps per recipe")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
   parser.add_argument("--batch-size", type=int, default=8)
   parser.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
   args = parser.parse_args(argv)
-  rows = benchmark(args.models.split(","), args.recipes.split(","), steps=args.steps, warmup=args.warmup,
+  rows = benchmark(args.models.split(","), args.recipes, steps=args.steps, warmup=args.warmup,
                    batch_size=args.batch_size, seq_len=args.seq_len)
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; batch {args.batch_size}")
   _print(rows)

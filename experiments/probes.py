@@ -55,7 +55,8 @@ class ProbePreset:
   draws for the layers whose names match the regex (longer bias curves). layers: regex of the layers probed (None:
   all). recipes: names from fp4jax.probes.recipe_variants(). model_variants: whole-model settings
   "RECIPE[+firstA][+lastB]" (B blocks at the end / A at the start in BF16). model_draws: SR draws per model
-  setting. sensitivity: also quantize one block at a time / all but one block. cont_*: continuation variants, steps
+  setting. sensitivity: "only" quantizes one block at a time (the rest BF16), "all_but" keeps one block at a time
+  in BF16 (the rest quantized). cont_*: continuation variants, steps
   per continuation and seeds.
   """
 
@@ -74,28 +75,27 @@ class ProbePreset:
   recipes: tuple[str, ...] = ("bf16", "nvfp4", "nvfp4-noRHT", "nvfp4-noSR", "nvfp4-no2D", "mxfp4")
   model_variants: tuple[str, ...] = ("nvfp4", "nvfp4-noRHT", "nvfp4-noSR", "nvfp4-no2D", "mxfp4")
   model_draws: int = 4
-  sensitivity: bool = True
+  sensitivity: tuple[str, ...] = ("only", "all_but")
   cont_variants: tuple[str, ...] = ("bf16", "nvfp4")
   cont_steps: int = 50
   cont_seeds: int = 3
 
 
 PRESETS: dict[str, ProbePreset] = {
-    # Seconds: a 2-block tiny model whose linear layers are all 64 x 64 (one compiled probe per recipe), 16 BF16
-    # steps, one batch of 4 x 32 tokens, 8 draws, 3-step continuations with 2 seeds.
-    "smoke": ProbePreset(model="tiny", model_overrides=(("n_layers", 2), ("d_ff", 64), ("n_kv_heads", 4)),
-                         base_steps=16, batch_size=4, seq_len=32, lr=1e-2, eval_batches=1, probe_batches=1,
-                         num_draws=8, bias_draws=8, model_variants=("nvfp4", "nvfp4+last1"), model_draws=2,
-                         cont_variants=("bf16", "nvfp4"), cont_steps=3, cont_seeds=2),
+    # Seconds (mostly compilation): a 1-block tiny model whose linear layers are all 64 x 64 (one compiled probe per
+    # recipe), 8 BF16 steps, one batch of 4 x 32 tokens, 8 draws, 2-step continuations with 2 seeds.
+    "smoke": ProbePreset(model="tiny", model_overrides=(("n_layers", 1), ("d_ff", 64), ("n_kv_heads", 4)),
+                         base_steps=8, batch_size=4, seq_len=32, lr=1e-2, eval_batches=1, probe_batches=1,
+                         num_draws=8, bias_draws=8, recipes=("bf16", "nvfp4", "nvfp4-noSR", "mxfp4"),
+                         model_variants=("nvfp4",), model_draws=2, cont_variants=("bf16", "nvfp4"), cont_steps=2,
+                         cont_seeds=2),
     # ~15 minutes on 2 CPU cores: the sweeps' CPU model (tiny, 4 blocks), 300 BF16 steps of 16 x 64 tokens at
     # lr 1e-2; probes on 2048 tokens; bias curves to K = 64 on 8 layers of the first and last block.
     "cpu": ProbePreset(model="tiny", model_overrides=(("n_layers", 4),), base_steps=300, batch_size=16, seq_len=64,
                        lr=1e-2, eval_batches=4, probe_batches=2, num_draws=16, bias_draws=128,
                        bias_layers=r"blocks\.(0|3)\.(attn\.[qo]|mlp\.(up|down))",
-                       model_variants=("nvfp4", "nvfp4-noRHT", "nvfp4-noSR", "nvfp4-no2D", "mxfp4",
-                                       "nvfp4+first1+last1"),
-                       model_draws=4, cont_variants=("bf16", "nvfp4", "nvfp4-noSR", "nvfp4+last1"),
-                       cont_steps=40, cont_seeds=3),
+                       model_variants=("nvfp4", "nvfp4-noSR", "mxfp4"), model_draws=4, sensitivity=("all_but",),
+                       cont_variants=("bf16", "nvfp4", "nvfp4-noSR", "nvfp4+last1"), cont_steps=40, cont_seeds=3),
     # The paper's 1.2B ablation model on a GPU: 4000 BF16 steps of 64 x 4096 tokens; probes on 4 x 4096 tokens
     # (bias sums keep num_draws-level copies of each gradient: memory ~ levels x 16k x 6144 floats).
     "gpu": ProbePreset(model="paper_1b", model_overrides=(("remat", True),), base_steps=4000, batch_size=64,
@@ -276,12 +276,17 @@ def run_model_probes(preset: ProbePreset, model, batch, *, seed: int = 0, log=pr
   for variant in preset.model_variants:
     log(f"  model: {variant}")
     out["variants"][variant] = probe(variant_recipes(variant, names, n_layers))
-  if preset.sensitivity:
-    main = probes.recipe_variants()[MAIN]
-    out["variants"].setdefault(MAIN, probe(variant_recipes(MAIN, names, n_layers)))
-    for i in range(n_layers):
+  unknown = set(preset.sensitivity) - {"only", "all_but"}
+  if unknown:
+    raise ValueError(f"sensitivity entries must be 'only' or 'all_but'; got {sorted(unknown)}.")
+  main = probes.recipe_variants()[MAIN]
+  if preset.sensitivity and MAIN not in out["variants"]:
+    out["variants"][MAIN] = probe(variant_recipes(MAIN, names, n_layers))
+  for i in range(n_layers):
+    if "only" in preset.sensitivity:
       log(f"  model: only block {i} in {MAIN}")
       out["only"][i] = probe(_blocks_recipes(main, [b for b in range(n_layers) if b != i], names, n_layers))
+    if "all_but" in preset.sensitivity:
       log(f"  model: block {i} in BF16, rest {MAIN}")
       out["all_but"][i] = probe(_blocks_recipes(main, [i], names, n_layers))
   log(f"Model probes: {len(done)} settings in {time.perf_counter() - t0:.0f}s.")
@@ -430,7 +435,7 @@ def write_report(out: str | pathlib.Path) -> list[pathlib.Path]:
   out = pathlib.Path(out)
   results = json.loads((out / RESULTS_FILE).read_text())
   written = [write_markdown(results, out / REPORT_FILE), plot_layer_errors(results, out / "layer_errors.png"), plot_bias(results, out / "bias_vs_k.png")]
-  if results.get("model", {}).get("only"):
+  if results.get("model", {}).get("only") or results.get("model", {}).get("all_but"):
     written.append(plot_sensitivity(results, out / "sensitivity.png"))
   if results.get("continuation"):
     written.append(plot_continuation(results, out / "continuation.png"))
@@ -490,7 +495,8 @@ def write_markdown(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Pa
         ses = np.mean([[s if isinstance(s, float) else float(s) for s in c["se"]] for c in curves], axis=0)
         slope = float(np.mean([probes.decay_slope(c) for c in curves]))
         floor = float(np.mean([probes.bias_floor(c) for c in curves]))
-        rows.append([r, gemm, ref] + [_fmt(m, s, 4) for m, s in zip(means, ses)] + [f"{slope:+.2f}", _fmt(floor)])
+        rows.append([r, gemm, ref] + [_fmt(m, s, 4) for m, s in zip(means, ses)]
+                    + ["-" if math.isnan(slope) else f"{slope:+.2f}", _fmt(floor)])
   lines += [f"Layers: {', '.join(bias_names)}.", "",
             _table(["recipe", "GEMM", "reference"] + [f"K={k}" for k in ks] + ["slope", "floor"], rows), ""]
 
@@ -528,7 +534,8 @@ def write_markdown(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Pa
       rows.append([name, _fmt(v["dloss"], signed=True), _fmt(*_mean_se(v["grad_err"])),
                    _fmt(*_mean_se(v["grad_cos"])), _fmt(v["grad_bias"])])
     lines += [_table(["variant", "dloss", "grad err", "grad cos", "mean-of-draws err"], rows), ""]
-    if mp.get("only"):
+    only, all_but = mp.get("only") or {}, mp.get("all_but") or {}
+    if only or all_but:
       n = mp["n_layers"]
       full = mp["variants"][MAIN]
       lines += [f"### Layer sensitivity ({MAIN}; which blocks to keep in BF16)", "",
@@ -536,16 +543,17 @@ def write_markdown(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Pa
                 "BF16), the loss gained by keeping block i in BF16 (larger = more sensitive).", ""]
       rows = []
       for i in range(n):
-        o, a = mp["only"][str(i)], mp["all_but"][str(i)]
-        rows.append([i, _fmt(o["dloss"], signed=True), _fmt(*_mean_se(o["grad_err"])),
-                     _fmt(full["dloss"] - a["dloss"], signed=True), _fmt(*_mean_se(a["grad_err"]))])
+        o, a = only.get(str(i)), all_but.get(str(i))
+        rows.append([i, _fmt(o["dloss"], signed=True) if o else "-", _fmt(*_mean_se(o["grad_err"])) if o else "-",
+                     _fmt(full["dloss"] - a["dloss"], signed=True) if a else "-",
+                     _fmt(*_mean_se(a["grad_err"])) if a else "-"])
       lines += [_table(["block", "only i: dloss", "only i: grad err", "recovered dloss", "block i BF16: grad err"],
                        rows), ""]
-      ranking = sensitivity_ranking(mp)
-      lines += [f"Ranking by recovered dloss (most sensitive first): {ranking}. "
-                f"The paper keeps the LAST blocks in BF16; here the most sensitive block is "
-                f"{'the last' if ranking[0] == n - 1 else 'the first' if ranking[0] == 0 else f'block {ranking[0]}'}"
-                ".", ""]
+      ranking = sensitivity_ranking(mp) if n > 1 else [0]
+      which = "the last" if ranking[0] == n - 1 else "the first" if ranking[0] == 0 else f"block {ranking[0]}"
+      if n > 1:
+        lines += [f"Ranking ({'recovered dloss' if all_but else 'only-i dloss'}, most sensitive first): {ranking}. "
+                  f"The paper keeps the last blocks in BF16; here the most sensitive block is {which}.", ""]
 
   # 6. Continuations.
   cont = results.get("continuation")
@@ -576,10 +584,13 @@ def write_markdown(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Pa
 
 
 def sensitivity_ranking(mp: Mapping[str, Any]) -> list[int]:
-  """Blocks ordered by the loss recovered when each alone is kept in BF16 (most sensitive first)."""
-  full = mp["variants"][MAIN]["dloss"]
+  """Blocks, most sensitive first: by the loss recovered when each alone is kept in BF16 ("all_but"), else by the
+  loss change when each alone is quantized ("only")."""
   n = mp["n_layers"]
-  return sorted(range(n), key=lambda i: -(full - mp["all_but"][str(i)]["dloss"]))
+  if mp.get("all_but"):
+    full = mp["variants"][MAIN]["dloss"]
+    return sorted(range(n), key=lambda i: -(full - mp["all_but"][str(i)]["dloss"]))
+  return sorted(range(n), key=lambda i: -mp["only"][str(i)]["dloss"])
 
 
 # --- plots --------------------------------------------------------------------------------------------------------
@@ -655,12 +666,13 @@ def plot_sensitivity(results, path: pathlib.Path) -> pathlib.Path:
   mp = results["model"]
   n = mp["n_layers"]
   full = mp["variants"][MAIN]["dloss"]
-  only = [mp["only"][str(i)]["dloss"] for i in range(n)]
-  recovered = [full - mp["all_but"][str(i)]["dloss"] for i in range(n)]
   fig, ax = plt.subplots(figsize=(6, 3.8))
   x = np.arange(n)
-  ax.bar(x - 0.2, only, 0.4, label=f"only block i in {MAIN}: dloss")
-  ax.bar(x + 0.2, recovered, 0.4, label="block i in BF16: dloss recovered")
+  if mp.get("only"):
+    ax.bar(x - 0.2, [mp["only"][str(i)]["dloss"] for i in range(n)], 0.4, label=f"only block i in {MAIN}: dloss")
+  if mp.get("all_but"):
+    ax.bar(x + 0.2, [full - mp["all_but"][str(i)]["dloss"] for i in range(n)], 0.4,
+           label="block i in BF16: dloss recovered")
   ax.set_xticks(x)
   ax.set_xlabel("block")
   ax.set_ylabel("loss change")

@@ -1,0 +1,83 @@
+"""Training step time per mesh layout on 8 simulated CPU devices, as ratios to the pure data-parallel (8,1,1) mesh.
+
+Catches layouts whose collectives explode (a ratio far above the others). Simulated devices share this machine's
+cores, so absolute times mean little; the ratios between layouts measured in one run are the figure.
+
+  python benchmarks/mesh.py [--recipe nvfp4] [--steps 5] [--batch 16] [--seq 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flax import nnx  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from fp4jax import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax import train as train_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+MESHES = ((8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 2, 1), (2, 1, 4))
+# Widths whose per-shard slices stay whole 16-blocks on every mesh above.
+MODEL = dict(d_model=128, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=256, n_layers=2, max_seq_len=128)
+
+
+def time_mesh(shape, recipe: str, steps: int, batch: int, seq: int) -> float:
+  cfg = config_lib.TrainConfig(model=model_lib.get_model_config("tiny", **MODEL), recipe=recipe, batch_size=batch,
+                               seq_len=seq, steps=100)
+  model = train_lib.build_model(cfg, jax.random.key(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  optimizer = train_lib.make_optimizer(cfg)
+  mesh = sharding.make_mesh(sharding.MeshConfig(*shape))
+  sharding.check_divisibility(params, mesh, batch_size=batch, seq_len=seq)
+  state = train_lib.TrainState(params=params, opt_state=optimizer.init(params), step=jnp.asarray(0, jnp.int32))
+  state_sh = sharding.tree_shardings(state, mesh)
+  batch_sh = sharding.batch_sharding(mesh)
+  step = jax.jit(train_lib.make_train_step(graphdef, optimizer), in_shardings=(state_sh, batch_sh, None),
+                 out_shardings=(state_sh, None), donate_argnums=0)
+  state = jax.device_put(state, state_sh)
+  tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, 256)
+  data = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, batch_sh)
+  state, m = step(state, data, jax.random.key(2))  # compile + warm up
+  jax.block_until_ready(m)
+  times = []
+  for i in range(steps):
+    t0 = time.perf_counter()
+    state, m = step(state, data, jax.random.key(3 + i))
+    jax.block_until_ready(m)
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--recipe", default="nvfp4")
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--seq", type=int, default=64)
+  p.add_argument("--meshes", default=";".join(",".join(map(str, m)) for m in MESHES),
+                 help="';'-separated data,fsdp,tensor triples")
+  args = p.parse_args(argv)
+  if jax.device_count() != 8:
+    raise SystemExit(f"needs 8 devices (XLA_FLAGS set before jax import); found {jax.device_count()}")
+  meshes = [tuple(int(v) for v in m.split(",")) for m in args.meshes.split(";")]
+  results = [(m, time_mesh(m, args.recipe, args.steps, args.batch, args.seq)) for m in meshes]
+  base = results[0][1]
+  print(f"recipe={args.recipe} batch={args.batch} seq={args.seq} median of {args.steps} steps, 8 simulated devices")
+  print(f"{'mesh (data,fsdp,tensor)':<26}{'step ms':>10}{'ratio to ' + str(meshes[0]):>22}")
+  for m, t in results:
+    print(f"{str(m):<26}{t * 1e3:>10.1f}{t / base:>22.2f}")
+  return results
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,199 @@
+"""Tests for fp4jax.probes and experiments.probes: exact zeros for BF16, a known rounding bias recovered, the 1/sqrt(K)
+decay of stochastic rounding, the chain-rule gap of 1D weights, the rule's GEMMs reproduced bit for bit, capture vs
+autodiff, and the smoke preset end to end."""
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import fp4jax
+import fp4jax.train
+from fp4jax import model as model_lib
+from fp4jax import probes
+from fp4jax import recipes
+
+# One shape for the layer tests, so each recipe's probe compiles once: M tokens, K = N features.
+M, K = 512, 64
+DRAWS = 64
+SCALE = 2.0**-10  # gradient-sized values; a power of two keeps every value below exact
+# A block of 16: one element at the block maximum (6 after scaling: exact) and 15 at 1.125, a quarter of the way
+# from grid point 1 to grid point 1.5. Round-to-nearest sends them all to 1 (a bias of -0.125 each); stochastic
+# rounding sends them to 1.5 with probability 1/4 (unbiased, variance 1/4 * 3/4 * 0.5^2 each).
+RNE_BIAS = float(np.sqrt(15 * 0.125**2) / np.sqrt(36 + 15 * 1.125**2))
+SR_NOISE = float(np.sqrt(15 * 0.25 * 0.75 * 0.25) / np.sqrt(36 + 15 * 1.125**2))
+
+
+def known_bias_tensors() -> probes.LayerTensors:
+  """x random; W = I (exact in NVFP4, 1D or 2D); dY with random signs in the block pattern above."""
+  x = jax.random.normal(jax.random.key(0), (M, K)).astype(jnp.bfloat16)
+  magnitude = np.full((M, K), 1.125, np.float32)
+  magnitude[:, ::16] = 6.0
+  signs = np.where(np.random.default_rng(0).random((M, K)) < 0.5, -1.0, 1.0)
+  dy = jnp.asarray(magnitude * signs * SCALE, jnp.bfloat16)
+  return probes.LayerTensors(x, jnp.eye(K, dtype=jnp.float32), dy)
+
+
+def random_tensors(seed=1) -> probes.LayerTensors:
+  kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+  return probes.LayerTensors(jax.random.normal(kx, (M, K)).astype(jnp.bfloat16),
+                             0.1 * jax.random.normal(kw, (K, K)),
+                             (1e-3 * jax.random.normal(kd, (M, K))).astype(jnp.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def known():
+  t = known_bias_tensors()
+  key = jax.random.key(5)
+  return {name: probes.probe_layer(t, recipes.get_recipe(spec), key, num_draws=DRAWS)
+          for name, spec in (("bf16", "bf16"), ("rne", "nvfp4:stochastic_rounding=false"), ("sr", "nvfp4"))}
+
+
+def test_bf16_gives_exactly_zero_error_and_bias(known):
+  res = known["bf16"]
+  for metric in ("fprop_err", "chain_dgrad", "chain_wgrad", "weight_mismatch"):
+    assert res[metric] == 0.0
+  for metric in ("dgrad_err", "wgrad_err"):
+    assert np.all(res[metric] == 0.0)
+  for metric in ("fprop_cos",):
+    assert res[metric] == pytest.approx(1.0, abs=1e-6)
+  for gemm in ("dgrad", "wgrad"):
+    for ref in probes.BIAS_REFERENCES:
+      curve = res["bias"][gemm][ref]
+      assert curve["K"] == [1, 2, 4, 8, 16, 32]
+      assert all(m == 0.0 for m in curve["mean"]) and all(s == 0.0 for s in curve["se"])
+      assert probes.bias_floor(curve) == 0.0
+  assert res["stats"] == {}
+
+
+def test_round_to_nearest_bias_is_recovered_and_flat(known):
+  res = known["rne"]
+  for ref in probes.BIAS_REFERENCES:  # W = I: all three references equal dY
+    curve = res["bias"]["dgrad"][ref]
+    np.testing.assert_allclose(curve["mean"], RNE_BIAS, rtol=1e-4)
+    assert all(s == 0.0 for s in curve["se"])  # every draw is the same
+    assert probes.bias_floor(curve) == pytest.approx(RNE_BIAS, rel=1e-4)
+    assert probes.decay_slope(curve) == pytest.approx(0.0, abs=1e-6)
+  # 15 of every 16 magnitudes sit at 1.125 and quantize to 1: zero codes none, saturated (6) one in 16.
+  stats = res["stats"]["dgrad.dY"]
+  assert stats["sat"] == pytest.approx(1 / 16) and stats["zero"] == 0.0
+  assert stats["scale_lo"] == stats["scale_hi"] == 448.0
+
+
+def test_stochastic_rounding_bias_decays_like_inverse_sqrt_k(known):
+  curve = known["sr"]["bias"]["dgrad"]["exact_grad"]
+  k, mean = np.asarray(curve["K"], np.float64), np.asarray(curve["mean"])
+  # Single draws: the predicted SR noise; means of K draws: that noise / sqrt(K), within 10% up to K = 32.
+  assert mean[0] == pytest.approx(SR_NOISE, rel=0.03)
+  np.testing.assert_allclose(mean * np.sqrt(k), SR_NOISE, rtol=0.10)
+  assert probes.decay_slope(curve) == pytest.approx(-0.5, abs=0.03)
+  assert probes.bias_floor(curve) < 0.4 * RNE_BIAS  # unbiased: the floor is noise in the estimate only
+  assert all(s > 0 for s in curve["se"])
+  # Round-to-nearest's error on the same tensors is lower per draw, but it never averages away.
+  assert known["rne"]["dgrad_err"][0] < known["sr"]["dgrad_err"].mean()
+  assert mean[-1] < RNE_BIAS
+
+
+def test_2d_weights_keep_the_chain_rule_and_1d_weights_break_it():
+  t, key = random_tensors(), jax.random.key(6)
+  two_d = probes.probe_layer(t, "nvfp4", key, num_draws=DRAWS)
+  one_d = probes.probe_layer(t, "nvfp4:weight_2d=false", key, num_draws=DRAWS)
+  assert two_d["chain_dgrad"] == 0.0 and two_d["weight_mismatch"] == 0.0
+  assert one_d["chain_dgrad"] > 0.02 and one_d["weight_mismatch"] > 0.02
+  # 2D + SR: the mean of K draws approaches the quantized forward's gradient; 1D flattens at the weight mismatch.
+  assert probes.decay_slope(two_d["bias"]["dgrad"]["chain"]) < -0.4
+  assert probes.bias_floor(one_d["bias"]["dgrad"]["chain"]) > 0.5 * one_d["chain_dgrad"]
+
+
+@pytest.mark.parametrize("spec", ["nvfp4", "nvfp4:weight_2d=false,rht=false", "mxfp4"])
+def test_quantized_gemms_equal_the_custom_vjp_rule(spec):
+  recipe = recipes.get_recipe(spec)
+  x, w, dy = random_tensors(2)
+  x, w, dy = x[:64], w, dy[:64]
+  key = jax.random.key(9)
+
+  def layer(x, w):
+    return fp4jax.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=recipe, key=key,
+                              preferred_element_type=jnp.float32).astype(x.dtype)
+
+  def rule(x, w, dy):
+    y, vjp = jax.vjp(layer, x, w)
+    return (y, *vjp(dy))
+
+  y, dx, dw = jax.jit(rule)(x, w, dy)
+  y2, dx2, dw2, _, _ = jax.jit(lambda x, w, dy: probes.quantized_gemms(x, w, dy, recipe, key))(x, w, dy)
+  for a, b in ((y, y2), (dx, dx2), (dw, dw2)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+  config = model_lib.get_model_config("tiny", n_layers=1, d_ff=64, n_kv_heads=4, max_seq_len=32)
+  model = model_lib.Transformer(config, rngs=nnx.Rngs(params=0))
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 33)).astype(np.int32)
+  return model, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def test_capture_matches_autodiff_and_bf16_model_probe_is_exact(tiny_model):
+  model, batch = tiny_model
+  loss, tensors = probes.capture_layer_tensors(model, batch)
+  assert set(tensors) == set(model.linear_layers())
+  ref_loss, ref_grad = probes.reference_gradient(model, batch)
+  assert loss == pytest.approx(ref_loss, rel=1e-6)
+  # x^T dY of the captured tensors is the BF16 model's own kernel gradient.
+  bf16_model = probes.with_recipes(model, "bf16")
+  graphdef, params, rest = nnx.split(bf16_model, nnx.Param, ...)
+  loss_fn = lambda p: fp4jax.train.cross_entropy(nnx.merge(graphdef, p, rest)(batch["inputs"], key=None),
+                                                 batch["targets"])
+  grads = jax.grad(loss_fn)(params)
+  np.testing.assert_array_equal(np.asarray(probes._flat(grads)), np.asarray(ref_grad))
+  kernels = {".".join(map(str, path[:-1])): var.get_value() for path, var in grads.flat_state()
+             if path[-1] == "kernel"}
+  for name, t in tensors.items():
+    _, _, dw = probes.bf16_gemms(*t)
+    np.testing.assert_allclose(np.asarray(kernels[name]), dw, rtol=0, atol=1e-2 * float(jnp.max(jnp.abs(dw))))
+  zero = probes.model_probe(model, batch, "bf16", jax.random.key(0), reference=(ref_loss, ref_grad), num_draws=2)
+  assert zero["dloss"] == 0.0 and np.all(zero["grad_err"] == 0.0) and zero["grad_bias"] == 0.0
+
+
+def test_bad_inputs_raise():
+  t = random_tensors()
+  with pytest.raises(ValueError, match="power of two"):
+    probes.probe_layer(t, "nvfp4", jax.random.key(0), num_draws=6)
+  with pytest.raises(ValueError, match="x \\[M, K\\]"):
+    probes.probe_layer(probes.LayerTensors(t.x_MxK, t.w_KxN[:32], t.dy_MxN), "nvfp4", jax.random.key(0))
+  model = model_lib.Transformer(model_lib.get_model_config("tiny", n_layers=1), rngs=nnx.Rngs(params=0))
+  with pytest.raises(ValueError, match="every linear layer"):
+    probes.with_recipes(model, {"blocks.0.attn.q": recipes.nvfp4()})
+  with pytest.raises(ValueError, match="batch"):
+    probes.capture_layer_tensors(model, {"inputs": np.zeros((2, 8), np.int32)})
+  from experiments import probes as experiment
+  with pytest.raises(ValueError, match="Bad variant"):
+    experiment.parse_variant("nvfp5+last1")
+  assert experiment.parse_variant("nvfp4-noSR+first1+last2") == ("nvfp4-noSR", 1, 2)
+  with pytest.raises(ValueError, match="Unknown preset"):
+    experiment.get_preset("tpu")
+
+
+def test_smoke_preset_end_to_end(tmp_path):
+  from experiments import probes as experiment
+  t0 = time.perf_counter()
+  assert experiment.main(["--preset", "smoke", "--out", str(tmp_path)]) == 0
+  elapsed = time.perf_counter() - t0
+  results = json.loads((tmp_path / experiment.RESULTS_FILE).read_text())
+  assert set(results["layers"]["layers"]) == {f"blocks.0.{s}" for s in model_lib.SUBLAYERS}
+  report = (tmp_path / experiment.REPORT_FILE).read_text()
+  for section in ("## Component effects", "## Gradient bias vs number", "## Codes and block scales",
+                  "## Whole model", "## Continuations", "SR on -> off", "NVFP4 -> MXFP4"):
+    assert section in report
+  for png in ("layer_errors.png", "bias_vs_k.png", "sensitivity.png", "continuation.png"):
+    assert (tmp_path / png).stat().st_size > 5000
+  deltas = experiment.continuation_deltas(results["continuation"])
+  assert set(deltas) == {"bf16", "nvfp4"} and np.isfinite(deltas["nvfp4"]["delta_own"][0])
+  # A second run reuses the base checkpoint; --report-only redraws from results.json.
+  assert experiment.main(["--preset", "smoke", "--out", str(tmp_path), "--report-only"]) == 0
+  print(f"smoke preset: {elapsed:.0f}s")
