@@ -34,7 +34,7 @@ def get_config(preset: str) -> sweep.Sweep:
   return sweep.Sweep(experiment="precision_switch", preset=preset, runs=tuple(runs), base=base,
                      seeds=SEEDS[preset], reference="bf16",
                      command=f"python -m experiments.precision_switch --preset {preset} --out runs/switch_{preset}",
-                     description="NVFP4, switched to BF16 (forward only, or all GEMMs) at several fractions of the run.")
+                     description="NVFP4, switched to BF16 (forward only, or all GEMMs) at fractions of the run.")
 
 
 def main(argv=None) -> int:

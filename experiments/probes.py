@@ -89,11 +89,11 @@ PRESETS: dict[str, ProbePreset] = {
                          num_draws=8, bias_draws=8, recipes=("bf16", "nvfp4", "nvfp4-noSR", "mxfp4"),
                          model_variants=("nvfp4",), model_draws=2, cont_variants=("bf16", "nvfp4"), cont_steps=2,
                          cont_seeds=2),
-    # ~15 minutes on 2 CPU cores: the sweeps' CPU model (tiny, 4 blocks), 300 BF16 steps of 16 x 64 tokens at
-    # lr 1e-2; probes on 2048 tokens; bias curves to K = 64 on 8 layers of the first and last block.
+    # ~15 minutes on 2 idle CPU cores (mostly compilation): the sweeps' CPU model (tiny, 4 blocks), 300 BF16 steps
+    # of 16 x 64 tokens at lr 1e-2; probes on 2048 tokens with 128 draws (bias curves to K = 64) on every layer;
+    # whole-model probes of 3 recipes and of each block kept in BF16; 40-step continuations with 3 seeds.
     "cpu": ProbePreset(model="tiny", model_overrides=(("n_layers", 4),), base_steps=300, batch_size=16, seq_len=64,
-                       lr=1e-2, eval_batches=4, probe_batches=2, num_draws=16, bias_draws=128,
-                       bias_layers=r"blocks\.(0|3)\.(attn\.[qo]|mlp\.(up|down))",
+                       lr=1e-2, eval_batches=4, probe_batches=2, num_draws=128, bias_draws=128,
                        model_variants=("nvfp4", "nvfp4-noSR", "mxfp4"), model_draws=4, sensitivity=("all_but",),
                        cont_variants=("bf16", "nvfp4", "nvfp4-noSR", "nvfp4+last1"), cont_steps=40, cont_seeds=3),
     # The paper's 1.2B ablation model on a GPU: 4000 BF16 steps of 64 x 4096 tokens; probes on 4 x 4096 tokens

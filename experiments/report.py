@@ -186,8 +186,8 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
     blocks = ",".join(map(str, a["bf16_blocks"])) if a["bf16_blocks"] else "none"
     lines.append(f"| {a['run']} | {setting} | {blocks} | {seeds} | "
                  f"{_fmt(a['val_loss_mean'], a['val_loss_std'], 4)} | {gap} | {tps} |")
-  lines += ["", "Final val loss: mean ± std over seeds on fixed held-out batches. Gap: (val loss - reference val loss) "
-            "/ reference val loss, computed per seed against the reference run with the same seed (same "
+  lines += ["", "Final val loss: mean ± std over seeds on fixed held-out batches. Gap: (val loss - reference val "
+            "loss) / reference val loss, computed per seed against the reference run with the same seed (same "
             "initialisation and data order), then mean ± std. Tokens/s: median training throughput of the CPU/XLA "
             "emulation (quantize, dequantize, float matmul), not the speed of FP4 hardware.", ""]
   return "\n".join(lines)
@@ -271,14 +271,22 @@ def _tokens_per_step(rows, run: str) -> float:
   return row["tokens"] / row["steps"]
 
 
-def plot_loss_curves(meta, rows, curves, path: pathlib.Path, window: int | None = None) -> pathlib.Path:
-  """Smoothed train loss (mean over seeds, lines) and validation loss (markers) over tokens, one colour per run."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+def _new_figure():
+  # A bare Figure (no pyplot): no global backend state, renders with Agg when saved, displays inline in notebooks.
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  fig = Figure(figsize=(8, 5))
+  return fig, fig.add_subplot()
 
+
+def _save(fig, path: pathlib.Path) -> pathlib.Path:
+  fig.savefig(path, dpi=110)
+  return path
+
+
+def loss_curves_figure(meta, rows, curves, window: int | None = None):
+  """Figure: smoothed train loss (mean over seeds, lines) and validation loss (markers) over tokens, per run."""
   window = window or _default_window(curves)
-  fig, ax = plt.subplots(figsize=(8, 5))
+  fig, ax = _new_figure()
   tail_values = []
   for i, name in enumerate(dict.fromkeys(r["run"] for r in rows)):
     label = next(r.get("label", name) for r in rows if r["run"] == name)
@@ -292,6 +300,7 @@ def plot_loss_curves(meta, rows, curves, path: pathlib.Path, window: int | None 
     if vsteps is not None:
       ax.plot(vsteps * tps / 1e6, vloss, "o", color=color, ms=3.5)
       tail_values.extend(vloss[len(vloss) // 4:])
+  tail_values = [v for v in tail_values if np.isfinite(v)]  # a diverged run ends in NaN / inf
   if tail_values:  # zoom on the part of training where recipes differ, not the initial drop
     lo, hi = float(np.min(tail_values)), float(np.max(tail_values))
     pad = 0.05 * (hi - lo) if hi > lo else 0.05
@@ -302,20 +311,13 @@ def plot_loss_curves(meta, rows, curves, path: pathlib.Path, window: int | None 
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return fig
 
 
-def plot_loss_gap(meta, rows, curves, path: pathlib.Path, reference: str, window: int | None = None
-                  ) -> pathlib.Path:
-  """Relative loss gap to `reference` (%) over tokens: smoothed train loss (lines), validation loss (markers)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
+def loss_gap_figure(meta, rows, curves, reference: str, window: int | None = None):
+  """Figure: relative loss gap to `reference` (%) over tokens; smoothed train loss (lines), validation (markers)."""
   window = window or _default_window(curves)
-  fig, ax = plt.subplots(figsize=(8, 5))
+  fig, ax = _new_figure()
   ax.axhline(0.0, color="k", lw=0.8)
   for i, name in enumerate(dict.fromkeys(r["run"] for r in rows)):
     if name == reference:
@@ -337,9 +339,7 @@ def plot_loss_gap(meta, rows, curves, path: pathlib.Path, reference: str, window
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return fig
 
 
 # --- entry points ------------------------------------------------------------------------------------------------
@@ -356,10 +356,10 @@ def write_report(folder: str | pathlib.Path, *, reference: str | None = None, wi
     meta = dict(meta, reference=reference)
     _add_gaps(rows, reference)
   written = write_tables(folder, meta, rows, curves)
-  written.append(plot_loss_curves(meta, rows, curves, folder / LOSS_PNG, window))
+  written.append(_save(loss_curves_figure(meta, rows, curves, window), folder / LOSS_PNG))
   ref = meta.get("reference")
   if ref and any(r["run"] == ref for r in rows) and len({r["run"] for r in rows}) > 1:
-    written.append(plot_loss_gap(meta, rows, curves, folder / GAP_PNG, ref, window))
+    written.append(_save(loss_gap_figure(meta, rows, curves, ref, window), folder / GAP_PNG))
   return written
 
 

@@ -132,7 +132,7 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 
 def merge_overrides(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
-  """`base` updated by `changes`; a new `model` preset drops the base's `model.X` keys (they belonged to the old one)."""
+  """`base` updated by `changes`; a new `model` preset drops the base's `model.X` keys (they were for the old one)."""
   merged = dict(base)
   if "model" in changes:
     merged = {k: v for k, v in merged.items() if not k.startswith("model.")}
@@ -254,7 +254,8 @@ def _comparable(config_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 def _check_same_settings(folder: pathlib.Path, stored: Mapping[str, Any], config: TrainConfig) -> None:
   old, new = _comparable(stored), _comparable(config.to_dict())
-  changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+  # Fields added to (or dropped from) TrainConfig since the run finished are not counted as changes.
+  changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
   if changed:
     raise ValueError(f"{folder} holds a finished run with different settings ({', '.join(changed)}); "
                      "use another --out, or delete that folder to rerun it.")
@@ -269,13 +270,17 @@ def steady_tokens_per_s(records: Sequence[Mapping[str, Any]]) -> float | None:
 def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: pathlib.Path, status: str,
                wall_time: float, summary: Mapping[str, Any] | None = None,
                diverged: train_lib.TrainingDiverged | None = None) -> dict[str, Any]:
+  """The summary.json of one run x seed: results, throughput, BF16 blocks, the recipe table and the full config.
+
+  wall_time covers this process's share only when the run was resumed.
+  """
   records = fp4jax.metrics.read_metrics(folder) if (folder / fp4jax.metrics.METRICS_FILE).is_file() else []
   val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
   tokens_per_step = config.batch_size * config.train_seq_len
   policy = config.policy()
   out = {"experiment": sweep.experiment, "preset": sweep.preset, "run": run.name, "label": run.label,
-         "seed": seed, "overrides": _jsonable(run.overrides), "status": status, "steps": config.steps, "tokens_per_step": tokens_per_step,
-         "tokens": config.steps * tokens_per_step, "wall_time": wall_time,
+         "seed": seed, "overrides": _jsonable(run.overrides), "status": status, "steps": config.steps,
+         "tokens_per_step": tokens_per_step, "tokens": config.steps * tokens_per_step, "wall_time": wall_time,
          "tokens_per_s": steady_tokens_per_s(records),
          "final_val_loss": summary["final_val_loss"] if summary else None,
          "final_loss": summary["final_loss"] if summary else None,
@@ -421,6 +426,9 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
   except ValueError as e:  # settings clash with a finished run, invalid combined settings
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    print(f"Interrupted: finished runs are kept in {args.out}; repeat the command to resume.", file=sys.stderr)
+    return 130
   if not args.no_report:
     from experiments import report  # pylint: disable=g-import-not-at-top
     written = report.write_report(args.out)

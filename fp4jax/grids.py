@@ -54,11 +54,12 @@ def round_to_quantum(x, exponent):
 def _quantum(a, min_exponent: int, max_exponent: int, mantissa_bits: int):
   """(2^k, 2^-k) for k = clip(floor(log2 a), min_exponent, max_exponent) - mantissa_bits, exactly.
 
-  Built from the exponent bits of float32 `a` (>= 0 or NaN; 0 and float32 subnormals give min_exponent), which is
-  what exponent_of + pow2 compute, at a fraction of frexp's cost.
+  What exponent_of + pow2 compute (a <= 0 and float32 subnormals give min_exponent), read off the bits of float32
+  `a` at a fraction of frexp's cost: clamping the bit pattern as a signed integer clamps the exponent (negative
+  numbers are negative integers), then the mantissa is masked away.
   """
-  e_bits = jnp.clip(jax.lax.bitcast_convert_type(a, jnp.int32) & _F32_EXPONENT_MASK,
-                    (127 + min_exponent) << _F32_MANTISSA_BITS, (127 + max_exponent) << _F32_MANTISSA_BITS)
+  e_bits = jnp.clip(jax.lax.bitcast_convert_type(a, jnp.int32), (127 + min_exponent) << _F32_MANTISSA_BITS,
+                    ((127 + max_exponent) << _F32_MANTISSA_BITS) | 0x7FFFFF) & _F32_EXPONENT_MASK
   q_bits = e_bits - (mantissa_bits << _F32_MANTISSA_BITS)
   return (jax.lax.bitcast_convert_type(q_bits, jnp.float32),
           jax.lax.bitcast_convert_type((254 << _F32_MANTISSA_BITS) - q_bits, jnp.float32))
@@ -69,19 +70,26 @@ def round_e2m1_magnitude(a):
 
   The E2M1 grid has step 0.5 below 2, 1 on [2, 4) and 2 on [4, 6]: the step is 2^(clip(floor(log2 a), 0, 2) - 1).
   """
-  a8 = jnp.minimum(a, 8.0)  # beyond 8 the value saturates anyway
-  step, inv_step = _quantum(jnp.maximum(a8, 0.0), 0, 2, 1)  # a <= 0 takes the smallest step, as exponent_of did
+  # Compare-and-select clamps: jnp.minimum's NaN handling costs extra instructions, and NaN is restored at the end.
+  a8 = jnp.where(a < 8.0, a, jnp.float32(8.0))  # beyond 8 the value saturates anyway
+  step, inv_step = _quantum(a8, 0, 2, 1)
   r = jnp.round(a8 * inv_step) * step
-  return jnp.where(jnp.isnan(a), a, jnp.minimum(r, E2M1_MAX))
+  return jnp.where(jnp.isnan(a), a, jnp.where(r < E2M1_MAX, r, jnp.float32(E2M1_MAX)))
 
 
 def e2m1_floor_magnitude(a):
   """Largest E2M1 magnitude <= `a` (a in [0, 6]), and the gap to the next magnitude above it."""
-  step, inv_step = _quantum(jnp.maximum(a, 0.0), 0, 2, 1)
+  step, inv_step = _quantum(a, 0, 2, 1)
   lo = jnp.floor(a * inv_step) * step
   # At exactly 4 the lower neighbour's step (1) differs from the step above it (2): use the step above.
   gap = jnp.where(lo >= 4.0, 2.0, jnp.where(lo >= 2.0, 1.0, 0.5))
   return lo, gap
+
+
+def with_sign_of(magnitude, x):
+  """copysign(magnitude, x) for float32 `magnitude` with a clear sign bit (>= +0 or a positive NaN): one bitwise or."""
+  sign = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-(2**31))
+  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(magnitude, jnp.int32) | sign, jnp.float32)
 
 
 def e2m1_magnitude_code_nearest(a):
@@ -145,11 +153,12 @@ def round_e4m3(x):
   # Beyond 512 everything saturates; clamping first keeps the exponent <= 9.
   a = jnp.minimum(jnp.abs(x), 512.0)
   _, inv_quantum = _quantum(a, E4M3_MIN_EXPONENT, 9, E4M3_MANTISSA_BITS)
-  # Dividing by the inverse quantum is exact, like multiplying by the quantum, but XLA does not duplicate a divide
-  # into a broadcasting consumer: a per-block scale is then computed once per block, not once per element.
-  r = jnp.minimum(jnp.round(a * inv_quantum) / inv_quantum, E4M3_MAX)
-  r = jnp.where(jnp.isnan(x), x, r)
-  return jnp.copysign(r, x)
+  # Rounded and saturated in units of the quantum, then scaled back by dividing by its (power of two) inverse:
+  # exact, like multiplying by the quantum, but XLA does not duplicate a divide into a broadcasting consumer, so a
+  # per-block scale is computed once per block rather than once per element of the block.
+  r = jnp.minimum(jnp.round(a * inv_quantum), E4M3_MAX * inv_quantum)
+  r = with_sign_of(r, x) / inv_quantum
+  return jnp.where(jnp.isnan(x), x, r)
 
 
 def pack_nibbles(codes, axis):

@@ -4,7 +4,7 @@ Quantization statistics, per quantizable linear layer, for the weight (2D blocks
 layer's input activations (1D blocks along the features), quantized with an FP4 format:
   zero: fraction of elements whose E2M1 code is +-0;  sat: fraction at +-6 (the top of the grid);
   err: relative Frobenius error ||dequantize(quantize(t)) - t|| / ||t||.
-Inputs are captured with a separate forward pass in which each layer is wrapped to `sow` its input; statistics are
+Inputs are captured with a separate forward pass in which each layer is wrapped to record its input; statistics are
 taken whatever the layer's own recipe is (BF16 layers included), so layers can be compared.
 """
 
@@ -43,14 +43,15 @@ def tensor_stats(x: jax.Array, fmt, *, axis: int = -1, block_2d: bool = False) -
   return {"zero": jnp.mean(magnitude == 0), "sat": jnp.mean(magnitude == 7), "err": err}
 
 
-class _InputRecorder(nnx.Module):
-  """Wraps a linear layer and sows each input it receives (for statistics only; never trained)."""
+class _InputRecorder:
+  """Stands in for a linear layer of a throwaway model copy and keeps the inputs it receives (a plain object, not
+  an nnx.Module, so nothing is added to the model's state)."""
 
   def __init__(self, inner: nnx.Module):
-    self.inner = inner
+    self.inner, self.inputs = inner, []
 
   def __call__(self, x, *, key=None):
-    self.sow(nnx.Intermediate, "inputs", x)
+    self.inputs.append(x)
     return self.inner(x, key=key)
 
 
@@ -64,12 +65,13 @@ def _parent_and_attr(model: nnx.Module, name: str):
 
 def capture_linear_inputs(model: nnx.Module, tokens_BxT: jax.Array, key: jax.Array | None
                           ) -> dict[str, jax.Array]:
-  """Runs `model` on tokens and returns each linear layer's input by layer name. Mutates `model`: pass a copy.
+  """Runs `model` on tokens and returns each linear layer's (first) input by layer name. Mutates `model`: pass a
+  throwaway copy (e.g. from nnx.merge).
 
   `model` is a fp4jax.model.Transformer (anything with `linear_layers()` and `config.remat`).
   """
   if getattr(model.config, "remat", False):
-    # sow does not cross nnx.remat; statistics need no memory savings.
+    # Recorded tracers must not cross nnx.remat's trace; statistics need no memory savings.
     model.config = dataclasses.replace(model.config, remat=False)
   recorders = {}
   for name, layer in model.linear_layers().items():
@@ -77,7 +79,7 @@ def capture_linear_inputs(model: nnx.Module, tokens_BxT: jax.Array, key: jax.Arr
     recorders[name] = _InputRecorder(layer)
     setattr(parent, attr, recorders[name])
   model(tokens_BxT, key=key)
-  return {name: rec.inputs.value[0] for name, rec in recorders.items()}
+  return {name: rec.inputs[0] for name, rec in recorders.items()}
 
 
 def quant_stats(graphdef, params, tokens_BxT: jax.Array, key: jax.Array | None, fmt="nvfp4"

@@ -109,15 +109,20 @@ class _Delta(nnx.Variable):
   """A zero added to a layer's output; its gradient is the layer's output gradient dY."""
 
 
-class _Tap(nnx.Module):
-  """Wraps a linear layer: sows its input and adds a zero `_Delta` to its output (for capture only)."""
+class _Input(nnx.Variable):
+  """The input a layer received (overwritten by each call)."""
 
-  def __init__(self, inner: nnx.Module, out_shape: tuple[int, ...]):
+
+class _Tap(nnx.Module):
+  """Wraps a linear layer: records its input and adds a zero `_Delta` to its output (for capture only)."""
+
+  def __init__(self, inner: nnx.Module, in_shape: tuple[int, ...], out_shape: tuple[int, ...]):
     self.inner = inner
+    self.x_in = _Input(jnp.zeros(in_shape, inner.dtype))
     self.delta = _Delta(jnp.zeros(out_shape, inner.dtype))
 
   def __call__(self, x, *, key=None):
-    self.sow(nnx.Intermediate, "inputs", x)
+    self.x_in[...] = x.astype(self.inner.dtype)  # what the layer's GEMMs see (Linear casts its input so)
     return self.inner(x, key=key) + self.delta[...]
 
 
@@ -132,7 +137,7 @@ def _parent_and_attr(model: nnx.Module, name: str):
 def _by_layer(state, leaf: str) -> dict[str, Any]:
   """{layer name: value} for the variables named `leaf` directly under each layer path of a flat nnx state."""
   out = {}
-  for path, var in state.flat_state():
+  for path, var in nnx.to_flat_state(state):
     if path and path[-1] == leaf:
       value = var.get_value() if hasattr(var, "get_value") else var.value
       out[".".join(map(str, path[:-1]))] = value
@@ -140,12 +145,12 @@ def _by_layer(state, leaf: str) -> dict[str, Any]:
 
 
 def with_recipes(model: fp4jax.model.Transformer, recipes) -> fp4jax.model.Transformer:
-  """A copy of `model` (sharing nothing mutable) whose linear layers run `recipes`.
+  """A copy of `model` (its own modules and variables; arrays shared) whose linear layers run `recipes`.
 
   recipes: one Recipe (or recipe string) for every layer, or {layer name: Recipe} naming every linear layer.
   """
   graphdef, state = nnx.split(model)
-  copy = nnx.merge(graphdef, state)
+  copy = nnx.merge(graphdef, state, copy=True)
   layers = copy.linear_layers()
   if isinstance(recipes, Mapping):
     missing, unknown = sorted(set(layers) - set(recipes)), sorted(set(recipes) - set(layers))
@@ -179,32 +184,32 @@ def capture_layer_tensors(model: fp4jax.model.Transformer, batch: Mapping[str, A
   """
   tokens_BxT, targets_BxT = _check_batch(batch)
   tapped = with_recipes(model, recipes_lib.bf16())
-  if tapped.config.remat:  # sow does not cross nnx.remat; capture needs no memory savings
+  if tapped.config.remat:  # recorded inputs do not cross nnx.remat; capture needs no memory savings
     tapped.config = dataclasses.replace(tapped.config, remat=False)
   b, t = tokens_BxT.shape
   kernels = {}
   for name, layer in tapped.linear_layers().items():
     parent, attr = _parent_and_attr(tapped, name)
     kernels[name] = layer.kernel[...]
-    setattr(parent, attr, _Tap(layer, (b, t, layer.out_features)))
+    setattr(parent, attr, _Tap(layer, (b, t, layer.in_features), (b, t, layer.out_features)))
   graphdef, deltas, rest = nnx.split(tapped, _Delta, ...)
 
   @jax.jit
   def run(deltas, rest, tokens_BxT, targets_BxT):
     def loss_fn(deltas):
-      m = nnx.merge(graphdef, deltas, rest)
+      m = nnx.merge(graphdef, deltas, rest, copy=True)  # fresh variables: the taps write theirs in this trace
       # A key (unused: every layer is BF16) skips the model's key check, which cannot see through the taps.
       loss = fp4jax.train.cross_entropy(m(tokens_BxT, key=jax.random.key(0)), targets_BxT)
-      return loss, nnx.state(m, nnx.Intermediate)
+      return loss, nnx.state(m, _Input)
     (loss, inter), grads = jax.value_and_grad(loss_fn, has_aux=True)(deltas)
     return loss, inter, grads
 
   loss, inter, grads = run(deltas, rest, tokens_BxT, targets_BxT)
-  inputs, dys = _by_layer(inter, "inputs"), _by_layer(grads, "delta")
+  inputs, dys = _by_layer(inter, "x_in"), _by_layer(grads, "delta")
   out = {}
   for name, w_KxN in kernels.items():
     k, n = w_KxN.shape
-    out[name] = LayerTensors(inputs[name][0].reshape(-1, k), w_KxN, dys[name].reshape(-1, n))
+    out[name] = LayerTensors(inputs[name].reshape(-1, k), w_KxN, dys[name].reshape(-1, n))
   return float(loss), out
 
 
@@ -467,17 +472,20 @@ def _flat(tree) -> jax.Array:
   return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)])
 
 
+def _loss_and_grad(graphdef, params, rest, tokens_BxT, targets_BxT, key):
+  def loss_fn(params):
+    return fp4jax.train.cross_entropy(nnx.merge(graphdef, params, rest)(tokens_BxT, key=key), targets_BxT)
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  return loss, _flat(grads)
+
+
+# graphdef (the model's structure and layer recipes) is static: one compilation per distinct model setting.
+_loss_and_grad_jit = jax.jit(_loss_and_grad, static_argnums=0)
+
+
 def _loss_and_grad_fn(model: fp4jax.model.Transformer):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-  @jax.jit
-  def fn(params, rest, tokens_BxT, targets_BxT, key):
-    def loss_fn(params):
-      return fp4jax.train.cross_entropy(nnx.merge(graphdef, params, rest)(tokens_BxT, key=key), targets_BxT)
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    return loss, _flat(grads)
-
-  return lambda params, *args: fn(params, rest, *args), params
+  return lambda params, *args: _loss_and_grad_jit(graphdef, params, rest, *args), params
 
 
 def reference_gradient(model: fp4jax.model.Transformer, batch: Mapping[str, Any]) -> tuple[float, jax.Array]:

@@ -73,20 +73,38 @@ def pad_to_blocks(x, fmt, *, axis=-1, block_2d=False):
 
 
 # --- blocks -------------------------------------------------------------------------------------------------------
-# Per-block quantities have the scales' shape (each blocked axis divided by its block size). The full-size tensor is
-# never reshaped into blocks: a reduce_window computes block maxima, and per-block factors are broadcast back to the
-# full shape. On XLA:CPU this keeps the elementwise chain one vectorised loop that may write in place into a donated
-# input (a blocked reshape of the input made XLA add a full-size copy and a fresh output buffer).
+# Per-block quantities have the scales' shape (each blocked axis divided by its block size). The elementwise chain
+# never reshapes the full-size tensor into blocks: per-block factors are broadcast back to the full shape instead.
+# On XLA:CPU that keeps the chain one vectorised loop that may write in place into a donated input (a blocked
+# reshape of the input made XLA add a full-size copy and a fresh output buffer).
+
+def _nan_max(a, b):
+  # jnp.max / lax.max reductions on XLA:CPU (YNNPACK, for arrays of ~64K elements and up, jax 0.10) drop NaN: an
+  # explicit NaN-propagating reducer keeps the "NaN in, NaN amax" contract, and XLA's own emitter runs it faster.
+  return jnp.where((a > b) | jnp.isnan(a), a, b)
+
 
 def _block_amax(x, block):
-  """max |x| over each block (NaN-propagating), with the scales' shape."""
-  return jax.lax.reduce_window(jnp.abs(x), jnp.float32(-jnp.inf), jax.lax.max, block, block, "VALID")
+  """max |x| over each block, NaN-propagating, with the scales' shape."""
+  split, axes = [], []
+  for n, b in zip(x.shape, block):
+    if b > 1:
+      axes.append(len(split) + 1)
+    split.extend((n // b, b) if b > 1 else (n,))
+  return jax.lax.reduce(jnp.abs(x).reshape(split), jnp.float32(-jnp.inf), _nan_max, tuple(axes))
+
+
+def _tensor_amax(amax_b):
+  """max over all blocks' amax (== max|x|, NaN-propagating): a pass over 1/block_size of the data, not over x."""
+  # Not a second _nan_max reduce: XLA merges reduce(reduce(x)) with one computation into a full-size reduction
+  # (materialising |x|). jnp.max may drop NaN (see _nan_max), so NaN is checked separately.
+  return jnp.where(jnp.any(jnp.isnan(amax_b)), jnp.float32(jnp.nan), jnp.max(amax_b))
 
 
 def _expand_blocks(s, block):
   """Repeats each per-block value over its block: [S0/B0, S1/B1, ...] -> [S0, S1, ...]."""
-  interleaved = [d for n in s.shape for d in (n, 1)]
-  repeated = [d for n, b in zip(s.shape, block) for d in (n, b)]
+  interleaved = [d for n, b in zip(s.shape, block) for d in ((n, 1) if b > 1 else (n,))]
+  repeated = [d for n, b in zip(s.shape, block) for d in ((n, b) if b > 1 else (n,))]
   return jnp.broadcast_to(s.reshape(interleaved), repeated).reshape([n * b for n, b in zip(s.shape, block)])
 
 
@@ -103,7 +121,7 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False
   check, without the round trip through codes, packing and stored scales.
   """
   amax_b = _block_amax(x32, block)
-  amax = jnp.max(amax_b)  # == max|x|, NaN-propagating; saves a pass over x
+  amax = _tensor_amax(amax_b)
 
   if isinstance(fmt, formats.FP8):
     scale, encode = fp8.scales(amax_b)

@@ -32,19 +32,24 @@ def uniform_from_bits(bits, random_bits: int):
 
 def round_e2m1_nearest(y):
   """Signed E2M1 values nearest to float32 `y` (ties to even, saturating at +-6, sign of zero kept)."""
-  return jnp.copysign(grids.round_e2m1_magnitude(jnp.abs(y)), y)
+  return grids.with_sign_of(grids.round_e2m1_magnitude(jnp.abs(y)), y)
+
+
+def _round_up(a, lo, key, shape, random_bits):
+  """The stochastic decision: True where a (in [lo, next grid value]) rounds up. False for NaN."""
+  inv_gap = jnp.where(lo >= 4.0, jnp.float32(0.5), jnp.where(lo >= 2.0, jnp.float32(1.0), jnp.float32(2.0)))
+  p = (a - lo) * inv_gap  # exact, the same as dividing by the gap: the gap is a power of two
+  u = uniform_from_bits(jax.random.bits(key, shape, jnp.uint32), random_bits)
+  threshold = p if random_bits == 32 else jnp.floor(p * 256.0)
+  return u < threshold
 
 
 def round_e2m1_stochastic(y, key, random_bits: int = 32):
   """Signed E2M1 values: |y| (saturated at 6) rounded down or up at random, unbiased; deterministic given `key`."""
   a = jnp.minimum(jnp.abs(y), grids.E2M1_MAX)
   lo, gap = grids.e2m1_floor_magnitude(a)
-  p = (a - lo) / gap  # exact: gap is a power of two
-  u = uniform_from_bits(jax.random.bits(key, y.shape, jnp.uint32), random_bits)
-  threshold = p if random_bits == 32 else jnp.floor(p * 256.0)
-  up = u < threshold
-  r = jnp.where(up, lo + gap, lo)
-  return jnp.copysign(jnp.where(jnp.isnan(a), a, r), y)
+  r = jnp.where(_round_up(a, lo, key, y.shape, random_bits), lo + gap, lo)
+  return grids.with_sign_of(jnp.where(jnp.isnan(a), a, r), y)
 
 
 def e2m1_codes_nearest(y):
@@ -59,13 +64,8 @@ def e2m1_codes_stochastic(y, key, random_bits: int = 32):
   """
   a = jnp.minimum(jnp.abs(y), grids.E2M1_MAX)
   lo_code = grids.e2m1_floor_code(a)
-  lo = grids.e2m1_decode(lo_code)
-  gap = jnp.where(lo >= 4.0, jnp.float32(2.0), jnp.where(lo >= 2.0, jnp.float32(1.0), jnp.float32(0.5)))
-  p = (a - lo) / gap  # exact: gap is a power of two
-  u = uniform_from_bits(jax.random.bits(key, y.shape, jnp.uint32), random_bits)
-  threshold = p if random_bits == 32 else jnp.floor(p * 256.0)
-  up = (u < threshold).astype(jnp.int32)  # False for NaN: a NaN keeps only its sign, as in round_e2m1_stochastic
-  return (lo_code + up) | (grids.sign_bit(y) * grids.E2M1_SIGN_BIT)
+  up = _round_up(a, grids.e2m1_decode(lo_code), key, y.shape, random_bits)  # a NaN keeps only its sign
+  return (lo_code + up.astype(jnp.int32)) | (grids.sign_bit(y) * grids.E2M1_SIGN_BIT)
 
 
 def e2m1_codes(y, *, rounding: str = "nearest", key=None, random_bits: int = 32):

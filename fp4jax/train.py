@@ -125,6 +125,11 @@ def make_loss_fn(graphdef) -> Callable:
   return loss_fn
 
 
+def global_norm(tree) -> jax.Array:
+  """sqrt of the sum of squares of all leaves, in float32 (what clip_by_global_norm clips)."""
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
 def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
@@ -139,7 +144,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation) -> Callab
 
   def step(state: TrainState, batch, key):
     loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = global_norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)

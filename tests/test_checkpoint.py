@@ -87,12 +87,19 @@ def test_round_trip_is_bit_exact(data_config, tmp_path):
 def test_restore_into_another_model_is_refused(data_config, tmp_path):
   config = make_config(data_config, tmp_path)
   save_run(config, steps=(4,))
-  other = make_config(data_config, tmp_path, model=model_lib.get_model_config("tiny", n_layers=1, d_ff=128))
+  target = make_state(config)
+  wider = dict(target, params=jax.tree.map(  # as if d_ff had changed: one kernel of another shape
+      lambda x: jax.ShapeDtypeStruct((x.shape[0], 2 * x.shape[1]), x.dtype) if x.shape == (64, 192) else x,
+      target["params"]))
   manager = ckpt.open_manager(tmp_path, create=False)
-  with pytest.raises(ckpt.CheckpointError, match="Checkpoint 4"):
-    ckpt.restore(manager, make_state(other))
+  with pytest.raises(ckpt.CheckpointError, match="Checkpoint 4 .* does not match .* stored \\(64, 192\\) float32, "
+                     "expected \\(64, 384\\) float32"):
+    ckpt.restore(manager, wider)
+  fewer = dict(target, params={k: v for k, v in target["params"].items() if k != "lm_head"})
+  with pytest.raises(ckpt.CheckpointError, match="unexpected params.lm_head"):
+    ckpt.restore(manager, fewer)
   with pytest.raises(ckpt.CheckpointError, match="No checkpoint for step 5"):
-    ckpt.restore(manager, make_state(config), step=5)
+    ckpt.restore(manager, target, step=5)
   manager.close()
 
 

@@ -205,6 +205,28 @@ def test_cli_on_finished_sweep_rewrites_report(tmp_path, cache, capsys):
   assert report.main([str(tmp_path / "missing")]) == 2
 
 
+def test_diverged_run_is_recorded_reported_and_not_rerun(tmp_path, monkeypatch):
+  calls = []
+
+  def diverging_train(config, hooks=(), *, log=None, compile_cache=None):
+    del hooks, log, compile_cache
+    calls.append(config.recipe)
+    (tmp_path / "q" / "seed0" / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n{"step": 1, "loss": NaN}\n')
+    raise train_lib.TrainingDiverged(1, float("nan"), float("nan"), None)
+
+  sweep = sweep_lib.Sweep(experiment="div", preset="smoke", base=sweep_lib.base_overrides("smoke"), reference=None,
+                          runs=(sweep_lib.Run("q", {"recipe": "nvfp4", "lr": 10.0}),))
+  monkeypatch.setattr(sweep_lib.train_lib, "train", diverging_train)
+  (record,) = sweep_lib.run_sweep(sweep, tmp_path, progress=False, log=None)
+  assert record["status"] == "diverged" and record["summary"]["diverged_step"] == 1
+  assert record["summary"]["final_val_loss"] is None and "diverged at step 1" in record["summary"]["error"]
+  assert [r["status"] for r in sweep_lib.run_sweep(sweep, tmp_path, progress=False, log=None)] == ["skipped"]
+  assert calls == ["nvfp4"]
+  report.write_report(tmp_path)
+  table = (tmp_path / report.RESULTS_MD).read_text()
+  assert "| q | recipe=nvfp4, lr=10.0 | none | 0 (+1 diverged at step 1) | - | - |" in table
+
+
 # --- report arithmetic ---------------------------------------------------------------------------------------------
 
 def test_gaps_are_paired_by_seed_and_aggregated():

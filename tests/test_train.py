@@ -104,12 +104,12 @@ def test_policy_switch_phase_and_bf16_layers(env, tmp_path):
 
 
 def test_bf16_layers_are_not_quantized(env):
-  config = make_config(env, "unused", recipe="nvfp4", bf16_last=1, model=model_lib.get_model_config("tiny"))
+  config = make_config(env, "unused", recipe="nvfp4", bf16_pattern=r".*mlp\.up")
   model = train_lib.build_model(config, jax.random.key(0))
   for name, layer in model.linear_layers().items():
-    assert layer.recipe.is_quantized == name.startswith("blocks.0."), name
+    assert layer.recipe.is_quantized == (name != "blocks.0.mlp.up"), name
   x = jax.random.normal(jax.random.key(1), (32, 64), jnp.bfloat16)
-  layer = model.linear_layers()["blocks.1.mlp.up"]
+  layer = model.linear_layers()["blocks.0.mlp.up"]
   plain = jnp.dot(x, layer.kernel[...].astype(jnp.bfloat16), preferred_element_type=jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(layer(x, key=jax.random.key(2)), np.float32), np.asarray(plain, np.float32))
 
@@ -279,6 +279,9 @@ def test_cli_eval_prints_latest_val_loss(env, tmp_path, capsys):
   result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert result["step"] == STEPS
   assert result["val_loss"] == pytest.approx(summary["final_val_loss"], rel=1e-6)
+  # --resume starts from the stored config; given options change it.
+  resumed = cli.config_from_args(["--resume", "--out", str(tmp_path), "--steps", "20"])
+  assert resumed == make_config(env, tmp_path, recipe="bf16", steps=20, resume=True)
 
 
 def test_python_m_entry_point_help():
