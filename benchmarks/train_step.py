@@ -25,7 +25,6 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp4jax import data  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fp4jax import model as model_lib  # pylint: disable=wrong-import-position
 from fp4jax import train as train_lib  # pylint: disable=wrong-import-position
 from fp4jax.config import TrainConfig  # pylint: disable=wrong-import-position
 

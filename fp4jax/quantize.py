@@ -148,6 +148,17 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False
 
 # --- quantize -----------------------------------------------------------------------------------------------------
 
+def _prepare(x, fmt, axis, block_2d, pad):
+  """(float32 x zero-padded to whole blocks, the padded shape, the block shape; the whole shape for FP8 tensor)."""
+  blocked = _blocked_axes(fmt, x.ndim, axis, block_2d)
+  shape = _padded_shape(x.shape, fmt, blocked, pad)
+  x32 = x.astype(jnp.float32)
+  if shape != x.shape:
+    x32 = jnp.pad(x32, [(0, p - s) for s, p in zip(x.shape, shape)])
+  block = block_shape(fmt, x.ndim, axis, block_2d) if blocked else shape
+  return x32, shape, block
+
+
 def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
              random_bits: int = 32, pad: bool = False) -> QArray:
   """Quantizes `x` to `fmt` (NVFP4, MXFP4, FP8 or a name from fp4jax.FORMAT_NAMES).
@@ -178,17 +189,6 @@ def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = 
   scales = scales.reshape(() if per_tensor else _scale_shape(shape, block))
   return QArray(codes, scales, amax, fmt=fmt, shape=shape,
                 orig_shape=tuple(x.shape), axis=axis, block_2d=block_2d, dtype=x.dtype)
-
-
-def _prepare(x, fmt, axis, block_2d, pad):
-  """(float32 x zero-padded to whole blocks, the padded shape, the block shape; the whole shape for FP8 tensor)."""
-  blocked = _blocked_axes(fmt, x.ndim, axis, block_2d)
-  shape = _padded_shape(x.shape, fmt, blocked, pad)
-  x32 = x.astype(jnp.float32)
-  if shape != x.shape:
-    x32 = jnp.pad(x32, [(0, p - s) for s, p in zip(x.shape, shape)])
-  block = block_shape(fmt, x.ndim, axis, block_2d) if blocked else shape
-  return x32, shape, block
 
 
 # --- dequantize ---------------------------------------------------------------------------------------------------

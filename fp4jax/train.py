@@ -12,10 +12,8 @@ resumed from a checkpoint reproduces an uninterrupted one bit for bit, stochasti
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
-import math
 import pathlib
 import shutil
 import signal

@@ -1,0 +1,219 @@
+"""The numerics demo (fp4jax.inspect), the quantize benchmark script and its timing helpers, and the fused paths
+they rely on (fake_quant == dequantize(quantize), NaN-propagating block maxima, nibble packing)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4jax
+from fp4jax import grids
+from fp4jax import inspect as fp4_inspect
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LABELS = [label for label, _ in fp4_inspect.DEFAULT_FORMATS]
+
+
+def _run(args, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  env.pop("XLA_FLAGS", None)  # one device is enough; the suite's 8 simulated devices only slow start-up
+  return subprocess.run([sys.executable] + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _by_key(rows):
+  return {(r["format"], r["rht"]): r for r in rows}
+
+
+# ---------------------------------------------------------------- fp4jax.inspect
+
+
+def test_inspect_cli_prints_every_format():
+  proc = _run(["-m", "fp4jax.inspect", "--size", "64", "--cols", "256", "--outliers", "2", "--seed", "3"])
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  assert lines[0].startswith("sample: normal 64x256")
+  for label in LABELS:
+    rows = [line for line in lines if line.startswith(label + " ")]
+    assert [row.split()[len(label.split())] for row in rows] == ["no", "yes"], (label, rows)
+    for row in rows:  # every numeric cell parses
+      cells = row[len(label):].split()
+      float(cells[1]), float(cells[2]), float(cells[3].rstrip("%")), float(cells[4].rstrip("%")), float(cells[5])
+
+
+def test_inspect_cli_rejects_bad_columns():
+  proc = _run(["-m", "fp4jax.inspect", "--size", "8", "--cols", "100"])
+  assert proc.returncode != 0 and "multiple of 128" in proc.stderr
+
+
+def test_nvfp4_beats_mxfp4_floor_on_normal_data():
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((256, 512)), jnp.float32)
+  rows = _by_key(fp4_inspect.compare_formats(x))
+  nv, mx = rows[("nvfp4", False)], rows[("mxfp4 (floor)", False)]
+  assert nv["rel_error"] < 0.9 * mx["rel_error"]
+  assert nv["snr_db"] > mx["snr_db"]
+  # Known magnitudes for Gaussian data: NVFP4 ~9.5%, MXFP4 ~11.5%, FP8 E4M3 ~2-3% relative error.
+  assert 0.08 < nv["rel_error"] < 0.11 and rows[("fp8 (block)", False)]["rel_error"] < 0.04
+
+
+def test_rht_on_the_outlier_tensor():
+  """A 16-point RHT spreads each outlier over its tile: MXFP4's error drops and far fewer NVFP4 codes are zero.
+
+  (NVFP4's relative error itself does not drop on this tensor: its 16-element E4M3-scaled blocks already isolate
+  the outlier channels, and spreading a spike over a tile puts every element of the tile near the coarse top of the
+  E2M1 grid. The demo's table shows it.)
+  """
+  x = fp4_inspect.sample_tensor(seed=0, rows=256, cols=512, outliers=8, outlier_scale=50.0)
+  rows = _by_key(fp4_inspect.compare_formats(x))
+  assert rows[("mxfp4 (floor)", True)]["rel_error"] < 0.85 * rows[("mxfp4 (floor)", False)]["rel_error"]
+  assert rows[("mxfp4 (ceil)", True)]["rel_error"] < rows[("mxfp4 (ceil)", False)]["rel_error"]
+  assert rows[("nvfp4", True)]["zero_frac"] < 0.6 * rows[("nvfp4", False)]["zero_frac"]
+
+
+def test_compare_formats_columns():
+  x = fp4_inspect.sample_tensor(seed=1, rows=32, cols=256, outliers=4)
+  rows = fp4_inspect.compare_formats(x, [("nv", "nvfp4"), "mxfp4_ceil", ("fp8t", fp4jax.FP8(scaling="tensor"))])
+  assert [(r["format"], r["rht"]) for r in rows] == [("nv", False), ("nv", True), ("mxfp4_ceil", False),
+                                                     ("mxfp4_ceil", True), ("fp8t", False), ("fp8t", True)]
+  for r in rows:
+    assert r["snr_db"] == pytest.approx(-20 * np.log10(r["rel_error"]))
+    assert 0 <= r["zero_frac"] <= 1 and 0 <= r["saturated_frac"] <= 1
+  bits = {r["format"]: r["bits_per_element"] for r in rows}
+  n = x.size
+  assert bits == {"nv": 4.5 + 32 / n, "mxfp4_ceil": 4.25 + 32 / n, "fp8t": 8 + 64 / n}
+  assert rows[2]["saturated_frac"] == 0.0  # the ceil scale rule never clips
+
+
+def test_compare_formats_exact_input_has_zero_error():
+  # Every 16-block holds +-6 and values on the E2M1 grid, and amax = 6: NVFP4 represents it exactly.
+  rng = np.random.default_rng(2)
+  x = rng.choice(np.concatenate([grids.E2M1_VALUES, -grids.E2M1_VALUES]), (8, 64)).astype(np.float32)
+  x[:, ::16] = 6.0
+  row = fp4_inspect.compare_formats(jnp.asarray(x), [("nvfp4", "nvfp4")])[0]
+  assert row["rel_error"] == 0.0 and row["snr_db"] == float("inf") and row["saturated_frac"] == 0.0
+  assert row["zero_frac"] == pytest.approx(np.mean(x == 0))
+
+
+def test_sample_tensor():
+  x = np.asarray(fp4_inspect.sample_tensor(seed=4, rows=1000, cols=128, outliers=3, outlier_scale=40.0))
+  col_rms = np.sqrt(np.mean(x**2, axis=0))
+  assert x.dtype == np.float32 and np.sum(col_rms > 20) == 3 and np.all(col_rms[col_rms < 20] < 1.2)
+  np.testing.assert_array_equal(x, fp4_inspect.sample_tensor(seed=4, rows=1000, cols=128, outliers=3,
+                                                             outlier_scale=40.0))
+  with pytest.raises(ValueError, match="outliers"):
+    fp4_inspect.sample_tensor(rows=4, cols=8, outliers=9)
+
+
+# ---------------------------------------------------------------- benchmarks
+
+
+def test_quantize_benchmark_prints_its_table():
+  proc = _run(["benchmarks/quantize.py", "--size", "64", "--repeats", "1", "--warmup", "1", "--dtypes", "float32"])
+  assert proc.returncode == 0, proc.stderr
+  out = proc.stdout
+  assert "quantize+dequantize throughput, 64x64" in out
+  names = ["baseline x+1", "nvfp4 rne q+dq", "nvfp4 sr q+dq", "nvfp4 rne +rht q+dq", "nvfp4 sr +rht q+dq",
+           "mxfp4 q+dq", "nvfp4 quantize", "nvfp4 dequantize", "nvfp4 dequantize(quantize)"]
+  for name in names:
+    row = [line for line in out.splitlines() if re.match(rf"float32\s+{re.escape(name)}\s+\d", line)]
+    assert len(row) == 1, name
+    ratio = float(row[0].split()[-1])
+    assert ratio > 0 and (ratio == 1.0 if name == "baseline x+1" else True)
+
+
+def test_quantize_benchmark_rejects_bad_size():
+  proc = _run(["benchmarks/quantize.py", "--size", "48"])
+  assert proc.returncode != 0 and "multiple of 32" in proc.stderr
+
+
+def test_ratio_table():
+  timings = [common.Timing("base", "f32", 100, 0.5, 0.4, 0.6), common.Timing("slow", "f32", 100, 2.0, 1.0, 3.0),
+             common.Timing("base", "bf16", 100, 0.25, 0.25, 0.25), common.Timing("fast", "bf16", 100, 0.125, 0.1, 1)]
+  lines = common.ratio_table(timings, "base").splitlines()
+  assert lines[0].split() == ["dtype", "computation", "median", "ms", "min-max", "ms", "Gelem/s", "vs", "baseline"]
+  assert [line.split()[-1] for line in lines[2:]] == ["1.000", "0.250", "1.000", "2.000"]
+  assert lines[3].split()[2:4] == ["2000.00", "1000.00-3000.00"]
+  assert len({len(line) for line in lines[:2]}) == 1  # the rule spans the header
+  with pytest.raises(ValueError, match="no baseline"):
+    common.ratio_table(timings[1:2], "base")
+
+
+def test_time_jitted_and_hlo_passes():
+  x = jnp.arange(4096, dtype=jnp.float32).reshape(64, 64)
+  t = common.time_jitted(lambda x: x * 2, (x,), name="double", warmup=1, repeats=3)
+  assert t.elements == 4096 and t.min_s <= t.median_s <= t.max_s and t.elements_per_s > 0
+  assert np.asarray(x)[1, 1] == 65  # donation consumed copies, never the caller's array
+  with pytest.raises(ValueError, match="repeats"):
+    common.time_jitted(lambda x: x, (x,), name="x", repeats=0)
+  lines = common.hlo_passes(lambda x: fp4jax.fake_quant(x, "nvfp4"), (x,), x.size)
+  full = [line for line in lines if line.startswith("*")]
+  assert full and all("fusion" in line or "copy" in line for line in lines)
+  assert not any(line.split()[1].startswith("copy") for line in full)  # no full-size copy of the data
+
+
+# ---------------------------------------------------------------- the fused paths the benchmark measures
+
+
+def _bits(a):
+  a = np.asarray(a)
+  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+@pytest.mark.parametrize("fmt,kw", [
+    ("nvfp4", {}), ("nvfp4", dict(axis=0)), ("nvfp4", dict(block_2d=True)), ("nvfp4", dict(pad=True)),
+    ("nvfp4", dict(rounding="stochastic", random_bits=8)), ("mxfp4", dict(axis=0, rounding="stochastic")),
+    ("mxfp4_ceil", dict(block_2d=True, axis=0)), ("fp8", dict(pad=True)), ("fp8_tensor", {})])
+def test_fake_quant_is_bit_identical_to_dequantize_quantize(fmt, kw):
+  rng = np.random.default_rng(5)
+  x = (rng.standard_t(2, (40, 130) if kw.get("pad") else (64, 128)) * 10.0**rng.uniform(-3, 3)).astype(np.float32)
+  x.reshape(-1)[::17] = 0.0
+  x.reshape(-1)[5::23] = -0.0
+  if "rounding" in kw:
+    kw = dict(kw, key=jax.random.key(9))
+  for dtype in (jnp.float32, jnp.bfloat16):
+    xd = jnp.asarray(x, dtype)
+    want = fp4jax.dequantize(fp4jax.quantize(xd, fmt, **kw), dtype)
+    got = fp4jax.fake_quant(xd, fmt, **kw)
+    got_jit = jax.jit(lambda x: fp4jax.fake_quant(x, fmt, **kw))(xd)
+    assert got.dtype == dtype and got.shape == x.shape
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    np.testing.assert_array_equal(_bits(got_jit), _bits(want))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8", "fp8_tensor"])
+def test_nan_propagates_through_large_tensors(fmt):
+  """XLA:CPU's own max reductions drop NaN above ~64K elements; the quantizer's must not."""
+  x = np.random.default_rng(6).standard_normal((512, 512)).astype(np.float32)
+  x[300, 77] = np.nan
+  for f in (lambda x: fp4jax.quantize(x, fmt), jax.jit(lambda x: fp4jax.quantize(x, fmt))):
+    q = f(jnp.asarray(x))
+    assert np.isnan(float(q.amax))
+    assert np.all(np.isnan(np.asarray(fp4jax.dequantize(q))))
+  assert np.all(np.isnan(np.asarray(jax.jit(lambda x: fp4jax.fake_quant(x, fmt))(jnp.asarray(x)))))
+
+
+@pytest.mark.parametrize("shape,axis", [((6, 8), 1), ((6, 8), 0), ((4, 6, 10), 2), ((4, 6, 10), 1), ((2, 16), -1)])
+def test_nibble_packing_layout(shape, axis):
+  codes = np.random.default_rng(7).integers(0, 16, shape, dtype=np.uint8)
+  moved = np.moveaxis(codes, axis, -1)
+  want = np.moveaxis(moved[..., 0::2] | (moved[..., 1::2] << 4), -1, axis)  # element 2i low nibble, 2i+1 high
+  for pack, unpack in [(grids.pack_nibbles, grids.unpack_nibbles),
+                       (jax.jit(grids.pack_nibbles, static_argnums=1), jax.jit(grids.unpack_nibbles, static_argnums=1))]:
+    packed = pack(jnp.asarray(codes), axis)
+    assert packed.dtype == jnp.uint8
+    np.testing.assert_array_equal(np.asarray(packed), want)
+    np.testing.assert_array_equal(np.asarray(unpack(packed, axis)), codes)
+
+
+def test_e2m1_decode_is_the_table():
+  codes = jnp.arange(16, dtype=jnp.uint8)
+  want = np.concatenate([grids.E2M1_VALUES, -grids.E2M1_VALUES])
+  got = np.asarray(jax.jit(grids.e2m1_decode)(codes))
+  np.testing.assert_array_equal(_bits(got), _bits(want.astype(np.float32)))  # code 8 is -0.0
