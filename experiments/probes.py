@@ -89,7 +89,7 @@ PRESETS: dict[str, ProbePreset] = {
                          num_draws=8, bias_draws=8, recipes=("bf16", "nvfp4", "nvfp4-noSR", "mxfp4"),
                          model_variants=("nvfp4",), model_draws=2, cont_variants=("bf16", "nvfp4"), cont_steps=2,
                          cont_seeds=2),
-    # ~15 minutes on 2 idle CPU cores (mostly compilation): the sweeps' CPU model (tiny, 4 blocks), 300 BF16 steps
+    # ~16 minutes on a shared 2-core CPU (mostly compilation): the sweeps' CPU model (tiny, 4 blocks), 300 BF16 steps
     # of 16 x 64 tokens at lr 1e-2; probes on 2048 tokens with 128 draws (bias curves to K = 64) on every layer;
     # whole-model probes of 3 recipes and of each block kept in BF16; 40-step continuations with 3 seeds.
     "cpu": ProbePreset(model="tiny", model_overrides=(("n_layers", 4),), base_steps=300, batch_size=16, seq_len=64,
@@ -540,15 +540,19 @@ def write_markdown(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Pa
       full = mp["variants"][MAIN]
       lines += [f"### Layer sensitivity ({MAIN}; which blocks to keep in BF16)", "",
                 "only i: block i quantized, the rest BF16. recovered: dloss(all quantized) - dloss(block i in "
-                "BF16), the loss gained by keeping block i in BF16 (larger = more sensitive).", ""]
-      rows = []
-      for i in range(n):
-        o, a = only.get(str(i)), all_but.get(str(i))
-        rows.append([i, _fmt(o["dloss"], signed=True) if o else "-", _fmt(*_mean_se(o["grad_err"])) if o else "-",
-                     _fmt(full["dloss"] - a["dloss"], signed=True) if a else "-",
-                     _fmt(*_mean_se(a["grad_err"])) if a else "-"])
-      lines += [_table(["block", "only i: dloss", "only i: grad err", "recovered dloss", "block i BF16: grad err"],
-                       rows), ""]
+                "BF16), the loss gained by keeping block i in BF16 (larger = more sensitive); grad err: of the "
+                "whole model's gradient with block i in BF16.", ""]
+      header, rows = ["block"], [[i] for i in range(n)]
+      if only:
+        header += ["only i: dloss", "only i: grad err"]
+        for i, row in enumerate(rows):
+          row += [_fmt(only[str(i)]["dloss"], signed=True), _fmt(*_mean_se(only[str(i)]["grad_err"]))]
+      if all_but:
+        header += ["recovered dloss", "block i BF16: grad err"]
+        for i, row in enumerate(rows):
+          row += [_fmt(full["dloss"] - all_but[str(i)]["dloss"], signed=True),
+                  _fmt(*_mean_se(all_but[str(i)]["grad_err"]))]
+      lines += [_table(header, rows), ""]
       ranking = sensitivity_ranking(mp) if n > 1 else [0]
       which = "the last" if ranking[0] == n - 1 else "the first" if ranking[0] == 0 else f"block {ranking[0]}"
       if n > 1:

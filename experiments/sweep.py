@@ -18,6 +18,7 @@ import dataclasses
 import json
 import pathlib
 import re
+import shlex
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -412,11 +413,13 @@ def describe(sweep: Sweep) -> str:
 def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog: str, doc: str) -> int:
   """Entry point of `python -m experiments.NAME`: parse, run the sweep, write the report; returns the exit code."""
   parser = make_parser(prog, doc)
+  argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
   try:
     sweep = build_sweep(get_config, args)
   except ValueError as e:
     parser.error(str(e))
+  sweep = sweep.replace(command=" ".join([prog] + [shlex.quote(a) for a in argv]))  # recorded in results.md
   if args.list:
     print(describe(sweep))
     return 0

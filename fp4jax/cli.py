@@ -57,7 +57,10 @@ def config_from_args(argv: Sequence[str]):
 
 
 def _run_train(argv: Sequence[str]) -> int:
+  from fp4jax import sharding  # pylint: disable=g-import-not-at-top
   from fp4jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  # Multi-host: FP4JAX_COORDINATOR / FP4JAX_NUM_PROCESSES / FP4JAX_PROCESS_ID (no-op when unset).
+  sharding.initialize_distributed()
   config = config_from_args(argv)
   summary = train_lib.train(config)
   print(json.dumps({k: v for k, v in summary.items() if k not in ("params", "losses", "val_losses", "layer_recipes")}))

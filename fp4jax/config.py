@@ -73,6 +73,8 @@ class TrainConfig:
   # Checkpoints.
   checkpoint_every: int = dataclasses.field(default=100, metadata=_help("save every N steps (and at the end)"))
   keep_checkpoints: int = dataclasses.field(default=3, metadata=_help("checkpoints kept on disk"))
+  mesh: str | None = dataclasses.field(default=None, metadata=_help(
+      "device mesh 'data=2,fsdp=2,tensor=2' (product = device count); None: one device"))
   resume: bool = dataclasses.field(default=False, metadata=_help("continue from the latest checkpoint in --out"))
   resume_step: int | None = dataclasses.field(default=None, metadata=_help("resume from this step, not the latest"))
   overwrite: bool = dataclasses.field(default=False, metadata=_help(

@@ -12,6 +12,7 @@ resumed from a checkpoint reproduces an uninterrupted one bit for bit, stochasti
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import pathlib
@@ -35,12 +36,13 @@ import fp4jax.checkpoint as ckpt
 import fp4jax.data
 import fp4jax.metrics
 import fp4jax.model
+import fp4jax.sharding
 from fp4jax.config import TrainConfig
 
 Hook = Callable[[int, dict[str, Any]], None]
 CONFIG_FILE = "config.json"
 # Fields that may differ between a run and its resumption without changing what it computes.
-_RESUME_FREE_FIELDS = ("out", "resume", "resume_step", "overwrite", "progress", "log_every", "checkpoint_every",
+_RESUME_FREE_FIELDS = ("out", "mesh", "resume", "resume_step", "overwrite", "progress", "log_every", "checkpoint_every",
                        "keep_checkpoints", "eval_every", "eval_batches", "stats_every", "stats_format")
 # Independent streams derived from the run key.
 _INIT_STREAM, _STEP_STREAM, _EVAL_STREAM, _STATS_STREAM = 0, 1, 2, 3
@@ -222,8 +224,9 @@ class _Phases:
   """Graphdef and jitted functions per precision phase, built on first use (one compile per phase)."""
 
   def __init__(self, config: TrainConfig, model: fp4jax.model.Transformer, optimizer,
-               cache: CompileCache | None = None):
+               cache: CompileCache | None = None, placement: "Placement | None" = None):
     self.config, self.policy, self.optimizer = config, config.policy(), optimizer
+    self.placement = placement or Placement.single_device()
     self.cache = cache if cache is not None else CompileCache()
     self._model = model
     self._graphdefs = {}
@@ -247,12 +250,17 @@ class _Phases:
 
   def train_step(self, step: int):
     graphdef = self.graphdef(step)
-    return self.cache.get(("train", graphdef, self._optimizer_key),
-                          lambda: jax.jit(make_train_step(graphdef, self.optimizer)))
+    pl = self.placement
+    return self.cache.get(("train", graphdef, self._optimizer_key, pl.key),
+                          lambda: jax.jit(make_train_step(graphdef, self.optimizer),
+                                          in_shardings=(pl.state, pl.batch, pl.replicated),
+                                          out_shardings=(pl.state, pl.replicated)))
 
   def eval_step(self, step: int):
     graphdef = self.graphdef(step)
-    return self.cache.get(("eval", graphdef), lambda: jax.jit(make_eval_step(graphdef)))
+    pl = self.placement
+    return self.cache.get(("eval", graphdef, pl.key), lambda: jax.jit(
+        make_eval_step(graphdef), in_shardings=(pl.params, pl.batch, pl.replicated), out_shardings=pl.replicated))
 
   def stats_fn(self, step: int):
     graphdef, fmt = self.graphdef(step), self.config.stats_format
@@ -263,7 +271,49 @@ class _Phases:
 def evaluate_params(phases: _Phases, params, val: list[dict[str, np.ndarray]], key: jax.Array, step: int) -> float:
   """Mean validation loss over the fixed batches, with the layer recipes in force at `step`."""
   eval_step = phases.eval_step(step)
-  return float(np.mean([float(eval_step(params, batch, key)) for batch in val]))
+  return float(np.mean([float(eval_step(params, phases.placement.put_batch(batch), key)) for batch in val]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where the train state and batches live: one device, or a (data, fsdp, tensor) mesh (fp4jax.sharding).
+
+  Quantization runs on global arrays inside jit, so its numerics do not depend on the placement; the mesh only
+  decides which device computes which slice (see fp4jax/sharding.py).
+  """
+
+  state: Any  # a sharding, or a TrainState-shaped pytree of shardings
+  params: Any
+  batch: Any
+  replicated: Any
+  mesh: Any = None
+  key: str = "single"
+
+  @classmethod
+  def single_device(cls) -> "Placement":
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return cls(state=device, params=device, batch=device, replicated=device)
+
+  @classmethod
+  def for_config(cls, config: TrainConfig, state: "TrainState") -> "Placement":
+    if not config.mesh:
+      return cls.single_device()
+    mesh = fp4jax.sharding.make_mesh(config.mesh)
+    recipe = config.policy().resolved_recipe()
+    fmt = recipe.fprop.rhs.fmt
+    fp4jax.sharding.check_divisibility(
+        state.params, mesh, block_size=fmt.block_size if fmt is not None else 1,
+        weight_2d=recipe.fprop.rhs.block_2d, batch_size=config.batch_size, seq_len=config.train_seq_len,
+        rht_size=recipe.rht_size if recipe.wgrad.rht else 1)
+    state_sh = fp4jax.sharding.tree_shardings(state, mesh)
+    return cls(state=state_sh, params=state_sh.params, batch=fp4jax.sharding.batch_sharding(mesh),
+               replicated=fp4jax.sharding.replicated(mesh), mesh=mesh, key=str(config.mesh))
+
+  def put_batch(self, batch: dict[str, np.ndarray]):
+    """This process's rows of the global batch, placed per the batch sharding."""
+    if self.mesh is None:
+      return jax.device_put(batch, self.batch)
+    return fp4jax.sharding.global_batch(batch, self.mesh)
 
 
 # --- run folder ---------------------------------------------------------------------------------------------------
@@ -344,11 +394,13 @@ def train(config: TrainConfig, hooks: Sequence[Hook] = (), *, log: Callable[[str
   keys = run_keys(config.seed)
   model = build_model(config, keys["init"])
   optimizer = make_optimizer(config)
-  phases = _Phases(config, model, optimizer, compile_cache)
   params = nnx.state(model, nnx.Param)
   state = TrainState(params=params, opt_state=jax.jit(optimizer.init)(params), step=jnp.asarray(0, jnp.int32))
-  # Committed like a restored state, so a fresh and a resumed run hit the same compiled step.
-  state = jax.device_put(state, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  placement = Placement.for_config(config, state)
+  phases = _Phases(config, model, optimizer, compile_cache, placement)
+  # Committed like a restored state (restore reads onto these shardings), so a fresh and a resumed run hit the
+  # same compiled step, and a checkpoint saved on one mesh restores onto another.
+  state = jax.device_put(state, placement.state)
 
   manager = ckpt.open_manager(out, max_to_keep=config.keep_checkpoints,
                               save_interval_steps=config.checkpoint_every)
@@ -416,8 +468,9 @@ def _loop(config, hooks, log, out, dataset, val, keys, phases, state, manager, s
       if config.stats_every and step % config.stats_every == 0:
         record["quant"] = stats(step, state.params)
 
-      batch = fp4jax.data.get_batch(dataset, "train", step, batch_size=config.batch_size,
-                                    seq_len=config.train_seq_len, seed=config.seed)
+      batch = phases.placement.put_batch(fp4jax.data.get_batch(
+          dataset, "train", step, batch_size=config.batch_size, seq_len=config.train_seq_len, seed=config.seed,
+          process_index=jax.process_index(), process_count=jax.process_count()))
       key = jax.random.fold_in(keys["step"], step)
       train_step = phases.train_step(step)
       t0 = time.perf_counter()
