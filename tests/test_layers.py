@@ -172,5 +172,5 @@ def test_switching_recipe_compiles_once_per_recipe():
     for spec in ("bf16", "nvfp4:stochastic_rounding=false"):
       layer.recipe = recipes.get_recipe(spec)  # a fresh, equal object each time
       outputs.setdefault(spec, []).append(np.asarray(forward(layer, x)))
-  assert sorted(traces) == ["bf16", "nvfp4"]
+  assert sorted(traces) == ["bf16", "nvfp4-sr"]
   assert not np.array_equal(outputs["bf16"][0], outputs["nvfp4:stochastic_rounding=false"][0])
