@@ -50,7 +50,8 @@ class ProbePreset:
   """What one preset trains, captures and measures.
 
   model / model_overrides: the fp4jax.model preset and field changes. base_*: the BF16 checkpoint's run (constant LR
-  after 5% warmup). probe_batches: fixed validation batches (batch_size x seq_len each) concatenated for the probes.
+  after 5% warmup). probe_batches: fixed validation batches (probe_batch_size, default batch_size, x seq_len each)
+  concatenated for the probes.
   num_draws: SR draws per layer and recipe (bias curves for K = 1 .. num_draws / 2). bias_draws / bias_layers: more
   draws for the layers whose names match the regex (longer bias curves). layers: regex of the layers probed (None:
   all). recipes: names from fp4jax.probes.recipe_variants(). model_variants: whole-model settings
@@ -68,6 +69,7 @@ class ProbePreset:
   lr: float = 1e-2
   eval_batches: int = 4
   probe_batches: int = 2
+  probe_batch_size: int | None = None
   num_draws: int = 16
   bias_draws: int = 128
   bias_layers: str | None = None
@@ -99,8 +101,8 @@ PRESETS: dict[str, ProbePreset] = {
     # The paper's 1.2B ablation model on a GPU: 4000 BF16 steps of 64 x 4096 tokens; probes on 4 x 4096 tokens
     # (bias sums keep num_draws-level copies of each gradient: memory ~ levels x 16k x 6144 floats).
     "gpu": ProbePreset(model="paper_1b", model_overrides=(("remat", True),), base_steps=4000, batch_size=64,
-                       seq_len=4096, lr=3e-4, eval_batches=16, probe_batches=1, num_draws=16, bias_draws=64,
-                       bias_layers=r"blocks\.(0|19)\..*",
+                       seq_len=4096, lr=3e-4, eval_batches=16, probe_batches=1, probe_batch_size=4, num_draws=16,
+                       bias_draws=64, bias_layers=r"blocks\.(0|19)\..*",
                        model_variants=("nvfp4", "nvfp4-noRHT", "nvfp4-noSR", "nvfp4-no2D", "mxfp4", "nvfp4+last2",
                                        "nvfp4+first2+last2"),
                        model_draws=4, cont_variants=("bf16", "nvfp4", "nvfp4-noRHT", "nvfp4-noSR", "nvfp4-no2D",
@@ -161,10 +163,15 @@ def ensure_base(preset: ProbePreset, out: pathlib.Path, *, retrain: bool = False
   run_dir = pathlib.Path(config.out)
   stored = run_dir / train.CONFIG_FILE
   if stored.exists() and not retrain:
-    want = {k: v for k, v in config.to_dict().items() if k not in ("out", "progress")}
-    have = {k: v for k, v in json.loads(stored.read_text()).items() if k not in ("out", "progress")}
+    from fp4jax.config import TrainConfig  # pylint: disable=g-import-not-at-top
+    free = ("out", "progress")
+    want = {k: v for k, v in config.to_dict().items() if k not in free}
+    try:  # through TrainConfig, so fields added since the run was stored take their defaults
+      have = {k: v for k, v in TrainConfig.from_dict(json.loads(stored.read_text())).to_dict().items() if k not in free}
+    except (TypeError, ValueError):
+      have = {}
     if want != have:
-      changed = sorted(k for k in want if want[k] != have.get(k))
+      changed = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
       raise ValueError(f"{run_dir} holds a base run with other settings ({changed}); pass --retrain-base to "
                        "replace it, or choose another --out.")
     if ckpt.checkpoint_dir(run_dir).is_dir():
@@ -225,8 +232,8 @@ def _jsonable(value):
 def probe_batch(dataset, preset: ProbePreset, config) -> dict[str, np.ndarray]:
   """The fixed validation batches of the probes, concatenated along the batch axis."""
   from fp4jax import data  # pylint: disable=g-import-not-at-top
-  batches = data.val_batches(dataset, batch_size=preset.batch_size, seq_len=config.train_seq_len,
-                             num_batches=preset.probe_batches)
+  batches = data.val_batches(dataset, batch_size=preset.probe_batch_size or preset.batch_size,
+                             seq_len=config.train_seq_len, num_batches=preset.probe_batches)
   return {k: np.concatenate([b[k] for b in batches]) for k in ("inputs", "targets")}
 
 
@@ -272,7 +279,7 @@ def run_model_probes(preset: ProbePreset, model, batch, *, seed: int = 0, log=pr
       log(f"    ({time.perf_counter() - t1:.1f}s)")
     return done[signature]
 
-  out = {"reference_loss": reference[0], "variants": {}, "only": {}, "all_but": {}, "n_layers": n_layers}
+  out = {"reference_loss": reference.loss, "variants": {}, "only": {}, "all_but": {}, "n_layers": n_layers}
   for variant in preset.model_variants:
     log(f"  model: {variant}")
     out["variants"][variant] = probe(variant_recipes(variant, names, n_layers))
@@ -389,6 +396,10 @@ def component_effects(results: Mapping[str, Any]) -> list[dict[str, Any]]:
 
   add("RHT on -> off", "Wgrad rel. error vs BF16", MAIN, "nvfp4-noRHT", lambda r: _layer_value(r, "wgrad_err"))
   add("RHT on -> off", "Wgrad cosine vs BF16", MAIN, "nvfp4-noRHT", lambda r: _layer_value(r, "wgrad_cos"))
+  add("RHT on -> off", "Wgrad bias floor vs exact-gradient ref. (noise removed)", MAIN, "nvfp4-noRHT",
+      lambda r: probes.bias_floor(r["bias"]["wgrad"]["exact_grad"]))
+  add("RHT on -> off", "Wgrad bias floor vs BF16 (noise removed)", MAIN, "nvfp4-noRHT",
+      lambda r: probes.bias_floor(r["bias"]["wgrad"]["bf16"]))
   for gemm in ("dgrad", "wgrad"):
     add("SR on -> off", f"{gemm.capitalize()} bias vs exact-gradient ref. (K = max)", MAIN, "nvfp4-noSR",
         lambda r, g=gemm: _top_bias(r, g, "exact_grad")[1])
@@ -434,7 +445,8 @@ def write_report(out: str | pathlib.Path) -> list[pathlib.Path]:
   """Writes OUT/report.md and the PNG plots from OUT/results.json; returns the written paths."""
   out = pathlib.Path(out)
   results = json.loads((out / RESULTS_FILE).read_text())
-  written = [write_markdown(results, out / REPORT_FILE), plot_layer_errors(results, out / "layer_errors.png"), plot_bias(results, out / "bias_vs_k.png")]
+  written = [write_markdown(results, out / REPORT_FILE), plot_layer_errors(results, out / "layer_errors.png"),
+             plot_bias(results, out / "bias_vs_k.png")]
   if results.get("model", {}).get("only") or results.get("model", {}).get("all_but"):
     written.append(plot_sensitivity(results, out / "sensitivity.png"))
   if results.get("continuation"):
@@ -525,19 +537,18 @@ def write_markdown(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Pa
   mp = results.get("model")
   if mp:
     lines += ["## Whole model on the probe tokens", "",
-              f"BF16 loss {mp['reference_loss']:.4f}. dloss: loss with the variant's forward minus BF16 (the "
-              "forward has no randomness: exact). Gradient error / cosine vs the BF16 parameter gradient, mean ± SE "
-              "over SR draws; 'mean-of-draws err': error of the average gradient (the part SR noise cannot explain).",
-              ""]
+              f"BF16 loss {mp['reference_loss']:.4f}. dloss: loss with the variant's forward minus BF16 (no SR "
+              "noise: the forward has no randomness), ± SE over the probe sequences. Gradient error / cosine vs the "
+              "BF16 parameter gradient, mean ± SE over SR draws; 'mean-of-draws err': error of the average gradient "
+              "(the part SR noise cannot explain).", ""]
     rows = []
     for name, v in mp["variants"].items():
-      rows.append([name, _fmt(v["dloss"], signed=True), _fmt(*_mean_se(v["grad_err"])),
+      rows.append([name, _fmt(v["dloss"], v["dloss_se"], signed=True), _fmt(*_mean_se(v["grad_err"])),
                    _fmt(*_mean_se(v["grad_cos"])), _fmt(v["grad_bias"])])
     lines += [_table(["variant", "dloss", "grad err", "grad cos", "mean-of-draws err"], rows), ""]
     only, all_but = mp.get("only") or {}, mp.get("all_but") or {}
     if only or all_but:
       n = mp["n_layers"]
-      full = mp["variants"][MAIN]
       lines += [f"### Layer sensitivity ({MAIN}; which blocks to keep in BF16)", "",
                 "only i: block i quantized, the rest BF16. recovered: dloss(all quantized) - dloss(block i in "
                 "BF16), the loss gained by keeping block i in BF16 (larger = more sensitive); grad err: of the "
@@ -546,12 +557,12 @@ def write_markdown(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Pa
       if only:
         header += ["only i: dloss", "only i: grad err"]
         for i, row in enumerate(rows):
-          row += [_fmt(only[str(i)]["dloss"], signed=True), _fmt(*_mean_se(only[str(i)]["grad_err"]))]
+          row += [_fmt(only[str(i)]["dloss"], only[str(i)]["dloss_se"], signed=True),
+                  _fmt(*_mean_se(only[str(i)]["grad_err"]))]
       if all_but:
         header += ["recovered dloss", "block i BF16: grad err"]
         for i, row in enumerate(rows):
-          row += [_fmt(full["dloss"] - all_but[str(i)]["dloss"], signed=True),
-                  _fmt(*_mean_se(all_but[str(i)]["grad_err"]))]
+          row += [_fmt(*recovered_dloss(mp, i), signed=True), _fmt(*_mean_se(all_but[str(i)]["grad_err"]))]
       lines += [_table(header, rows), ""]
       ranking = sensitivity_ranking(mp) if n > 1 else [0]
       which = "the last" if ranking[0] == n - 1 else "the first" if ranking[0] == 0 else f"block {ranking[0]}"
@@ -587,13 +598,19 @@ def write_markdown(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Pa
   return path
 
 
+def recovered_dloss(mp: Mapping[str, Any], block: int) -> tuple[float, float]:
+  """dloss(all quantized) - dloss(block in BF16): mean and SE over the probe sequences (paired)."""
+  diff = np.asarray(mp["variants"][MAIN]["seq_dloss"], np.float64) - np.asarray(
+      mp["all_but"][str(block)]["seq_dloss"], np.float64)
+  return _mean_se(diff)
+
+
 def sensitivity_ranking(mp: Mapping[str, Any]) -> list[int]:
   """Blocks, most sensitive first: by the loss recovered when each alone is kept in BF16 ("all_but"), else by the
   loss change when each alone is quantized ("only")."""
   n = mp["n_layers"]
   if mp.get("all_but"):
-    full = mp["variants"][MAIN]["dloss"]
-    return sorted(range(n), key=lambda i: -(full - mp["all_but"][str(i)]["dloss"]))
+    return sorted(range(n), key=lambda i: -recovered_dloss(mp, i)[0])
   return sorted(range(n), key=lambda i: -mp["only"][str(i)]["dloss"])
 
 
@@ -664,22 +681,29 @@ def plot_bias(results, path: pathlib.Path) -> pathlib.Path:
   return path
 
 
+def _nan0(value) -> float:
+  value = float(value)
+  return 0.0 if math.isnan(value) else value
+
+
 def plot_sensitivity(results, path: pathlib.Path) -> pathlib.Path:
   """Per block: dloss with only that block quantized, and dloss recovered by keeping it in BF16."""
   plt = _pyplot()
   mp = results["model"]
   n = mp["n_layers"]
-  full = mp["variants"][MAIN]["dloss"]
   fig, ax = plt.subplots(figsize=(6, 3.8))
   x = np.arange(n)
   if mp.get("only"):
-    ax.bar(x - 0.2, [mp["only"][str(i)]["dloss"] for i in range(n)], 0.4, label=f"only block i in {MAIN}: dloss")
+    ax.bar(x - 0.2, [mp["only"][str(i)]["dloss"] for i in range(n)], 0.4,
+           yerr=[_nan0(mp["only"][str(i)]["dloss_se"]) for i in range(n)], capsize=3,
+           label=f"only block i in {MAIN}: dloss")
   if mp.get("all_but"):
-    ax.bar(x + 0.2, [full - mp["all_but"][str(i)]["dloss"] for i in range(n)], 0.4,
+    recovered = [recovered_dloss(mp, i) for i in range(n)]
+    ax.bar(x + 0.2, [r[0] for r in recovered], 0.4, yerr=[_nan0(r[1]) for r in recovered], capsize=3,
            label="block i in BF16: dloss recovered")
   ax.set_xticks(x)
   ax.set_xlabel("block")
-  ax.set_ylabel("loss change")
+  ax.set_ylabel("loss change (± SE over sequences)")
   ax.axhline(0, color="k", lw=0.6)
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3, axis="y")

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 import fp4jax.data
@@ -45,7 +46,6 @@ from fp4jax.dot_general import (dgrad_gradient, dgrad_weight, fprop_operands, wg
 from fp4jax.qarray import QArray
 from fp4jax.quantize import dequantize
 
-GEMMS = ("fprop", "dgrad", "wgrad")
 BIAS_REFERENCES = ("bf16", "exact_grad", "chain")
 # Operands a recipe quantizes, by "gemm.operand" (Dgrad's W is Fprop's when the recipe reuses it).
 OPERANDS = ("fprop.x", "fprop.W", "dgrad.dY", "dgrad.W", "wgrad.dY", "wgrad.x")
@@ -474,9 +474,12 @@ def _flat(tree) -> jax.Array:
 
 def _loss_and_grad(graphdef, params, rest, tokens_BxT, targets_BxT, key):
   def loss_fn(params):
-    return fp4jax.train.cross_entropy(nnx.merge(graphdef, params, rest)(tokens_BxT, key=key), targets_BxT)
-  loss, grads = jax.value_and_grad(loss_fn)(params)
-  return loss, _flat(grads)
+    logits_BxTxV = nnx.merge(graphdef, params, rest)(tokens_BxT, key=key).astype(jnp.float32)
+    per_token_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
+    # The mean over everything, as fp4jax.train.cross_entropy; per-sequence means for standard errors.
+    return per_token_BxT.mean(), per_token_BxT.mean(axis=1)
+  (loss, loss_B), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  return loss, loss_B, _flat(grads)
 
 
 # graphdef (the model's structure and layer recipes) is static: one compilation per distinct model setting.
@@ -488,39 +491,55 @@ def _loss_and_grad_fn(model: fp4jax.model.Transformer):
   return lambda params, *args: _loss_and_grad_jit(graphdef, params, rest, *args), params
 
 
-def reference_gradient(model: fp4jax.model.Transformer, batch: Mapping[str, Any]) -> tuple[float, jax.Array]:
-  """(loss, flat float32 parameter gradient) of the model with every linear layer in BF16."""
+class Reference(NamedTuple):
+  """The BF16 model on a batch: mean loss, per-sequence losses [B] and the flat float32 parameter gradient."""
+
+  loss: float
+  seq_losses: np.ndarray
+  grad: jax.Array
+
+
+def reference_gradient(model: fp4jax.model.Transformer, batch: Mapping[str, Any]) -> Reference:
+  """Loss, per-sequence losses and flat float32 parameter gradient of the model with every linear layer in BF16."""
   tokens, targets = _check_batch(batch)
   fn, params = _loss_and_grad_fn(with_recipes(model, recipes_lib.bf16()))
-  loss, grad = fn(params, tokens, targets, None)
-  return float(loss), grad
+  loss, loss_B, grad = fn(params, tokens, targets, None)
+  return Reference(float(loss), np.asarray(loss_B), grad)
 
 
 def model_probe(model: fp4jax.model.Transformer, batch: Mapping[str, Any], recipes, key, *,
-                reference: tuple[float, jax.Array], num_draws: int = 4) -> dict[str, Any]:
+                reference: Reference, num_draws: int = 4) -> dict[str, Any]:
   """Loss and parameter-gradient error of the model under per-layer `recipes` against the BF16 model.
 
   recipes: as for `with_recipes`. reference: `reference_gradient(model, batch)`.
-  Returns loss, dloss (loss - BF16 loss; the forward has no randomness, so this is exact), grad_err and grad_cos
-  ([num_draws], vs the BF16 gradient), grad_bias (error of the mean of the draws).
+  Returns loss; dloss (loss - BF16 loss: no SR noise, the forward has no randomness) with dloss_se, its standard
+  error over the batch's sequences, and seq_dloss [B] (per-sequence differences, for paired comparisons);
+  grad_err and grad_cos ([num_draws], vs the BF16 gradient); grad_bias (error of the mean of the draws).
   """
   if not isinstance(num_draws, int) or num_draws < 1:
     raise ValueError(f"num_draws must be an int >= 1; got {num_draws!r}.")
+  if not isinstance(reference, Reference):
+    raise ValueError("reference must be the Reference returned by reference_gradient(model, batch).")
   tokens, targets = _check_batch(batch)
+  if reference.seq_losses.shape != (tokens.shape[0],):
+    raise ValueError(f"reference has {reference.seq_losses.shape[0]} sequences; the batch has {tokens.shape[0]}.")
   quantized = with_recipes(model, recipes)
   needs_key = any(layer.recipe.needs_key for layer in quantized.linear_layers().values())
   fn, params = _loss_and_grad_fn(quantized)
-  ref_loss, ref_grad = reference
   draws = num_draws if needs_key else 1
-  errs, coss, total, loss = [], [], jnp.zeros_like(ref_grad), None
+  errs, coss, total, loss, loss_B = [], [], jnp.zeros_like(reference.grad), None, None
   for d in range(draws):
-    l, g = fn(params, tokens, targets, jax.random.fold_in(key, d))
-    loss = float(l) if loss is None else loss
-    errs.append(float(rel_error(g, ref_grad)))
-    coss.append(float(cosine(g, ref_grad)))
+    l, l_B, g = fn(params, tokens, targets, jax.random.fold_in(key, d))
+    if loss is None:  # the forward does not depend on the draw
+      loss, loss_B = float(l), np.asarray(l_B)
+    errs.append(float(rel_error(g, reference.grad)))
+    coss.append(float(cosine(g, reference.grad)))
     total = total + g
-  return {"loss": loss, "dloss": loss - ref_loss, "grad_err": np.asarray(errs * (num_draws // draws)),
-          "grad_cos": np.asarray(coss * (num_draws // draws)), "grad_bias": float(rel_error(total / draws, ref_grad))}
+  seq_dloss = loss_B - reference.seq_losses
+  return {"loss": loss, "dloss": loss - reference.loss, "dloss_se": standard_error(seq_dloss),
+          "seq_dloss": seq_dloss, "grad_err": np.asarray(errs * (num_draws // draws)),
+          "grad_cos": np.asarray(coss * (num_draws // draws)),
+          "grad_bias": float(rel_error(total / draws, reference.grad))}
 
 
 # --- continuation -------------------------------------------------------------------------------------------------

@@ -141,8 +141,10 @@ def test_capture_matches_autodiff_and_bf16_model_probe_is_exact(tiny_model):
   model, batch = tiny_model
   loss, tensors = probes.capture_layer_tensors(model, batch)
   assert set(tensors) == set(model.linear_layers())
-  ref_loss, ref_grad = probes.reference_gradient(model, batch)
+  reference = probes.reference_gradient(model, batch)
+  ref_loss, ref_grad = reference.loss, reference.grad
   assert loss == pytest.approx(ref_loss, rel=1e-6)
+  assert float(np.mean(reference.seq_losses)) == pytest.approx(ref_loss, rel=1e-6)
   # x^T dY of the captured tensors is the BF16 model's own kernel gradient (flat in the params' tree order).
   params = nnx.state(probes.with_recipes(model, "bf16"), nnx.Param)
   offset, found = 0, 0
@@ -156,8 +158,9 @@ def test_capture_matches_autodiff_and_bf16_model_probe_is_exact(tiny_model):
       found += 1
     offset += leaf.size
   assert found == len(tensors) and offset == ref_grad.size
-  zero = probes.model_probe(model, batch, "bf16", jax.random.key(0), reference=(ref_loss, ref_grad), num_draws=2)
-  assert zero["dloss"] == 0.0 and np.all(zero["grad_err"] == 0.0) and zero["grad_bias"] == 0.0
+  zero = probes.model_probe(model, batch, "bf16", jax.random.key(0), reference=reference, num_draws=2)
+  assert zero["dloss"] == 0.0 and zero["dloss_se"] == 0.0 and np.all(zero["seq_dloss"] == 0.0)
+  assert np.all(zero["grad_err"] == 0.0) and zero["grad_bias"] == 0.0
 
 
 def test_bad_inputs_raise():
