@@ -4,35 +4,40 @@
 
 Every computation is jitted with its input donated, warmed up, and timed as the median of `--repeats` runs on a
 `size x size` tensor (16M elements by default). The baseline reads the input and writes an output of the same size
-and dtype (`x + 1`); "vs baseline" is throughput / baseline throughput, measured in the same run, so it is far less
-noisy than the absolute numbers on a shared machine. Rows ("q+dq" is `fake_quant`, bit-identical to
+and dtype (`x + 1`); "vs baseline" is throughput / baseline throughput, measured in the same run (from the medians;
+"(min)" from the fastest runs, steadier when other processes share the cores). Rows ("q+dq" is `fake_quant`, bit-identical to
 `dequantize(quantize(x))`, with the codes decoded in the same fused pass):
-  nvfp4 rne / sr q+dq         NVFP4, round-to-nearest-even / stochastic rounding (32 random bits)
+  nvfp4 rne / sr q+dq         NVFP4, round-to-nearest-even / stochastic rounding (32 random bits, threefry key)
+  nvfp4 sr q+dq, rbg key      stochastic rounding with bits from an "rbg" key (XLA's RngBitGenerator)
   nvfp4 rne / sr +rht q+dq    the same after a 16-point random Hadamard transform along the blocked axis
+  nvfp4 rne 2d q+dq           16x16 blocks (the weights' layout)
   mxfp4 q+dq                  MXFP4, OCP floor scale rule
   nvfp4 quantize              quantize() alone: packed codes + E4M3 scales + amax (outputs 9/16 of a float32 size)
   nvfp4 dequantize            dequantize() alone, from a QArray (the input is not donatable: new output buffer)
   nvfp4 dequantize(quantize)  the two public calls composed in one jit (codes packed, unpacked, decoded)
 
-HLO findings (XLA:CPU, jax 0.10; `--hlo` prints the kernel list of the NVFP4 RNE chain):
-  Before (fake_quant was `dequantize(quantize(x))` on a [S/16, 16]-reshaped tensor): ~0.02x the baseline. The
-  kernels were (1) global amax, (2) block amax as a reduce over the minor 16-axis (~5x slower than a reduce_window
-  here), (3) the per-block scales, and (4) one loop fusion for everything else. (4) held the E2M1 decode as a gather
-  (a 16-entry table lookup per element, not vectorised), the nibble unpack as a concatenate (a
-  branch per element), and the stride-2 slices of the pack, so every output element recomputed both codes of its
-  byte, each through frexp-based rounding. The reshape of the input into blocks also stopped XLA from writing the
-  result in place into the donated input: it added a full-size copy and a fresh (page-faulting) output buffer.
-  After: block amax is one reduce_window (a YNNPACK reduce fusion); the global amax is the max of the block amaxes
-  (a pass over 1/16 of the data instead of a second full read); the per-block scales are small kLoop fusions; and
-  the rest is one elementwise kLoop fusion that reads x once and writes the output in place: scale, RNE to E2M1
-  codes by seven compares, arithmetic decode (bit tricks, no gather), times block and global scale. Two full passes
-  over the data in all (block amax: read; fused chain: read + write) against the baseline's one.
-  Still duplicated: XLA:CPU fuses cheap per-block producers into their broadcasting consumer, so the E4M3 rounding of
-  each block scale (a dozen integer ops since it no longer uses frexp) is recomputed per element in the dequantize
-  multiply; the block encode scale is materialised once, because it ends in a divide, which XLA does not duplicate.
-  For MXFP4 the frexp-based power-of-two exponent of each block is likewise recomputed per element.
-  Stochastic rounding adds threefry bit generation per element (the dominant cost of the SR rows); the RHT adds a
-  [.., 16] x [16, 16] float32 matmul at HIGHEST precision (a dot kernel plus its own full read and write).
+HLO findings (XLA:CPU, jax 0.10.2, AVX-512 host; `--hlo` prints the kernels of the NVFP4 RNE chain):
+  Before (fake_quant = dequantize(quantize(x)) on x reshaped to [.., S/16, 16]): 0.02x the baseline. Kernels: a
+  global amax reduction, a block-amax reduction over the minor 16-axis (YNNPACK: slow, and it drops NaN), the
+  per-block scales, and one loop fusion for the rest. That fusion decoded E2M1 with a gather (a table lookup per
+  element, not vectorised), unpacked nibbles with a concatenate (a branch per element) and packed them with stride-2
+  slices, so each output recomputed both codes of its byte through frexp-based rounding; the blocked reshape of the
+  input also stopped XLA from writing in place into the donated input (a full-size copy plus a fresh,
+  page-faulting output buffer).
+  After: 2 passes over the data (the baseline makes 1): (1) block amax, one integer-max reduction of the |x| bit
+  patterns (NaN-propagating, vectorised by XLA itself, a standard reduction that partitions under sharding);
+  (2) one elementwise loop fusion that reads x and writes the result in place: scale, RNE onto E2M1 (exponent-bit
+  arithmetic, no frexp), times block and global scale: 47 instructions per 16-element block (AVX-512VL, ymm).
+  In between, 3-4 small kernels on 1/16 of the data (global amax = max of block amaxes, block scales, encode
+  scales). quantize() adds integer-compare codes and a uint16 pack (no stride-2 reads); dequantize() decodes
+  arithmetically, and alone it writes a fresh output buffer, whose page faults dominate its time here.
+  Pitfalls found on the way: XLA duplicates cheap per-block producers into their broadcasting consumer (the E4M3
+  rounding of each block scale ran once per element) but not a divide, so per-block scales end in an exact
+  division; XLA merges reduce(reduce(x)) with one computation into a full-size reduction and splits reductions over
+  more than 32 elements into a tree with |x| materialised, so long and 2D blocks reduce in two stages of different
+  kinds. Stochastic rounding is bound by generating 32 random bits per element (threefry: ~17 ns per element on
+  this CPU; an "rbg" key, XLA's RngBitGenerator, is no faster here); the RHT is a [.., 16] x [16, 16] float32 dot
+  (HIGHEST precision) with its own full read and write.
 """
 
 from __future__ import annotations
@@ -65,9 +70,12 @@ def computations(x, key):
       (BASELINE, lambda x: x + jnp.asarray(1, x.dtype), (x,), (0,)),
       ("nvfp4 rne q+dq", lambda x: fp4jax.fake_quant(x, NVFP4), (x,), (0,)),
       ("nvfp4 sr q+dq", lambda x, k: fp4jax.fake_quant(x, NVFP4, rounding="stochastic", key=k), (x, key), (0,)),
+      ("nvfp4 sr q+dq, rbg key", lambda x, k: fp4jax.fake_quant(x, NVFP4, rounding="stochastic", key=k),
+       (x, jax.random.key(2, impl="rbg")), (0,)),
       ("nvfp4 rne +rht q+dq", lambda x: fp4jax.fake_quant(_rht(x), NVFP4), (x,), (0,)),
       ("nvfp4 sr +rht q+dq", lambda x, k: fp4jax.fake_quant(_rht(x), NVFP4, rounding="stochastic", key=k), (x, key),
        (0,)),
+      ("nvfp4 rne 2d q+dq", lambda x: fp4jax.fake_quant(x, NVFP4, block_2d=True), (x,), (0,)),
       ("mxfp4 q+dq", lambda x: fp4jax.fake_quant(x, MXFP4), (x,), (0,)),
       ("nvfp4 quantize", lambda x: fp4jax.quantize(x, NVFP4), (x,), ()),  # outputs are smaller: nothing to reuse
       ("nvfp4 dequantize", lambda q: fp4jax.dequantize(q, q.dtype), (q,), ()),

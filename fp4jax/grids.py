@@ -22,7 +22,8 @@ E2M1_SIGN_BIT = 8
 
 # Round-to-nearest-even decision points on the E2M1 magnitudes: |y| beyond each threshold (or at it, when the upper
 # neighbour has the even code, i.e. ties go up) adds one to the magnitude code. 0.25 -> 0, 0.75 -> 1, 5 -> 4, 7 -> 6.
-E2M1_RNE_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+E2M1_RNE_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
+                       (5.0, False))
 
 E4M3_MAX = 448.0
 E4M3_MIN_EXPONENT = -6  # smallest normal exponent; subnormal step is 2^-9
@@ -144,20 +145,21 @@ def e2m1_decode(codes, dtype=jnp.float32):
   return jax.lax.bitcast_convert_type(signed, jnp.float32).astype(dtype)
 
 
-def round_e4m3(x):
+def round_e4m3(x, *, per_block: bool = False):
   """Rounds float32 `x` to E4M3 (float8_e4m3fn) values, round-to-nearest-even, saturating at +-448; NaN stays NaN.
 
   The quantum is 2^(max(floor(log2|x|), -6) - 3): 3 mantissa bits for normals, 2^-9 steps for subnormals.
   Infinities saturate to +-448.
+  per_block=True gives the same values for per-block scales: it scales back with an exact division instead of a
+  multiplication, and XLA does not duplicate a divide into a broadcasting consumer, so the rounding runs once per
+  block rather than once for every element of the block (a divide per element is slower, hence the switch).
   """
   # Beyond 512 everything saturates; clamping first keeps the exponent <= 9.
   a = jnp.minimum(jnp.abs(x), 512.0)
-  _, inv_quantum = _quantum(a, E4M3_MIN_EXPONENT, 9, E4M3_MANTISSA_BITS)
-  # Rounded and saturated in units of the quantum, then scaled back by dividing by its (power of two) inverse:
-  # exact, like multiplying by the quantum, but XLA does not duplicate a divide into a broadcasting consumer, so a
-  # per-block scale is computed once per block rather than once per element of the block.
-  r = jnp.minimum(jnp.round(a * inv_quantum), E4M3_MAX * inv_quantum)
-  r = with_sign_of(r, x) / inv_quantum
+  quantum, inv_quantum = _quantum(a, E4M3_MIN_EXPONENT, 9, E4M3_MANTISSA_BITS)
+  # Rounded and saturated in units of the quantum, then scaled back exactly (quantum and inverse are powers of two).
+  r = with_sign_of(jnp.minimum(jnp.round(a * inv_quantum), E4M3_MAX * inv_quantum), x)
+  r = r / inv_quantum if per_block else r * quantum
   return jnp.where(jnp.isnan(x), x, r)
 
 

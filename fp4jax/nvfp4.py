@@ -28,7 +28,7 @@ def global_decode_scale(amax):
 
 def block_scale(amax_b, s_enc):
   """s_b = E4M3(amax_b * (S_enc * (1/6))): one RNE rounding of that product, saturating at 448, no lower clamp."""
-  return grids.round_e4m3(amax_b * (s_enc * _ONE_SIXTH))
+  return grids.round_e4m3(amax_b * (s_enc * _ONE_SIXTH), per_block=True)
 
 
 def block_encode_scale(s_b, s_enc):
