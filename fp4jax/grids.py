@@ -46,12 +46,6 @@ def pow2(e):
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def round_to_quantum(x, exponent):
-  """Rounds float32 `x` to a multiple of 2**exponent, half-to-even; exact for |x| / 2**exponent < 2**24."""
-  # Two scalings keep both factors normal even when `exponent` is near the float32 limits.
-  return jnp.round(x * pow2(-exponent)) * pow2(exponent)
-
-
 def _quantum(a, min_exponent: int, max_exponent: int, mantissa_bits: int):
   """(2^k, 2^-k) for k = clip(floor(log2 a), min_exponent, max_exponent) - mantissa_bits, exactly.
 
@@ -82,7 +76,7 @@ def e2m1_floor_magnitude(a):
   """Largest E2M1 magnitude <= `a` (a in [0, 6]), and the gap to the next magnitude above it."""
   step, inv_step = _quantum(a, 0, 2, 1)
   lo = jnp.floor(a * inv_step) * step
-  # At exactly 4 the lower neighbour's step (1) differs from the step above it (2): use the step above.
+  # The gap is the step above `lo` (at lo = 2 and 4 it is larger than the step below).
   gap = jnp.where(lo >= 4.0, 2.0, jnp.where(lo >= 2.0, 1.0, 0.5))
   return lo, gap
 
@@ -118,11 +112,8 @@ def sign_bit(x):
 
 
 def e2m1_code_of_magnitude(m):
-  """Maps an E2M1 magnitude in {0, .5, 1, 1.5, 2, 3, 4, 6} to its 3-bit code 0..7."""
-  code = jnp.zeros(m.shape, jnp.uint8)
-  for threshold in E2M1_VALUES[1:]:
-    code = code + (m >= threshold).astype(jnp.uint8)
-  return code
+  """Maps an E2M1 magnitude in {0, .5, 1, 1.5, 2, 3, 4, 6} to its 3-bit code 0..7 (uint8)."""
+  return e2m1_floor_code(m).astype(jnp.uint8)
 
 
 def e2m1_codes(v):

@@ -17,7 +17,7 @@ RANDOM_BITS = (32, 8)
 
 
 def uniform_from_bits(bits, random_bits: int):
-  """Returns (u, scale): thresholds compared against p * scale.
+  """The uniform `u` that stochastic rounding compares with the round-up probability p.
 
   32: u = top 24 bits / 2^24, a full-width uniform in [0, 1), compared with p.
   8:  u = top 8 bits (0..255), compared with floor(p * 256), as hardware with 8 random bits per element does

@@ -34,7 +34,7 @@ def round_half_even(x):
 
 
 def round_to_quantum(x, exponent):
-  """grids.round_to_quantum with the floor-based round."""
+  """x rounded to a multiple of 2**exponent, half-to-even, with the floor-based round (Triton has no round)."""
   return round_half_even(x * grids.pow2(-exponent)) * grids.pow2(exponent)
 
 
