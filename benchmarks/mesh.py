@@ -21,10 +21,10 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax import nnx  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from fp4jax import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fp4jax import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fp4jax import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fp4jax import train as train_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax.pretrain import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax.pretrain import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax.pretrain import train as train_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 MESHES = ((8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 2, 1), (2, 1, 4))
 # Widths whose per-shard slices stay whole 16-blocks on every mesh above.

@@ -3,7 +3,7 @@
     python benchmarks/train_step.py                       # tiny and small, nvfp4 vs bf16
     python benchmarks/train_step.py --models small --recipes bf16 nvfp4 mxfp4 fp8 --steps 20 --json out.json
 
-Per (model, recipe): compile time, median step time (the jitted fp4jax.train step on real batches, after a warmup,
+Per (model, recipe): compile time, median step time (the jitted fp4jax.pretrain.train step on real batches, after a warmup,
 recipes interleaved step by step so load changes on a shared machine hit all alike), the forward-only (eval) median,
 and memory from XLA's compiled memory analysis: temp (scratch, incl. saved activations and residuals), argument and
 output bytes of the step. Ratios are against the first recipe (bf16 by default).
@@ -24,9 +24,9 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp4jax import data  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fp4jax import train as train_lib  # pylint: disable=wrong-import-position
-from fp4jax.config import TrainConfig  # pylint: disable=wrong-import-position
+from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax.pretrain import train as train_lib  # pylint: disable=wrong-import-position
+from fp4jax.pretrain.config import TrainConfig  # pylint: disable=wrong-import-position
 
 
 def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, dataset):

@@ -18,7 +18,7 @@ gradients (captured from a BF16 forward/backward on fixed validation batches), s
     python -m experiments.probes --report-only --out runs/probes_cpu        # redraw tables and plots
 
 The checkpoint is a BF16 run of the preset's model (constant learning rate after warmup, so it stops in the stable
-phase, as the paper's ablations resumed mid-run), trained with fp4jax.train.train into OUT/base and reused when
+phase, as the paper's ablations resumed mid-run), trained with fp4jax.pretrain.train.train into OUT/base and reused when
 present; --checkpoint RUN_DIR probes another run instead. Outputs: OUT/results.json, OUT/report.md, OUT/*.png.
 """
 
@@ -49,12 +49,12 @@ _VARIANT = re.compile(r"(?P<recipe>[A-Za-z0-9_-]+)(?:\+first(?P<first>\d+))?(?:\
 class ProbePreset:
   """What one preset trains, captures and measures.
 
-  model / model_overrides: the fp4jax.model preset and field changes. base_*: the BF16 checkpoint's run (constant LR
+  model / model_overrides: the fp4jax.pretrain.model preset and field changes. base_*: the BF16 checkpoint's run (constant LR
   after 5% warmup). probe_batches: fixed validation batches (probe_batch_size, default batch_size, x seq_len each)
   concatenated for the probes.
   num_draws: SR draws per layer and recipe (bias curves for K = 1 .. num_draws / 2). bias_draws / bias_layers: more
   draws for the layers whose names match the regex (longer bias curves). layers: regex of the layers probed (None:
-  all). recipes: names from fp4jax.probes.recipe_variants(). model_variants: whole-model settings
+  all). recipes: names from fp4jax.analysis.probes.recipe_variants(). model_variants: whole-model settings
   "RECIPE[+firstA][+lastB]" (B blocks at the end / A at the start in BF16). model_draws: SR draws per model
   setting. sensitivity: "only" quantizes one block at a time (the rest BF16), "all_but" keeps one block at a time
   in BF16 (the rest quantized). cont_*: continuation variants, steps
@@ -121,7 +121,7 @@ def get_preset(name: str) -> ProbePreset:
 
 def parse_variant(variant: str) -> tuple[str, int, int]:
   """ "nvfp4+first1+last2" -> ("nvfp4", 1, 2): a recipe from recipe_variants() and its BF16 blocks."""
-  from fp4jax import probes  # pylint: disable=g-import-not-at-top
+  from fp4jax.analysis import probes  # pylint: disable=g-import-not-at-top
   match = _VARIANT.fullmatch(variant)
   if match is None or match.group("recipe") not in probes.recipe_variants():
     raise ValueError(f"Bad variant {variant!r}: expected RECIPE[+firstA][+lastB] with RECIPE one of "
@@ -131,14 +131,15 @@ def parse_variant(variant: str) -> tuple[str, int, int]:
 
 def variant_recipes(variant: str, layer_names: Sequence[str], n_layers: int) -> dict[str, Any]:
   """{layer name: Recipe} for a variant string (see parse_variant)."""
-  from fp4jax import policy, probes  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import policy
+  from fp4jax.analysis import probes  # pylint: disable=g-import-not-at-top
   name, first, last = parse_variant(variant)
   pol = policy.PrecisionPolicy(recipe=probes.recipe_variants()[name], first=first, last=last)
   return pol.layer_recipes(list(layer_names), n_layers)
 
 
 def _blocks_recipes(recipe, bf16_blocks: Sequence[int], layer_names: Sequence[str], n_layers: int):
-  from fp4jax import policy  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import policy  # pylint: disable=g-import-not-at-top
   return policy.PrecisionPolicy(recipe=recipe, blocks=tuple(bf16_blocks)).layer_recipes(list(layer_names), n_layers)
 
 
@@ -146,8 +147,8 @@ def _blocks_recipes(recipe, bf16_blocks: Sequence[int], layer_names: Sequence[st
 
 def base_config(preset: ProbePreset, out: pathlib.Path):
   """The TrainConfig of the preset's BF16 base run in OUT/base."""
-  from fp4jax import model as model_lib  # pylint: disable=g-import-not-at-top
-  from fp4jax.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
   model = model_lib.get_model_config(preset.model, **dict(preset.model_overrides))
   return TrainConfig(out=str(out / BASE_DIR), model=model, recipe="bf16", steps=preset.base_steps,
                      batch_size=preset.batch_size, seq_len=preset.seq_len, lr=preset.lr, warmup_fraction=0.05,
@@ -157,13 +158,13 @@ def base_config(preset: ProbePreset, out: pathlib.Path):
 
 def ensure_base(preset: ProbePreset, out: pathlib.Path, *, retrain: bool = False, log=print) -> pathlib.Path:
   """Trains the BF16 base run into OUT/base unless a finished run with the same config is there; returns its folder."""
-  from fp4jax import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
-  from fp4jax import train  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import train  # pylint: disable=g-import-not-at-top
   config = base_config(preset, out)
   run_dir = pathlib.Path(config.out)
   stored = run_dir / train.CONFIG_FILE
   if stored.exists() and not retrain:
-    from fp4jax.config import TrainConfig  # pylint: disable=g-import-not-at-top
+    from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
     free = ("out", "progress")
     want = {k: v for k, v in config.to_dict().items() if k not in free}
     try:  # through TrainConfig, so fields added since the run was stored take their defaults
@@ -190,12 +191,12 @@ def ensure_base(preset: ProbePreset, out: pathlib.Path, *, retrain: bool = False
 
 
 def restore_run(run_dir: str | pathlib.Path, step: int | None = None):
-  """(TrainConfig, model with the restored params, TrainState, step) of a fp4jax.train run's checkpoint."""
+  """(TrainConfig, model with the restored params, TrainState, step) of a fp4jax.pretrain.train run's checkpoint."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from fp4jax import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
-  from fp4jax import train  # pylint: disable=g-import-not-at-top
-  from fp4jax.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import train  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
   manager = ckpt.open_manager(run_dir, create=False)
   try:
     step, meta = ckpt.restore_meta(manager, step)
@@ -231,7 +232,7 @@ def _jsonable(value):
 
 def probe_batch(dataset, preset: ProbePreset, config) -> dict[str, np.ndarray]:
   """The fixed validation batches of the probes, concatenated along the batch axis."""
-  from fp4jax import data  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
   batches = data.val_batches(dataset, batch_size=preset.probe_batch_size or preset.batch_size,
                              seq_len=config.train_seq_len, num_batches=preset.probe_batches)
   return {k: np.concatenate([b[k] for b in batches]) for k in ("inputs", "targets")}
@@ -240,8 +241,8 @@ def probe_batch(dataset, preset: ProbePreset, config) -> dict[str, np.ndarray]:
 def run_layer_probes(preset: ProbePreset, model, batch, *, seed: int = 0, log=print) -> dict[str, Any]:
   """{"bf16_loss", "tokens", "layers": {layer: {recipe: probe_layer result}}} on the captured BF16 tensors."""
   import jax  # pylint: disable=g-import-not-at-top
-  from fp4jax import model as model_lib  # pylint: disable=g-import-not-at-top
-  from fp4jax import probes  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.analysis import probes  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   loss, tensors = probes.capture_layer_tensors(model, batch)
   log(f"Captured x, W, dY of {len(tensors)} linear layers (BF16 loss {loss:.4f}) in {time.perf_counter() - t0:.0f}s.")
@@ -263,7 +264,7 @@ def run_layer_probes(preset: ProbePreset, model, batch, *, seed: int = 0, log=pr
 def run_model_probes(preset: ProbePreset, model, batch, *, seed: int = 0, log=print) -> dict[str, Any]:
   """Whole-model loss change and gradient error per variant, and per-block sensitivity of the main recipe."""
   import jax  # pylint: disable=g-import-not-at-top
-  from fp4jax import probes  # pylint: disable=g-import-not-at-top
+  from fp4jax.analysis import probes  # pylint: disable=g-import-not-at-top
   names, n_layers = list(model.linear_layers()), len(model.blocks)
   t0 = time.perf_counter()
   reference = probes.reference_gradient(model, batch)
@@ -303,7 +304,8 @@ def run_model_probes(preset: ProbePreset, model, batch, *, seed: int = 0, log=pr
 def run_continuations(preset: ProbePreset, config, model, state, dataset, *, log=print) -> dict[str, Any]:
   """Each continuation variant continued `cont_steps` steps from `state` with seeds 1..cont_seeds (paired data)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from fp4jax import data, probes, train  # pylint: disable=g-import-not-at-top
+  from fp4jax.analysis import probes  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import data, train  # pylint: disable=g-import-not-at-top
   names, n_layers = list(model.linear_layers()), len(model.blocks)
   start = int(state.step)
   cont_config = config.replace(steps=start + preset.cont_steps, warmup_fraction=0.0, decay_fraction=0.0)
@@ -334,14 +336,15 @@ def run_continuations(preset: ProbePreset, config, model, state, dataset, *, log
 def nnx_graphdef(model):
   """The graphdef of `model` with every linear layer in BF16."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from fp4jax import probes, recipes  # pylint: disable=g-import-not-at-top
+  from fp4jax import recipes  # pylint: disable=g-import-not-at-top
+  from fp4jax.analysis import probes  # pylint: disable=g-import-not-at-top
   return nnx.graphdef(probes.with_recipes(model, recipes.bf16()))
 
 
 # --- summaries ----------------------------------------------------------------------------------------------------
 
 def _mean_se(values) -> tuple[float, float]:
-  from fp4jax import probes  # pylint: disable=g-import-not-at-top
+  from fp4jax.analysis import probes  # pylint: disable=g-import-not-at-top
   v = np.asarray(values, np.float64)
   return float(np.mean(v)), probes.standard_error(v)
 
@@ -385,7 +388,7 @@ def paired_effect(layers: Mapping[str, Mapping], a: str, b: str, value) -> dict[
 
 def component_effects(results: Mapping[str, Any]) -> list[dict[str, Any]]:
   """The requested comparisons as rows: what, metric, baseline value, variant value, effect (variant - baseline)."""
-  from fp4jax import probes  # pylint: disable=g-import-not-at-top
+  from fp4jax.analysis import probes  # pylint: disable=g-import-not-at-top
   layers = results["layers"]["layers"]
   rows = []
 
@@ -456,7 +459,7 @@ def write_report(out: str | pathlib.Path) -> list[pathlib.Path]:
 
 def write_markdown(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Path:
   """The Markdown tables of a results.json."""
-  from fp4jax import probes  # pylint: disable=g-import-not-at-top
+  from fp4jax.analysis import probes  # pylint: disable=g-import-not-at-top
   lp = results["layers"]
   layers = lp["layers"]
   recipes = list(next(iter(layers.values())))
@@ -742,7 +745,7 @@ def plot_continuation(results, path: pathlib.Path) -> pathlib.Path:
 def run(preset_name: str, out: str | pathlib.Path, *, checkpoint: str | None = None, retrain_base: bool = False,
         skip_continuations: bool = False, log=print) -> dict[str, Any]:
   """Runs every probe of `preset_name`, writes OUT/results.json, OUT/report.md and plots; returns the results."""
-  from fp4jax import data  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
   preset = get_preset(preset_name)
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
@@ -770,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
   parser.add_argument("--out", required=True, help="output folder (the BF16 base run goes to OUT/base)")
-  parser.add_argument("--checkpoint", default=None, help="probe this fp4jax.train run folder instead of OUT/base")
+  parser.add_argument("--checkpoint", default=None, help="probe this fp4jax.pretrain.train run folder instead of OUT/base")
   parser.add_argument("--retrain-base", action="store_true", help="replace OUT/base even if it holds another run")
   parser.add_argument("--skip-continuations", action="store_true", help="only the fixed-tensor probes")
   parser.add_argument("--report-only", action="store_true", help="redraw report.md and plots from OUT/results.json")

@@ -1,4 +1,4 @@
-"""Sweeps: named runs x seeds, each a `fp4jax.train.train` run in OUT/<run>/seed<k>, resumable, then a report.
+"""Sweeps: named runs x seeds, each a `fp4jax.pretrain.train.train` run in OUT/<run>/seed<k>, resumable, then a report.
 
 A `Run` is a name plus TrainConfig overrides (what the experiment varies); a `Sweep` holds the runs, the overrides
 shared by all of them (the preset's base, plus any given on the command line), the number of seeds and the
@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 import tqdm
 
-import fp4jax.checkpoint
-import fp4jax.data
-import fp4jax.metrics
-import fp4jax.model
-from fp4jax import config as config_lib
-from fp4jax import train as train_lib
-from fp4jax.config import TrainConfig
+import fp4jax.pretrain.checkpoint
+import fp4jax.pretrain.data
+import fp4jax.pretrain.metrics
+import fp4jax.pretrain.model
+from fp4jax.pretrain import config as config_lib
+from fp4jax.pretrain import train as train_lib
+from fp4jax.pretrain.config import TrainConfig
 
 PRESETS = ("smoke", "cpu", "gpu")
 SUMMARY_FILE = "summary.json"
@@ -86,8 +86,8 @@ def base_overrides(preset: str) -> dict[str, Any]:
 def override_keys() -> tuple[str, ...]:
   """Every key an override may set: TrainConfig fields (less the managed ones), model, model.X and data.X."""
   top = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in MANAGED_FIELDS and f.name != "data"]
-  nested = [f"model.{f.name}" for f in dataclasses.fields(fp4jax.model.ModelConfig)]
-  nested += [f"data.{f.name}" for f in dataclasses.fields(fp4jax.data.DataConfig)]
+  nested = [f"model.{f.name}" for f in dataclasses.fields(fp4jax.pretrain.model.ModelConfig)]
+  nested += [f"data.{f.name}" for f in dataclasses.fields(fp4jax.pretrain.data.DataConfig)]
   return tuple(top + nested)
 
 
@@ -275,7 +275,7 @@ def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
 
   wall_time covers this process's share only when the run was resumed.
   """
-  records = fp4jax.metrics.read_metrics(folder) if (folder / fp4jax.metrics.METRICS_FILE).is_file() else []
+  records = fp4jax.pretrain.metrics.read_metrics(folder) if (folder / fp4jax.pretrain.metrics.METRICS_FILE).is_file() else []
   val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
   tokens_per_step = config.batch_size * config.train_seq_len
   policy = config.policy()
@@ -350,10 +350,10 @@ def _train_one(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
     t0 = time.perf_counter()
     try:
       summary = None
-      if fp4jax.checkpoint.checkpoint_dir(folder).is_dir():
+      if fp4jax.pretrain.checkpoint.checkpoint_dir(folder).is_dir():
         try:
           summary = train_lib.train(config.replace(resume=True), hooks, log=write, compile_cache=cache)
-        except fp4jax.checkpoint.CheckpointError as e:
+        except fp4jax.pretrain.checkpoint.CheckpointError as e:
           write(f"Could not resume ({e}); starting afresh.")
       if summary is None:
         summary = train_lib.train(config.replace(overwrite=True), hooks, log=write, compile_cache=cache)
@@ -371,7 +371,7 @@ def make_parser(prog: str, doc: str) -> argparse.ArgumentParser:
       prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="Overrides: --set KEY=VALUE (repeatable) changes a setting shared by all runs, e.g. --set steps=100 "
              "--set model.d_model=128 --set recipe=nvfp4:rht_size=4. KEY is a TrainConfig field (see "
-             "`python -m fp4jax.train --help`), `model` (a preset: " + ", ".join(sorted(fp4jax.model.MODEL_PRESETS))
+             "`python -m fp4jax.pretrain.train --help`), `model` (a preset: " + ", ".join(sorted(fp4jax.pretrain.model.MODEL_PRESETS))
              + "), model.FIELD or data.FIELD. A run's own settings (what the experiment varies) win over --set.")
   parser.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
   parser.add_argument("--out", required=True, help="sweep folder: OUT/<run>/seed<k>/, results.md, *.png")

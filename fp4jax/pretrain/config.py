@@ -1,7 +1,7 @@
 """TrainConfig: every knob of a training run, its JSON form, and command-line options generated from its fields.
 
 Each TrainConfig field becomes `--field-name` (or `--field_name`); the nested model and data configs become
-`--model NAME` (a preset from fp4jax.model.MODEL_PRESETS) plus `--model.FIELD VALUE`, and `--data.FIELD VALUE`
+`--model NAME` (a preset from fp4jax.pretrain.model.MODEL_PRESETS) plus `--model.FIELD VALUE`, and `--data.FIELD VALUE`
 (with `--corpus` as a short form of `--data.corpus`). The precision-policy fields give `--bf16-first`,
 `--bf16-last`, `--bf16-blocks`, `--bf16-pattern`, `--switch-at` and `--switch`.
 """
@@ -15,9 +15,9 @@ import types
 import typing
 from typing import Any
 
-import fp4jax.data
-import fp4jax.model
-import fp4jax.policy
+import fp4jax.pretrain.data
+import fp4jax.pretrain.model
+import fp4jax.pretrain.policy
 import fp4jax.recipes
 
 DECAY_SHAPES = ("linear", "1-sqrt")
@@ -34,10 +34,10 @@ class TrainConfig:
 
   out: str = dataclasses.field(default="runs/default", metadata=_help("run folder: metrics.jsonl, checkpoints/"))
   model: Any = dataclasses.field(default="tiny", metadata=_help("model preset name (see --model.FIELD overrides)"))
-  data: Any = dataclasses.field(default_factory=fp4jax.data.DataConfig, metadata=_help("corpus and tokenizer"))
+  data: Any = dataclasses.field(default_factory=fp4jax.pretrain.data.DataConfig, metadata=_help("corpus and tokenizer"))
   recipe: Any = dataclasses.field(default="nvfp4", metadata=_help(
       "recipe preset with options, e.g. nvfp4, bf16, mxfp4, fp8, 'nvfp4:rht_size=4,stochastic_rounding=false'"))
-  # Precision policy (fp4jax.policy.PrecisionPolicy).
+  # Precision policy (fp4jax.pretrain.policy.PrecisionPolicy).
   bf16_first: int = dataclasses.field(default=0, metadata=_help("first N transformer blocks in BF16"))
   bf16_last: int = dataclasses.field(default=0, metadata=_help("last N transformer blocks in BF16"))
   bf16_blocks: tuple[int, ...] = dataclasses.field(default=(), metadata=_help("more BF16 blocks, e.g. 3,5-7"))
@@ -82,12 +82,12 @@ class TrainConfig:
 
   def __post_init__(self):
     if isinstance(self.model, str):
-      object.__setattr__(self, "model", fp4jax.model.get_model_config(self.model))
-    if not isinstance(self.model, fp4jax.model.ModelConfig):
+      object.__setattr__(self, "model", fp4jax.pretrain.model.get_model_config(self.model))
+    if not isinstance(self.model, fp4jax.pretrain.model.ModelConfig):
       raise ValueError(f"TrainConfig.model must be a preset name or a ModelConfig; got {self.model!r}.")
     if isinstance(self.data, str):
-      object.__setattr__(self, "data", fp4jax.data.DataConfig(corpus=self.data))
-    if not isinstance(self.data, fp4jax.data.DataConfig):
+      object.__setattr__(self, "data", fp4jax.pretrain.data.DataConfig(corpus=self.data))
+    if not isinstance(self.data, fp4jax.pretrain.data.DataConfig):
       raise ValueError(f"TrainConfig.data must be a corpus spec or a DataConfig; got {self.data!r}.")
     object.__setattr__(self, "bf16_blocks", tuple(self.bf16_blocks))
     self._check()
@@ -135,9 +135,9 @@ class TrainConfig:
     """Tokens per training sequence (seq_len, or the model's maximum)."""
     return self.model.max_seq_len if self.seq_len is None else self.seq_len
 
-  def policy(self) -> fp4jax.policy.PrecisionPolicy:
+  def policy(self) -> fp4jax.pretrain.policy.PrecisionPolicy:
     """The precision policy these fields describe."""
-    return fp4jax.policy.PrecisionPolicy(
+    return fp4jax.pretrain.policy.PrecisionPolicy(
         recipe=self.recipe, first=self.bf16_first, last=self.bf16_last, blocks=self.bf16_blocks,
         pattern=self.bf16_pattern, switch_at=self.switch_at, switch=self.switch)
 
@@ -152,7 +152,7 @@ class TrainConfig:
       if f.name in ("model", "data"):
         value = dataclasses.asdict(value)
       elif f.name == "recipe":
-        value = fp4jax.policy.PrecisionPolicy(recipe=value).to_dict()["recipe"]
+        value = fp4jax.pretrain.policy.PrecisionPolicy(recipe=value).to_dict()["recipe"]
       elif isinstance(value, tuple):
         value = list(value)
       out[f.name] = value
@@ -167,11 +167,11 @@ class TrainConfig:
       raise ValueError(f"Unknown TrainConfig field(s) {unknown}; valid fields: {sorted(fields)}.")
     data = dict(data)
     if isinstance(data.get("model"), dict):
-      data["model"] = fp4jax.model.ModelConfig(**data["model"])
+      data["model"] = fp4jax.pretrain.model.ModelConfig(**data["model"])
     if isinstance(data.get("data"), dict):
-      data["data"] = fp4jax.data.DataConfig(**data["data"])
+      data["data"] = fp4jax.pretrain.data.DataConfig(**data["data"])
     if "recipe" in data:
-      data["recipe"] = fp4jax.policy.PrecisionPolicy.from_dict({"recipe": data["recipe"]}).recipe
+      data["recipe"] = fp4jax.pretrain.policy.PrecisionPolicy.from_dict({"recipe": data["recipe"]}).recipe
     if "bf16_blocks" in data:
       data["bf16_blocks"] = tuple(data["bf16_blocks"])
     return cls(**data)
@@ -183,7 +183,7 @@ def _is_int(value) -> bool:
 
 # --- command line -------------------------------------------------------------------------------------------------
 
-_NESTED = {"model": fp4jax.model.ModelConfig, "data": fp4jax.data.DataConfig}
+_NESTED = {"model": fp4jax.pretrain.model.ModelConfig, "data": fp4jax.pretrain.data.DataConfig}
 _MISSING = object()
 
 
@@ -282,7 +282,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
   model_group = parser.add_argument_group("model (--model PRESET, then --model.FIELD VALUE overrides)")
   model_group.add_argument("--model", dest="model", default=argparse.SUPPRESS,
-                           choices=sorted(fp4jax.model.MODEL_PRESETS), help="model preset (default: tiny)")
+                           choices=sorted(fp4jax.pretrain.model.MODEL_PRESETS), help="model preset (default: tiny)")
   data_group = parser.add_argument_group("data (--data.FIELD VALUE)")
   data_group.add_argument("--corpus", dest="data.corpus", default=argparse.SUPPRESS,
                           help="short for --data.corpus: 'shakespeare' or a path to .txt/.md files")
@@ -292,7 +292,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(cls):
       parse, is_bool = _parser_for(sub_hints[f.name])
       if prefix == "model":
-        help_text = f"ModelConfig.{f.name} (tiny: {getattr(fp4jax.model.MODEL_PRESETS['tiny'], f.name)})"
+        help_text = f"ModelConfig.{f.name} (tiny: {getattr(fp4jax.pretrain.model.MODEL_PRESETS['tiny'], f.name)})"
       else:
         help_text = _field_help(f, _default_of(f))
       kwargs = dict(dest=f"{prefix}.{f.name}", type=parse, default=argparse.SUPPRESS, help=help_text)
@@ -313,12 +313,12 @@ def config_from_overrides(overrides: dict[str, Any], base: TrainConfig | None = 
   nested = {prefix: {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith(prefix + ".")}
             for prefix in _NESTED}
   if base is None:
-    model = fp4jax.model.get_model_config(top.pop("model", "tiny"), **nested["model"])
-    data = dataclasses.replace(fp4jax.data.DataConfig(), **nested["data"])
+    model = fp4jax.pretrain.model.get_model_config(top.pop("model", "tiny"), **nested["model"])
+    data = dataclasses.replace(fp4jax.pretrain.data.DataConfig(), **nested["data"])
     return TrainConfig(model=model, data=data, **top)
   model = top.pop("model", base.model)
   if isinstance(model, str):
-    model = fp4jax.model.get_model_config(model)
+    model = fp4jax.pretrain.model.get_model_config(model)
   model = dataclasses.replace(model, **nested["model"]) if nested["model"] else model
   data = dataclasses.replace(base.data, **nested["data"]) if nested["data"] else base.data
   return dataclasses.replace(base, model=model, data=data, **top)

@@ -36,10 +36,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-import fp4jax.data
-import fp4jax.model
+import fp4jax.pretrain.data
+import fp4jax.pretrain.model
 import fp4jax.recipes as recipes_lib
-import fp4jax.train
+import fp4jax.pretrain.train
 from fp4jax import formats
 from fp4jax.dot_general import (dgrad_gradient, dgrad_weight, fprop_operands, wgrad_activations,
                                 wgrad_gradient)
@@ -144,7 +144,7 @@ def _by_layer(state, leaf: str) -> dict[str, Any]:
   return out
 
 
-def with_recipes(model: fp4jax.model.Transformer, recipes) -> fp4jax.model.Transformer:
+def with_recipes(model: fp4jax.pretrain.model.Transformer, recipes) -> fp4jax.pretrain.model.Transformer:
   """A copy of `model` (its own modules and variables; arrays shared) whose linear layers run `recipes`.
 
   recipes: one Recipe (or recipe string) for every layer, or {layer name: Recipe} naming every linear layer.
@@ -175,7 +175,7 @@ def _check_batch(batch: Mapping[str, Any]) -> tuple[jax.Array, jax.Array]:
   return tokens, targets
 
 
-def capture_layer_tensors(model: fp4jax.model.Transformer, batch: Mapping[str, Any]
+def capture_layer_tensors(model: fp4jax.pretrain.model.Transformer, batch: Mapping[str, Any]
                           ) -> tuple[float, dict[str, LayerTensors]]:
   """(BF16 loss, {layer name: LayerTensors}) from one forward/backward of `model` with every linear layer in BF16.
 
@@ -199,7 +199,7 @@ def capture_layer_tensors(model: fp4jax.model.Transformer, batch: Mapping[str, A
     def loss_fn(deltas):
       m = nnx.merge(graphdef, deltas, rest, copy=True)  # fresh variables: the taps write theirs in this trace
       # A key (unused: every layer is BF16) skips the model's key check, which cannot see through the taps.
-      loss = fp4jax.train.cross_entropy(m(tokens_BxT, key=jax.random.key(0)), targets_BxT)
+      loss = fp4jax.pretrain.train.cross_entropy(m(tokens_BxT, key=jax.random.key(0)), targets_BxT)
       return loss, nnx.state(m, _Input)
     (loss, inter), grads = jax.value_and_grad(loss_fn, has_aux=True)(deltas)
     return loss, inter, grads
@@ -476,7 +476,7 @@ def _loss_and_grad(graphdef, params, rest, tokens_BxT, targets_BxT, key):
   def loss_fn(params):
     logits_BxTxV = nnx.merge(graphdef, params, rest)(tokens_BxT, key=key).astype(jnp.float32)
     per_token_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
-    # The mean over everything, as fp4jax.train.cross_entropy; per-sequence means for standard errors.
+    # The mean over everything, as fp4jax.pretrain.train.cross_entropy; per-sequence means for standard errors.
     return per_token_BxT.mean(), per_token_BxT.mean(axis=1)
   (loss, loss_B), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
   return loss, loss_B, _flat(grads)
@@ -486,7 +486,7 @@ def _loss_and_grad(graphdef, params, rest, tokens_BxT, targets_BxT, key):
 _loss_and_grad_jit = jax.jit(_loss_and_grad, static_argnums=0)
 
 
-def _loss_and_grad_fn(model: fp4jax.model.Transformer):
+def _loss_and_grad_fn(model: fp4jax.pretrain.model.Transformer):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return lambda params, *args: _loss_and_grad_jit(graphdef, params, rest, *args), params
 
@@ -499,7 +499,7 @@ class Reference(NamedTuple):
   grad: jax.Array
 
 
-def reference_gradient(model: fp4jax.model.Transformer, batch: Mapping[str, Any]) -> Reference:
+def reference_gradient(model: fp4jax.pretrain.model.Transformer, batch: Mapping[str, Any]) -> Reference:
   """Loss, per-sequence losses and flat float32 parameter gradient of the model with every linear layer in BF16."""
   tokens, targets = _check_batch(batch)
   fn, params = _loss_and_grad_fn(with_recipes(model, recipes_lib.bf16()))
@@ -507,7 +507,7 @@ def reference_gradient(model: fp4jax.model.Transformer, batch: Mapping[str, Any]
   return Reference(float(loss), np.asarray(loss_B), grad)
 
 
-def model_probe(model: fp4jax.model.Transformer, batch: Mapping[str, Any], recipes, key, *,
+def model_probe(model: fp4jax.pretrain.model.Transformer, batch: Mapping[str, Any], recipes, key, *,
                 reference: Reference, num_draws: int = 4) -> dict[str, Any]:
   """Loss and parameter-gradient error of the model under per-layer `recipes` against the BF16 model.
 
@@ -544,37 +544,37 @@ def model_probe(model: fp4jax.model.Transformer, batch: Mapping[str, Any], recip
 
 # --- continuation -------------------------------------------------------------------------------------------------
 
-def continue_training(model: fp4jax.model.Transformer, state: fp4jax.train.TrainState, recipes, *, optimizer,
+def continue_training(model: fp4jax.pretrain.model.Transformer, state: fp4jax.pretrain.train.TrainState, recipes, *, optimizer,
                       dataset, batch_size: int, seq_len: int, steps: int, seed: int, val_batches,
-                      cache: fp4jax.train.CompileCache | None = None) -> dict[str, Any]:
+                      cache: fp4jax.pretrain.train.CompileCache | None = None) -> dict[str, Any]:
   """Continues `state` for `steps` AdamW steps with the linear layers running `recipes`; evaluates at the end.
 
-  Batches are fp4jax.data.get_batch(dataset, "train", state.step + i, seed=seed) and the step key is
+  Batches are fp4jax.pretrain.data.get_batch(dataset, "train", state.step + i, seed=seed) and the step key is
   fold_in(fold_in(key(seed), 1), step), so two recipes continued with the same seed see the same data (paired).
   Returns {"losses": train losses, "val_bf16": validation loss with a BF16 forward, "val_own": with the recipe's
-  own forward, "state": the final TrainState}. Raises fp4jax.train.TrainingDiverged on a non-finite step.
+  own forward, "state": the final TrainState}. Raises fp4jax.pretrain.train.TrainingDiverged on a non-finite step.
   """
   if not isinstance(steps, int) or steps < 1:
     raise ValueError(f"steps must be an int >= 1; got {steps!r}.")
-  cache = cache if cache is not None else fp4jax.train.CompileCache()
+  cache = cache if cache is not None else fp4jax.pretrain.train.CompileCache()
   graphdef = nnx.graphdef(with_recipes(model, recipes))
   bf16_graphdef = nnx.graphdef(with_recipes(model, recipes_lib.bf16()))
   step_fn = cache.get(("probe_train", graphdef, id(optimizer)),
-                      lambda: jax.jit(fp4jax.train.make_train_step(graphdef, optimizer)))
+                      lambda: jax.jit(fp4jax.pretrain.train.make_train_step(graphdef, optimizer)))
   step_key = jax.random.fold_in(jax.random.key(seed), 1)
   start = int(state.step)
   losses = []
   for i in range(start, start + steps):
-    batch = fp4jax.data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    batch = fp4jax.pretrain.data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=seq_len, seed=seed)
     new_state, m = step_fn(state, batch, jax.random.fold_in(step_key, i))
     if not bool(m["finite"]):
-      raise fp4jax.train.TrainingDiverged(i, float(m["loss"]), float(m["grad_norm"]), None)
+      raise fp4jax.pretrain.train.TrainingDiverged(i, float(m["loss"]), float(m["grad_norm"]), None)
     state = new_state
     losses.append(float(m["loss"]))
   eval_key = jax.random.fold_in(jax.random.key(seed), 2)
 
   def val(gd):
-    fn = cache.get(("probe_eval", gd), lambda: jax.jit(fp4jax.train.make_eval_step(gd)))
+    fn = cache.get(("probe_eval", gd), lambda: jax.jit(fp4jax.pretrain.train.make_eval_step(gd)))
     return float(np.mean([float(fn(state.params, b, eval_key)) for b in val_batches]))
 
   return {"losses": losses, "val_bf16": val(bf16_graphdef), "val_own": val(graphdef), "state": state}

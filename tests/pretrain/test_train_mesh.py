@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from fp4jax import data
-from fp4jax import model as model_lib
-from fp4jax import train as train_lib
-from fp4jax.config import TrainConfig
+from fp4jax.pretrain import data
+from fp4jax.pretrain import model as model_lib
+from fp4jax.pretrain import train as train_lib
+from fp4jax.pretrain.config import TrainConfig
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated devices (tests/conftest.py)")
 

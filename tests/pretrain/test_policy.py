@@ -1,4 +1,4 @@
-"""Tests for fp4jax.policy: layer selection, the late switch, apply(), serialization and CLI parsing."""
+"""Tests for fp4jax.pretrain.policy: layer selection, the late switch, apply(), serialization and CLI parsing."""
 
 import json
 
@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 import fp4jax.recipes
-from fp4jax import model as model_lib
-from fp4jax.policy import PrecisionPolicy, policy_from_strings
+from fp4jax.pretrain import model as model_lib
+from fp4jax.pretrain.policy import PrecisionPolicy, policy_from_strings
 
 N_LAYERS = 4
 CONFIG = model_lib.get_model_config("tiny", n_layers=N_LAYERS)

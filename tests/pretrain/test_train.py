@@ -1,4 +1,4 @@
-"""Tests for fp4jax.train / config / metrics / cli: loss drops per recipe, policy switch, bit-exact resume, divergence,
+"""Tests for fp4jax.pretrain.train / config / metrics / cli: loss drops per recipe, policy switch, bit-exact resume, divergence,
 bad input, command line. All runs share one settings block (and a CompileCache), so each graph compiles once."""
 
 import json
@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fp4jax import checkpoint as ckpt
-from fp4jax import cli
-from fp4jax import config as config_lib
-from fp4jax import data
-from fp4jax import metrics
-from fp4jax import model as model_lib
-from fp4jax import train as train_lib
-from fp4jax.config import TrainConfig
+from fp4jax.pretrain import checkpoint as ckpt
+from fp4jax.pretrain import cli
+from fp4jax.pretrain import config as config_lib
+from fp4jax.pretrain import data
+from fp4jax.pretrain import metrics
+from fp4jax.pretrain import model as model_lib
+from fp4jax.pretrain import train as train_lib
+from fp4jax.pretrain.config import TrainConfig
 
 STEPS = 16
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +285,7 @@ def test_cli_eval_prints_latest_val_loss(env, tmp_path, capsys):
 
 
 def test_python_m_entry_point_help():
-  proc = subprocess.run([sys.executable, "-m", "fp4jax.train", "--help"], cwd=REPO, capture_output=True, text=True,
+  proc = subprocess.run([sys.executable, "-m", "fp4jax.pretrain.train", "--help"], cwd=REPO, capture_output=True, text=True,
                         timeout=120, env={**os.environ, "PYTHONPATH": REPO})
   assert proc.returncode == 0, proc.stderr
   assert "--recipe" in proc.stdout and "--bf16-last" in proc.stdout

@@ -1,4 +1,4 @@
-"""Tests for fp4jax.probes and experiments.probes: exact zeros for BF16, a known rounding bias recovered, the 1/sqrt(K)
+"""Tests for fp4jax.analysis.probes and experiments.probes: exact zeros for BF16, a known rounding bias recovered, the 1/sqrt(K)
 decay of stochastic rounding, the chain-rule gap of 1D weights, the rule's GEMMs reproduced bit for bit, capture vs
 autodiff, and the smoke preset end to end."""
 
@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 import fp4jax
-from fp4jax import model as model_lib
-from fp4jax import probes
+from fp4jax.pretrain import model as model_lib
+from fp4jax.analysis import probes
 from fp4jax import recipes
 
 # One shape for the layer tests, so each recipe's probe compiles once: M tokens, K = N features.

@@ -16,7 +16,7 @@ import fp4jax
 import reference as ref
 
 FMT = fp4jax.NVFP4()
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 NUM_KEYS = 512
 
 

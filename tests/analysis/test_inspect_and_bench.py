@@ -1,4 +1,4 @@
-"""The numerics demo (fp4jax.inspect), the quantize benchmark script and its timing helpers, and the fused paths
+"""The numerics demo (fp4jax.analysis.inspection), the quantize benchmark script and its timing helpers, and the fused paths
 they rely on (fake_quant == dequantize(quantize), NaN-propagating block maxima, nibble packing)."""
 
 import os
@@ -13,13 +13,13 @@ import pytest
 
 import fp4jax
 from fp4jax import grids
-from fp4jax import inspect as fp4_inspect
+from fp4jax.analysis import inspection as fp4_inspect
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks import common  # noqa: E402
 from benchmarks import quantize as quantize_bench  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LABELS = [label for label, _ in fp4_inspect.DEFAULT_FORMATS]
 
 
@@ -33,11 +33,11 @@ def _by_key(rows):
   return {(r["format"], r["rht"]): r for r in rows}
 
 
-# ---------------------------------------------------------------- fp4jax.inspect
+# ---------------------------------------------------------------- fp4jax.analysis.inspection
 
 
 def test_inspect_cli_prints_every_format():
-  proc = _run(["-m", "fp4jax.inspect", "--size", "64", "--cols", "256", "--outliers", "2", "--seed", "3"])
+  proc = _run(["-m", "fp4jax.analysis.inspection", "--size", "64", "--cols", "256", "--outliers", "2", "--seed", "3"])
   assert proc.returncode == 0, proc.stderr
   lines = proc.stdout.splitlines()
   assert lines[0].startswith("sample: normal 64x256")

@@ -20,7 +20,7 @@ EXIT_DIVERGED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
 def _train_parser(prog: str = "fp4jax train") -> argparse.ArgumentParser:
-  from fp4jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(
       prog=prog, description="Train a transformer with quantized GEMMs (NVFP4 recipe and comparisons). Every "
       "TrainConfig field is an option; with --resume the stored config is the base and the given options change it.")
@@ -40,8 +40,8 @@ def _eval_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str]):
   """The TrainConfig that `fp4jax train ARGV` runs (reads the stored config when --resume is given)."""
-  from fp4jax import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
-  from fp4jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
   args = _train_parser().parse_args(list(argv))
   overrides = config_lib.config_overrides(args)
   if overrides.get("resume"):
@@ -57,8 +57,8 @@ def config_from_args(argv: Sequence[str]):
 
 
 def _run_train(argv: Sequence[str]) -> int:
-  from fp4jax import sharding  # pylint: disable=g-import-not-at-top
-  from fp4jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import sharding  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import train as train_lib  # pylint: disable=g-import-not-at-top
   # Multi-host: FP4JAX_COORDINATOR / FP4JAX_NUM_PROCESSES / FP4JAX_PROCESS_ID (no-op when unset).
   sharding.initialize_distributed()
   config = config_from_args(argv)
@@ -68,7 +68,7 @@ def _run_train(argv: Sequence[str]) -> int:
 
 
 def _run_eval(argv: Sequence[str]) -> int:
-  from fp4jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import train as train_lib  # pylint: disable=g-import-not-at-top
   args = _eval_parser().parse_args(list(argv))
   result = train_lib.evaluate(args.out, args.step, eval_batches=args.eval_batches)
   if args.json:
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(f"\nfp4jax: unknown command {argv[0]!r}; expected one of {sorted(COMMANDS)}.", file=sys.stderr)
       return EXIT_USAGE
     return 0 if argv else EXIT_USAGE
-  from fp4jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import train as train_lib  # pylint: disable=g-import-not-at-top
   try:
     return COMMANDS[argv[0]](argv[1:])
   except train_lib.TrainingDiverged as e:

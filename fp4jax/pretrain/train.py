@@ -6,7 +6,7 @@ static `graphdef`, so a precision-policy phase switch re-applies the policy, re-
 step once more. Batches are a pure function of (seed, step) and the step key is fold_in(run key, step), so a run
 resumed from a checkpoint reproduces an uninterrupted one bit for bit, stochastic rounding included.
 
-    python -m fp4jax.train --model tiny --recipe nvfp4 --steps 200 --out runs/x     (same as `fp4jax train ...`)
+    python -m fp4jax.pretrain.train --model tiny --recipe nvfp4 --steps 200 --out runs/x     (same as `fp4jax train ...`)
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import tqdm
 from flax import nnx
 
 import fp4jax
-import fp4jax.checkpoint as ckpt
-import fp4jax.data
-import fp4jax.metrics
-import fp4jax.model
-import fp4jax.sharding
-from fp4jax.config import TrainConfig
+import fp4jax.pretrain.checkpoint as ckpt
+import fp4jax.pretrain.data
+import fp4jax.pretrain.metrics
+import fp4jax.pretrain.model
+import fp4jax.pretrain.sharding
+from fp4jax.pretrain.config import TrainConfig
 
 Hook = Callable[[int, dict[str, Any]], None]
 CONFIG_FILE = "config.json"
@@ -168,7 +168,7 @@ def run_keys(seed: int) -> dict[str, jax.Array]:
           (("init", _INIT_STREAM), ("step", _STEP_STREAM), ("eval", _EVAL_STREAM), ("stats", _STATS_STREAM))}
 
 
-def build_model(config: TrainConfig, key: jax.Array) -> fp4jax.model.Transformer:
+def build_model(config: TrainConfig, key: jax.Array) -> fp4jax.pretrain.model.Transformer:
   """The model with freshly initialised float32 params; layer recipes set by the policy for step 0."""
   recipe = config.policy().resolved_recipe()
   graphdef = nnx.graphdef(nnx.eval_shape(lambda k: _make_model(config.model, recipe, k), key))
@@ -178,7 +178,7 @@ def build_model(config: TrainConfig, key: jax.Array) -> fp4jax.model.Transformer
 
 
 def _make_model(model_config, recipe, key):
-  return fp4jax.model.Transformer(model_config, recipe=recipe, rngs=nnx.Rngs(params=key))
+  return fp4jax.pretrain.model.Transformer(model_config, recipe=recipe, rngs=nnx.Rngs(params=key))
 
 
 # Initialised under jit: one compile per (model config, recipe) instead of one per eager initializer op.
@@ -187,15 +187,15 @@ def _init_state(model_config, recipe, key):
   return nnx.state(_make_model(model_config, recipe, key))
 
 
-def load_data(config: TrainConfig) -> tuple[fp4jax.data.TokenDataset, list[dict[str, np.ndarray]]]:
+def load_data(config: TrainConfig) -> tuple[fp4jax.pretrain.data.TokenDataset, list[dict[str, np.ndarray]]]:
   """The dataset and the fixed validation batches; checks the vocabulary fits the model."""
-  dataset = fp4jax.data.load_dataset(config.data)
+  dataset = fp4jax.pretrain.data.load_dataset(config.data)
   if dataset.vocab_size > config.model.vocab_size:
     raise ValueError(f"The tokenizer has {dataset.vocab_size} tokens but the model's vocab_size is "
                      f"{config.model.vocab_size}: pass --model.vocab_size {dataset.vocab_size}.")
   if not config.eval_batches:
     return dataset, []
-  val = fp4jax.data.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
+  val = fp4jax.pretrain.data.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
                                 num_batches=config.eval_batches)
   return dataset, val
 
@@ -223,7 +223,7 @@ _OPTIMIZER_FIELDS = ("steps", "lr", "min_lr_ratio", "warmup_fraction", "decay_fr
 class _Phases:
   """Graphdef and jitted functions per precision phase, built on first use (one compile per phase)."""
 
-  def __init__(self, config: TrainConfig, model: fp4jax.model.Transformer, optimizer,
+  def __init__(self, config: TrainConfig, model: fp4jax.pretrain.model.Transformer, optimizer,
                cache: CompileCache | None = None, placement: "Placement | None" = None):
     self.config, self.policy, self.optimizer = config, config.policy(), optimizer
     self.placement = placement or Placement.single_device()
@@ -265,7 +265,7 @@ class _Phases:
   def stats_fn(self, step: int):
     graphdef, fmt = self.graphdef(step), self.config.stats_format
     return self.cache.get(("stats", graphdef, fmt), lambda: jax.jit(
-        lambda params, tokens, key: fp4jax.metrics.quant_stats(graphdef, params, tokens, key, fmt)))
+        lambda params, tokens, key: fp4jax.pretrain.metrics.quant_stats(graphdef, params, tokens, key, fmt)))
 
 
 def evaluate_params(phases: _Phases, params, val: list[dict[str, np.ndarray]], key: jax.Array, step: int) -> float:
@@ -276,7 +276,7 @@ def evaluate_params(phases: _Phases, params, val: list[dict[str, np.ndarray]], k
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-  """Where the train state and batches live: one device, or a (data, fsdp, tensor) mesh (fp4jax.sharding).
+  """Where the train state and batches live: one device, or a (data, fsdp, tensor) mesh (fp4jax.pretrain.sharding).
 
   Quantization runs on global arrays inside jit, so its numerics do not depend on the placement; the mesh only
   decides which device computes which slice (see fp4jax/sharding.py).
@@ -298,22 +298,22 @@ class Placement:
   def for_config(cls, config: TrainConfig, state: "TrainState") -> "Placement":
     if not config.mesh:
       return cls.single_device()
-    mesh = fp4jax.sharding.make_mesh(config.mesh)
+    mesh = fp4jax.pretrain.sharding.make_mesh(config.mesh)
     recipe = config.policy().resolved_recipe()
     fmt = recipe.fprop.rhs.fmt
-    fp4jax.sharding.check_divisibility(
+    fp4jax.pretrain.sharding.check_divisibility(
         state.params, mesh, block_size=fmt.block_size if fmt is not None else 1,
         weight_2d=recipe.fprop.rhs.block_2d, batch_size=config.batch_size, seq_len=config.train_seq_len,
         rht_size=recipe.rht_size if recipe.wgrad.rht else 1)
-    state_sh = fp4jax.sharding.tree_shardings(state, mesh)
-    return cls(state=state_sh, params=state_sh.params, batch=fp4jax.sharding.batch_sharding(mesh),
-               replicated=fp4jax.sharding.replicated(mesh), mesh=mesh, key=str(config.mesh))
+    state_sh = fp4jax.pretrain.sharding.tree_shardings(state, mesh)
+    return cls(state=state_sh, params=state_sh.params, batch=fp4jax.pretrain.sharding.batch_sharding(mesh),
+               replicated=fp4jax.pretrain.sharding.replicated(mesh), mesh=mesh, key=str(config.mesh))
 
   def put_batch(self, batch: dict[str, np.ndarray]):
     """This process's rows of the global batch, placed per the batch sharding."""
     if self.mesh is None:
       return jax.device_put(batch, self.batch)
-    return fp4jax.sharding.global_batch(batch, self.mesh)
+    return fp4jax.pretrain.sharding.global_batch(batch, self.mesh)
 
 
 # --- run folder ---------------------------------------------------------------------------------------------------
@@ -322,7 +322,7 @@ def _prepare_out(config: TrainConfig) -> pathlib.Path:
   """Creates --out; refuses (without touching anything) to start a fresh run over an existing one."""
   out = pathlib.Path(config.out).expanduser()
   ck_dir = ckpt.checkpoint_dir(out)
-  metrics_path = out / fp4jax.metrics.METRICS_FILE
+  metrics_path = out / fp4jax.pretrain.metrics.METRICS_FILE
   if config.resume:
     if not ck_dir.is_dir():
       raise ckpt.CheckpointError(f"--resume: no checkpoints in {out} ({ck_dir} does not exist).")
@@ -421,7 +421,7 @@ def train(config: TrainConfig, hooks: Sequence[Hook] = (), *, log: Callable[[str
       changed = _config_differences(stored, config)
       if changed:
         log(f"Note: resuming with changed settings {changed}; the run will differ from an uninterrupted one.")
-      dropped = fp4jax.metrics.truncate_metrics(out, start - 1)
+      dropped = fp4jax.pretrain.metrics.truncate_metrics(out, start - 1)
       log(f"Resumed from step {start} in {out}" + (f" (dropped {dropped} later metric records)" if dropped else ""))
 
     policy = config.policy()
@@ -458,7 +458,7 @@ def _loop(config, hooks, log, out, dataset, val, keys, phases, state, manager, s
       last_saved = step
 
   bar = tqdm.tqdm(total=config.steps, initial=start, disable=not config.progress, unit="step", dynamic_ncols=True)
-  with fp4jax.metrics.MetricsLog(out) as metrics_log, _sigint_flag() as interrupted, bar:
+  with fp4jax.pretrain.metrics.MetricsLog(out) as metrics_log, _sigint_flag() as interrupted, bar:
     for step in range(start, config.steps):
       record = {"step": step, "phase": phases.phase(step)}
       if record["phase"] not in layer_recipes:
@@ -468,7 +468,7 @@ def _loop(config, hooks, log, out, dataset, val, keys, phases, state, manager, s
       if config.stats_every and step % config.stats_every == 0:
         record["quant"] = stats(step, state.params)
 
-      batch = phases.placement.put_batch(fp4jax.data.get_batch(
+      batch = phases.placement.put_batch(fp4jax.pretrain.data.get_batch(
           dataset, "train", step, batch_size=config.batch_size, seq_len=config.train_seq_len, seed=config.seed,
           process_index=jax.process_index(), process_count=jax.process_count()))
       key = jax.random.fold_in(keys["step"], step)
@@ -558,5 +558,5 @@ def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: 
 
 
 if __name__ == "__main__":
-  from fp4jax import cli  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import cli  # pylint: disable=g-import-not-at-top
   sys.exit(cli.main(["train", *sys.argv[1:]]))

@@ -1,4 +1,4 @@
-"""Tests for fp4jax.checkpoint and the resume error paths of fp4jax.train: bit-exact round trip, clear errors for
+"""Tests for fp4jax.pretrain.checkpoint and the resume error paths of fp4jax.pretrain.train: bit-exact round trip, clear errors for
 missing, corrupt or mismatched checkpoints, and no checkpoint ever deleted or changed by a failed resume."""
 
 import json
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fp4jax import checkpoint as ckpt
-from fp4jax import cli
-from fp4jax import data
-from fp4jax import metrics
-from fp4jax import model as model_lib
-from fp4jax import train as train_lib
-from fp4jax.config import TrainConfig
+from fp4jax.pretrain import checkpoint as ckpt
+from fp4jax.pretrain import cli
+from fp4jax.pretrain import data
+from fp4jax.pretrain import metrics
+from fp4jax.pretrain import model as model_lib
+from fp4jax.pretrain import train as train_lib
+from fp4jax.pretrain.config import TrainConfig
 
 
 @pytest.fixture(scope="module")

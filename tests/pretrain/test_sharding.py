@@ -8,8 +8,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fp4jax
-from fp4jax import model as model_lib
-from fp4jax import sharding
+from fp4jax.pretrain import model as model_lib
+from fp4jax.pretrain import sharding
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated devices (tests/conftest.py)")
 

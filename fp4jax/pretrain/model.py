@@ -2,7 +2,7 @@
 
 Pre-norm RMSNorm blocks, RoPE, grouped-query attention, a SwiGLU or squared-ReLU MLP, untied embeddings and LM
 head, no biases. The q/k/v/o projections and the MLP up/gate/down projections are `fp4jax.nn.Linear` layers whose
-`recipe` attribute picks each GEMM's precision (see fp4jax.policy for per-layer choices). Kept in high precision,
+`recipe` attribute picks each GEMM's precision (see fp4jax.pretrain.policy for per-layer choices). Kept in high precision,
 as in the paper: embeddings, the LM head, norms, nonlinearities, the attention softmax (float32) and the two
 attention batched GEMMs (QK^T, PV: compute dtype in, float32 accumulation). The residual stream is float32.
 
@@ -252,7 +252,7 @@ class Transformer(nnx.Module):
   """Decoder-only LM. `model(tokens_BxT, key=...)` -> float32 logits [B, T, vocab_size].
 
   `recipe` (a fp4jax Recipe or its string form) is the initial recipe of every quantizable linear layer; change
-  layers later through `linear_layers()` or `fp4jax.policy.PrecisionPolicy.apply`. Quantization randomness comes
+  layers later through `linear_layers()` or `fp4jax.pretrain.policy.PrecisionPolicy.apply`. Quantization randomness comes
   only from `key` (each layer folds in its `layer_id`; fold the step in before calling); key=None is allowed
   only when no layer's recipe needs randomness. `rngs` is used for initialisation only.
   """

@@ -1,9 +1,9 @@
-"""Tests for fp4jax.data: corpus discovery, tensorstore cache, split, deterministic batches."""
+"""Tests for fp4jax.pretrain.data: corpus discovery, tensorstore cache, split, deterministic batches."""
 
 import numpy as np
 import pytest
 
-from fp4jax import data
+from fp4jax.pretrain import data
 
 
 def _no_tokenize(*args, **kwargs):

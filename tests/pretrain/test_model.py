@@ -1,4 +1,4 @@
-"""Tests for fp4jax.model: shapes, causality, GQA, RoPE, config validation, quantized fwd+grad, determinism."""
+"""Tests for fp4jax.pretrain.model: shapes, causality, GQA, RoPE, config validation, quantized fwd+grad, determinism."""
 
 import dataclasses
 import functools
@@ -11,7 +11,7 @@ from flax import nnx
 
 import fp4jax.nn
 import fp4jax.recipes
-from fp4jax import model as model_lib
+from fp4jax.pretrain import model as model_lib
 
 TINY = model_lib.get_model_config("tiny")
 ONE_LAYER = dataclasses.replace(TINY, n_layers=1)  # quantized GEMMs compile slowly on CPU: keep them few

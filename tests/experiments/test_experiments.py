@@ -12,10 +12,10 @@ import pytest
 
 from experiments import report
 from experiments import sweep as sweep_lib
-from fp4jax import train as train_lib
+from fp4jax.pretrain import train as train_lib
 
 EXPERIMENTS = ("formats", "rht_size", "high_precision_layers", "components", "precision_switch")
-REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

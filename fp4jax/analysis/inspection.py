@@ -1,6 +1,6 @@
 """Numerics demo: what each format loses on a tensor with outlier channels, with and without the RHT.
 
-  python -m fp4jax.inspect [--size 4096] [--cols 1024] [--outliers 8] [--outlier-scale 50] [--seed 0]
+  python -m fp4jax.analysis.inspection [--size 4096] [--cols 1024] [--outliers 8] [--outlier-scale 50] [--seed 0]
 
 The sample is a standard normal [size, cols] activation-like tensor whose `outliers` columns (channels) are scaled
 by `outlier-scale`. Blocks run along the last axis (the GEMM's contraction axis), so every 16- or 32-element block
@@ -135,7 +135,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> list[dict]:
-  parser = argparse.ArgumentParser(prog="python -m fp4jax.inspect", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m fp4jax.analysis.inspection", description=__doc__.split("\n")[0])
   parser.add_argument("--size", type=int, default=4096, help="rows (tokens) of the sample tensor (default 4096)")
   parser.add_argument("--cols", type=int, default=1024, help="columns, the blocked axis; a multiple of 128")
   parser.add_argument("--outliers", type=int, default=8, help="number of outlier channels (columns)")

@@ -68,7 +68,7 @@ def capture_linear_inputs(model: nnx.Module, tokens_BxT: jax.Array, key: jax.Arr
   """Runs `model` on tokens and returns each linear layer's (first) input by layer name. Mutates `model`: pass a
   throwaway copy (e.g. from nnx.merge).
 
-  `model` is a fp4jax.model.Transformer (anything with `linear_layers()` and `config.remat`).
+  `model` is a fp4jax.pretrain.model.Transformer (anything with `linear_layers()` and `config.remat`).
   """
   if getattr(model.config, "remat", False):
     # Recorded tracers must not cross nnx.remat's trace; statistics need no memory savings.
