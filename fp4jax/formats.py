@@ -2,14 +2,40 @@
 
 Formats are frozen, hashable dataclasses, so they can be static arguments of `jax.jit` and fields of recipes.
 Change a field with `fmt.replace(...)`, e.g. `MXFP4().replace(scale_rule="ceil")` or `MXFP4(scale_rule="ceil")`.
+
+Each format owns its rules: how block scales follow from block and tensor amaxes (`scaling_from_amax`), how stored
+scales decode (`scaling_from_stored`), and how element values are stored (`pack` / `unpack`). The quantizer in `quantize.py`
+only calls these methods; the arithmetic lives in `nvfp4.py`, `mxfp4.py` and `fp8.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Union
+from typing import Any, Literal, NamedTuple, Union
 
 import jax.numpy as jnp
+
+from fp4jax import fp8
+from fp4jax import grids
+from fp4jax import mxfp4
+from fp4jax import nvfp4
+
+
+class Scaling(NamedTuple):
+  """A tensor's scales in the form the quantizer applies them; per-block arrays have the scales' shape.
+
+  stored: the block scales as a QArray stores them.
+  encode: float32 per-block factors, applied left to right: x * encode[0] * encode[1] ... is on the element scale.
+  decode: float32 per-block factors taking element values back, applied left to right (then `tensor_decode`).
+  tensor_decode: float32 scalar applied after `decode` (NVFP4's amax / 2688), or None.
+  nan_blocks: bool per block, blocks that decode to NaN whatever their elements (MXFP4's E8M0 NaN), or None.
+  """
+
+  stored: Any
+  encode: tuple[Any, ...]
+  decode: tuple[Any, ...]
+  tensor_decode: Any = None
+  nan_blocks: Any = None
 
 
 class _Format:
@@ -17,22 +43,41 @@ class _Format:
 
   name: str
   block_size: int
+  is_fp4 = False
+  per_tensor = False  # one scale for the whole tensor instead of one per block
 
   def replace(self, **changes):
     """Returns a copy with `changes` applied (validated)."""
     return dataclasses.replace(self, **changes)
 
   @property
-  def is_fp4(self) -> bool:
-    return False
+  def label(self) -> str:
+    """Short name with the options that change the bits, e.g. 'mxfp4(ceil)'."""
+    return self.name
+
+
+class _FP4Format(_Format):
+  """E2M1 elements: 4-bit codes, packed two per byte along the quantized axis."""
+
+  is_fp4 = True
+  elem_max = grids.E2M1_MAX
+
+  def pack(self, codes, axis: int):
+    """Storage of E2M1 codes (integers 0..15): uint8, two per byte along `axis` (element 2i in the low nibble)."""
+    return grids.pack_nibbles(codes.astype(jnp.uint8), axis)
+
+  def unpack(self, stored, axis: int):
+    """float32 element values of stored codes."""
+    return grids.e2m1_decode(grids.unpack_nibbles(stored, axis))
 
 
 @dataclasses.dataclass(frozen=True)
-class NVFP4(_Format):
+class NVFP4(_FP4Format):
   """NVIDIA NVFP4: E2M1 elements, one E4M3 scale per 16 elements, one FP32 per-tensor scale (stored as amax).
 
-  Two-level scaling (spec section 2): the per-tensor encode scale `2688 / amax` maps the tensor's largest block
-  to the top of E4M3 x E2M1 (448 * 6), so block scales stay in E4M3's range whatever the tensor's magnitude.
+  Two-level scaling (arXiv 2509.25149, Sec. 2 and App. B): the per-tensor encode scale `2688 / amax` maps the
+  tensor's largest block to the top of E4M3 x E2M1 (448 * 6), so block scales stay in E4M3's range whatever the
+  tensor's magnitude.
   """
 
   block_size: int = 16
@@ -42,22 +87,29 @@ class NVFP4(_Format):
     if self.block_size != 16:
       raise ValueError(f"NVFP4 uses 16-element blocks; got block_size={self.block_size}.")
 
-  elem_max = 6.0
-  scale_max = 448.0
+  scale_max = grids.E4M3_MAX
   scale_dtype = jnp.float8_e4m3fn
 
-  @property
-  def is_fp4(self) -> bool:
-    return True
+  def scaling_from_amax(self, amax_b, amax) -> Scaling:
+    """Scales from block amaxes and the tensor amax (float32)."""
+    s_b, encode = nvfp4.scales(amax_b, amax)
+    # s_b is exactly an E4M3 value: decoding with it equals decoding the stored float8 scale (NaN aside, which the
+    # quantizer maps to a NaN tensor anyway).
+    return Scaling(s_b.astype(jnp.float8_e4m3fn), (encode,), (s_b,), nvfp4.global_decode_scale(amax))
+
+  def scaling_from_stored(self, scales, amax) -> Scaling:
+    """Decode scales from stored E4M3 block scales and the stored amax."""
+    return Scaling(scales, (), (scales.astype(jnp.float32),), nvfp4.global_decode_scale(amax))
 
 
 @dataclasses.dataclass(frozen=True)
-class MXFP4(_Format):
+class MXFP4(_FP4Format):
   """OCP MXFP4: E2M1 elements, one power-of-two E8M0 scale per 32 elements, no per-tensor scale.
 
   scale_rule:
     "floor": OCP rule, scale = 2^(floor(log2 amax_b) - 2); the block max may saturate to 6.
-    "ceil":  the paper's rule, scale = 2^ceil(log2(amax_b / 6)); never saturates.
+    "ceil":  the paper's rule (arXiv 2509.25149, Sec. 2 and App. B.4), scale = 2^ceil(log2(amax_b / 6)); never
+             saturates.
   """
 
   scale_rule: Literal["floor", "ceil"] = "floor"
@@ -70,17 +122,29 @@ class MXFP4(_Format):
     if self.block_size != 32:
       raise ValueError(f"MXFP4 uses 32-element blocks; got block_size={self.block_size}.")
 
-  elem_max = 6.0
   scale_dtype = jnp.float8_e8m0fnu
 
   @property
-  def is_fp4(self) -> bool:
-    return True
+  def label(self) -> str:
+    return f"{self.name}({self.scale_rule})"
+
+  def scaling_from_amax(self, amax_b, amax) -> Scaling:
+    """Scales from block amaxes (the tensor amax is not used: MXFP4 has no per-tensor scale)."""
+    del amax
+    e = mxfp4.scale_exponent(amax_b, self.scale_rule)
+    return Scaling(mxfp4.encode_scales(e, amax_b), mxfp4.pow2_factors(-e), mxfp4.pow2_factors(e),
+                   nan_blocks=jnp.isnan(amax_b))
+
+  def scaling_from_stored(self, scales, amax) -> Scaling:
+    """Decode scales from stored E8M0 block scales."""
+    del amax
+    e, is_nan = mxfp4.decode_exponents(scales)
+    return Scaling(scales, (), mxfp4.pow2_factors(e), nan_blocks=is_nan)
 
 
 @dataclasses.dataclass(frozen=True)
 class FP8(_Format):
-  """FP8 E4M3 with current (just-in-time) scaling: the paper's FP8 baseline.
+  """FP8 E4M3 with current (just-in-time) scaling: the paper's FP8 baseline (arXiv 2509.25149, App. A.1).
 
   scaling:
     "tensor": one float32 scale for the whole tensor (classic per-tensor current scaling).
@@ -99,8 +163,36 @@ class FP8(_Format):
     if self.block_size < 1:
       raise ValueError(f"FP8 block_size must be positive; got {self.block_size}.")
 
-  elem_max = 448.0
+  elem_max = grids.E4M3_MAX
   scale_dtype = jnp.float32
+
+  @property
+  def per_tensor(self) -> bool:
+    return self.scaling == "tensor"
+
+  @property
+  def label(self) -> str:
+    return f"{self.name}({self.scaling})"
+
+  def scaling_from_amax(self, amax_b, amax) -> Scaling:
+    """Scales from block amaxes (current scaling: amax / 448 per block, or per tensor)."""
+    del amax
+    decode, encode = fp8.scales(amax_b)
+    return Scaling(decode, (encode,), (decode,))
+
+  def scaling_from_stored(self, scales, amax) -> Scaling:
+    """Decode scales from stored float32 block scales."""
+    del amax
+    return Scaling(scales, (), (scales.astype(jnp.float32),))
+
+  def pack(self, values, axis: int):
+    """Storage of E4M3 values (float32, already on the grid): float8_e4m3fn, unpacked."""
+    del axis
+    return values.astype(jnp.float8_e4m3fn)
+
+  def unpack(self, stored, axis: int):
+    del axis
+    return stored.astype(jnp.float32)
 
 
 Format = Union[NVFP4, MXFP4, FP8]
@@ -116,7 +208,7 @@ _NAMED = {
 
 def get_format(fmt: str | Format) -> Format:
   """Returns the format named `fmt` (one of FORMAT_NAMES), or `fmt` itself if it already is a format."""
-  if isinstance(fmt, (NVFP4, MXFP4, FP8)):
+  if isinstance(fmt, _Format):
     return fmt
   if isinstance(fmt, str) and fmt.lower() in _NAMED:
     return _NAMED[fmt.lower()]

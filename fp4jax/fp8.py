@@ -5,8 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fp4jax import grids
-
-E4M3_MAX = 448.0
+from fp4jax.grids import E4M3_MAX
 
 
 def scales(amax_b):

@@ -31,9 +31,21 @@ def scale_exponent(amax_b, scale_rule: str):
 
 
 def scale_by_pow2(x, e):
-  """x * 2^e exactly for e in [-254, 254], in two steps so each factor stays a normal float32."""
+  """x * 2^e exactly for e in [-252, 254], in two steps so each factor stays a normal float32."""
   half = jnp.floor_divide(e, 2)
   return x * grids.pow2(half) * grids.pow2(e - half)
+
+
+def pow2_factors(e):
+  """Two float32 factors whose product is 2^e, for per-block exponents e in [-252, 252]: x * f0 * f1 equals
+  scale_by_pow2(x, e) bit for bit.
+
+  The factors are formed as exact reciprocals (1 / 2^-h): XLA does not duplicate a divide into a broadcasting
+  consumer, so when they are broadcast over the blocks the exponent arithmetic runs once per block, not per element.
+  """
+  half = jnp.floor_divide(e, 2)
+  one = jnp.float32(1.0)
+  return one / grids.pow2(-half), one / grids.pow2(half - e)
 
 
 def encode_scales(e, amax_b):

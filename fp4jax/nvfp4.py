@@ -1,4 +1,4 @@
-"""The NVFP4 quantizer's scales, step by step as in NVFP4_SPEC.md section 2.
+"""The NVFP4 quantizer's scales, step by step (arXiv 2509.25149, App. B.1-B.3; docs/numerics.md, "Quantization").
 
 All arithmetic is float32 and each line is one rounding, in the reference order: the order decides the bits.
 """
@@ -9,9 +9,7 @@ import jax.numpy as jnp
 
 from fp4jax import grids
 
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
-GLOBAL_RANGE = E2M1_MAX * E4M3_MAX  # 2688: the largest value a block can represent at S_enc = 1
+GLOBAL_RANGE = grids.E2M1_MAX * grids.E4M3_MAX  # 2688: the largest value a block can represent at S_enc = 1
 _ONE_SIXTH = jnp.float32(1.0 / 6.0)
 
 

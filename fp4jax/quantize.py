@@ -1,7 +1,7 @@
 """quantize / dequantize / fake_quant: the public functional quantizers for NVFP4, MXFP4 and FP8.
 
-A tensor is split into scaling blocks (1D along `axis`, or 2D tiles over the last two axes); each format module
-computes its block scales; elements are scaled and rounded onto the element grid; FP4 codes are packed two per byte.
+A tensor is split into scaling blocks (1D along `axis`, or 2D tiles over the last two axes); the format computes
+its block scales (`fmt.scaling_from_amax`, see formats.py); elements are scaled and rounded onto the element grid; FP4 codes are packed two per byte.
 """
 
 from __future__ import annotations
@@ -12,10 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import formats
-from fp4jax import fp8
 from fp4jax import grids
-from fp4jax import mxfp4
-from fp4jax import nvfp4
 from fp4jax import rounding as rounding_lib
 from fp4jax.qarray import QArray, block_shape
 
@@ -47,7 +44,7 @@ def _check_input(x, fmt, axis, block_2d, rounding, key, random_bits):
 
 
 def _blocked_axes(fmt, ndim, axis, block_2d):
-  if isinstance(fmt, formats.FP8) and fmt.scaling == "tensor":
+  if fmt.per_tensor:
     return ()
   return (ndim - 2, ndim - 1) if block_2d else (axis,)
 
@@ -145,15 +142,21 @@ def _expand_blocks(s, block):
   return jnp.broadcast_to(s.reshape(interleaved), repeated).reshape([n * b for n, b in zip(s.shape, block)])
 
 
-def _scale_by_pow2_blocks(x, e, block):
-  """mxfp4.scale_by_pow2(x, e expanded over the blocks), bit for bit: x * 2^h * 2^(e - h) with h = floor(e / 2).
+def _scale_blocks(x, factors, block):
+  """x times each per-block factor in turn, each broadcast over its block."""
+  for f in factors:
+    x = x * _expand_blocks(f, block)
+  return x
 
-  The two factors are formed per block as exact reciprocals: XLA does not duplicate a divide into a broadcasting
-  consumer, so the exponent arithmetic runs once per block instead of once per element.
-  """
-  half = jnp.floor_divide(e, 2)
-  one = jnp.float32(1.0)
-  return x * _expand_blocks(one / grids.pow2(-half), block) * _expand_blocks(one / grids.pow2(half - e), block)
+
+def _decode(values, scaling: formats.Scaling, block):
+  """Element values times their decode scales: the format's per-block factors, then the tensor factor."""
+  values = _scale_blocks(values, scaling.decode, block)
+  if scaling.tensor_decode is not None:
+    values = values * scaling.tensor_decode
+  if scaling.nan_blocks is not None:
+    values = jnp.where(_expand_blocks(scaling.nan_blocks, block), jnp.nan, values)
+  return values
 
 
 def _scale_shape(shape, block):
@@ -170,23 +173,12 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False
   """
   amax_b = _block_amax(x32, block)
   amax = _tensor_amax(amax_b)
-
-  if isinstance(fmt, formats.FP8):
-    scale, encode = fp8.scales(amax_b)
-    elements = grids.round_e4m3(x32 * _expand_blocks(encode, block))
-    return elements, scale, amax, lambda v: v * _expand_blocks(scale, block)
-
-  if isinstance(fmt, formats.NVFP4):
-    s_b, encode = nvfp4.scales(amax_b, amax)
-    y = x32 * _expand_blocks(encode, block)
-    scales = s_b.astype(jnp.float8_e4m3fn)
-    # s_b is exactly an E4M3 value (the float8 round trip only matters for NaN, which the caller maps to NaN anyway).
-    decode = lambda v: v * _expand_blocks(s_b, block) * nvfp4.global_decode_scale(amax)
-  else:
-    e = mxfp4.scale_exponent(amax_b, fmt.scale_rule)
-    y = _scale_by_pow2_blocks(x32, -e, block)
-    scales = mxfp4.encode_scales(e, amax_b)
-    decode = lambda v: jnp.where(_expand_blocks(jnp.isnan(amax_b), block), jnp.nan, _scale_by_pow2_blocks(v, e, block))
+  scaling = fmt.scaling_from_amax(amax_b, amax)
+  y = _scale_blocks(x32, scaling.encode, block)
+  scales = scaling.stored
+  decode = lambda v: _decode(v, scaling, block)
+  if not fmt.is_fp4:  # E4M3 elements (FP8): round-to-nearest-even only
+    return grids.round_e4m3(y), scales, amax, decode
   if values:  # the rounded values equal the decoded codes (up to NaN inputs, whose tensor dequantizes to NaN)
     return rounding_lib.round_e2m1(y, rounding=rounding, key=key, random_bits=random_bits), scales, amax, decode
   codes = rounding_lib.e2m1_codes(y, rounding=rounding, key=key, random_bits=random_bits)
@@ -228,10 +220,7 @@ def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = 
   axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits)
   x32, shape, block = _prepare(x, fmt, axis, block_2d, pad)
   elements, scales, amax, _ = _quantize_elements(x32, fmt, block, rounding, key, random_bits)
-  if isinstance(fmt, formats.FP8):
-    codes = elements.astype(jnp.float8_e4m3fn)
-  else:
-    codes = grids.pack_nibbles(elements.astype(jnp.uint8), axis)
+  codes = fmt.pack(elements, axis)
   per_tensor = not _blocked_axes(fmt, x.ndim, axis, block_2d)
   scales = scales.reshape(() if per_tensor else _scale_shape(shape, block))
   return QArray(codes, scales, amax, fmt=fmt, shape=shape,
@@ -260,15 +249,7 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
     raise ValueError(f"dequantize expects a QArray; got {type(q).__name__}.")
   block = _block_of(q)
   scales = q.scales.reshape(_scale_shape(q.shape, block))
-  if isinstance(q.fmt, formats.FP8):
-    values = q.codes.astype(jnp.float32) * _expand_blocks(scales.astype(jnp.float32), block)
-  else:
-    codes = grids.e2m1_decode(q.unpacked_codes())
-    if isinstance(q.fmt, formats.NVFP4):
-      values = codes * _expand_blocks(scales.astype(jnp.float32), block) * nvfp4.global_decode_scale(q.amax)
-    else:
-      e, is_nan = mxfp4.decode_exponents(scales)
-      values = jnp.where(_expand_blocks(is_nan, block), jnp.nan, _scale_by_pow2_blocks(codes, e, block))
+  values = _decode(q.fmt.unpack(q.codes, q.axis), q.fmt.scaling_from_stored(scales, q.amax), block)
   return _finish(values, q.amax, q.orig_shape, dtype)
 
 

@@ -1,6 +1,7 @@
 """Recipes: which format, block layout, rounding and RHT each operand of a linear layer's three GEMMs gets.
 
-A linear layer y = x W (x [M tokens, K], W [K, N]) runs three GEMMs (NVFP4_SPEC.md section 6):
+A linear layer y = x W (x [M tokens, K], W [K, N]) runs three GEMMs (arXiv 2509.25149, Sec. 4 and Fig. 5;
+docs/numerics.md, "Recipe"):
 
   | GEMM  | lhs                                | rhs                              | contracted |
   | Fprop | x, 1x16 along K, RNE               | W, 16x16 2D, RNE                 | K          |
@@ -41,19 +42,9 @@ class OperandConfig:
   def describe(self) -> str:
     if self.fmt is None:
       return "bf16"
-    fmt = self.fmt
-    if isinstance(fmt, formats.MXFP4):
-      name = f"mxfp4({fmt.scale_rule})"
-    elif isinstance(fmt, formats.FP8):
-      name = f"fp8({fmt.scaling})"
-    else:
-      name = fmt.name
-    if isinstance(fmt, formats.FP8) and fmt.scaling == "tensor":
-      layout = "tensor"
-    else:
-      b = fmt.block_size
-      layout = f"{b}x{b}" if self.block_2d else f"1x{b}"
-    parts = [name, layout, "SR" if self.rounding == "stochastic" else "RNE"]
+    fmt, b = self.fmt, self.fmt.block_size
+    layout = "tensor" if fmt.per_tensor else f"{b}x{b}" if self.block_2d else f"1x{b}"
+    parts = [fmt.label, layout, "SR" if self.rounding == "stochastic" else "RNE"]
     if self.rht:
       parts.append("RHT")
     return " ".join(parts)
