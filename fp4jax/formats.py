@@ -3,9 +3,9 @@
 Formats are frozen, hashable dataclasses, so they can be static arguments of `jax.jit` and fields of recipes.
 Change a field with `fmt.replace(...)`, e.g. `MXFP4().replace(scale_rule="ceil")` or `MXFP4(scale_rule="ceil")`.
 
-Each format owns its rules: how block scales follow from block and tensor amaxes (`scaling_from_amax`), how stored
-scales decode (`scaling_from_stored`), and how element values are stored (`pack` / `unpack`). The quantizer in `quantize.py`
-only calls these methods; the arithmetic lives in `nvfp4.py`, `mxfp4.py` and `fp8.py`.
+Each format owns its rules: how block scales follow from block and tensor amaxes (`scaling_from_amax`), how
+stored scales decode (`scaling_from_stored`), how element values are stored (`pack` / `unpack`), whether it has one
+scale per tensor (`per_tensor`). `quantize.py` only calls these; the arithmetic lives in nvfp4.py, mxfp4.py, fp8.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Plain NumPy float64 reference quantizers, written from /work/shared/NVFP4_SPEC.md.
+"""Plain NumPy float64 reference quantizers, written from arXiv 2509.25149 (App. B) and docs/numerics.md.
 
 Independent of fp4jax on purpose: every rounding step is spelled out in float64 and
-rounded to float32 (`f32`) exactly where the spec's float32 arithmetic rounds. A
+rounded to float32 (`f32`) exactly where the quantizer's float32 arithmetic rounds. A
 float32 op computed in float64 and then rounded to float32 gives the correctly
 rounded float32 result for + - * / (53 >= 2*24 + 2), so these match IEEE float32.
 Float32 subnormals are NOT flushed here (XLA on CPU flushes them): tests keep every
@@ -120,7 +120,7 @@ def unpack_codes(packed, axis):
 
 
 def nvfp4_quantize(x, axis=-1, block_2d=False, block=16):
-  """Reference NVFP4 (spec section 2) on an unpadded array; returns a dict of numpy arrays.
+  """Reference NVFP4 (paper App. B; docs/numerics.md, "Quantization") on an unpadded array; returns a dict.
 
   Keys: codes (uint8 0..15, x's shape), scales (float64 E4M3 values, blocked shape),
   amax (float64 scalar), scaled (float32-valued x * enc_b before E2M1 rounding).

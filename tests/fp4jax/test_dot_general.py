@@ -1,7 +1,7 @@
 """fp4jax.dot_general: Fprop, Dgrad and Wgrad against references built by hand from the quantizers.
 
 Layer y = x W with x [M tokens, K] and W [K, N]. The loss is linear, L = sum(y * G), so dY = G exactly and the
-references below can quantize G directly (NVFP4_SPEC.md section 6):
+references below can quantize G directly (arXiv 2509.25149, Sec. 4; docs/numerics.md, "Recipe"):
   y  = Q(x, 1x16 along K)       @ Q(W, 16x16)
   dx = Q(G, 1x16 along N)       @ Q(W, 16x16)^T
   dW = Q(H x, 1x16 along M)^T   @ Q(H G, 1x16 along M)      H = RHT along M (identity when RHT is off)

@@ -337,7 +337,7 @@ def test_dequantize_is_code_times_scale_times_global(case):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_dequantize_under_jit_is_exact(seed):
-  """Under jit XLA may rewrite `amax / 2688` as `amax * f32(1/2688)`, which is not the spec's rounding."""
+  """Under jit XLA may rewrite `amax / 2688` as `amax * f32(1/2688)`, which is not the reference rounding."""
   rng = _rng(100 + seed)
   x = (rng.standard_normal((16, 4, 64)) * 10.0**rng.uniform(-4, 4, (16, 1, 1))).astype(np.float32)
   for x_i in x:  # 16 tensors, 16 different amax values, one compile

@@ -1,5 +1,5 @@
-"""Recipes: presets match NVFP4_SPEC.md section 6, ablation switches, the CLI string form, with_bf16, validation,
-and that a recipe is a hashable static argument (one compilation per distinct recipe)."""
+"""Recipes: presets match the paper's table (docs/numerics.md, "Recipe"), ablation switches, the CLI string form,
+with_bf16, validation, and that a recipe is a hashable static argument (one compilation per distinct recipe)."""
 
 import functools
 
