@@ -37,8 +37,7 @@ def pallas_quantize(x, cfg, *, axis: int, recipe, key, signs):
 
 def pallas_gemm(a, b, contract):
   """float32 product of two 2D FP4 QArrays on the Pallas GEMM kernel, or None if not covered."""
-  fp4 = (formats.NVFP4, formats.MXFP4)
-  if not (isinstance(a.fmt, fp4) and isinstance(b.fmt, fp4)) or a.ndim != 2 or b.ndim != 2:
+  if not (a.fmt.is_fp4 and b.fmt.is_fp4) or a.ndim != 2 or b.ndim != 2:
     _fallback("the GEMM kernel takes 2D NVFP4/MXFP4 operands")
     return None
   return _kernels().fp4_matmul(a, b, contract=contract)
