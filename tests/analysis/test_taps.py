@@ -1,6 +1,11 @@
 """Tests for fp4jax.analysis.taps: a tap records its layer's input and output gradient and changes nothing else;
 the model-level helpers tap every linear layer, check keys, and feed fp4jax.pretrain.metrics.quant_stats."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +16,8 @@ import fp4jax
 from fp4jax.analysis import taps
 from fp4jax.pretrain import metrics
 from fp4jax.pretrain import model as model_lib
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_tap_records_input_and_output_gradient_and_keeps_the_output():
@@ -92,3 +99,12 @@ def test_quant_stats_measure_the_tapped_inputs(tiny):
   for k in ("zero", "sat", "err"):
     np.testing.assert_allclose(float(stats[name][f"x_{k}"]), float(x[k]), rtol=1e-6)
   assert 0.0 < float(stats[name]["x_err"]) < 0.3
+
+
+def test_analysis_imports_no_training_harness():
+  code = ("import sys, fp4jax.analysis.probes, fp4jax.analysis.model_probes, fp4jax.analysis.taps, "
+          "fp4jax.analysis.inspection; print(sorted(m for m in sys.modules if m.startswith('fp4jax.pretrain')))")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == "[]"
