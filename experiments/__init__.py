@@ -6,4 +6,6 @@ Each experiment module (formats, rht_size, high_precision_layers, components, pr
     python -m experiments.NAME --preset {smoke,cpu,gpu} --out DIR [--seeds N] [--set KEY=VALUE ...]
 
 `python -m experiments.report DIR` redraws the tables and plots of a (finished or partial) sweep.
+`python -m experiments.probes --preset {smoke,cpu,gpu} --out DIR` measures recipes on the fixed tensors of one
+trained model (a package: presets, training, run, summary, report, plots). `common` holds the helpers they share.
 """

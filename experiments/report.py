@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import sweep as sweep_lib
+from experiments.common import SUMMARY_FILE, SWEEP_FILE, fmt, table
 
 RESULTS_JSONL, RESULTS_CSV, CURVES_CSV, RESULTS_MD = "results.jsonl", "results.csv", "curves.csv", "results.md"
 LOSS_PNG, GAP_PNG = "loss_curves.png", "loss_gap.png"
@@ -35,7 +35,7 @@ _ROW_FIELDS = ("experiment", "preset", "run", "label", "seed", "status", "final_
 # --- reading ---------------------------------------------------------------------------------------------------
 
 def _read_meta(folder: pathlib.Path) -> dict[str, Any]:
-  path = folder / sweep_lib.SWEEP_FILE
+  path = folder / SWEEP_FILE
   return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
@@ -62,11 +62,11 @@ def collect(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[str, 
   folder = pathlib.Path(folder)
   meta = _read_meta(folder)
   found = {}
-  for path in sorted(folder.glob(f"*/seed*/{sweep_lib.SUMMARY_FILE}")):
+  for path in sorted(folder.glob(f"*/seed*/{SUMMARY_FILE}")):
     summary = json.loads(path.read_text(encoding="utf-8"))
     found[summary["run"], summary["seed"]] = (path.parent, summary)
   if not found:
-    raise FileNotFoundError(f"No finished runs (*/seed*/{sweep_lib.SUMMARY_FILE}) under {folder}.")
+    raise FileNotFoundError(f"No finished runs (*/seed*/{SUMMARY_FILE}) under {folder}.")
   rows, curves = [], {}
   for name in _ordered_runs(meta, [k[0] for k in found]):
     for (run, seed) in sorted(k for k in found if k[0] == name):
@@ -146,13 +146,6 @@ def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
   return out
 
 
-def _fmt(mean: float | None, std: float | None, digits: int, signed: bool = False) -> str:
-  if mean is None:
-    return "-"
-  text = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
-  return text + (f" ± {std:.{digits}f}" if std is not None else "")
-
-
 def _count(n: float) -> str:
   return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K" if n >= 1e3 else str(n)
 
@@ -173,19 +166,18 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
     lines += [f"Shared settings: `{json.dumps(meta['base'])}`."]
   lines += [""]
   gap_head = f"gap to {reference} (%)" if reference else "gap (%)"
-  lines += [f"| run | setting | BF16 blocks | seeds | final val loss | {gap_head} | tokens/s |",
-            "|---|---|---|---|---|---|---|"]
+  table_rows = []
   for a in agg:
     run_rows = [r for r in rows if r["run"] == a["run"]]
     setting = a["label"] if a["label"] != a["run"] else ", ".join(
         f"{k}={v}" for k, v in (run_rows[0].get("overrides") or {}).items()) or a["run"]
     seeds = f"{a['seeds']}" + (f" (+{len(a['diverged'])} diverged at step "
                                f"{', '.join(map(str, a['diverged']))})" if a["diverged"] else "")
-    gap = "reference" if a["run"] == reference else _fmt(a["gap_pct_mean"], a["gap_pct_std"], 2, signed=True)
+    gap = "reference" if a["run"] == reference else fmt(a["gap_pct_mean"], a["gap_pct_std"], 2, signed=True)
     tps = f"{a['tokens_per_s']:.0f}" if a["tokens_per_s"] else "-"
     blocks = ",".join(map(str, a["bf16_blocks"])) if a["bf16_blocks"] else "none"
-    lines.append(f"| {a['run']} | {setting} | {blocks} | {seeds} | "
-                 f"{_fmt(a['val_loss_mean'], a['val_loss_std'], 4)} | {gap} | {tps} |")
+    table_rows.append([a["run"], setting, blocks, seeds, fmt(a["val_loss_mean"], a["val_loss_std"], 4), gap, tps])
+  lines += [table(["run", "setting", "BF16 blocks", "seeds", "final val loss", gap_head, "tokens/s"], table_rows)]
   lines += ["", "Final val loss: mean ± std over seeds on fixed held-out batches. Gap: (val loss - reference val "
             "loss) / reference val loss, computed per seed against the reference run with the same seed (same "
             "initialisation and data order), then mean ± std. Tokens/s: median training throughput of the CPU/XLA "

@@ -35,9 +35,10 @@ from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import train as train_lib
 from fp4jax.pretrain.config import TrainConfig
 
+from experiments import report
+from experiments.common import SUMMARY_FILE, SWEEP_FILE, jsonable
+
 PRESETS = ("smoke", "cpu", "gpu")
-SUMMARY_FILE = "summary.json"
-SWEEP_FILE = "sweep.json"
 LOG_FILE = "train.log"
 # Set per run by the sweep, never by an override.
 MANAGED_FIELDS = ("out", "seed", "resume", "resume_step", "overwrite")
@@ -222,12 +223,8 @@ class Sweep:
     """JSON-ready description (written to OUT/sweep.json for the report)."""
     return {"experiment": self.experiment, "preset": self.preset, "seeds": self.seeds,
             "reference": self.reference, "command": self.command, "description": self.description,
-            "base": _jsonable(self.base),
-            "runs": [{"name": r.name, "label": r.label, "overrides": _jsonable(r.overrides)} for r in self.runs]}
-
-
-def _jsonable(value):
-  return json.loads(json.dumps(value, default=str))
+            "base": jsonable(self.base),
+            "runs": [{"name": r.name, "label": r.label, "overrides": jsonable(r.overrides)} for r in self.runs]}
 
 
 def run_dir(out: str | pathlib.Path, run: str, seed: int) -> pathlib.Path:
@@ -250,7 +247,7 @@ def _write_json(path: pathlib.Path, data: Any) -> None:
 
 
 def _comparable(config_dict: Mapping[str, Any]) -> dict[str, Any]:
-  return {k: v for k, v in _jsonable(dict(config_dict)).items() if k not in _FREE_FIELDS}
+  return {k: v for k, v in jsonable(dict(config_dict)).items() if k not in _FREE_FIELDS}
 
 
 def _check_same_settings(folder: pathlib.Path, stored: Mapping[str, Any], config: TrainConfig) -> None:
@@ -280,7 +277,7 @@ def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
   tokens_per_step = config.batch_size * config.train_seq_len
   policy = config.policy()
   out = {"experiment": sweep.experiment, "preset": sweep.preset, "run": run.name, "label": run.label,
-         "seed": seed, "overrides": _jsonable(run.overrides), "status": status, "steps": config.steps,
+         "seed": seed, "overrides": jsonable(run.overrides), "status": status, "steps": config.steps,
          "tokens_per_step": tokens_per_step, "tokens": config.steps * tokens_per_step, "wall_time": wall_time,
          "tokens_per_s": steady_tokens_per_s(records),
          "final_val_loss": summary["final_val_loss"] if summary else None,
@@ -433,7 +430,6 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
     print(f"Interrupted: finished runs are kept in {args.out}; repeat the command to resume.", file=sys.stderr)
     return 130
   if not args.no_report:
-    from experiments import report  # pylint: disable=g-import-not-at-top
     written = report.write_report(args.out)
     print(f"Report: {', '.join(str(p) for p in written)}")
   return 0

@@ -7,12 +7,16 @@ For y = x W with x [..., K] (tokens M = product of leading dims) and W [K, N] (o
 Each GEMM multiplies dequantized operands with float32 accumulation (the "xla" backend), which equals a real FP4
 GEMM up to float32 summation order. Residuals are kept quantized: the backward needs Q(W, 2D) and Q(RHT x along M),
 both computed in the forward pass from high-precision tensors, so no full-precision copy of x or W is saved.
+
+The rule is built from public pieces, `layer_operands`, `fprop`, `dgrad` and `wgrad`, so that analysis code
+(fp4jax.analysis.probes) runs exactly the rule's GEMMs on tensors of its choice.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -127,36 +131,66 @@ def wgrad_gradient(dy_MxN, recipe, key, compute_dtype=None):
                           signs=_rht_signs(recipe, key), compute_dtype=compute_dtype)
 
 
-# --- the custom_vjp rule on canonical [M, K] x [K, N] ------------------------------------------------------------
+# --- the three GEMMs, public: the custom_vjp rule below is built from them, and so are the analysis probes -------
 
-def _fprop(x_MxK, w_KxN, key, recipe):
+class Operands(NamedTuple):
+  """The operands the forward pass builds from x and W (QArrays, or high-precision arrays when not quantized).
+
+  x_fprop [M, K] and w_fprop [K, N] feed Fprop; w_dgrad (Dgrad's weight, blocked along N) and x_wgrad ([M', K],
+  tokens padded to Wgrad's multiple) are the backward's residuals. None where `layer_operands(backward=False)`.
+  """
+
+  x_fprop: Any
+  w_fprop: Any
+  w_dgrad: Any = None
+  x_wgrad: Any = None
+
+
+def layer_operands(x_MxK, w_KxN, recipe: recipes_lib.Recipe, key, *, backward: bool = True) -> Operands:
+  """Quantizes x and W for Fprop and, if `backward`, for Dgrad and Wgrad, as the custom_vjp rule does."""
   xq, wq = fprop_operands(x_MxK, w_KxN, recipe, key)
-  return _gemm(xq, wq, (1, 0), recipe), wq
+  if not backward:
+    return Operands(xq, wq)
+  return Operands(xq, wq, dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype), wgrad_activations(x_MxK, recipe, key))
 
+
+def fprop(ops: Operands, recipe: recipes_lib.Recipe):
+  """Fprop y [M, N] = x_fprop @ w_fprop, float32."""
+  return _gemm(ops.x_fprop, ops.w_fprop, (1, 0), recipe)
+
+
+def dgrad(dy_MxN, w_dgrad, recipe: recipes_lib.Recipe, key, compute_dtype):
+  """Dgrad: (dx [M, K] float32, the quantized dY operand) from the output gradient and Dgrad's weight operand."""
+  dyq = dgrad_gradient(dy_MxN, recipe, key, compute_dtype)
+  return _gemm(dyq, w_dgrad, (1, 1), recipe)[:dy_MxN.shape[0]], dyq
+
+
+def wgrad(dy_MxN, x_wgrad, recipe: recipes_lib.Recipe, key, compute_dtype):
+  """Wgrad: (dW [K, N] float32, the quantized dY operand) from the output gradient and Wgrad's activation operand."""
+  dyq_t = wgrad_gradient(dy_MxN, recipe, key, compute_dtype)
+  return _gemm(x_wgrad, dyq_t, (0, 0), recipe), dyq_t
+
+
+# --- the custom_vjp rule on canonical [M, K] x [K, N] ------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _qmatmul(x_MxK, w_KxN, key, recipe):
-  return _fprop(x_MxK, w_KxN, key, recipe)[0]
+  return fprop(layer_operands(x_MxK, w_KxN, recipe, key, backward=False), recipe)
 
 
 def _qmatmul_fwd(x_MxK, w_KxN, key, recipe):
-  y, wq = _fprop(x_MxK, w_KxN, key, recipe)
+  ops = layer_operands(x_MxK, w_KxN, recipe, key)
   residuals = (
-      dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype),
-      wgrad_activations(x_MxK, recipe, key),
-      key,
+      ops.w_dgrad, ops.x_wgrad, key,
       jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_KxN.dtype),  # carry dtypes for the cotangents
   )
-  return y, residuals
+  return fprop(ops, recipe), residuals
 
 
 def _qmatmul_bwd(recipe, residuals, dy_MxN):
   w_dgrad, x_wgrad, key, x_proto, w_proto = residuals
-  m = dy_MxN.shape[0]
-  dyq = dgrad_gradient(dy_MxN, recipe, key, x_proto.dtype)
-  dx_MxK = _gemm(dyq, w_dgrad, (1, 1), recipe)[:m]
-  dyq_t = wgrad_gradient(dy_MxN, recipe, key, x_proto.dtype)
-  dw_KxN = _gemm(x_wgrad, dyq_t, (0, 0), recipe)
+  dx_MxK, _ = dgrad(dy_MxN, w_dgrad, recipe, key, x_proto.dtype)
+  dw_KxN, _ = wgrad(dy_MxN, x_wgrad, recipe, key, x_proto.dtype)
   return dx_MxK.astype(x_proto.dtype), dw_KxN.astype(w_proto.dtype), None
 
 

@@ -1,8 +1,9 @@
 """Low-noise probes of a recipe's numerics on fixed tensors: no training trajectory, so no seed-to-seed noise.
 
 A BF16 forward/backward of a trained model on fixed batches captures, per linear layer, its input x [M, K], weight
-W [K, N] and output gradient dY [M, N] (`capture_layer_tensors`). Each recipe's three GEMMs are then applied to
-those SAME tensors (`probe_layer`) and compared with the BF16 GEMMs the model trains with:
+W [K, N] and output gradient dY [M, N] (fp4jax.analysis.model_probes.capture_layer_tensors). Each recipe's three
+GEMMs, run by fp4jax.dot_general's own public pieces, are then applied to those SAME tensors (`probe_layer`) and
+compared with the BF16 GEMMs the model trains with:
 
   error   ||out - out_bf16|| / ||out_bf16|| for Fprop (y), Dgrad (dx) and Wgrad (dW), per stochastic-rounding
           draw; cosine similarity likewise.
@@ -18,9 +19,7 @@ those SAME tensors (`probe_layer`) and compared with the BF16 GEMMs the model tr
           compares its activation operand with Fprop's (always different: blocks along M, RHT).
   codes   per quantized operand: fraction of zero and of saturated (+-6) E2M1 codes, tensor amax, block-scale range.
 
-`model_probe` runs the whole model with per-layer recipes (a precision policy, or one block quantized at a time) on
-a fixed batch and compares loss and parameter gradient with the BF16 model's: the BF16-layer choice. And
-`continue_training` continues a restored train state under a recipe for a few steps (the paper's ablation style).
+Whole-model probes (capture, loss and gradient under per-layer recipes) are in fp4jax.analysis.model_probes.
 """
 
 from __future__ import annotations
@@ -33,16 +32,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
 
-import fp4jax.pretrain.data
-import fp4jax.pretrain.model
 import fp4jax.recipes as recipes_lib
-import fp4jax.pretrain.train
+from fp4jax.dot_general import Operands, dgrad, fprop, layer_operands, wgrad, wgrad_gradient
 from fp4jax import formats
-from fp4jax.dot_general import (dgrad_gradient, dgrad_weight, fprop_operands, wgrad_activations,
-                                wgrad_gradient)
 from fp4jax.qarray import QArray
 from fp4jax.quantize import dequantize
 
@@ -95,7 +88,7 @@ def bias_levels(num_draws: int) -> tuple[int, ...]:
   return tuple(2**l for l in range(int(math.log2(num_draws))))
 
 
-# --- capture: per-layer x, W, dY from a BF16 forward/backward ----------------------------------------------------
+# --- one layer's GEMM inputs ------------------------------------------------------------------------------------
 
 class LayerTensors(NamedTuple):
   """One linear layer's GEMM inputs from the BF16 model: x [M, K] and dY [M, N] in the compute dtype, W [K, N]."""
@@ -103,114 +96,6 @@ class LayerTensors(NamedTuple):
   x_MxK: jax.Array
   w_KxN: jax.Array
   dy_MxN: jax.Array
-
-
-class _Delta(nnx.Variable):
-  """A zero added to a layer's output; its gradient is the layer's output gradient dY."""
-
-
-class _Input(nnx.Variable):
-  """The input a layer received (overwritten by each call)."""
-
-
-class _Tap(nnx.Module):
-  """Wraps a linear layer: records its input and adds a zero `_Delta` to its output (for capture only)."""
-
-  def __init__(self, inner: nnx.Module, in_shape: tuple[int, ...], out_shape: tuple[int, ...]):
-    self.inner = inner
-    self.x_in = _Input(jnp.zeros(in_shape, inner.dtype))
-    self.delta = _Delta(jnp.zeros(out_shape, inner.dtype))
-
-  def __call__(self, x, *, key=None):
-    self.x_in[...] = x.astype(self.inner.dtype)  # what the layer's GEMMs see (Linear casts its input so)
-    return self.inner(x, key=key) + self.delta[...]
-
-
-def _parent_and_attr(model: nnx.Module, name: str):
-  *path, attr = name.split(".")
-  parent = model
-  for part in path:
-    parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
-  return parent, attr
-
-
-def _by_layer(state, leaf: str) -> dict[str, Any]:
-  """{layer name: value} for the variables named `leaf` directly under each layer path of a flat nnx state."""
-  out = {}
-  for path, var in nnx.to_flat_state(state):
-    if path and path[-1] == leaf:
-      value = var.get_value() if hasattr(var, "get_value") else var.value
-      out[".".join(map(str, path[:-1]))] = value
-  return out
-
-
-def with_recipes(model: fp4jax.pretrain.model.Transformer, recipes) -> fp4jax.pretrain.model.Transformer:
-  """A copy of `model` (its own modules and variables; arrays shared) whose linear layers run `recipes`.
-
-  recipes: one Recipe (or recipe string) for every layer, or {layer name: Recipe} naming every linear layer.
-  """
-  graphdef, state = nnx.split(model)
-  copy = nnx.merge(graphdef, state, copy=True)
-  layers = copy.linear_layers()
-  if isinstance(recipes, Mapping):
-    missing, unknown = sorted(set(layers) - set(recipes)), sorted(set(recipes) - set(layers))
-    if missing or unknown:
-      raise ValueError(f"recipes must name every linear layer exactly; missing {missing[:3]}, unknown {unknown[:3]}.")
-    for name, layer in layers.items():
-      layer.recipe = recipes_lib.get_recipe(recipes[name])
-  else:
-    recipe = recipes_lib.get_recipe(recipes)
-    for layer in layers.values():
-      layer.recipe = recipe
-  return copy
-
-
-def _check_batch(batch: Mapping[str, Any]) -> tuple[jax.Array, jax.Array]:
-  if not isinstance(batch, Mapping) or "inputs" not in batch or "targets" not in batch:
-    raise ValueError("batch must be a dict with 'inputs' and 'targets' int arrays [B, T].")
-  tokens, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
-  if tokens.ndim != 2 or tokens.shape != targets.shape or not jnp.issubdtype(tokens.dtype, jnp.integer):
-    raise ValueError(f"batch inputs/targets must be int arrays of one shape [B, T]; got {tokens.dtype}{tokens.shape} "
-                     f"and {targets.dtype}{targets.shape}.")
-  return tokens, targets
-
-
-def capture_layer_tensors(model: fp4jax.pretrain.model.Transformer, batch: Mapping[str, Any]
-                          ) -> tuple[float, dict[str, LayerTensors]]:
-  """(BF16 loss, {layer name: LayerTensors}) from one forward/backward of `model` with every linear layer in BF16.
-
-  dY is the gradient of the mean cross-entropy of `batch` with respect to the layer's (compute-dtype) output: what
-  the layer's Dgrad and Wgrad receive in training. `model` is not modified.
-  """
-  tokens_BxT, targets_BxT = _check_batch(batch)
-  tapped = with_recipes(model, recipes_lib.bf16())
-  if tapped.config.remat:  # recorded inputs do not cross nnx.remat; capture needs no memory savings
-    tapped.config = dataclasses.replace(tapped.config, remat=False)
-  b, t = tokens_BxT.shape
-  kernels = {}
-  for name, layer in tapped.linear_layers().items():
-    parent, attr = _parent_and_attr(tapped, name)
-    kernels[name] = layer.kernel[...]
-    setattr(parent, attr, _Tap(layer, (b, t, layer.in_features), (b, t, layer.out_features)))
-  graphdef, deltas, rest = nnx.split(tapped, _Delta, ...)
-
-  @jax.jit
-  def run(deltas, rest, tokens_BxT, targets_BxT):
-    def loss_fn(deltas):
-      m = nnx.merge(graphdef, deltas, rest, copy=True)  # fresh variables: the taps write theirs in this trace
-      # A key (unused: every layer is BF16) skips the model's key check, which cannot see through the taps.
-      loss = fp4jax.pretrain.train.cross_entropy(m(tokens_BxT, key=jax.random.key(0)), targets_BxT)
-      return loss, nnx.state(m, _Input)
-    (loss, inter), grads = jax.value_and_grad(loss_fn, has_aux=True)(deltas)
-    return loss, inter, grads
-
-  loss, inter, grads = run(deltas, rest, tokens_BxT, targets_BxT)
-  inputs, dys = _by_layer(inter, "x_in"), _by_layer(grads, "delta")
-  out = {}
-  for name, w_KxN in kernels.items():
-    k, n = w_KxN.shape
-    out[name] = LayerTensors(inputs[name].reshape(-1, k), w_KxN, dys[name].reshape(-1, n))
-  return float(loss), out
 
 
 # --- one layer's GEMMs under a recipe ----------------------------------------------------------------------------
@@ -236,38 +121,26 @@ def bf16_gemms(x_MxK, w_KxN, dy_MxN, compute_dtype=jnp.bfloat16):
   return y.astype(jnp.float32), dx.astype(jnp.float32), dw.astype(jnp.float32)
 
 
-class Operands(NamedTuple):
-  """The key-independent operands of a quantized recipe's GEMMs (QArrays, or high-precision arrays)."""
-
-  x_fprop: Any
-  w_fprop: Any
-  w_dgrad: Any
-  x_wgrad: Any
-
-
 def quantized_operands(x_MxK, w_KxN, recipe: recipes_lib.Recipe, key) -> Operands:
-  """Fprop's x and W, Dgrad's W and Wgrad's x, exactly as fp4jax.dot_general's rule builds them."""
-  xq, wq = fprop_operands(x_MxK, w_KxN, recipe, key)
-  return Operands(xq, wq, dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype),
-                  wgrad_activations(x_MxK, recipe, key))
+  """Fprop's x and W, Dgrad's W and Wgrad's x, built by fp4jax.dot_general's own `layer_operands`."""
+  return layer_operands(x_MxK, w_KxN, recipe, key)
 
 
 def quantized_gemms(x_MxK, w_KxN, dy_MxN, recipe: recipes_lib.Recipe, key, operands: Operands | None = None):
   """(y, dx, dW, dy_dgrad, dy_wgrad) of a quantized recipe on fixed tensors, as fp4jax.dot_general computes them.
 
-  The same helper functions and keys as the custom_vjp rule (one `key` per layer call), so y, dx and dW equal
-  jax.vjp of fp4jax.dot_general bit for bit; y is rounded to the compute dtype as fp4jax.nn.Linear rounds it.
-  `operands` (from quantized_operands) skips recomputing the key-independent operands between draws.
+  The rule's own functions (fp4jax.dot_general.layer_operands, fprop, dgrad, wgrad) with one `key` per layer call,
+  so y, dx and dW equal jax.vjp of fp4jax.dot_general bit for bit; each output is rounded to its dtype as
+  fp4jax.nn.Linear and the rule round them. `operands` (from quantized_operands) skips recomputing the
+  key-independent operands between draws.
   """
   ops = quantized_operands(x_MxK, w_KxN, recipe, key) if operands is None else operands
   dy = dy_MxN.astype(jnp.float32)  # the rule receives the float32 cotangent of its float32 output
-  m = x_MxK.shape[0]
-  y = _mm(ops.x_fprop, ops.w_fprop, (1, 0)).astype(x_MxK.dtype).astype(jnp.float32)
-  dyq = dgrad_gradient(dy, recipe, key, x_MxK.dtype)
-  dx = _mm(dyq, ops.w_dgrad, (1, 1))[:m].astype(x_MxK.dtype).astype(jnp.float32)
-  dyq_t = wgrad_gradient(dy, recipe, key, x_MxK.dtype)
-  dw = _mm(ops.x_wgrad, dyq_t, (0, 0)).astype(w_KxN.dtype).astype(jnp.float32)
-  return y, dx, dw, dyq, dyq_t
+  y = fprop(ops, recipe).astype(x_MxK.dtype).astype(jnp.float32)
+  dx, dyq = dgrad(dy, ops.w_dgrad, recipe, key, x_MxK.dtype)
+  dw, dyq_t = wgrad(dy, ops.x_wgrad, recipe, key, x_MxK.dtype)
+  return (y, dx.astype(x_MxK.dtype).astype(jnp.float32), dw.astype(w_KxN.dtype).astype(jnp.float32), dyq,
+          dyq_t)
 
 
 def exact_gradient_recipe(recipe: recipes_lib.Recipe) -> recipes_lib.Recipe:
@@ -464,117 +337,3 @@ def decay_slope(curve: Mapping[str, Any]) -> float:
   if k.size < 2 or np.any(mean <= 0):
     return float("nan") if k.size < 2 or np.all(mean == 0) else 0.0
   return float(np.polyfit(np.log(k), np.log(mean), 1)[0])
-
-
-# --- model-level probes -------------------------------------------------------------------------------------------
-
-def _flat(tree) -> jax.Array:
-  return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)])
-
-
-def _loss_and_grad(graphdef, params, rest, tokens_BxT, targets_BxT, key):
-  def loss_fn(params):
-    logits_BxTxV = nnx.merge(graphdef, params, rest)(tokens_BxT, key=key).astype(jnp.float32)
-    per_token_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
-    # The mean over everything, as fp4jax.pretrain.train.cross_entropy; per-sequence means for standard errors.
-    return per_token_BxT.mean(), per_token_BxT.mean(axis=1)
-  (loss, loss_B), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-  return loss, loss_B, _flat(grads)
-
-
-# graphdef (the model's structure and layer recipes) is static: one compilation per distinct model setting.
-_loss_and_grad_jit = jax.jit(_loss_and_grad, static_argnums=0)
-
-
-def _loss_and_grad_fn(model: fp4jax.pretrain.model.Transformer):
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  return lambda params, *args: _loss_and_grad_jit(graphdef, params, rest, *args), params
-
-
-class Reference(NamedTuple):
-  """The BF16 model on a batch: mean loss, per-sequence losses [B] and the flat float32 parameter gradient."""
-
-  loss: float
-  seq_losses: np.ndarray
-  grad: jax.Array
-
-
-def reference_gradient(model: fp4jax.pretrain.model.Transformer, batch: Mapping[str, Any]) -> Reference:
-  """Loss, per-sequence losses and flat float32 parameter gradient of the model with every linear layer in BF16."""
-  tokens, targets = _check_batch(batch)
-  fn, params = _loss_and_grad_fn(with_recipes(model, recipes_lib.bf16()))
-  loss, loss_B, grad = fn(params, tokens, targets, None)
-  return Reference(float(loss), np.asarray(loss_B), grad)
-
-
-def model_probe(model: fp4jax.pretrain.model.Transformer, batch: Mapping[str, Any], recipes, key, *,
-                reference: Reference, num_draws: int = 4) -> dict[str, Any]:
-  """Loss and parameter-gradient error of the model under per-layer `recipes` against the BF16 model.
-
-  recipes: as for `with_recipes`. reference: `reference_gradient(model, batch)`.
-  Returns loss; dloss (loss - BF16 loss: no SR noise, the forward has no randomness) with dloss_se, its standard
-  error over the batch's sequences, and seq_dloss [B] (per-sequence differences, for paired comparisons);
-  grad_err and grad_cos ([num_draws], vs the BF16 gradient); grad_bias (error of the mean of the draws).
-  """
-  if not isinstance(num_draws, int) or num_draws < 1:
-    raise ValueError(f"num_draws must be an int >= 1; got {num_draws!r}.")
-  if not isinstance(reference, Reference):
-    raise ValueError("reference must be the Reference returned by reference_gradient(model, batch).")
-  tokens, targets = _check_batch(batch)
-  if reference.seq_losses.shape != (tokens.shape[0],):
-    raise ValueError(f"reference has {reference.seq_losses.shape[0]} sequences; the batch has {tokens.shape[0]}.")
-  quantized = with_recipes(model, recipes)
-  needs_key = any(layer.recipe.needs_key for layer in quantized.linear_layers().values())
-  fn, params = _loss_and_grad_fn(quantized)
-  draws = num_draws if needs_key else 1
-  errs, coss, total, loss, loss_B = [], [], jnp.zeros_like(reference.grad), None, None
-  for d in range(draws):
-    l, l_B, g = fn(params, tokens, targets, jax.random.fold_in(key, d))
-    if loss is None:  # the forward does not depend on the draw
-      loss, loss_B = float(l), np.asarray(l_B)
-    errs.append(float(rel_error(g, reference.grad)))
-    coss.append(float(cosine(g, reference.grad)))
-    total = total + g
-  seq_dloss = loss_B - reference.seq_losses
-  return {"loss": loss, "dloss": loss - reference.loss, "dloss_se": standard_error(seq_dloss),
-          "seq_dloss": seq_dloss, "grad_err": np.asarray(errs * (num_draws // draws)),
-          "grad_cos": np.asarray(coss * (num_draws // draws)),
-          "grad_bias": float(rel_error(total / draws, reference.grad))}
-
-
-# --- continuation -------------------------------------------------------------------------------------------------
-
-def continue_training(model: fp4jax.pretrain.model.Transformer, state: fp4jax.pretrain.train.TrainState, recipes, *, optimizer,
-                      dataset, batch_size: int, seq_len: int, steps: int, seed: int, val_batches,
-                      cache: fp4jax.pretrain.train.CompileCache | None = None) -> dict[str, Any]:
-  """Continues `state` for `steps` AdamW steps with the linear layers running `recipes`; evaluates at the end.
-
-  Batches are fp4jax.pretrain.data.get_batch(dataset, "train", state.step + i, seed=seed) and the step key is
-  fold_in(fold_in(key(seed), 1), step), so two recipes continued with the same seed see the same data (paired).
-  Returns {"losses": train losses, "val_bf16": validation loss with a BF16 forward, "val_own": with the recipe's
-  own forward, "state": the final TrainState}. Raises fp4jax.pretrain.train.TrainingDiverged on a non-finite step.
-  """
-  if not isinstance(steps, int) or steps < 1:
-    raise ValueError(f"steps must be an int >= 1; got {steps!r}.")
-  cache = cache if cache is not None else fp4jax.pretrain.train.CompileCache()
-  graphdef = nnx.graphdef(with_recipes(model, recipes))
-  bf16_graphdef = nnx.graphdef(with_recipes(model, recipes_lib.bf16()))
-  step_fn = cache.get(("probe_train", graphdef, id(optimizer)),
-                      lambda: jax.jit(fp4jax.pretrain.train.make_train_step(graphdef, optimizer)))
-  step_key = jax.random.fold_in(jax.random.key(seed), 1)
-  start = int(state.step)
-  losses = []
-  for i in range(start, start + steps):
-    batch = fp4jax.pretrain.data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=seq_len, seed=seed)
-    new_state, m = step_fn(state, batch, jax.random.fold_in(step_key, i))
-    if not bool(m["finite"]):
-      raise fp4jax.pretrain.train.TrainingDiverged(i, float(m["loss"]), float(m["grad_norm"]), None)
-    state = new_state
-    losses.append(float(m["loss"]))
-  eval_key = jax.random.fold_in(jax.random.key(seed), 2)
-
-  def val(gd):
-    fn = cache.get(("probe_eval", gd), lambda: jax.jit(fp4jax.pretrain.train.make_eval_step(gd)))
-    return float(np.mean([float(fn(state.params, b, eval_key)) for b in val_batches]))
-
-  return {"losses": losses, "val_bf16": val(bf16_graphdef), "val_own": val(graphdef), "state": state}

@@ -4,13 +4,12 @@ Quantization statistics, per quantizable linear layer, for the weight (2D blocks
 layer's input activations (1D blocks along the features), quantized with an FP4 format:
   zero: fraction of elements whose E2M1 code is +-0;  sat: fraction at +-6 (the top of the grid);
   err: relative Frobenius error ||dequantize(quantize(t)) - t|| / ||t||.
-Inputs are captured with a separate forward pass in which each layer is wrapped to record its input; statistics are
+Inputs are captured with a separate forward pass through layer taps (fp4jax.analysis.taps); statistics are
 taken whatever the layer's own recipe is (BF16 layers included), so layers can be compared.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pathlib
@@ -22,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from fp4jax import formats
+from fp4jax.analysis import taps
 from fp4jax.quantize import dequantize, quantize
 
 METRICS_FILE = "metrics.jsonl"
@@ -43,52 +43,13 @@ def tensor_stats(x: jax.Array, fmt, *, axis: int = -1, block_2d: bool = False) -
   return {"zero": jnp.mean(magnitude == 0), "sat": jnp.mean(magnitude == 7), "err": err}
 
 
-class _InputRecorder:
-  """Stands in for a linear layer of a throwaway model copy and keeps the inputs it receives (a plain object, not
-  an nnx.Module, so nothing is added to the model's state)."""
-
-  def __init__(self, inner: nnx.Module):
-    self.inner, self.inputs = inner, []
-
-  def __call__(self, x, *, key=None):
-    self.inputs.append(x)
-    return self.inner(x, key=key)
-
-
-def _parent_and_attr(model: nnx.Module, name: str):
-  *path, attr = name.split(".")
-  parent = model
-  for part in path:
-    parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
-  return parent, attr
-
-
-def capture_linear_inputs(model: nnx.Module, tokens_BxT: jax.Array, key: jax.Array | None
-                          ) -> dict[str, jax.Array]:
-  """Runs `model` on tokens and returns each linear layer's (first) input by layer name. Mutates `model`: pass a
-  throwaway copy (e.g. from nnx.merge).
-
-  `model` is a fp4jax.pretrain.model.Transformer (anything with `linear_layers()` and `config.remat`).
-  """
-  if getattr(model.config, "remat", False):
-    # Recorded tracers must not cross nnx.remat's trace; statistics need no memory savings.
-    model.config = dataclasses.replace(model.config, remat=False)
-  recorders = {}
-  for name, layer in model.linear_layers().items():
-    parent, attr = _parent_and_attr(model, name)
-    recorders[name] = _InputRecorder(layer)
-    setattr(parent, attr, recorders[name])
-  model(tokens_BxT, key=key)
-  return {name: rec.inputs[0] for name, rec in recorders.items()}
-
-
 def quant_stats(graphdef, params, tokens_BxT: jax.Array, key: jax.Array | None, fmt="nvfp4"
                 ) -> dict[str, dict[str, jax.Array]]:
   """Per-layer statistics {layer: {w_zero, w_sat, w_err, x_zero, x_sat, x_err}}; pure, jit with graphdef static."""
   fmt = formats.get_format(fmt)
   model = nnx.merge(graphdef, params)
   kernels = {name: layer.kernel[...] for name, layer in model.linear_layers().items()}
-  inputs = capture_linear_inputs(model, tokens_BxT, key)
+  inputs = taps.capture_inputs(model, tokens_BxT, key)  # taps the merged copy, not the caller's model
   out = {}
   for name, kernel_KxN in kernels.items():
     # Weight blocks as Fprop sees them (2D tiles); activations in 1D blocks along the contraction (feature) axis.

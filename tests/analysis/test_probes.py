@@ -1,9 +1,6 @@
-"""Tests for fp4jax.analysis.probes and experiments.probes: exact zeros for BF16, a known rounding bias recovered, the 1/sqrt(K)
-decay of stochastic rounding, the chain-rule gap of 1D weights, the rule's GEMMs reproduced bit for bit, capture vs
-autodiff, and the smoke preset end to end."""
-
-import json
-import time
+"""Tests for fp4jax.analysis.probes and model_probes: exact zeros for BF16, a known rounding bias recovered, the
+1/sqrt(K) decay of stochastic rounding, the chain-rule gap of 1D weights, the rule's GEMMs reproduced bit for bit,
+capture vs autodiff."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +10,7 @@ from flax import nnx
 
 import fp4jax
 from fp4jax.pretrain import model as model_lib
-from fp4jax.analysis import probes
+from fp4jax.analysis import model_probes, probes
 from fp4jax import recipes
 
 # One shape for the layer tests, so each recipe's probe compiles once: M tokens, K = N features.
@@ -139,14 +136,14 @@ def tiny_model():
 
 def test_capture_matches_autodiff_and_bf16_model_probe_is_exact(tiny_model):
   model, batch = tiny_model
-  loss, tensors = probes.capture_layer_tensors(model, batch)
+  loss, tensors = model_probes.capture_layer_tensors(model, batch)
   assert set(tensors) == set(model.linear_layers())
-  reference = probes.reference_gradient(model, batch)
+  reference = model_probes.reference_gradient(model, batch)
   ref_loss, ref_grad = reference.loss, reference.grad
   assert loss == pytest.approx(ref_loss, rel=1e-6)
   assert float(np.mean(reference.seq_losses)) == pytest.approx(ref_loss, rel=1e-6)
   # x^T dY of the captured tensors is the BF16 model's own kernel gradient (flat in the params' tree order).
-  params = nnx.state(probes.with_recipes(model, "bf16"), nnx.Param)
+  params = nnx.state(model_probes.with_recipes(model, "bf16"), nnx.Param)
   offset, found = 0, 0
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     keys = [getattr(k, "key", None) for k in path]
@@ -158,7 +155,7 @@ def test_capture_matches_autodiff_and_bf16_model_probe_is_exact(tiny_model):
       found += 1
     offset += leaf.size
   assert found == len(tensors) and offset == ref_grad.size
-  zero = probes.model_probe(model, batch, "bf16", jax.random.key(0), reference=reference, num_draws=2)
+  zero = model_probes.model_probe(model, batch, "bf16", jax.random.key(0), reference=reference, num_draws=2)
   assert zero["dloss"] == 0.0 and zero["dloss_se"] == 0.0 and np.all(zero["seq_dloss"] == 0.0)
   assert np.all(zero["grad_err"] == 0.0) and zero["grad_bias"] == 0.0
 
@@ -171,32 +168,6 @@ def test_bad_inputs_raise():
     probes.probe_layer(probes.LayerTensors(t.x_MxK, t.w_KxN[:32], t.dy_MxN), "nvfp4", jax.random.key(0))
   model = model_lib.Transformer(model_lib.get_model_config("tiny", n_layers=1), rngs=nnx.Rngs(params=0))
   with pytest.raises(ValueError, match="every linear layer"):
-    probes.with_recipes(model, {"blocks.0.attn.q": recipes.nvfp4()})
+    model_probes.with_recipes(model, {"blocks.0.attn.q": recipes.nvfp4()})
   with pytest.raises(ValueError, match="batch"):
-    probes.capture_layer_tensors(model, {"inputs": np.zeros((2, 8), np.int32)})
-  from experiments import probes as experiment
-  with pytest.raises(ValueError, match="Bad variant"):
-    experiment.parse_variant("nvfp5+last1")
-  assert experiment.parse_variant("nvfp4-noSR+first1+last2") == ("nvfp4-noSR", 1, 2)
-  with pytest.raises(ValueError, match="Unknown preset"):
-    experiment.get_preset("tpu")
-
-
-def test_smoke_preset_end_to_end(tmp_path):
-  from experiments import probes as experiment
-  t0 = time.perf_counter()
-  assert experiment.main(["--preset", "smoke", "--out", str(tmp_path)]) == 0
-  elapsed = time.perf_counter() - t0
-  results = json.loads((tmp_path / experiment.RESULTS_FILE).read_text())
-  assert set(results["layers"]["layers"]) == {f"blocks.0.{s}" for s in model_lib.SUBLAYERS}
-  report = (tmp_path / experiment.REPORT_FILE).read_text()
-  for section in ("## Component effects", "## Gradient bias vs number", "## Codes and block scales",
-                  "## Whole model", "## Continuations", "SR on -> off", "NVFP4 -> MXFP4"):
-    assert section in report
-  for png in ("layer_errors.png", "bias_vs_k.png", "sensitivity.png", "continuation.png"):
-    assert (tmp_path / png).stat().st_size > 5000
-  deltas = experiment.continuation_deltas(results["continuation"])
-  assert set(deltas) == {"bf16", "nvfp4"} and np.isfinite(deltas["nvfp4"]["delta_own"][0])
-  # A second run reuses the base checkpoint; --report-only redraws from results.json.
-  assert experiment.main(["--preset", "smoke", "--out", str(tmp_path), "--report-only"]) == 0
-  print(f"smoke preset: {elapsed:.0f}s")
+    model_probes.capture_layer_tensors(model, {"inputs": np.zeros((2, 8), np.int32)})

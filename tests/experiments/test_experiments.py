@@ -131,6 +131,7 @@ def test_new_model_preset_drops_old_model_fields():
 
 # --- smoke sweeps ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_smoke_sweep_end_to_end(name, tmp_path, cache):
   sweep = _module(name).get_config("smoke")
@@ -162,6 +163,7 @@ def test_smoke_sweep_end_to_end(name, tmp_path, cache):
   assert len(curves["bf16", 0]["loss"]) == sweep.base["steps"]
 
 
+@pytest.mark.slow
 def test_interrupted_sweep_resumes_and_skips_finished_runs(tmp_path, cache):
   base = sweep_lib.base_overrides("smoke")
   # Two identical runs under different names: the resumed one must reproduce the uninterrupted one exactly.
@@ -195,6 +197,7 @@ def test_interrupted_sweep_resumes_and_skips_finished_runs(tmp_path, cache):
     sweep_lib.run_sweep(sweep.with_overrides({"lr": 1e-3}), tmp_path, progress=False, log=None)
 
 
+@pytest.mark.slow
 def test_cli_on_finished_sweep_rewrites_report(tmp_path, cache, capsys):
   sweep = _module("formats").get_config("smoke").select(["bf16"])
   sweep_lib.run_sweep(sweep, tmp_path, compile_cache=cache, progress=False, log=None)
@@ -248,3 +251,10 @@ def test_smooth_is_a_trailing_moving_average():
   x = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
   np.testing.assert_allclose(report.smooth(x, 2), [1.0, 1.5, 2.5, 3.5, 4.5])
   np.testing.assert_allclose(report.smooth(x, 1), x)
+
+
+@pytest.mark.parametrize("name", ["formats_cpu", "components_cpu"])
+def test_committed_results_tables_are_what_the_report_writes(name):
+  folder = REPO / "experiments" / "results" / name
+  meta, rows, _ = report.read_results(folder)
+  assert report.markdown_table(meta, rows) == (folder / report.RESULTS_MD).read_text(encoding="utf-8")

@@ -41,6 +41,7 @@ def test_notebook_is_stored_without_outputs(path):
       assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip outputs before committing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, monkeypatch):
   if not _have_kernel():

@@ -1,0 +1,52 @@
+"""Helpers shared by the experiments: the sweep's file names, JSON-ready values and Markdown tables.
+
+Imports nothing from the experiments, so the sweep, the sweep report and the probes all import it without a cycle.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+# Files of a sweep folder: OUT/sweep.json (runs, labels, reference), OUT/<run>/seed<k>/summary.json (one result).
+SWEEP_FILE = "sweep.json"
+SUMMARY_FILE = "summary.json"
+
+
+def jsonable(value: Any) -> Any:
+  """Plain JSON values: str keys, lists for tuples and arrays, Python numbers, str() for any other object.
+
+  Non-finite floats become the strings "nan" / "inf" / "-inf" (strict JSON has none).
+  """
+  if isinstance(value, dict):
+    return {str(k): jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [jsonable(v) for v in value]
+  if hasattr(value, "__array__") and not isinstance(value, (str, bytes)):  # numpy and jax arrays and scalars
+    value = np.asarray(value)
+    return jsonable(value.item() if value.ndim == 0 else value.tolist())
+  if isinstance(value, float):
+    return value if math.isfinite(value) else str(value)
+  if value is None or isinstance(value, (bool, int, str)):
+    return value
+  return str(value)
+
+
+def fmt(mean: float | None, spread: float | None = None, digits: int = 4, signed: bool = False) -> str:
+  """"mean ± spread" with `digits` decimals; "-" for a missing or NaN mean, no spread when it is None or NaN."""
+  if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+    return "-"
+  text = f"{mean:{'+' if signed else ''}.{digits}f}"
+  if spread is not None and not math.isnan(spread):
+    text += f" ± {spread:.{digits}f}"
+  return text
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+  """A Markdown table."""
+  lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)

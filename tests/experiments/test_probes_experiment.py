@@ -1,0 +1,97 @@
+"""Tests for experiments.probes: presets and variants, the summaries and report of a stored smoke results.json
+(fast), and the smoke preset end to end, which must reproduce that stored results.json (slow)."""
+
+import json
+import math
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from experiments.probes import presets, report, run, summary
+from fp4jax.pretrain import model as model_lib
+
+# `python -m experiments.probes --preset smoke` on CPU (checkpoint path and run time blanked).
+STORED = pathlib.Path(__file__).parent / "data" / "probes_smoke_results.json"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_variants_and_presets():
+  assert presets.parse_variant("nvfp4-noSR+first1+last2") == ("nvfp4-noSR", 1, 2)
+  assert presets.parse_variant("mxfp4") == ("mxfp4", 0, 0)
+  with pytest.raises(ValueError, match="Bad variant"):
+    presets.parse_variant("nvfp5+last1")
+  with pytest.raises(ValueError, match="Unknown preset"):
+    presets.get_preset("tpu")
+  names = [f"blocks.{b}.{s}" for b in range(3) for s in model_lib.SUBLAYERS]
+  got = presets.variant_recipes("nvfp4+last1", names, 3)
+  assert [got[f"blocks.{b}.mlp.down"].is_quantized for b in range(3)] == [True, True, False]
+  got = presets.blocks_recipes(presets.probes.recipe_variants()["nvfp4"], [1], names, 3)
+  assert [got[f"blocks.{b}.attn.q"].is_quantized for b in range(3)] == [True, False, True]
+
+
+def test_summaries_on_small_cases():
+  cont = {"runs": {"bf16": {"1": {"val_own": 2.0, "val_bf16": 2.0}, "2": {"val_own": 3.0, "val_bf16": 3.0}},
+                   "nvfp4": {"1": {"val_own": 2.5, "val_bf16": 2.1}, "2": {"val_own": 3.1, "val_bf16": 3.1}}}}
+  deltas = summary.continuation_deltas(cont)
+  assert "delta_own" not in deltas["bf16"] and deltas["nvfp4"]["seeds"] == 2
+  np.testing.assert_allclose(deltas["nvfp4"]["delta_own"], (0.3, 0.2))  # paired by seed: (0.5, 0.1)
+  np.testing.assert_allclose(deltas["nvfp4"]["delta_bf16"], (0.1, 0.0), atol=1e-12)  # (0.1, 0.1): no spread
+  # Keeping block 2 in BF16 recovers the most loss: it ranks first.
+  mp = {"n_layers": 3, "variants": {"nvfp4": {"seq_dloss": [0.3, 0.5]}},
+        "all_but": {"0": {"seq_dloss": [0.3, 0.4]}, "1": {"seq_dloss": [0.2, 0.5]}, "2": {"seq_dloss": [0.0, 0.1]}}}
+  assert summary.sensitivity_ranking(mp) == [2, 0, 1]
+  np.testing.assert_allclose(summary.recovered_dloss(mp, 2), (0.35, 0.05))
+  assert summary.significance(1.0, 0.25) == "+4.0 SE" and summary.significance(0.1, 0.25).endswith("(no effect)")
+  assert summary.significance(0.0, 0.0) == "exact"
+
+
+def test_report_of_the_stored_smoke_results(tmp_path):
+  shutil.copy(STORED, tmp_path / report.RESULTS_FILE)
+  written = report.write_report(tmp_path)
+  assert {p.name for p in written} == {report.REPORT_FILE, "layer_errors.png", "bias_vs_k.png", "sensitivity.png",
+                                       "continuation.png"}
+  for p in written[1:]:
+    assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 5000
+  text = (tmp_path / report.REPORT_FILE).read_text()
+  for section in ("## Component effects", "## Per recipe", "## Gradient bias vs number", "## Codes and block scales",
+                  "## Whole model", "## Continuations", "## Per layer", "SR on -> off", "NVFP4 -> MXFP4"):
+    assert section in text
+  results = json.loads(STORED.read_text())
+  effects = summary.component_effects(results)
+  sr = [e for e in effects if e["what"] == "SR on -> off" and e["metric"].startswith("Dgrad bias vs exact")]
+  # Without SR the gradient rounding is biased: the mean of many draws stays further from the exact gradient.
+  assert len(sr) == 1 and sr[0]["mean"] > 0 and sr[0]["n"] == len(results["layers"]["layers"])
+  bf16_row = next(line for line in text.splitlines() if line.startswith("| bf16 | 0.0000"))
+  assert bf16_row.count("0.0000") >= 5  # BF16 against itself: exactly zero errors
+
+
+def _assert_close(got, want, path="results"):
+  if isinstance(want, dict):
+    assert set(got) == set(want), path
+    for k in want:
+      _assert_close(got[k], want[k], f"{path}.{k}")
+  elif isinstance(want, list):
+    assert len(got) == len(want), path
+    for i, (g, w) in enumerate(zip(got, want)):
+      _assert_close(g, w, f"{path}[{i}]")
+  elif isinstance(want, float) and math.isfinite(want):
+    # Same seeds, same code: equal up to float32 summation order on another CPU or JAX version.
+    assert got == pytest.approx(want, rel=1e-3, abs=1e-6), path
+  else:
+    assert got == want, path
+
+
+@pytest.mark.slow
+def test_smoke_preset_reproduces_the_stored_results(tmp_path):
+  assert run.main(["--preset", "smoke", "--out", str(tmp_path)]) == 0
+  results = json.loads((tmp_path / report.RESULTS_FILE).read_text())
+  want = json.loads(STORED.read_text())
+  for d in (results, want):
+    d.pop("checkpoint"), d.pop("seconds")
+  _assert_close(results, want)
+  assert set(results["layers"]["layers"]) == {f"blocks.0.{s}" for s in model_lib.SUBLAYERS}
+  # A second run reuses the base checkpoint; --report-only redraws from results.json.
+  assert run.main(["--preset", "smoke", "--out", str(tmp_path), "--report-only"]) == 0
+  assert (tmp_path / "continuation.png").is_file()
