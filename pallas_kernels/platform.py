@@ -55,6 +55,19 @@ def compute_capability(device=None) -> float | None:
     return None
 
 
+H100_SM_COUNT = 132  # H100 / H200 SXM: the fallback when the device does not say
+
+
+def core_count(device=None) -> int:
+  """Streaming multiprocessors of a GPU device (jax's `core_count`), else the H100/H200 count."""
+  try:
+    device = device or jax.devices()[0]
+  except RuntimeError:
+    return H100_SM_COUNT
+  n = getattr(device, "core_count", None)
+  return int(n) if device.platform == "gpu" and isinstance(n, int) and n > 0 else H100_SM_COUNT
+
+
 @functools.lru_cache(maxsize=None)
 def _availability() -> tuple[bool, str]:
   if triton_module() is None:
