@@ -286,12 +286,11 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
   op_a, op_b = _operand(a, contract[0], "a"), _operand(b, contract[1], "b")
   m, k = a.shape[1 - op_a.contract], a.shape[op_a.contract]
   n, k_b = b.shape[1 - op_b.contract], b.shape[op_b.contract]
-  if k != k_b:
-    raise ValueError(f"fp4_matmul: contraction lengths differ: a {a.shape} axis {op_a.contract} vs "
-                     f"b {b.shape} axis {op_b.contract}.")
-  m_out, n_out = a.orig_shape[1 - op_a.contract], b.orig_shape[1 - op_b.contract]
   if a.orig_shape[op_a.contract] != b.orig_shape[op_b.contract]:
-    raise ValueError(f"fp4_matmul: unpadded contraction lengths differ: {a.orig_shape} vs {b.orig_shape}.")
+    raise ValueError(f"fp4_matmul: contraction lengths differ: a {a.orig_shape} axis {op_a.contract} vs "
+                     f"b {b.orig_shape} axis {op_b.contract}.")
+  k = max(k, k_b)  # operands padded to different block multiples (pad=True): both are zero-padded to one K
+  m_out, n_out = a.orig_shape[1 - op_a.contract], b.orig_shape[1 - op_b.contract]
   interpret = platform.resolve_interpret(interpret)
   g = jnp.reshape(_global_scale(a) * _global_scale(b), (1,)).astype(jnp.float32)
 

@@ -174,7 +174,7 @@ def test_lowers_for_cuda(kw):
     q = quantize_nvfp4(x, interpret=False, key=key if kw.get("rounding") else None, **kw)
     return q.codes, q.scales, q.amax
 
-  text = jax.jit(f).trace(x, key).lower(lowering_platforms=("cuda",)).as_text()
+  text = platform.lower_for_cuda(f, x, key).as_text()
   assert text.count("xla.gpu.triton") == (2 if "rht_size" in kw else 1)
 
 
