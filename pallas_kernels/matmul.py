@@ -271,7 +271,8 @@ def _pad_operand(q: QArray, op: Operand, nk_to: int, k_to: int):
 
 def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), interpret: bool | None = None,
                tiles: tuple[int, int, int] | None = None, split_k: int | None = None,
-               use_blackwell: bool | None = None) -> jax.Array:
+               use_blackwell: bool | None = None, num_warps: int | None = None,
+               num_stages: int | None = None) -> jax.Array:
   """float32 dequantize(a) @ dequantize(b) (contracting a's axis contract[0] with b's contract[1]) -> [M, N].
 
   Args:
@@ -280,6 +281,7 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
     interpret: None = interpret mode on CPU, compiled on GPU (RuntimeError if the GPU cannot run the kernels).
     tiles: (BM, BN, BK) powers of two (BM, BN >= 16, BK >= 32 and a multiple of the block sizes); None picks.
     split_k: number of K splits (>= 1; partial products summed in float32); None picks (1 in interpret mode).
+    num_warps, num_stages: Triton launch parameters; None picks (8 warps on >= 128x128 tiles, 3 stages).
     use_blackwell: None = native block-scaled MMA (jax.nn.scaled_matmul) when the GPU has compute capability
       >= 10 and both operands are NVFP4 with 1D blocks; False = always the Pallas kernel.
   """
@@ -317,7 +319,7 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
   a_codes, a_scales = _pad_operand(a, op_a, mp, kp)
   b_codes, b_scales = _pad_operand(b, op_b, np_, kp)
   out = matmul_call(a_codes, a_scales, b_codes, b_scales, g, op_a, op_b, mp, np_, kp, (bm, bn, bk),
-                    split_k=split_k, interpret=interpret)
+                    split_k=split_k, interpret=interpret, num_warps=num_warps, num_stages=num_stages or 3)
   return out[:m_out, :n_out]
 
 
