@@ -3,7 +3,7 @@
 # limit, appending rows to one result ($OUT/rows.jsonl -> gpu_bench.md / gpu_bench.json): a Triton `LLVM ERROR`
 # abort, a sticky CUDA error or a timeout in one section loses only that section's remaining rows.
 #   bash benchmarks/gpu.sh [--out DIR] [--budget SECONDS] [--sections env,check,...] [--dry]
-# Order and limits (seconds, H200): env 20, check 60, gemm 60, quant 30, tiles 40, linear 30, train 60; the whole
+# Order and limits (seconds, H200): env 20, check 60, gemm 60, quant 30, tiles 35, linear 40, train 50; the whole
 # run stops starting sections when the budget (default 285 s, inside a 5-minute slot) is spent, and records the
 # rest as skipped. --dry: CPU, Pallas interpret mode, tiny sizes (the plumbing test in tests/).
 set -u
@@ -24,7 +24,7 @@ done
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-SECTIONS="env:20 check:60 gemm:60 quant:30 tiles:40 linear:30 train:60"
+SECTIONS="env:20 check:60 gemm:60 quant:30 tiles:35 linear:40 train:50"
 start=$(date +%s)
 for entry in $SECTIONS; do
   name="${entry%%:*}"; limit="${entry##*:}"
