@@ -13,7 +13,11 @@ Backend choice (the Pallas *Triton* backend, selected explicitly with `jax.exper
     spec prescribes; Triton's bf16 dot does that on sm_80+ and uses wgmma on sm_90.
   * Blackwell (compute capability >= 10) has native block-scaled FP4 MMA; jax exposes it as `jax.nn.scaled_matmul`
     (cuDNN). `fp4_matmul` routes there on such GPUs (see `matmul.py`); Triton is the path everywhere else.
-If a future jax drops the Triton lowering, `available()` reports it and the wrappers raise with that reason.
+  * jax 0.11 still ships the Triton lowering but deprecates it (a DeprecationWarning at lowering points to Mosaic
+    GPU or to jax-triton with Triton's own bindings). If a future jax drops it, `available()` reports it and the
+    wrappers raise with that reason; the kernels would then move to Mosaic GPU or jax-triton.
+  * Lowering for cuda without a GPU: jax 0.10 assumes sm_90; jax 0.11 needs an abstract GPU device, which
+    `cuda_lowering()` / `lower_for_cuda()` supply (feature-detected, no version checks).
 """
 
 from __future__ import annotations
