@@ -157,11 +157,10 @@ def e4m3_value(bits):
 
 
 def e8m0_value(bits):
-  """Float32 2^(bits - 127) of float8_e8m0fnu bit patterns (int32 0..255); 0xFF is NaN; 2^-127 via two factors."""
-  e = bits - E8M0_BIAS
-  half = e >> 1  # floor(e / 2): arithmetic shift
-  value = grids.pow2(half) * grids.pow2(e - half)
-  return jnp.where(bits == E8M0_NAN_BITS, jnp.nan, value)
+  """Float32 2^(bits - 127) of float8_e8m0fnu bit patterns (int32 0..255), built as float32 bit patterns: exponent
+  field `bits` for 1..254, the subnormal 2^-127 for 0 (no arithmetic, so no flush-to-zero), NaN for 0xFF."""
+  f32_bits = jnp.where(bits == 0, 0x00400000, jnp.where(bits == E8M0_NAN_BITS, 0x7FC00000, bits << 23))
+  return jax.lax.bitcast_convert_type(f32_bits.astype(jnp.int32), jnp.float32)
 
 
 def exact_divide(a, b, *, interpret: bool):
