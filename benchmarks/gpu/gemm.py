@@ -173,8 +173,9 @@ def run_tiles(sec: report.Section) -> None:
       continue
     try:
       g = Gemm(sec, *mnk, jax.random.fold_in(key, i))
-      t0, *_ = g.time(lambda a, b: fp4_matmul(a, b, interpret=sec.dry))
-      sec.add(f"default tiles {g.label()}", _tflops(g, t0), "TFLOP/s", note=f"{t0 * 1e6:.1f} us")
+      t0, fro, mx, fin = g.time(lambda a, b: fp4_matmul(a, b, interpret=sec.dry))
+      sec.add(f"default tiles {g.label()}", _tflops(g, t0), "TFLOP/s", err=mx, ok=bool(fin and fro < 1e-5),
+              note=f"{t0 * 1e6:.1f} us; rel err {fro:.2g}")
     except Exception as e:  # pylint: disable=broad-except
       sec.fail(f"tiles M,N,K={mnk}", e)
       continue
