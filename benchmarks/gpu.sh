@@ -1,14 +1,51 @@
 #!/usr/bin/env bash
-# One prepared GPU check + benchmark of pallas_kernels (correctness vs XLA, quantize GB/s vs copy, FP4 GEMM TFLOP/s
-# vs bf16, quantized linear fwd+bwd). Runs in ~5-7 min on an H200; everything goes under $OUT (default
-# benchmarks/out). Usage, from the repository root on the GPU machine:  bash benchmarks/gpu.sh
-set -uo pipefail
+# The first-run GPU check + benchmark of fp4jax's kernels, in sections, each its own process with its own time
+# limit, appending rows to one result ($OUT/rows.jsonl -> gpu_bench.md / gpu_bench.json): a Triton `LLVM ERROR`
+# abort, a sticky CUDA error or a timeout in one section loses only that section's remaining rows.
+#   bash benchmarks/gpu.sh [--out DIR] [--budget SECONDS] [--sections env,check,...] [--dry]
+# Order and limits (seconds, H200): env 20, check 60, gemm 60, quant 30, tiles 35, linear 40, train 50; the whole
+# run stops starting sections when the budget (default 285 s, inside a 5-minute slot) is spent, and records the
+# rest as skipped. --dry: CPU, Pallas interpret mode, tiny sizes (the plumbing test in tests/).
+set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/out}"
+BUDGET=285
+DRY=""
+ONLY=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT="$2"; shift 2 ;;
+    --budget) BUDGET="$2"; shift 2 ;;
+    --sections) ONLY=",$2,"; shift 2 ;;
+    --dry) DRY="--dry"; shift ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$OUT"
-{ nvidia-smi --query-gpu=name,compute_cap,clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used \
-    --format=csv; python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)"; \
-  python3 -c "import triton; print('triton', triton.__version__)"; } > "$OUT/env_gpu.txt" 2>&1 || true
-# Leave ~40 s of the 8-minute slot for start-up and the transfer of $OUT: the script stops starting rows at 420 s.
-PYTHONPATH=. timeout 540 python3 benchmarks/gpu_bench.py --out "$OUT" --budget_s 420 "$@" 2>&1 | tee "$OUT/gpu_bench.log"
-exit "${PIPESTATUS[0]}"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+SECTIONS="env:20 check:60 gemm:60 quant:30 tiles:35 linear:40 train:50"
+start=$(date +%s)
+for entry in $SECTIONS; do
+  name="${entry%%:*}"; limit="${entry##*:}"
+  if [ -n "$ONLY" ] && [[ "$ONLY" != *",$name,"* ]]; then continue; fi
+  left=$(( BUDGET - ($(date +%s) - start) ))
+  if [ -n "$DRY" ]; then limit=300; elif [ "$left" -lt "$limit" ]; then limit="$left"; fi
+  if [ "$limit" -lt 15 ]; then
+    "$PY" benchmarks/gpu_bench.py record "$name" --out "$OUT" --rc 0 >/dev/null 2>&1
+    echo "section $name: skipped, ${left} s of the budget left"
+    continue
+  fi
+  echo "== section $name (limit ${limit} s, $(( $(date +%s) - start )) s elapsed)"
+  timeout -k 5 "$limit" "$PY" benchmarks/gpu_bench.py "$name" --out "$OUT" --budget "$limit" $DRY \
+    > "$OUT/$name.log" 2>&1
+  rc=$?
+  grep -v "^WARNING\|DeprecationWarning\|^  return rule" "$OUT/$name.log" | tail -n 40
+  if [ "$rc" -ne 0 ]; then
+    "$PY" benchmarks/gpu_bench.py record "$name" --out "$OUT" --rc "$rc" --log "$OUT/$name.log"
+    echo "section $name: exit code $rc (recorded)"
+  fi
+done
+echo
+echo "# fp4jax GPU check + benchmark: $(( $(date +%s) - start )) s; rows in $OUT/gpu_bench.md"
+"$PY" benchmarks/gpu_bench.py summary --out "$OUT"

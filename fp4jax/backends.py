@@ -1,13 +1,52 @@
 """Kernel backends for the quantized GEMMs. fp4jax reaches `pallas_kernels` only here, imported lazily, when a
 recipe says `backend="pallas"`; anything the kernels do not cover runs on the XLA path after one warning.
+
+GEMM dispatch. On a GPU the fused Pallas FP4 GEMM wins where the GEMM is memory-bound (few tokens: it streams the
+packed weight, 0.5625 B/element) and loses where it is compute-bound (its in-register decode is ALU work beside
+the tensor cores), where decoding once and running a bf16 GEMM on the XLA path is faster. Which shapes go where is
+a measurement, kept as data: `GEMM_ROUTES`, filled from `benchmarks/gpu.sh` (its `gemm` section prints the rows).
+Until a GPU run fills it the table is empty and every covered GEMM of a `backend="pallas"` recipe runs on Pallas.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
+import jax
+
 from fp4jax import formats
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRoute:
+  """One measured dispatch rule: on devices whose kind starts with `device_kind`, a GEMM whose smallest dimension
+  (min of M, N, K) is at most `max_min_dim` runs on `backend`. Rows are tried in order; the first match wins."""
+  device_kind: str  # e.g. "NVIDIA H200"
+  max_min_dim: int
+  backend: str  # "pallas" or "xla"
+  source: str  # the run that measured it (benchmark, date, jax version)
+
+  def __post_init__(self):
+    if self.backend not in ("pallas", "xla"):
+      raise ValueError(f"GemmRoute.backend must be 'pallas' or 'xla'; got {self.backend!r}.")
+    if self.max_min_dim < 1:
+      raise ValueError(f"GemmRoute.max_min_dim must be >= 1; got {self.max_min_dim}.")
+
+
+# Unmeasured: no GPU has run benchmarks/gpu.sh yet. Its gemm section prints the rows to put here.
+GEMM_ROUTES: tuple[GemmRoute, ...] = ()
+
+
+def choose_gemm_backend(m: int, n: int, k: int, device_kind: str, routes=None) -> str:
+  """'pallas' or 'xla' for an [M, K] x [K, N] FP4 GEMM on `device_kind` by `routes` (default GEMM_ROUTES);
+  'pallas' when no row matches (the recipe asked for it)."""
+  smallest = min(m, n, k)
+  for route in GEMM_ROUTES if routes is None else routes:
+    if device_kind.startswith(route.device_kind) and smallest <= route.max_min_dim:
+      return route.backend
+  return "pallas"
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,9 +74,18 @@ def pallas_quantize(x, cfg, *, axis: int, recipe, key, signs):
                                    random_bits=recipe.random_bits, pad=cfg.pad)
 
 
-def pallas_gemm(a, b, contract):
-  """float32 product of two 2D FP4 QArrays on the Pallas GEMM kernel, or None if not covered."""
+def gemm_dims(a, b, contract) -> tuple[int, int, int]:
+  """(M, N, K) of a . b contracting a's axis contract[0] with b's contract[1] (2D operands)."""
+  return a.shape[1 - contract[0]], b.shape[1 - contract[1]], a.shape[contract[0]]
+
+
+def pallas_gemm(a, b, contract, *, routes=None):
+  """float32 product of two 2D FP4 QArrays on the Pallas GEMM kernel, or None if not covered or if the measured
+  dispatch table (`routes`, default GEMM_ROUTES) sends this shape on this GPU to the XLA path."""
   if not (a.fmt.is_fp4 and b.fmt.is_fp4) or a.ndim != 2 or b.ndim != 2:
     _fallback("the GEMM kernel takes 2D NVFP4/MXFP4 operands")
     return None
+  if jax.default_backend() == "gpu":
+    if choose_gemm_backend(*gemm_dims(a, b, contract), jax.devices()[0].device_kind, routes) == "xla":
+      return None  # a measured choice, not a gap: no warning
   return _kernels().fp4_matmul(a, b, contract=contract)

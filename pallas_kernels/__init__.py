@@ -3,9 +3,11 @@
   quantize_nvfp4(x, *, axis=-1, block_2d=False, rounding="nearest", key=None, rht_size=None, interpret=None,
                  random_bits=32, pad=False, rht_signs=None, tile=None) -> fp4jax.QArray
       bit-identical to fp4jax.quantize(x, fp4jax.NVFP4(), ...) (after fp4jax.random_hadamard when rht_size is set).
-  fp4_matmul(a, b, *, contract=(1, 0), interpret=None, tiles=None, use_blackwell=None) -> float32 [M, N]
+  fp4_matmul(a, b, *, contract=(1, 0), interpret=None, tiles=None, split_k=None, use_blackwell=None,
+             num_warps=None, num_stages=None) -> float32 [M, N]
       dequantize(a) . dequantize(b) for NVFP4/MXFP4 QArrays, up to float32 summation order.
   available(reason=False) -> bool (or (bool, why)): whether the kernels can run compiled on this machine.
+  platform.lower_for_cuda(fn, *args): jax.jit(fn) lowered for cuda on any machine (jax 0.10 and 0.11).
 
 interpret=None runs Pallas interpret mode on CPU and compiled kernels on a CUDA GPU (RuntimeError with the reason
 when the GPU cannot run them). Why Triton and not Mosaic GPU: see pallas_kernels/platform.py. The wrappers are not
@@ -13,8 +15,9 @@ differentiable (integer outputs); fp4jax.dot_general calls them inside its custo
 fp4jax never imports this package at top level: it is an optional backend.
 """
 
+from pallas_kernels import platform
 from pallas_kernels.matmul import fp4_matmul
 from pallas_kernels.platform import available
 from pallas_kernels.quantize import quantize_nvfp4
 
-__all__ = ["available", "fp4_matmul", "quantize_nvfp4"]
+__all__ = ["available", "fp4_matmul", "platform", "quantize_nvfp4"]

@@ -1,21 +1,32 @@
-"""FP4 GEMM kernel: packed E2M1 operands with E4M3 (NVFP4) or E8M0 (MXFP4) block scales, dequantized in-kernel.
+"""FP4 GEMM kernel: packed E2M1 operands with E4M3 (NVFP4) or E8M0 (MXFP4) block scales, decoded in-kernel.
 
-`fp4_matmul(a, b)` computes dequantize(a) @ dequantize(b) in float32 without materialising either operand:
-each K step loads packed code tiles and scale tiles, decodes code * block scale into bf16 (exact: at most 6
-significant bits and within bf16's range), runs a bf16 dot with float32 accumulation, and the epilogue multiplies
-by the per-tensor decode scales (amax_a / 2688) * (amax_b / 2688) (1 for MXFP4 operands). This is the Hopper
-emulation of the NVFP4 GEMM; on GPUs with compute capability >= 10 and `jax.nn.scaled_matmul` present, NVFP4 x
+`fp4_matmul(a, b)` computes dequantize(a) @ dequantize(b) in float32 without materialising either operand. Each
+program owns one (BM, BN) output tile and one K split; per K step it loads the packed code and scale tiles of
+both operands, decodes each tile once into bf16 (code * block scale: exact, at most 6 significant bits) and runs a
+bf16 dot with float32 accumulation, so every decoded element feeds BN (or BM) outputs. The epilogue multiplies by
+the per-tensor decode scales (amax_a / 2688) * (amax_b / 2688) (1 for MXFP4 operands). This is the Hopper
+emulation of the FP4 GEMM; on GPUs with compute capability >= 10 and `jax.nn.scaled_matmul` present, NVFP4 x
 NVFP4 GEMMs with 1x16 blocks go to the native block-scaled MMA instead (`blackwell_matmul`).
+
+Cost model (estimates until the GPU run measures them). The decode is bit placement (numerics.e2m1_scaled: 5
+integer ops, a half -> float conversion, one multiply by the block scale, a bf16 conversion), ~9 ALU ops per element
+against ~22 for a compare-chain decode. A program decodes (BM + BN) * BK elements per BM * BN * BK multiply-adds:
+9/64 ~ 0.14 ALU ops per MAC at 128x128 tiles, 0.105 at 128x256. An H100/H200 SM retires ~2048 bf16 MACs per clock
+on its tensor cores but 128 float32 (64 int32) ALU ops, ~0.06 per MAC, so a fused decode stays ALU-bound at roughly
+0.4-0.6x bf16 on compute-bound shapes however it is tiled; there, decoding each operand once (a memory-bound pass)
+and running a bf16 GEMM is the better plan, and fp4jax.backends dispatches between the two by a measured table.
+Skinny GEMMs (small M) are memory-bound: the kernel streams 0.5625 B/element of the packed weight against 2 B for a
+bf16 GEMM (4.5 for decode-then-GEMM), and split-K (grid axis 3) keeps every SM loading: that is where it wins.
 
 Operands (2D QArrays; `contract=(ca, cb)` names the contraction axis of each, default (1, 0) = a [M, K] @ b [K, N]):
   * 1x16 (NVFP4) / 1x32 (MXFP4) blocks must run along the contraction axis (QArray.axis == contraction axis):
     a [M, K] blocked along 1, or a [K, M] blocked along 0 (contract=(0, .)); b [K, N] blocked along 0, or
     b [N, K] blocked along 1 (contract=(., 1)).
   * 2D-blocked (16x16 / 32x32) operands may be packed along either axis, so the Fprop weight's codes serve Dgrad
-    unchanged (the "exact transpose" of the spec): the element's block scale is its tile's.
+    unchanged (the "exact transpose" of the paper): the element's block scale is its tile's.
   * NVFP4 and MXFP4 operands may be mixed. Padded QArrays (pad=True) are accepted; the output is cropped.
-Shapes that are not multiples of the tile are zero-padded (codes and scales) in XLA before the kernel and the
-output is cropped; pass `tiles` to avoid that copy. Code 0 decodes to 0 whatever its scale, so padding is exact.
+Shapes that are not multiples of the tile (or of BK * split_k along K) are zero-padded (codes and scales) in XLA
+before the kernel and the output is cropped; code 0 decodes to 0 whatever its scale, so padding is exact.
 NaN/inf: a non-finite amax of either operand makes the whole output NaN, like dequantize-then-matmul.
 
 When both operands are packed along the contraction axis (Fprop, Wgrad), each K step is two dots over the even and
@@ -63,8 +74,16 @@ class Operand:
 
 
 def _scale_values(scale_u8, op: Operand):
+  """Block scales as float32; NVFP4's carry the E2M1 half-decode gain 2^14 (E4M3 * 2^14 cannot overflow)."""
   bits = scale_u8.astype(jnp.int32)
-  return numerics.e4m3_value(bits) if op.kind == "nvfp4" else numerics.e8m0_value(bits)
+  if op.kind == "nvfp4":
+    return numerics.e4m3_value(bits) * numerics.E2M1_HALF_GAIN
+  return numerics.e8m0_value(bits)
+
+
+def _decode(nibbles, scale, op: Operand):
+  """bf16 code * block scale (exact: at most 6 significant bits), decoded by bit placement (numerics.e2m1_scaled)."""
+  return numerics.e2m1_scaled(nibbles, scale, gain_in_scale=op.kind == "nvfp4").astype(jnp.bfloat16)
 
 
 def _expand(scale, block, shape):
@@ -84,7 +103,7 @@ def _decode_halves(codes_u8, scale_u8, op: Operand):
   block = list(op.block)
   block[op.pack_axis] //= 2
   scale = _expand(_scale_values(scale_u8, op), block, c.shape)
-  return tuple((numerics.e2m1_value(h) * scale).astype(jnp.bfloat16) for h in (c & 15, c >> 4))
+  return _decode(c, scale, op), _decode(c >> 4, scale, op)  # e2m1_half_bits reads the low nibble only
 
 
 def _decode_natural(codes_u8, scale_u8, op: Operand):
@@ -99,12 +118,11 @@ def _decode_natural(codes_u8, scale_u8, op: Operand):
     lo, hi, scale, block, contract = lo.T, hi.T, scale.T, block[::-1], 1 - contract
   r, half = lo.shape
   codes = jnp.stack([lo, hi], axis=-1).reshape(r, 2 * half)
-  values = numerics.e2m1_value(codes) * _expand(scale, block, codes.shape)
-  return values.astype(jnp.bfloat16), contract
+  return _decode(codes, _expand(scale, block, codes.shape), op), contract
 
 
 def _load(ref, op: Operand, k_len: int, k_step):
-  """Loads the k-th slice (length k_len along the stored contraction axis) of a full-K block ref."""
+  """Loads the k-th slice (length k_len along the stored contraction axis) of a K-block ref."""
   idx = [slice(None), slice(None)]
   idx[op.contract] = pl.ds(pl.multiple_of(k_step * k_len, k_len), k_len)
   return ref[tuple(idx)]
@@ -116,8 +134,9 @@ def _dot(a, a_k, b, b_k):
 
 def _matmul_kernel(a_codes_ref, a_scales_ref, b_codes_ref, b_scales_ref, g_ref, out_ref, *, a: Operand, b: Operand,
                    tiles: tuple[int, int, int], k_steps: int):
+  """One (BM, BN) output tile over one split's K range: per K step each operand tile is decoded once, then dotted."""
   bm, bn, bk = tiles
-  split_k = a.pack_axis == a.contract and b.pack_axis == b.contract
+  halves = a.pack_axis == a.contract and b.pack_axis == b.contract
 
   def load(codes_ref, scales_ref, op, k):
     code_len = bk // 2 if op.pack_axis == op.contract else bk
@@ -125,7 +144,7 @@ def _matmul_kernel(a_codes_ref, a_scales_ref, b_codes_ref, b_scales_ref, g_ref, 
 
   def body(k, acc):
     a_tiles, b_tiles = load(a_codes_ref, a_scales_ref, a, k), load(b_codes_ref, b_scales_ref, b, k)
-    if split_k:
+    if halves:
       (a_even, a_odd), (b_even, b_odd) = _decode_halves(*a_tiles, a), _decode_halves(*b_tiles, b)
       return acc + _dot(a_even, a.contract, b_even, b.contract) + _dot(a_odd, a.contract, b_odd, b.contract)
     a_tile, a_k = _decode_natural(*a_tiles, a)
@@ -137,36 +156,39 @@ def _matmul_kernel(a_codes_ref, a_scales_ref, b_codes_ref, b_scales_ref, g_ref, 
 
 
 def matmul_call(a_codes, a_scales, b_codes, b_scales, g, a: Operand, b: Operand, m: int, n: int, k: int,
-                tiles: tuple[int, int, int], *, interpret: bool, num_warps: int | None = None, num_stages: int = 3):
-  """The pallas_call on already-padded operands (m, n, k multiples of the tiles); scales as uint8 bits."""
+                tiles: tuple[int, int, int], *, split_k: int = 1, interpret: bool, num_warps: int | None = None,
+                num_stages: int = 3):
+  """The pallas_call on already-padded operands (m, n multiples of BM, BN; k of BK * split_k); scales as uint8.
+
+  Grid (M/BM, N/BN, split_k): split s sums K range [s K/split_k, (s+1) K/split_k) into out[s]; the splits are
+  added in XLA (float32). Splitting K gives skinny (small-M) GEMMs enough programs to keep every SM loading.
+  """
   bm, bn, bk = tiles
-  if num_warps is None:  # the in-register dequantization of two tiles needs more threads on large tiles
+  kc = k // split_k
+  if num_warps is None:  # the in-register decode of two tiles needs more threads on large tiles
     num_warps = 8 if bm * bn >= 128 * 128 else 4
 
-  def spec(op: Operand, dims, nk_tile, by_row):
-    block = list(dims)
-    block[1 - op.contract] = nk_tile
+  def spec(op: Operand, block, by_row):
+    """block: one program's (non-contracted tile x one split's K) slab of codes or scales, stored orientation."""
+    nk = (lambda i, j: i) if by_row else (lambda i, j: j)
     if op.contract == 0:
-      return pl.BlockSpec(tuple(block), (lambda i, j: (0, i)) if by_row else (lambda i, j: (0, j)))
-    return pl.BlockSpec(tuple(block), (lambda i, j: (i, 0)) if by_row else (lambda i, j: (j, 0)))
+      return pl.BlockSpec(block, lambda i, j, s: (s, nk(i, j)))
+    return pl.BlockSpec(block, lambda i, j, s: (nk(i, j), s))
 
-  a_code_nk = a.codes_dims(bm, bk)[1 - a.contract]
-  a_scale_nk = a.scales_dims(bm, bk)[1 - a.contract]
-  b_code_nk = b.codes_dims(bn, bk)[1 - b.contract]
-  b_scale_nk = b.scales_dims(bn, bk)[1 - b.contract]
-  kernel = functools.partial(_matmul_kernel, a=a, b=b, tiles=tiles, k_steps=k // bk)
-  return pl.pallas_call(
+  kernel = functools.partial(_matmul_kernel, a=a, b=b, tiles=tiles, k_steps=kc // bk)
+  out = pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-      grid=(m // bm, n // bn),
-      in_specs=[spec(a, a_codes.shape, a_code_nk, True), spec(a, a_scales.shape, a_scale_nk, True),
-                spec(b, b_codes.shape, b_code_nk, False), spec(b, b_scales.shape, b_scale_nk, False),
-                pl.BlockSpec((1,), lambda i, j: (0,))],
-      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      out_shape=jax.ShapeDtypeStruct((split_k, m, n), jnp.float32),
+      grid=(m // bm, n // bn, split_k),
+      in_specs=[spec(a, a.codes_dims(bm, kc), True), spec(a, a.scales_dims(bm, kc), True),
+                spec(b, b.codes_dims(bn, kc), False), spec(b, b.scales_dims(bn, kc), False),
+                pl.BlockSpec((1,), lambda i, j, s: (0,))],
+      out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
       interpret=interpret,
       compiler_params=platform.compiler_params(num_warps=num_warps, num_stages=num_stages),
       name="fp4_matmul",
   )(a_codes, a_scales, b_codes, b_scales, g)
+  return out[0] if split_k == 1 else jnp.sum(out, axis=0)
 
 
 # --- public wrapper ----------------------------------------------------------------------------------------------
@@ -205,12 +227,32 @@ def _pow2_at_least(n: int, lo: int, hi: int) -> int:
 
 
 def default_tiles(m: int, n: int, k: int, interpret: bool) -> tuple[int, int, int]:
-  """(BM, BN, BK): powers of two; compiled: 128x128x64 for large GEMMs, narrower N tiles for skinny M."""
-  if interpret:  # few grid steps: each costs ~1 ms of Python
+  """(BM, BN, BK), powers of two. Interpret mode: few, large tiles (~1 ms of Python per grid step). Compiled:
+  128x128 output tiles with BK=128 (each decoded operand tile feeds 128 outputs per element; a long K step
+  amortises the loop); skinny M (memory-bound): BM=M, BN=64 and BK=256 so each program streams long B slabs.
+  Starting points only: benchmarks/gpu/gemm.py times the variants on the GPU."""
+  if interpret:
     return _pow2_at_least(m, MIN_TILE_MN, 512), _pow2_at_least(n, MIN_TILE_MN, 512), _pow2_at_least(k, MIN_TILE_K, 512)
   bm = _pow2_at_least(m, MIN_TILE_MN, 128)
-  bn = 64 if bm <= 64 else 128
-  return bm, _pow2_at_least(n, MIN_TILE_MN, bn), _pow2_at_least(k, MIN_TILE_K, 64)
+  if bm <= 32:
+    return bm, _pow2_at_least(n, MIN_TILE_MN, 64), _pow2_at_least(k, MIN_TILE_K, 256)
+  return bm, _pow2_at_least(n, MIN_TILE_MN, 128), _pow2_at_least(k, MIN_TILE_K, 128)
+
+
+def default_split_k(m: int, n: int, k: int, tiles: tuple[int, int, int], interpret: bool,
+                    cores: int | None = None) -> int:
+  """Splits of K (a power of two) so a GEMM with few output tiles still gives every SM work: double while the
+  programs stay under two per SM, each split keeps >= 2 K steps, and no K padding is added. 1 in interpret mode."""
+  if interpret:
+    return 1
+  cores = cores or platform.core_count()
+  bm, bn, bk = tiles
+  programs = -(-m // bm) * -(-n // bn)
+  k_steps = -(-k // bk)
+  split = 1
+  while programs * split * 2 <= 2 * cores and k_steps % (split * 2) == 0 and k_steps // (split * 2) >= 2:
+    split *= 2
+  return split
 
 
 def _pad_operand(q: QArray, op: Operand, nk_to: int, k_to: int):
@@ -228,7 +270,9 @@ def _pad_operand(q: QArray, op: Operand, nk_to: int, k_to: int):
 
 
 def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), interpret: bool | None = None,
-               tiles: tuple[int, int, int] | None = None, use_blackwell: bool | None = None) -> jax.Array:
+               tiles: tuple[int, int, int] | None = None, split_k: int | None = None,
+               use_blackwell: bool | None = None, num_warps: int | None = None,
+               num_stages: int | None = None) -> jax.Array:
   """float32 dequantize(a) @ dequantize(b) (contracting a's axis contract[0] with b's contract[1]) -> [M, N].
 
   Args:
@@ -236,18 +280,19 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
     contract: contraction axis of a and of b; (1, 0): a [M, K] @ b [K, N]; (1, 1): b given as [N, K].
     interpret: None = interpret mode on CPU, compiled on GPU (RuntimeError if the GPU cannot run the kernels).
     tiles: (BM, BN, BK) powers of two (BM, BN >= 16, BK >= 32 and a multiple of the block sizes); None picks.
+    split_k: number of K splits (>= 1; partial products summed in float32); None picks (1 in interpret mode).
+    num_warps, num_stages: Triton launch parameters; None picks (8 warps on >= 128x128 tiles, 3 stages).
     use_blackwell: None = native block-scaled MMA (jax.nn.scaled_matmul) when the GPU has compute capability
       >= 10 and both operands are NVFP4 with 1D blocks; False = always the Pallas kernel.
   """
   op_a, op_b = _operand(a, contract[0], "a"), _operand(b, contract[1], "b")
   m, k = a.shape[1 - op_a.contract], a.shape[op_a.contract]
   n, k_b = b.shape[1 - op_b.contract], b.shape[op_b.contract]
-  if k != k_b:
-    raise ValueError(f"fp4_matmul: contraction lengths differ: a {a.shape} axis {op_a.contract} vs "
-                     f"b {b.shape} axis {op_b.contract}.")
-  m_out, n_out = a.orig_shape[1 - op_a.contract], b.orig_shape[1 - op_b.contract]
   if a.orig_shape[op_a.contract] != b.orig_shape[op_b.contract]:
-    raise ValueError(f"fp4_matmul: unpadded contraction lengths differ: {a.orig_shape} vs {b.orig_shape}.")
+    raise ValueError(f"fp4_matmul: contraction lengths differ: a {a.orig_shape} axis {op_a.contract} vs "
+                     f"b {b.orig_shape} axis {op_b.contract}.")
+  k = max(k, k_b)  # operands padded to different block multiples (pad=True): both are zero-padded to one K
+  m_out, n_out = a.orig_shape[1 - op_a.contract], b.orig_shape[1 - op_b.contract]
   interpret = platform.resolve_interpret(interpret)
   g = jnp.reshape(_global_scale(a) * _global_scale(b), (1,)).astype(jnp.float32)
 
@@ -265,11 +310,16 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
     if bk % op.block[op.contract] or (q.block_2d and (bm if op is op_a else bn) % q.fmt.block_size):
       raise ValueError(f"fp4_matmul: tiles {(bm, bn, bk)} must be multiples of the {q.fmt.name} block size "
                        f"{q.fmt.block_size} along blocked axes.")
-  mp, np_, kp = -(-m // bm) * bm, -(-n // bn) * bn, -(-k // bk) * bk
+  if split_k is None:
+    split_k = default_split_k(m, n, k, (bm, bn, bk), interpret)
+  if not isinstance(split_k, int) or split_k < 1:
+    raise ValueError(f"fp4_matmul: split_k must be a positive int; got {split_k!r}.")
+  kq = bk * split_k
+  mp, np_, kp = -(-m // bm) * bm, -(-n // bn) * bn, -(-k // kq) * kq
   a_codes, a_scales = _pad_operand(a, op_a, mp, kp)
   b_codes, b_scales = _pad_operand(b, op_b, np_, kp)
   out = matmul_call(a_codes, a_scales, b_codes, b_scales, g, op_a, op_b, mp, np_, kp, (bm, bn, bk),
-                    interpret=interpret)
+                    split_k=split_k, interpret=interpret, num_warps=num_warps, num_stages=num_stages or 3)
   return out[:m_out, :n_out]
 
 

@@ -6,7 +6,8 @@ Inside a Pallas Triton kernel three things differ from XLA, and each is avoided 
     multiplications, and the one real division (the block encode scale) uses `div.rn.f32` through inline PTX when
     compiled (`exact_divide`); interpret mode runs XLA's IEEE division.
   * float min/max lower to `minnumf`/`maxnumf`, which drop NaN: every NaN-sensitive clamp restores NaN explicitly.
-No table lookups either (Triton has no gather): E2M1/E4M3/E8M0 values are decoded arithmetically.
+No table lookups either (Triton has no gather): E2M1 values are decoded by bit placement through float16, E4M3/E8M0
+scales arithmetically.
 Per-element work sets the quantize kernel's speed (it is ALU-, not memory-bound, if done naively), so element codes
 come from threshold counts (~16 ops) rather than fp4jax's frexp-based rounding; block scales (1/16 of the work)
 reuse the frexp-based E4M3 rounding. Every function here is tested bit for bit against fp4jax.
@@ -95,15 +96,31 @@ def e2m1_code_stochastic(y, bits, random_bits: int):
   return (m_lo + (u < threshold).astype(jnp.int32)) | _sign(y)
 
 
-def e2m1_value(codes):
-  """Float32 values of int32 E2M1 codes 0..15, built as float32 bit patterns (no table, no float math).
+# E2M1 -> float by bit placement: the nibble's sign goes to float16 bit 15 and its magnitude bits e1 e0 m to bits
+# 11:9 (the low two exponent bits and the top mantissa bit). That half is value(code) * 2^-14 exactly: exponent
+# field E > 0 gives 2^(E-15) (1 + m/2) = 2^-14 * 2^(E-1) (1 + m/2), and E = 0 the subnormal m * 2^-15 = 2^-14 * m/2. float16 subnormals are kept by every half -> float32 conversion (FTZ
+# applies to float32 arithmetic only), so no compare, select or table is needed: 5 integer ops and one conversion.
+E2M1_HALF_GAIN = 2.0**14
 
-  Magnitude codes 2..7 are 1, 1.5, 2, 3, 4, 6: float32 bits 0x3F800000 + ((m - 2) << 22) (exponent and the one
-  mantissa bit step together); code 1 is 0.5 (0x3F000000), code 0 is 0; bit 3 of the code is the sign bit.
+
+def e2m1_half_bits(nibbles):
+  """uint16 float16 bit patterns of value(code) * 2^-14 for int32 E2M1 codes 0..15 (higher bits ignored)."""
+  return (((nibbles & 7) << 9) | ((nibbles & 8) << 12)).astype(jnp.uint16)
+
+
+def e2m1_scaled(nibbles, scale, *, gain_in_scale: bool = False):
+  """float32 value(code) * scale for int32 E2M1 codes, exact (code * scale has at most 6 significant bits).
+
+  gain_in_scale: `scale` already carries the factor 2^14 (one multiply per element instead of two; only safe when
+  scale * 2^14 cannot overflow float32, e.g. E4M3 block scales).
   """
-  m = codes & 7
-  mag = jnp.where(m >= 2, 0x3F800000 + ((m - 2) << 22), jnp.where(m == 1, 0x3F000000, 0))
-  return jax.lax.bitcast_convert_type(mag | ((codes & 8) << 28), jnp.float32)
+  h = jax.lax.bitcast_convert_type(e2m1_half_bits(nibbles), jnp.float16).astype(jnp.float32)
+  return h * scale if gain_in_scale else (h * E2M1_HALF_GAIN) * scale
+
+
+def e2m1_value(codes):
+  """Float32 values of int32 E2M1 codes 0..15 (bit placement, see e2m1_half_bits)."""
+  return e2m1_scaled(codes, jnp.float32(1.0))
 
 
 def round_e4m3(x):
@@ -140,11 +157,10 @@ def e4m3_value(bits):
 
 
 def e8m0_value(bits):
-  """Float32 2^(bits - 127) of float8_e8m0fnu bit patterns (int32 0..255); 0xFF is NaN; 2^-127 via two factors."""
-  e = bits - E8M0_BIAS
-  half = e >> 1  # floor(e / 2): arithmetic shift
-  value = grids.pow2(half) * grids.pow2(e - half)
-  return jnp.where(bits == E8M0_NAN_BITS, jnp.nan, value)
+  """Float32 2^(bits - 127) of float8_e8m0fnu bit patterns (int32 0..255), built as float32 bit patterns: exponent
+  field `bits` for 1..254, the subnormal 2^-127 for 0 (no arithmetic, so no flush-to-zero), NaN for 0xFF."""
+  f32_bits = jnp.where(bits == 0, 0x00400000, jnp.where(bits == E8M0_NAN_BITS, 0x7FC00000, bits << 23))
+  return jax.lax.bitcast_convert_type(f32_bits.astype(jnp.int32), jnp.float32)
 
 
 def exact_divide(a, b, *, interpret: bool):

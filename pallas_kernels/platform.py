@@ -13,11 +13,17 @@ Backend choice (the Pallas *Triton* backend, selected explicitly with `jax.exper
     spec prescribes; Triton's bf16 dot does that on sm_80+ and uses wgmma on sm_90.
   * Blackwell (compute capability >= 10) has native block-scaled FP4 MMA; jax exposes it as `jax.nn.scaled_matmul`
     (cuDNN). `fp4_matmul` routes there on such GPUs (see `matmul.py`); Triton is the path everywhere else.
-If a future jax drops the Triton lowering, `available()` reports it and the wrappers raise with that reason.
+  * jax 0.11 still ships the Triton lowering but deprecates it (a DeprecationWarning at lowering points to Mosaic
+    GPU or to jax-triton with Triton's own bindings). If a future jax drops it, `available()` reports it and the
+    wrappers raise with that reason; the kernels would then move to Mosaic GPU or jax-triton.
+  * Lowering for cuda without a GPU: jax 0.10 assumes sm_90; jax 0.11 needs an abstract GPU device, which
+    `cuda_lowering()` / `lower_for_cuda()` supply (feature-detected, no version checks).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -53,6 +59,19 @@ def compute_capability(device=None) -> float | None:
     return float(cc)
   except (TypeError, ValueError):
     return None
+
+
+H100_SM_COUNT = 132  # H100 / H200 SXM: the fallback when the device does not say
+
+
+def core_count(device=None) -> int:
+  """Streaming multiprocessors of a GPU device (jax's `core_count`), else the H100/H200 count."""
+  try:
+    device = device or jax.devices()[0]
+  except RuntimeError:
+    return H100_SM_COUNT
+  n = getattr(device, "core_count", None)
+  return int(n) if device.platform == "gpu" and isinstance(n, int) and n > 0 else H100_SM_COUNT
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,3 +124,40 @@ def use_blackwell_path() -> bool:
     return False
   cc = compute_capability()
   return cc is not None and cc >= BLACKWELL_COMPUTE_CAPABILITY
+
+
+def _has_gpu() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+def cuda_lowering(device_kind: str = "NVIDIA H200", num_cores: int = H100_SM_COUNT):
+  """A context under which kernels lower for `cuda` on a machine without a GPU (for AOT lowering and tests).
+
+  Lowering a Pallas Triton kernel asks for the target GPU. jax 0.10 falls back to sm_90 when no GPU is present;
+  jax 0.11 refuses unless the abstract mesh names an abstract GPU (`jax.sharding.AbstractDevice` under
+  `jax.sharding.use_abstract_mesh`). This context supplies one when this jax has those APIs and no GPU is
+  attached, and does nothing otherwise, so callers need not know the jax version. Use it around
+  `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`.
+  """
+  sharding = jax.sharding
+  if _has_gpu() or not all(hasattr(sharding, n) for n in ("AbstractDevice", "AbstractMesh", "use_abstract_mesh")):
+    return contextlib.nullcontext()
+  wanted = dict(device_kind=device_kind, num_cores=num_cores, platform="cuda")
+  fields = {f.name for f in dataclasses.fields(sharding.AbstractDevice)} if dataclasses.is_dataclass(
+      sharding.AbstractDevice) else set(wanted)
+  device = sharding.AbstractDevice(**{k: v for k, v in wanted.items() if k in fields})
+  # Auto axes: with Explicit ones (0.11's default) avals carry shardings and the Triton lowering of reductions
+  # trips over them.
+  auto = getattr(getattr(sharding, "AxisType", None), "Auto", None)
+  kwargs = {"axis_types": (auto,)} if auto is not None else {}
+  mesh = sharding.AbstractMesh((1,), ("cuda_lowering",), abstract_device=device, **kwargs)
+  return sharding.use_abstract_mesh(mesh)
+
+
+def lower_for_cuda(fn, *args):
+  """`jax.jit(fn)` traced on `args` (arrays or ShapeDtypeStructs) and lowered for cuda on any machine."""
+  with cuda_lowering():
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))

@@ -23,7 +23,7 @@ top byte (uint8), which is all the 8-bit rule uses.
 RHT bit-identity: the kernel applies H with a float32 dot (precision HIGHEST) over groups of 16 elements (sizes < 16
 as a block-diagonal 16x16 matrix), like fp4jax.random_hadamard. In interpret mode both run XLA's CPU dot and agree
 bit for bit (tested). A compiled kernel sums the 16 products in Triton's order, which may differ from XLA's GPU dot
-in the last bit of a float32 sum; after rounding to bf16 that changes a code only rarely (benchmarks/gpu_bench.py
+in the last bit of a float32 sum; after rounding to bf16 that changes a code only rarely (benchmarks/gpu/check.py
 counts such mismatches on the GPU). The RHT amax comes from the kernel's own transform, so amax, scales and codes
 always agree with each other.
 

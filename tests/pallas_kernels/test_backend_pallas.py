@@ -50,3 +50,30 @@ class _no_warning:
 
   def __exit__(self, *exc):
     return self._cm.__exit__(*exc)
+
+
+def test_gemm_dispatch_table():
+  from fp4jax import backends
+  routes = (backends.GemmRoute("NVIDIA H200", 64, "pallas", "test"),
+            backends.GemmRoute("NVIDIA H200", 1 << 30, "xla", "test"))
+  assert backends.choose_gemm_backend(16, 8192, 8192, "NVIDIA H200", routes) == "pallas"
+  assert backends.choose_gemm_backend(8192, 8192, 64, "NVIDIA H200", routes) == "pallas"  # Wgrad over 64 tokens
+  assert backends.choose_gemm_backend(128, 8192, 8192, "NVIDIA H200", routes) == "xla"
+  assert backends.choose_gemm_backend(128, 8192, 8192, "NVIDIA H100 80GB HBM3", routes) == "pallas"  # no row
+  assert backends.GEMM_ROUTES == () or all(r.source for r in backends.GEMM_ROUTES)
+  with pytest.raises(ValueError, match="backend"):
+    backends.GemmRoute("NVIDIA H200", 64, "cuda", "test")
+
+
+def test_gemm_dispatch_applies_on_gpu_only(monkeypatch):
+  """pallas_gemm consults the table when the default backend is a GPU (simulated here): a route to 'xla' returns
+  None (the caller's XLA path) without a warning; on CPU the table is not consulted."""
+  from fp4jax import backends
+  a = fp4jax.quantize(jax.random.normal(jax.random.key(0), (16, 32)), "nvfp4", axis=1)
+  b = fp4jax.quantize(jax.random.normal(jax.random.key(1), (32, 16)), "nvfp4", axis=0)
+  kind = jax.devices()[0].device_kind
+  to_xla = (backends.GemmRoute(kind, 1 << 30, "xla", "test"),)
+  assert backends.pallas_gemm(a, b, (1, 0), routes=to_xla) is not None  # CPU: interpret-mode kernel
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  with _no_warning():
+    assert backends.pallas_gemm(a, b, (1, 0), routes=to_xla) is None

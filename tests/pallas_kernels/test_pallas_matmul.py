@@ -1,4 +1,5 @@
-"""Pallas FP4 GEMM (interpret mode) vs dequantize-then-matmul in float32 HIGHEST; cuda lowering; bad operands.
+"""Pallas FP4 GEMM (interpret mode) vs dequantize-then-matmul in float32 HIGHEST; bit-placement decode vs NumPy;
+split-K; cuda lowering (jax 0.10 and 0.11); bad operands.
 
 The kernel's products are exact (code * scale fits bf16) and only the float32 summation order differs, so each
 output is compared within 1e-5 of sum_k |a_mk| |b_kn| (the magnitude of what was summed).
@@ -6,12 +7,16 @@ output is compared within 1e-5 of sum_k |a_mk| |b_kn| (the magnitude of what was
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 import fp4jax
+import reference
 from pallas_kernels import fp4_matmul
 from pallas_kernels import matmul as matmul_lib
+from pallas_kernels import numerics
+from pallas_kernels import platform
 from pallas_kernels import quantize_nvfp4
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -46,15 +51,17 @@ def _make(spec):
 
 
 def _check_group(cases):
-  """cases: (label, a spec, b spec, contract, tiles). Quantization, kernels and references run in one jit."""
+  """cases: (label, a spec, b spec, contract, tiles[, split_k]). Quantization, kernels and references in one jit."""
+  cases = [c if len(c) == 6 else (*c, None) for c in cases]
+
   def run(inputs):
     out = []
-    for (xa, xb), (_, (_, fa, ka), (_, fb, kb), c, t) in zip(inputs, cases):
+    for (xa, xb), (_, (_, fa, ka), (_, fb, kb), c, t, split) in zip(inputs, cases):
       a, b = _make((xa, fa, ka)), _make((xb, fb, kb))
-      out.append((fp4_matmul(a, b, contract=c, tiles=t, interpret=True), *_reference(a, b, c)))
+      out.append((fp4_matmul(a, b, contract=c, tiles=t, split_k=split, interpret=True), *_reference(a, b, c)))
     return out
 
-  results = jax.jit(run)([(sa[0], sb[0]) for _, sa, sb, _, _ in cases])
+  results = jax.jit(run)([(sa[0], sb[0]) for _, sa, sb, *_ in cases])
   for (label, *_), (out, ref, bound) in zip(cases, results):
     assert out.dtype == jnp.float32, label
     assert out.shape == ref.shape, (label, out.shape, ref.shape)
@@ -88,6 +95,63 @@ def test_mxfp4_and_mixed_formats():
       ("mxfp4 x nvfp4", _q(x, "mxfp4", axis=1), _q(w, "nvfp4", axis=0), (1, 0), None),
   ]
   _check_group(cases)
+
+
+def test_split_k_odd_shapes():
+  """K split across a grid axis (partial products summed in float32), with M, N, K that no tile divides."""
+  x, w = _input((37, 208), 12), _input((208, 53), 13)
+  cases = [
+      ("nvfp4 split 2, 3 K steps per split", _q(x, axis=1), _q(w, axis=0), (1, 0), (16, 16, 32), 2),
+      ("nvfp4 2D weight split 3, K padded to 3 x 96", _q(x, axis=1), _q(w, axis=0, block_2d=True, pad=True), (1, 0),
+       (16, 16, 32), 3),
+      ("Dgrad reuse split 2", _q(x, axis=1), _q(w.T, axis=1, block_2d=True, pad=True), (1, 1), (16, 16, 32), 2),
+      ("Wgrad [K, M] split 4", _q(x.T, axis=0), _q(w, axis=0), (0, 0), (32, 64, 32), 4),
+      ("mxfp4 split 2", _q(x, "mxfp4", axis=1, pad=True), _q(w, "mxfp4", axis=0, pad=True), (1, 0), (16, 16, 64), 2),
+      ("mxfp4 x nvfp4 split 3", _q(x, "mxfp4", axis=1, pad=True), _q(w, axis=0, pad=True), (1, 0), (16, 64, 64), 3),
+  ]
+  _check_group(cases)
+
+
+def test_default_split_k():
+  # M=16 against a 8192 x 8192 weight: 128 programs of (16, 64) on 132 SMs -> 2 splits of 16 K steps.
+  assert matmul_lib.default_split_k(16, 8192, 8192, (16, 64, 256), False, cores=132) == 2
+  assert matmul_lib.default_split_k(16, 1024, 8192, (16, 64, 256), False, cores=132) == 16  # 2 K steps each
+  assert matmul_lib.default_split_k(8192, 8192, 8192, (128, 128, 128), False, cores=132) == 1
+  assert matmul_lib.default_split_k(16, 1024, 256 * 3, (16, 64, 256), False, cores=132) == 1  # no K padding
+  assert matmul_lib.default_split_k(16, 1024, 8192, (16, 64, 256), True) == 1  # interpret mode
+
+
+def test_decode_by_bit_placement_is_exact():
+  """Every code byte (both nibbles) times every finite E4M3 scale, and E8M0 scales, as the kernel decodes them,
+  equals the NumPy float64 product rounded to bf16 (which it must equal exactly: no rounding happens)."""
+  codes = np.arange(256, dtype=np.int32)
+  e4m3_bits = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.int32)
+  e8m0_bits = np.arange(2, 255, dtype=np.int32)  # 2^-127, 2^-126 * 0.5: float32 subnormals, flushed by XLA on CPU
+
+  @jax.jit
+  def run(c, s4, s8):
+    nv = matmul_lib.Operand(1, 1, (1, 16), "nvfp4")
+    mx = matmul_lib.Operand(1, 1, (1, 32), "mxfp4")
+    sc4 = matmul_lib._scale_values(s4.astype(jnp.uint8), nv)
+    sc8 = matmul_lib._scale_values(s8.astype(jnp.uint8), mx)
+    return tuple(matmul_lib._decode(n[:, None], s[None, :], op) for n in (c & 15, c >> 4)
+                 for s, op in ((sc4, nv), (sc8, mx))) + (numerics.e2m1_half_bits(c & 15),)
+
+  *decoded, half_bits = run(jnp.asarray(codes), jnp.asarray(e4m3_bits), jnp.asarray(e8m0_bits))
+  s4 = e4m3_bits.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+  s8 = e8m0_bits.astype(np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+  refs = [reference.e2m1_value(n)[:, None] * s[None, :] for n in (codes & 15, codes >> 4) for s in (s4, s8)]
+  for got, want in zip(decoded, refs):  # 6 * 2^127 overflows to inf in both
+    finite = np.abs(want) <= float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+    assert np.array_equal(want[finite], want[finite].astype(ml_dtypes.bfloat16).astype(np.float64)), "not exact"
+    got = np.asarray(got)
+    assert got.dtype == jnp.bfloat16
+    with np.errstate(over="ignore"):
+      want_bits = want.astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(got.view(np.uint16), want_bits)
+  # The half pattern itself: value(code) * 2^-14, code 1 on the half subnormal 2^-15.
+  halves = np.asarray(half_bits).astype(np.uint16).view(np.float16).astype(np.float64)
+  np.testing.assert_array_equal(halves, reference.e2m1_value(codes & 15) * 2.0**-14)
 
 
 def test_operands_from_the_pallas_quantizer():
@@ -163,8 +227,9 @@ def test_lowers_for_cuda(kind):
     a, b, c = _abstract((192, 256), axis=0), _abstract((192, 128), axis=0), (0, 0)
   else:
     a, b, c = _abstract((256, 192), "mxfp4", axis=1), _abstract((192, 128), "mxfp4", axis=0), (1, 0)
-  f = lambda a, b: fp4_matmul(a, b, contract=c, interpret=False, use_blackwell=False)
-  text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+  split = 2 if kind == "nvfp4_1d" else None
+  f = lambda a, b: fp4_matmul(a, b, contract=c, interpret=False, use_blackwell=False, split_k=split)
+  text = platform.lower_for_cuda(f, a, b).as_text()  # jax 0.11 needs an abstract GPU here: see lower_for_cuda
   assert text.count("xla.gpu.triton") == 1
 
 
@@ -173,8 +238,7 @@ def test_blackwell_path_lowers_and_its_operands_are_exact():
   and that the operands it builds give the reference product under scaled_matmul's documented semantics."""
   op_a, op_b = matmul_lib.Operand(1, 1, (1, 16), "nvfp4"), matmul_lib.Operand(0, 0, (16, 1), "nvfp4")
   a_abs, b_abs = _abstract((32, 64), axis=1), _abstract((64, 48), axis=0)
-  text = jax.jit(lambda a, b: matmul_lib.blackwell_matmul(a, b, op_a, op_b)).trace(a_abs, b_abs).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = platform.lower_for_cuda(lambda a, b: matmul_lib.blackwell_matmul(a, b, op_a, op_b), a_abs, b_abs).as_text()
   assert "block_scaled_dot" in text or "scaled_matmul" in text
 
   @jax.jit

@@ -1,0 +1,163 @@
+"""Sections `linear` and `train`: one quantized linear layer and whole training steps, nvfp4 against bf16.
+
+`linear`: jitted value_and_grad of sum(y * G) for y = x W (x bf16 [T, D_in], W float32 [D_in, D_out]) under the
+bf16 recipe and nvfp4 on the xla path (float32 HIGHEST, the reference), on the xla path's bf16-operand mode when
+this fp4jax has it, and on the Pallas backend. Quantized rows compare (dx, dW) with the nvfp4 xla reference run on
+the same key (same stochastic-rounding draws); the bf16 row with a float32 HIGHEST layer.
+`train`: `fp4jax.pretrain` train steps (AdamW, real batches) of the `small` model and of a 2-layer slice of the
+paper's 1.2B model (d_model 2048, 1024-token sequences): median step time per recipe relative to bf16, and the
+first step's loss compared with the reference recipe's (nvfp4 xla for quantized, bf16 vs nvfp4 shown as is).
+"""
+
+from __future__ import annotations
+
+from benchmarks.gpu import report
+
+
+def _recipes(dry: bool):
+  """[(label, recipe)] to time: bf16, nvfp4 xla, nvfp4 xla bf16-operand (if present), nvfp4 pallas."""
+  import fp4jax  # pylint: disable=g-import-not-at-top
+  out = [("bf16", fp4jax.recipes.bf16()), ("nvfp4 xla", fp4jax.recipes.nvfp4())]
+  bf16_mode, how = report.with_bf16_gemm(fp4jax.recipes.nvfp4())
+  if bf16_mode is not None:
+    out.append((f"nvfp4 xla {how}", bf16_mode))
+  out.append(("nvfp4 pallas", fp4jax.recipes.nvfp4(backend="pallas")))
+  return out, how
+
+
+def run_linear(sec: report.Section) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import fp4jax  # pylint: disable=g-import-not-at-top
+  tokens, d_in, d_out = (64, 64, 64) if sec.dry else (8192, 4096, 4096)
+  k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
+  x = report.random_input(k1, (tokens, d_in), jnp.bfloat16)
+  w = report.random_input(k2, (d_in, d_out), jnp.float32, 0.02)
+  g = report.random_input(k3, (tokens, d_out), jnp.float32)
+  dims = (((1,), (0,)), ((), ()))
+  key = jax.random.key(11)
+
+  def step_fn(recipe):
+    def loss(x, w, key):
+      if recipe.is_quantized:
+        y = fp4jax.dot_general(x, w, dims, recipe=recipe, key=key, preferred_element_type=jnp.bfloat16)
+      else:
+        y = jax.lax.dot_general(x, w.astype(jnp.bfloat16), dims, preferred_element_type=jnp.bfloat16)
+      return jnp.sum(y.astype(jnp.float32) * g)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+  def f32_loss(x, w, key):
+    del key
+    y = jax.lax.dot_general(x.astype(jnp.float32), w, dims, precision=jax.lax.Precision.HIGHEST)
+    return jnp.sum(y * g)
+
+  recipes, how = _recipes(sec.dry)
+  if len(recipes) == 3:
+    sec.add("linear nvfp4 xla bf16-operand", note=f"not measured: {how}")
+  refs = {"bf16": jax.jit(jax.value_and_grad(f32_loss, argnums=(0, 1)))(x, w, key)}
+  times = {}
+  for name, recipe in recipes:
+    label = f"linear fwd+bwd {name} [{tokens}x{d_in}]@[{d_in}x{d_out}]"
+    if not sec.has_time(12):
+      sec.skip(label, "time budget")
+      continue
+    try:
+      fn = step_fn(recipe)
+      t = report.median_time(fn, [(x, w, key)], target_s=0.1, reps=2 if sec.dry else 5)
+      out = fn(x, w, key)
+      if name == "nvfp4 xla":
+        refs["nvfp4"] = out
+      ref = refs["bf16" if name == "bf16" else "nvfp4"]
+      errs = [report.rel_errors(o, r) for o, r in zip(out[1], ref[1])]
+      fro, mx, fin = max(e[0] for e in errs), max(e[1] for e in errs), all(e[2] for e in errs)
+      times[name] = t
+      tol = 3e-2 if name == "bf16" else 1e-3  # bf16 rounding of y and the grads / summation order only
+      sec.add(label, t * 1e3, "ms", times.get("bf16", 0) * 1e3 or None, "bf16 ms", err=mx, ok=bool(fin and fro < tol),
+              note=f"grads rel err {fro:.2g} vs {'f32 layer' if name == 'bf16' else 'nvfp4 xla'}")
+    except Exception as e:  # pylint: disable=broad-except
+      sec.fail(label, e)
+
+
+def _train_setup(model_config, recipe, batch_size: int, seq_len: int, dataset):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import train as train_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  config = TrainConfig(model=model_config, recipe=recipe, batch_size=batch_size, seq_len=seq_len, steps=1000,
+                       progress=False)
+  keys = train_lib.run_keys(0)
+  model = train_lib.build_model(config, keys["init"])
+  optimizer = train_lib.make_optimizer(config)
+  params = nnx.state(model, nnx.Param)
+  state = train_lib.TrainState(params, jax.jit(optimizer.init)(params), jnp.asarray(0, jnp.int32))
+  batches = [data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=config.train_seq_len, seed=0)
+             for i in range(2)]
+  step = jax.jit(train_lib.make_train_step(nnx.graphdef(model), optimizer))
+  return step, state, batches, keys["step"]
+
+
+def _dataset(sec: report.Section):
+  """The default corpus, or random bytes where it cannot load (the GPU image may lack the corpus package)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
+  try:
+    return data.load_dataset(data.DataConfig())
+  except Exception as e:  # pylint: disable=broad-except
+    sec.add("train data", note=f"default corpus unavailable ({type(e).__name__}: {str(e)[:80]}); random bytes used")
+    tokens = np.random.default_rng(0).integers(0, 256, size=1 << 20).astype(np.uint16)
+    return data.TokenDataset(train=tokens[: -(1 << 16)], val=tokens[-(1 << 16):], vocab_size=256,
+                             source="random bytes")
+
+
+def run_train(sec: report.Section) -> None:
+  import statistics  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top
+  dataset = _dataset(sec)
+  recipes, _ = _recipes(sec.dry)
+  if sec.dry:  # interpret-mode kernels in a whole model are slow on CPU; test_backend_pallas covers that path
+    models = {"tiny": (model_lib.get_model_config("tiny"), 2, 32, 1)}
+    plan = [("tiny", r) for r in recipes[:2]]
+  else:
+    models = {"small": (model_lib.get_model_config("small"), 32, 128, 10),
+              "paper_1b x2 layers": (model_lib.get_model_config("paper_1b", n_layers=2, max_seq_len=1024), 8, 1024,
+                                     10)}
+    # Priority order: nvfp4 vs bf16 on both models first, then the other backends.
+    plan = [(m, r) for m in models for r in recipes[:2]] + [(m, r) for m in models for r in recipes[2:]]
+  base, ref_loss = {}, {}
+  for model_name, (name, recipe) in plan:
+    model_config, batch, seq, steps = models[model_name]
+    label = f"train step {model_name} {name} (batch {batch} x {seq})"
+    if not sec.has_time(25):
+      sec.skip(label, "time budget")
+      continue
+    try:
+      step, state, batches, key = _train_setup(model_config, recipe, batch, seq, dataset)
+      first, times = None, []
+      for i in range(2 + steps):  # 2 warm-up steps (compile), then timed ones
+        t0 = time.perf_counter()
+        state, metrics = step(state, batches[i % 2], jax.random.fold_in(key, i))
+        jax.block_until_ready(metrics)
+        if i >= 2:
+          times.append(time.perf_counter() - t0)
+        if first is None:
+          first = float(metrics["loss"])  # same init, batch and key for every recipe of a model
+      t = statistics.median(times)
+      ref_name = "bf16" if name == "bf16" else "nvfp4 xla"
+      ref = ref_loss.setdefault((model_name, ref_name), first)
+      err = abs(first - ref) / abs(ref)
+      if name == "bf16":
+        base[model_name] = t
+      note = f"first loss {first:.5g}; rel diff vs {ref_name} {err:.2g}"
+      if name != "bf16" and (model_name, "bf16") in ref_loss:
+        b = ref_loss[(model_name, "bf16")]
+        note += f"; vs bf16 {abs(first - b) / abs(b):.2g}"
+      ok = bool(np.isfinite(first)) and (name == ref_name or err < 1e-3)
+      b_ms = base[model_name] * 1e3 if model_name in base else None
+      sec.add(label, t * 1e3, "ms", b_ms, "bf16 ms", err=err, ok=ok, note=note)
+    except Exception as e:  # pylint: disable=broad-except
+      sec.fail(label, e)

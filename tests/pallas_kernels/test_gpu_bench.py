@@ -1,0 +1,82 @@
+"""benchmarks/gpu.sh plumbing in its CPU --dry mode: sections in separate processes, an aborting section recorded
+without losing the others, the time budget skipping sections, the rows/summary files; the full dry run is slow."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from benchmarks.gpu import report  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def _run(out, *args, env=None):
+  env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+  env.pop("XLA_FLAGS", None)  # one CPU device is enough; conftest's 8 are for the mesh tests
+  proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu.sh"), "--out", str(out), *args],
+                        capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+  return proc.stdout, rows
+
+
+def test_an_aborting_section_loses_only_itself(tmp_path):
+  stdout, rows = _run(tmp_path, "--dry", "--sections", "env,check,tiles",
+                      env={"FP4JAX_GPU_BENCH_ABORT": "check"})
+  by_section = {}
+  for r in rows:
+    by_section.setdefault(r["section"], []).append(r)
+  assert [r["name"] for r in by_section["env"]] == ["environment", "pallas kernels"]
+  [crash] = by_section["check"]
+  assert crash["ok"] is False and "rc 134" in crash["note"] and "LLVM ERROR" in crash["note"]
+  tiles = [r for r in by_section["tiles"] if r["ok"] is not None]
+  assert tiles and all(r["ok"] for r in tiles), tiles  # the section after the abort ran and checked its outputs
+  assert all(isinstance(r["err"], float) and r["err"] < 1e-5 for r in tiles)
+  assert (tmp_path / "gpu_bench.md").read_text().count("\n") == len(rows) + 2
+  assert json.loads((tmp_path / "gpu_bench.json").read_text()) == rows
+  assert stdout.rstrip().endswith(report.format_row(rows[-1]))  # the table is printed last
+
+
+def test_budget_skips_sections_cleanly(tmp_path):
+  stdout, rows = _run(tmp_path, "--budget", "10", "--sections", "env,gemm")
+  assert [(r["name"], r["ok"]) for r in rows] == [("section env", None), ("section gemm", None)]
+  assert all("budget" in r["note"] for r in rows)
+  assert "section gemm: skipped" in stdout
+
+
+@pytest.mark.slow
+def test_full_dry_run(tmp_path):
+  _, rows = _run(tmp_path, "--dry")
+  sections = {r["section"] for r in rows}
+  assert sections == {"env", "check", "gemm", "quant", "tiles", "linear", "train"}
+  failed = [r for r in rows if r["ok"] is False]
+  assert not failed, failed
+
+
+def test_bf16_gemm_mode_is_found_by_field():
+  @dataclasses.dataclass(frozen=True)
+  class WithMode:
+    name: str = "x"
+    gemm_operands: str = "float32"
+
+    def replace(self, **kw):
+      if kw.get("gemm_operands") not in ("float32", "bf16"):
+        raise ValueError("bad")
+      return dataclasses.replace(self, **kw)
+
+  @dataclasses.dataclass(frozen=True)
+  class Without:
+    name: str = "x"
+
+    def replace(self, **kw):
+      return dataclasses.replace(self, **kw)
+
+  recipe, how = report.with_bf16_gemm(WithMode())
+  assert recipe.gemm_operands == "bf16" and "gemm_operands" in how
+  recipe, why = report.with_bf16_gemm(Without())
+  assert recipe is None and "no bf16-operand GEMM mode" in why
