@@ -1,7 +1,7 @@
 """Flax Linen layer: `fp4jax.linen.Dense`, with stochastic-rounding keys from the "quant" RNG collection.
 
-To quantize an existing Linen model, pass `dot_general=fp4jax.quantized_dot_general(recipe, key)` to `nn.Dense`, or
-swap its Dense layers for this one.
+To quantize an existing Linen model (one you did not write), use `fp4jax.quantize_model(model, rules)`: its Dense
+and DenseGeneral layers then run quantized GEMMs, picked by module path.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Flax NNX layers whose GEMMs run through fp4jax.dot_general under a recipe.
 
-Quantize an existing NNX model by building its linear layers as `fp4jax.nn.Linear`, or by passing
-`dot_general=fp4jax.quantized_dot_general(recipe, key)` to `flax.nnx.Linear` (then the key is fixed per layer).
+Build new models with `fp4jax.nn.Linear`; quantize an existing NNX model (one you did not write) with
+`fp4jax.quantize_model(model, rules, rngs=nnx.Rngs(quant=seed))`, which injects quantized GEMMs into its
+nnx.Linear / LinearGeneral / Einsum layers by module path.
 """
 
 from __future__ import annotations
