@@ -29,9 +29,6 @@ class Rule:
   def quantizes(self) -> bool:
     return self.recipe is not None and self.recipe.is_quantized
 
-  def label(self) -> str:
-    return f"{self.pattern!r} -> {self.recipe.name if self.quantizes else 'unquantized'}"
-
 
 def compile_rules(rules) -> tuple[Rule, ...]:
   """Validates `rules` (an ordered sequence of (regex, recipe-or-name-or-None) pairs) into Rules."""
@@ -111,10 +108,11 @@ class Report:
     for l in self.layers:
       rule = self.rules[l.rule] if l.rule is not None else None
       what = ("no rule: left alone" if rule is None else
-              f"rule {l.rule} {rule.pattern!r}: " + (rule.recipe.name if rule.quantizes else "left alone"))
+              f"rule {l.rule} '{rule.pattern}': " + (rule.recipe.name if rule.quantizes else "left alone"))
       lines.append(f"  {l.path:<{width}}  {l.kind:<14} {what}")
     unused = self.unused_rules
-    lines.append(f"rules that matched no layer: {', '.join(map(repr, unused))}" if unused else
+    quoted = ", ".join(f"'{p}'" for p in unused)
+    lines.append(f"rules that matched no layer: {quoted}" if unused else
                  "every rule matched a layer")
     return "\n".join(lines)
 

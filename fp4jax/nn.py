@@ -66,8 +66,9 @@ class QuantizedDotGeneral(nnx.Module):
   advances it. quantize_model stores one as the layer's `dot_general` attribute.
   """
 
-  def __init__(self, recipe: recipes_lib.Recipe, path: str, quant_rngs=None):
+  def __init__(self, recipe: recipes_lib.Recipe, path: str, quant_rngs=None, original=None):
     self.recipe, self.path = recipe, path
+    self.original = original  # what the layer had before, restored by an unquantized rule
     self.quant_rngs = quant_rngs if recipe.needs_key else nnx.data(None)
 
   def _key(self):
@@ -86,8 +87,9 @@ class QuantizedEinsum(QuantizedDotGeneral):
                                      key=self._key(), where=self.path)
 
 
-def _hook(module, path: str) -> tuple[str, bool]:
-  """(the attribute quantize_model replaces, whether it may) for a candidate layer; refusals raise, naming it."""
+def _check_layer(module, path: str) -> None:
+  """Raises ValueError, naming the layer, if quantize_model cannot quantize it (not a linear layer's contraction, or
+  a dot_general the user already customised)."""
   if isinstance(module, nnx.Einsum):
     if not (module.einsum_op is jnp.einsum or isinstance(module.einsum_op, QuantizedEinsum)):
       raise ValueError(f"{path}: this nnx.Einsum already has a custom einsum_op; quantize_model will not replace it.")
@@ -98,7 +100,7 @@ def _hook(module, path: str) -> tuple[str, bool]:
         contraction.einsum_as_dot_general(equation, lhs_ndim, module.kernel.ndim)
       except ValueError as e:
         raise ValueError(f"{path} (nnx.Einsum): {e} Keep it out of the quantized rules (a None rule).") from None
-    return "einsum_op", True
+    return
   if isinstance(module, nnx.LinearGeneral):
     if module.batch_axis:
       raise ValueError(f"{path}: nnx.LinearGeneral with batch_axis={dict(module.batch_axis)} is a batched "
@@ -108,11 +110,6 @@ def _hook(module, path: str) -> tuple[str, bool]:
   if not (module.dot_general in (None, jax.lax.dot_general) or isinstance(module.dot_general, QuantizedDotGeneral)):
     raise ValueError(f"{path}: this {type(module).__name__} already has a custom dot_general; quantize_model will "
                      f"not replace it.")
-  return "dot_general", True
-
-
-def _original(attr):
-  return jnp.einsum if attr == "einsum_op" else jax.lax.dot_general
 
 
 def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = None) -> model_quantize.Report:
@@ -129,8 +126,8 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
     A Report (print it) of which layer matched which rule and which rules matched nothing.
   """
   rules = model_quantize.compile_rules(rules)
-  if isinstance(rngs, int):
-    rngs = nnx.Rngs(quant=rngs)
+  if rngs is not None and not isinstance(rngs, nnx.Rngs):
+    rngs = nnx.Rngs(quant=rngs)  # a seed or a key
   layers, plan = [], []
   for parts, module in nnx.iter_modules(model):
     if not isinstance(module, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)):
@@ -145,14 +142,17 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
                      f"pass rngs=nnx.Rngs(quant=seed) (or rngs=seed) so each call draws a fresh key.")
   for module, path, rule in plan:  # check every layer before editing any
     if rule is not None and rule.quantizes:
-      _hook(module, path)
+      _check_layer(module, path)
   for module, path, rule in plan:
     attr = "einsum_op" if isinstance(module, nnx.Einsum) else "dot_general"
+    original = getattr(module, attr)
+    if isinstance(original, QuantizedDotGeneral):  # quantized by an earlier call
+      original = original.original
     if rule is None or not rule.quantizes:
-      if isinstance(getattr(module, attr), QuantizedDotGeneral):  # quantized by an earlier call: restore
-        setattr(module, attr, nnx.static(_original(attr)))
+      if original is not getattr(module, attr):
+        setattr(module, attr, nnx.static(original))
       continue
     op = QuantizedEinsum if attr == "einsum_op" else QuantizedDotGeneral
     stream = rngs["quant"].fork() if rule.recipe.needs_key else None
-    setattr(module, attr, nnx.data(op(rule.recipe, path, stream)))
+    setattr(module, attr, nnx.data(op(rule.recipe, path, stream, original)))
   return model_quantize.Report(rules, tuple(layers))

@@ -268,3 +268,29 @@ def test_linen_quantize_model():
   bf16 = fp4jax.quantize_model(model, [(".*", "bf16")])
   np.testing.assert_array_equal(np.asarray(jax.jit(bf16.apply)(params, X_LINEN)),
                                 np.asarray(jax.jit(model.apply)(params, X_LINEN)))
+
+
+# --- the contraction helpers behind both ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("equation,why", [
+    ("btd,bd->bt", "shared by input, kernel and output"),
+    ("btd,dh->bh", "summed away on one side"),
+    ("btd,dh->btdh", "shared by input, kernel and output"),
+    ("btd,dh->bthz", "come from neither operand"),
+    ("btd,...h->bth", "ellipsis in the kernel"),
+    ("btd,dh", "expected 'input,kernel->output'"),
+])
+def test_einsum_that_is_not_a_linear_layer_is_refused(equation, why):
+  from fp4jax import contraction  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=why):
+    contraction.einsum_as_dot_general(equation, 3, 2)
+
+
+def test_quantized_dot_general_takes_linear_general_kernels():
+  """nnx.LinearGeneral([K, heads, head_dim]) with quantized_dot_general: one [M, K] x [K, heads * head_dim] GEMM."""
+  recipe = recipes.nvfp4(stochastic_rounding=False)
+  layer = nnx.LinearGeneral(D, (HEADS, 16), dot_general=fp4jax.quantized_dot_general(recipe), rngs=nnx.Rngs(0))
+  x = X_LINEN.reshape(B, T, D)
+  y_ref = fp4jax.dot_general(x.reshape(-1, D), layer.kernel[...].reshape(D, -1), (((1,), (0,)), ((), ())),
+                             recipe=recipe).reshape(B, T, HEADS, 16) + layer.bias[...]
+  np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(y_ref))
