@@ -294,3 +294,20 @@ def test_quantized_dot_general_takes_linear_general_kernels():
   y_ref = fp4jax.dot_general(x.reshape(-1, D), layer.kernel[...].reshape(D, -1), (((1,), (0,)), ((), ())),
                              recipe=recipe).reshape(B, T, HEADS, 16) + layer.bias[...]
   np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(y_ref))
+
+
+def test_linen_refusals_name_the_layer():
+  class Batched(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+      return linen.DenseGeneral(16, axis=-1, batch_dims=(0,), name="per_head")(x)
+
+  x = jnp.ones((HEADS, T, D), jnp.float32)
+  qmodel = fp4jax.quantize_model(Batched(), [(".*", "nvfp4:stochastic_rounding=false")])
+  params = qmodel.init(jax.random.key(0), x)  # init runs unquantized
+  with pytest.raises(ValueError, match="per_head: a batched contraction"):
+    qmodel.apply(params, x)
+  custom = linen.Dense(D, dot_general=jax.lax.dot_general)
+  qcustom = fp4jax.quantize_model(custom, [(".*", "nvfp4:stochastic_rounding=false")])
+  with pytest.raises(ValueError, match="custom dot_general"):
+    qcustom.apply(qcustom.init(jax.random.key(0), X_LINEN), X_LINEN)
