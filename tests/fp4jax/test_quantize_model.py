@@ -175,9 +175,9 @@ def test_einsum_linear_layers(equation, kernel_shape, bias_shape, k_axes):
   w = model.proj.kernel[...]
   w_KxN = w.T if k_axes is None else w.reshape(int(np.prod(w.shape[:k_axes])), -1)
   k = w_KxN.shape[0]
-  y_ref = fp4jax.dot_general(x.reshape(-1, k), w_KxN, (((1,), (0,)), ((), ())), recipe="nvfp4",
-                             key=jax.random.key(0))
-  y_ref = y_ref.reshape(y.shape) + model.proj.bias[...]
+  gemm = jax.jit(lambda x_MxK, w_KxN: fp4jax.dot_general(x_MxK, w_KxN, (((1,), (0,)), ((), ())), recipe="nvfp4",
+                                                          key=jax.random.key(0)))
+  y_ref = gemm(x.reshape(-1, k), w_KxN).reshape(y.shape) + model.proj.bias[...]
   np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
   g = nnx.jit(lambda m, x: nnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(m).proj.kernel[...])
   assert not np.array_equal(g(model, x), g(model, x))
@@ -248,12 +248,16 @@ def test_linen_quantize_model():
   assert qmodel.report.unused_rules == ("typo",)
 
   # Forward: Dense_0's GEMM equals fp4jax.dot_general on its input; the others follow through the same model.
-  p = params["params"]
-  dn = (((1,), (0,)), ((), ()))
-  h = linen.gelu(fp4jax.dot_general(X_LINEN, p["Dense_0"]["kernel"], dn, recipe="nvfp4", key=KEY) + p["Dense_0"]["bias"])
-  h = fp4jax.dot_general(h, p["DenseGeneral_0"]["kernel"].reshape(FF, -1), dn, recipe="nvfp4", key=KEY)
-  h = h.reshape(-1, HEADS, 32) + p["DenseGeneral_0"]["bias"]
-  y_ref = jnp.einsum("mhd,hdn->mn", h, p["out"]["kernel"], precision="highest") + p["out"]["bias"]
+  @jax.jit
+  def reference(p):
+    dn = (((1,), (0,)), ((), ()))
+    h = fp4jax.dot_general(X_LINEN, p["Dense_0"]["kernel"], dn, recipe="nvfp4", key=KEY)
+    h = fp4jax.dot_general(linen.gelu(h + p["Dense_0"]["bias"]), p["DenseGeneral_0"]["kernel"].reshape(FF, -1), dn,
+                           recipe="nvfp4", key=KEY)
+    h = h.reshape(-1, HEADS, 32) + p["DenseGeneral_0"]["bias"]
+    return jnp.einsum("mhd,hdn->mn", h, p["out"]["kernel"], precision="highest") + p["out"]["bias"]
+
+  y_ref = reference(params["params"])
   np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
   assert np.abs(np.asarray(y) - np.asarray(model.apply(params, X_LINEN))).max() > 1e-3
 
