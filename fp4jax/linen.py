@@ -11,7 +11,6 @@ import functools
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from fp4jax.dot_general import dot_general
