@@ -2,7 +2,8 @@
 
 Numerics (no Flax needed): `quantize`, `dequantize`, `fake_quant`, `random_hadamard` over the formats `NVFP4`,
 `MXFP4`, `FP8`; the recipe table `recipes` / `Recipe`; the quantized GEMM `dot_general` (a `jax.custom_vjp`).
-Flax layers load on first use: `fp4jax.nn` (NNX) and `fp4jax.linen`.
+Flax layers load on first use: `fp4jax.nn` (NNX) and `fp4jax.linen`; `quantize_model` quantizes a Flax model's
+linear layers by path rules.
 Built on top, never imported by the library: `fp4jax.pretrain` (training) and `fp4jax.analysis` (probes).
 """
 
@@ -10,6 +11,7 @@ import importlib
 
 from fp4jax import recipes
 from fp4jax.dot_general import dot_general, quantized_dot_general
+from fp4jax.model_quantize import quantize_model  # Flax-free: Flax loads when a model is passed
 from fp4jax.formats import FORMAT_NAMES, FP8, MXFP4, NVFP4, Format, get_format
 from fp4jax.qarray import QArray
 from fp4jax.quantize import dequantize, fake_quant, num_blocks, pad_to_blocks, quantization_error, quantize
@@ -23,7 +25,7 @@ _LAZY_SUBMODULES = ("nn", "linen")  # Flax layers: imported on first attribute a
 __all__ = [
     "FORMAT_NAMES", "FP8", "MXFP4", "NVFP4", "Format", "QArray", "Recipe", "dequantize", "dot_general",
     "fake_quant", "get_format", "hadamard_matrix", "linen", "nn", "num_blocks", "pad_to_blocks",
-    "quantization_error", "quantize", "quantized_dot_general", "random_hadamard", "recipes",
+    "quantization_error", "quantize", "quantize_model", "quantized_dot_general", "random_hadamard", "recipes",
 ]
 
 

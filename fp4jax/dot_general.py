@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax.quantize import dequantize, quantize
+from fp4jax import keys
 from fp4jax import recipes as recipes_lib
 from fp4jax import rht as rht_lib
 from fp4jax.qarray import QArray
@@ -245,6 +246,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
       call; it is split per GEMM inside the rule.
   """
   recipe = recipes_lib.get_recipe(recipe)
+  if key is not None:
+    keys.check_key(key, "key")
   if not recipe.is_quantized:
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type)
@@ -262,10 +265,32 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   return y_MxN.reshape(*lhs.shape[:-1], n).astype(out_dtype)
 
 
-def quantized_dot_general(recipe, key=None):
-  """A function with lax.dot_general's signature that runs `recipe` (for flax's `dot_general=` arguments)."""
+def quantized_dot_general(recipe, key=None, *, fixed_key_every_call=None):
+  """A function with lax.dot_general's signature that runs `recipe` (for Flax's `dot_general=` arguments).
 
-  def fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **unused):
-    return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key)
+  Kernels of any layout whose contraction is a linear layer's (nnx.LinearGeneral's [K, heads, head_dim]) run as one
+  2D GEMM. Stochastic rounding needs fresh randomness on every call: pass `key=` to each call, or let
+  `fp4jax.quantize_model` inject the layers (keys from the model's "quant" stream). Without a key an SR recipe is
+  refused, unless `fixed_key_every_call` is given: then that one key is reused by every call (the same rounding
+  noise on every step, so SR is biased across training: only for tests and debugging).
+  """
+  recipe = recipes_lib.get_recipe(recipe)
+  if key is not None:
+    raise ValueError("quantized_dot_general(recipe, key) no longer closes over a key (every step would reuse its "
+                     "stochastic-rounding noise). Use fp4jax.quantize_model(model, rules, rngs=...) for a Flax model, "
+                     "pass key= to each call, or (tests only) fixed_key_every_call=key.")
+  if fixed_key_every_call is not None:
+    keys.check_key(fixed_key_every_call, "fixed_key_every_call")
+
+  def fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, key=None, **unused):
+    from fp4jax import contraction  # pylint: disable=g-import-not-at-top  (contraction imports this module)
+    if key is None:
+      key = fixed_key_every_call
+    if key is None and recipe.needs_key:
+      raise ValueError(f"recipe {recipe.name!r} uses stochastic rounding or random RHT signs, which need a fresh key "
+                       f"on every call: pass key= to this call, or quantize the model with fp4jax.quantize_model("
+                       f"model, rules, rngs=nnx.Rngs(quant=seed)), which draws one per call from the 'quant' stream.")
+    return contraction.linear_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                                          recipe=recipe, key=key, where="quantized_dot_general")
 
   return fn

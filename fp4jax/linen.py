@@ -1,18 +1,21 @@
 """Flax Linen layer: `fp4jax.linen.Dense`, with stochastic-rounding keys from the "quant" RNG collection.
 
-To quantize an existing Linen model, pass `dot_general=fp4jax.quantized_dot_general(recipe, key)` to `nn.Dense`, or
-swap its Dense layers for this one.
+To quantize an existing Linen model (one you did not write), use `fp4jax.quantize_model(model, rules)`: its Dense
+and DenseGeneral layers then run quantized GEMMs, picked by module path.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from fp4jax.dot_general import dot_general
+from fp4jax import contraction
+from fp4jax import model_quantize
 from fp4jax import recipes as recipes_lib
 
 
@@ -38,3 +41,66 @@ class Dense(nn.Module):
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(self.dtype)
     return y
+
+
+# --- quantize_model: quantized GEMMs in an existing model's Dense / DenseGeneral layers -----------------------------
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedModel:
+  """A Linen model whose Dense / DenseGeneral layers run quantized GEMMs, chosen by path rules.
+
+  Use its `init` / `apply` in place of the model's (same arguments, same variables: parameters do not change).
+  `apply` needs `rngs={"quant": key}` when a recipe uses stochastic rounding: each layer call draws
+  `make_rng("quant")`, fresh per layer and per call (pass a new key each step). `init` runs the layers unquantized
+  (parameters do not depend on the recipe). Layers are found as they are traced, via `nn.intercept_methods`, so
+  `report` lists the layers seen by the calls so far.
+  """
+
+  module: nn.Module
+  rules: tuple[model_quantize.Rule, ...]
+  _seen: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # path -> Layer, as traced
+
+  def init(self, *args, **kwargs):
+    with nn.intercept_methods(self._intercept):
+      return self.module.init(*args, **kwargs)
+
+  def apply(self, *args, **kwargs):
+    with nn.intercept_methods(self._intercept):
+      return self.module.apply(*args, **kwargs)
+
+  @property
+  def report(self) -> model_quantize.Report:
+    return model_quantize.Report(self.rules, tuple(self._seen[p] for p in sorted(self._seen)))
+
+  def _intercept(self, next_fun, args, kwargs, context):
+    module = context.module
+    if context.method_name != "__call__" or not isinstance(module, (nn.Dense, nn.DenseGeneral)):
+      return next_fun(*args, **kwargs)
+    path = model_quantize.path_name(module.scope.path)
+    i = model_quantize.first_match(self.rules, path)
+    self._seen[path] = model_quantize.Layer(path, type(module).__name__, i)
+    rule = self.rules[i] if i is not None else None
+    if rule is None or not rule.quantizes or module.is_initializing():
+      return next_fun(*args, **kwargs)
+    if module.dot_general is not None or module.dot_general_cls is not None:
+      raise ValueError(f"{path}: this {type(module).__name__} already has a custom dot_general; quantize_model "
+                       f"will not replace it.")
+    key = module.make_rng("quant") if rule.recipe.needs_key else None
+    # Linen modules are frozen dataclasses: set the field for this call only (the module is this apply's own).
+    object.__setattr__(module, "dot_general", functools.partial(
+        contraction.linear_dot_general, recipe=rule.recipe, key=key, where=path))
+    try:
+      return next_fun(*args, **kwargs)
+    finally:
+      object.__setattr__(module, "dot_general", None)
+
+
+def quantize_model(model: nn.Module, rules) -> QuantizedModel:
+  """`model` with the GEMMs of its Dense / DenseGeneral layers quantized by ordered (regex, recipe) path rules.
+
+  Paths are the layers' scope names joined by dots ("Block_0.Dense_1"); the first fully matching rule wins; a None
+  or "bf16" recipe leaves a layer alone. DenseGeneral with batch_dims is refused when a quantized rule matches it.
+  """
+  if not isinstance(model, nn.Module):
+    raise ValueError(f"fp4jax.linen.quantize_model expects a flax.linen.Module; got {type(model).__name__}.")
+  return QuantizedModel(model, model_quantize.compile_rules(rules))

@@ -1,7 +1,8 @@
 """Flax NNX layers whose GEMMs run through fp4jax.dot_general under a recipe.
 
-Quantize an existing NNX model by building its linear layers as `fp4jax.nn.Linear`, or by passing
-`dot_general=fp4jax.quantized_dot_general(recipe, key)` to `flax.nnx.Linear` (then the key is fixed per layer).
+Build new models with `fp4jax.nn.Linear`; quantize an existing NNX model (one you did not write) with
+`fp4jax.quantize_model(model, rules, rngs=nnx.Rngs(quant=seed))`, which injects quantized GEMMs into its
+nnx.Linear / LinearGeneral / Einsum layers by module path.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fp4jax.dot_general import dot_general
+from fp4jax import contraction
+from fp4jax import model_quantize
 from fp4jax import recipes as recipes_lib
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -52,3 +55,104 @@ class Linear(nnx.Module):
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return y
+
+
+# --- quantize_model: inject quantized GEMMs into an existing model's layers ----------------------------------------
+
+class QuantizedDotGeneral(nnx.Module):
+  """A `dot_general` for a flax layer that runs `recipe`, with a fresh key per call from its own "quant" stream.
+
+  A Module (not a function) so the stream is part of the model: nnx.jit / nnx.grad carry its state and every call
+  advances it. quantize_model stores one as the layer's `dot_general` attribute.
+  """
+
+  def __init__(self, recipe: recipes_lib.Recipe, path: str, quant_rngs=None, original=None):
+    self.recipe, self.path = recipe, path
+    self.original = original  # what the layer had before, restored by an unquantized rule
+    self.quant_rngs = quant_rngs if recipe.needs_key else nnx.data(None)
+
+  def _key(self):
+    return self.quant_rngs() if self.recipe.needs_key else None
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **unused):
+    return contraction.linear_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                                          recipe=self.recipe, key=self._key(), where=self.path)
+
+
+class QuantizedEinsum(QuantizedDotGeneral):
+  """An `einsum_op` for nnx.Einsum: a linear-layer equation as one quantized GEMM (others refused, naming the layer)."""
+
+  def __call__(self, equation, lhs, rhs, precision=None, preferred_element_type=None, **unused):
+    return contraction.linear_einsum(equation, lhs, rhs, precision, preferred_element_type, recipe=self.recipe,
+                                     key=self._key(), where=self.path)
+
+
+def _check_layer(module, path: str) -> None:
+  """Raises ValueError, naming the layer, if quantize_model cannot quantize it (not a linear layer's contraction, or
+  a dot_general the user already customised)."""
+  if isinstance(module, nnx.Einsum):
+    if not (module.einsum_op is jnp.einsum or isinstance(module.einsum_op, QuantizedEinsum)):
+      raise ValueError(f"{path}: this nnx.Einsum already has a custom einsum_op; quantize_model will not replace it.")
+    if module.einsum_str is not None:
+      equation = module.einsum_str.replace(" ", "")
+      lhs_ndim = len(equation.split(",")[0].replace("...", ""))
+      try:
+        contraction.einsum_as_dot_general(equation, lhs_ndim, module.kernel.ndim)
+      except ValueError as e:
+        raise ValueError(f"{path} (nnx.Einsum): {e} Keep it out of the quantized rules (a None rule).") from None
+    return
+  if isinstance(module, nnx.LinearGeneral):
+    if module.batch_axis:
+      raise ValueError(f"{path}: nnx.LinearGeneral with batch_axis={dict(module.batch_axis)} is a batched "
+                       f"contraction, not a linear layer; keep it out of the quantized rules (a None rule).")
+    if module.dot_general_cls is not None:
+      raise ValueError(f"{path}: this nnx.LinearGeneral has a dot_general_cls; quantize_model will not replace it.")
+  if not (module.dot_general in (None, jax.lax.dot_general) or isinstance(module.dot_general, QuantizedDotGeneral)):
+    raise ValueError(f"{path}: this {type(module).__name__} already has a custom dot_general; quantize_model will "
+                     f"not replace it.")
+
+
+def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = None) -> model_quantize.Report:
+  """Runs the GEMMs of `model`'s nnx.Linear / LinearGeneral / Einsum layers under recipes chosen by path rules.
+
+  Args:
+    model: any NNX model; edited in place (each quantized layer's `dot_general` / `einsum_op` becomes a
+      QuantizedDotGeneral / QuantizedEinsum holding its own "quant" stream). Parameters are untouched.
+    rules: ordered (regex, recipe) pairs, first full match of the layer path ("blocks.0.attn.query") wins; a recipe
+      of None or "bf16" restores the layer's own computation. Layers no rule matches are left alone.
+    rngs: nnx.Rngs with a "quant" stream (or an int seed for one), needed when a recipe uses stochastic rounding.
+
+  Returns:
+    A Report (print it) of which layer matched which rule and which rules matched nothing.
+  """
+  rules = model_quantize.compile_rules(rules)
+  if rngs is not None and not isinstance(rngs, nnx.Rngs):
+    rngs = nnx.Rngs(quant=rngs)  # a seed or a key
+  layers, plan = [], []
+  for parts, module in nnx.iter_modules(model):
+    if not isinstance(module, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)):
+      continue
+    path = model_quantize.path_name(parts)
+    i = model_quantize.first_match(rules, path)
+    layers.append(model_quantize.Layer(path, type(module).__name__, i))
+    plan.append((module, path, rules[i] if i is not None else None))
+  needs_key = [path for _, path, rule in plan if rule is not None and rule.quantizes and rule.recipe.needs_key]
+  if needs_key and (rngs is None or "quant" not in rngs):
+    raise ValueError(f"the recipes of {needs_key[:3]}{'...' if len(needs_key) > 3 else ''} use stochastic rounding: "
+                     f"pass rngs=nnx.Rngs(quant=seed) (or rngs=seed) so each call draws a fresh key.")
+  for module, path, rule in plan:  # check every layer before editing any
+    if rule is not None and rule.quantizes:
+      _check_layer(module, path)
+  for module, path, rule in plan:
+    attr = "einsum_op" if isinstance(module, nnx.Einsum) else "dot_general"
+    original = getattr(module, attr)
+    if isinstance(original, QuantizedDotGeneral):  # quantized by an earlier call
+      original = original.original
+    if rule is None or not rule.quantizes:
+      if original is not getattr(module, attr):
+        setattr(module, attr, nnx.static(original))
+      continue
+    op = QuantizedEinsum if attr == "einsum_op" else QuantizedDotGeneral
+    stream = rngs["quant"].fork() if rule.recipe.needs_key else None
+    setattr(module, attr, nnx.data(op(rule.recipe, path, stream, original)))
+  return model_quantize.Report(rules, tuple(layers))

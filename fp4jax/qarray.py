@@ -84,3 +84,48 @@ def block_shape(fmt: formats.Format, ndim: int, axis: int, block_2d: bool) -> tu
   else:
     shape[axis] = fmt.block_size
   return tuple(shape)
+
+
+def check_fields(q: QArray) -> None:
+  """Raises ValueError naming the first field of `q` that disagrees with its format and shape (a hand-built or
+  edited QArray), so `dequantize` never decodes garbage or fails deep inside."""
+  fmt = q.fmt
+  if not isinstance(fmt, (formats.NVFP4, formats.MXFP4, formats.FP8)):
+    raise ValueError(f"QArray.fmt must be an NVFP4, MXFP4 or FP8 format; got {fmt!r}.")
+  shape, orig = tuple(q.shape), tuple(q.orig_shape)
+  if not shape or not all(isinstance(n, int) and n > 0 for n in shape):
+    raise ValueError(f"QArray.shape must be a non-empty tuple of positive ints; got {q.shape!r}.")
+  if len(orig) != len(shape) or any(o > s for o, s in zip(orig, shape)):
+    raise ValueError(f"QArray.orig_shape {orig} must have the rank of shape {shape} and fit inside it (padding "
+                     f"only grows axes).")
+  if not isinstance(q.axis, int) or not 0 <= q.axis < len(shape):
+    raise ValueError(f"QArray.axis must be an int in [0, {len(shape)}); got {q.axis!r}.")
+  if q.block_2d and (len(shape) < 2 or q.axis < len(shape) - 2):
+    raise ValueError(f"a block_2d QArray needs rank >= 2 and axis among the last two; got shape {shape}, "
+                     f"axis {q.axis}.")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"QArray.dtype must be a float dtype; got {q.dtype!r}.")
+  per_tensor = isinstance(fmt, formats.FP8) and fmt.scaling == "tensor"
+  blocked = () if per_tensor else (len(shape) - 2, len(shape) - 1) if q.block_2d else (q.axis,)
+  for a in blocked:
+    if shape[a] % fmt.block_size:
+      raise ValueError(f"QArray.shape {shape}: axis {a} (length {shape[a]}) is not a multiple of the {fmt.name} "
+                       f"block size {fmt.block_size}.")
+  if fmt.is_fp4:
+    codes_dtype, codes_shape = jnp.dtype(jnp.uint8), list(shape)
+    codes_shape[q.axis] //= 2  # two E2M1 codes per byte along axis
+    codes_shape = tuple(codes_shape)
+  else:
+    codes_dtype, codes_shape = jnp.dtype(jnp.float8_e4m3fn), shape
+  _check_array("codes", q.codes, codes_dtype, codes_shape, fmt)
+  scales_shape = () if per_tensor else tuple(n // fmt.block_size if a in blocked else n for a, n in enumerate(shape))
+  _check_array("scales", q.scales, jnp.dtype(fmt.scale_dtype), scales_shape, fmt)
+  _check_array("amax", q.amax, jnp.dtype(jnp.float32), (), fmt)
+
+
+def _check_array(field, a, dtype, shape, fmt):
+  if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+    raise ValueError(f"QArray.{field} must be an array; got {type(a).__name__}.")
+  if jnp.dtype(a.dtype) != dtype or tuple(a.shape) != tuple(shape):
+    raise ValueError(f"QArray.{field} must be {dtype.name} with shape {tuple(shape)} for {fmt.name}; got "
+                     f"{jnp.dtype(a.dtype).name} with shape {tuple(a.shape)}.")

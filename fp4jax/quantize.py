@@ -14,7 +14,9 @@ import jax.numpy as jnp
 
 from fp4jax import formats
 from fp4jax import grids
+from fp4jax import keys
 from fp4jax import rounding as rounding_lib
+from fp4jax import qarray as qarray_lib
 from fp4jax.qarray import QArray, block_shape
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -23,6 +25,8 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # --- validation ---------------------------------------------------------------------------------------------------
 
 def _check_input(x, fmt, axis, block_2d, rounding, key, random_bits):
+  if key is not None:
+    keys.check_key(key, "key")
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
     raise ValueError(f"quantize supports float32, bfloat16 and float16 inputs; got dtype {jnp.dtype(x.dtype).name}.")
   if x.ndim < 1 or (block_2d and x.ndim < 2):
@@ -248,6 +252,7 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
   """Float values of a QArray (code * block scale * global scale), cropped to the original shape, in `dtype`."""
   if not isinstance(q, QArray):
     raise ValueError(f"dequantize expects a QArray; got {type(q).__name__}.")
+  qarray_lib.check_fields(q)
   block = _block_of(q)
   scales = q.scales.reshape(_scale_shape(q.shape, block))
   values = _decode(q.fmt.unpack(q.codes, q.axis), q.fmt.scaling_from_stored(scales, q.amax), block)

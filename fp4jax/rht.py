@@ -75,7 +75,8 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
   """Maps every run t of `size` consecutive elements of `x` along `axis` to t @ H (or t @ H^T with inverse=True).
 
   Computed in float32 at HIGHEST precision and returned in x's dtype (so a bf16 operand's RHT output is rounded to
-  bf16, as in the reference, which runs the RHT as a bf16 matmul with float32 accumulation).
+  bf16, as in the reference, which runs the RHT as a bf16 matmul with float32 accumulation), except float16, which
+  comes back as float32: mixing can grow an element by up to sqrt(size), past float16's largest finite 65504.
   """
   check_size(size)
   x = jnp.asarray(x)
@@ -91,4 +92,5 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
   # i.e. the signs flip first, then the Hadamard mixes. The inverse is y @ H^T.
   y = jnp.einsum("...j,ji->...i" if not inverse else "...j,ij->...i", tiles, h,
                  precision=jax.lax.Precision.HIGHEST)
-  return jnp.moveaxis(y.reshape(x_moved.shape).astype(x.dtype), -1, axis)
+  out_dtype = jnp.float32 if x.dtype == jnp.float16 else x.dtype
+  return jnp.moveaxis(y.reshape(x_moved.shape).astype(out_dtype), -1, axis)

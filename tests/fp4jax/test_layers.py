@@ -128,12 +128,16 @@ def test_nnx_layer_keys():
     no_stream(x)
   with pytest.raises(ValueError, match=f"inputs \\[..., {D_IN}\\]"):
     layer(x[:, :16])
+  with pytest.raises(ValueError, match="key must be one JAX PRNG key"):
+    layer(x, key=1)
 
 
 def test_flax_nnx_linear_with_quantized_dot_general():
-  """flax.nnx.Linear(dot_general=fp4jax.quantized_dot_general(recipe, key)) runs the recipe's GEMMs."""
+  """flax.nnx.Linear(dot_general=fp4jax.quantized_dot_general(recipe, fixed_key_every_call=key)) runs the recipe's
+  GEMMs (with one key for every call: a test-only opt-in; without it an SR recipe is refused)."""
   recipe, key = recipes.nvfp4(), jax.random.key(3)
-  layer = nnx.Linear(D_IN, D_HID, dot_general=fp4jax.quantized_dot_general(recipe, key), rngs=nnx.Rngs(0))
+  layer = nnx.Linear(D_IN, D_HID, dot_general=fp4jax.quantized_dot_general(recipe, fixed_key_every_call=key),
+                     rngs=nnx.Rngs(0))
   x = jnp.asarray(np.random.default_rng(2).standard_normal((TOKENS, D_IN)), jnp.float32)
   dn = (((1,), (0,)), ((), ()))
 
@@ -154,6 +158,9 @@ def test_flax_nnx_linear_with_quantized_dot_general():
   # ... and it is really quantized: the plain layer differs.
   plain = nnx.Linear(D_IN, D_HID, rngs=nnx.Rngs(0))
   assert np.abs(np.asarray(plain(x)) - np.asarray(y)).max() > 1e-3
+  unkeyed = nnx.Linear(D_IN, D_HID, dot_general=fp4jax.quantized_dot_general(recipe), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="fresh key on every call"):
+    unkeyed(x)
 
 
 def test_switching_recipe_compiles_once_per_recipe():

@@ -1,0 +1,317 @@
+"""fp4jax.quantize_model on models the user did not write: a small NNX transformer written the way Flax's examples
+write one (nnx.Embed, nnx.MultiHeadAttention, an nnx.Linear MLP), a Linen MLP with Dense / DenseGeneral, Einsum."""
+
+import subprocess
+import sys
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import fp4jax
+from fp4jax import recipes
+
+VOCAB, D, HEADS, FF, LAYERS, B, T = 64, 32, 2, 64, 2, 2, 16
+RULES = [
+    ("head", None),  # first match wins: the head stays in high precision whatever follows
+    (r"blocks\.\d+\.attn\.(query|key|value|out)", "nvfp4"),
+    (r"blocks\.\d+\.mlp_.*", "nvfp4"),
+    ("embed", "nvfp4"),  # an Embed is not a linear layer: this rule matches nothing
+    ("blocks.*typo", "mxfp4"),
+]
+
+
+class Block(nnx.Module):
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.ln1 = nnx.LayerNorm(D, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D, decode=False, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(D, rngs=rngs)
+    self.mlp_in = nnx.Linear(D, FF, rngs=rngs)
+    self.mlp_out = nnx.Linear(FF, D, rngs=rngs)
+
+  def __call__(self, x, mask):
+    x = x + self.attn(self.ln1(x), mask=mask)
+    return x + self.mlp_out(nnx.gelu(self.mlp_in(self.ln2(x))))
+
+
+class Transformer(nnx.Module):
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.blocks = nnx.List([Block(rngs=rngs) for _ in range(LAYERS)])
+    self.ln_f = nnx.LayerNorm(D, rngs=rngs)
+    self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens):
+    mask = nnx.make_causal_mask(tokens)
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x, mask)
+    return self.head(self.ln_f(x))
+
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (B, T)), jnp.int32)
+TARGETS = jnp.roll(TOKENS, -1, axis=1)
+
+
+def _loss(model):
+  logits = model(TOKENS).astype(jnp.float32)
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), TARGETS[..., None], -1))
+
+
+_forward = nnx.jit(lambda model: model(TOKENS))
+_grad = nnx.jit(lambda model: nnx.grad(_loss)(model))
+
+
+def _kernel_grads(grads):
+  return {".".join(map(str, p)): np.asarray(v) for p, v in nnx.to_flat_state(grads) if p[-1] == "kernel"}
+
+
+def _reference_dot_general(recipe):
+  """fp4jax.dot_general on the layer's inputs flattened to [M, K] and its kernel to [K, N] (the test's own reshape:
+  the contracted axes are the input's trailing and the kernel's leading ones for Linear and LinearGeneral)."""
+
+  def fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **unused):
+    (lc, rc), (lb, _) = dimension_numbers
+    n_in = len(rc)
+    assert not lb and tuple(rc) == tuple(range(n_in)) and tuple(lc) == tuple(range(lhs.ndim - n_in, lhs.ndim))
+    k = int(np.prod(rhs.shape[:n_in]))
+    y = fp4jax.dot_general(lhs.reshape(-1, k), rhs.reshape(k, -1), (((1,), (0,)), ((), ())), recipe=recipe,
+                           key=jax.random.key(0), preferred_element_type=preferred_element_type)
+    return y.reshape(*lhs.shape[:lhs.ndim - n_in], *rhs.shape[n_in:])
+
+  return fn
+
+
+def test_report_lists_layers_rules_and_unused_rules():
+  model = Transformer(rngs=nnx.Rngs(0))
+  report = fp4jax.quantize_model(model, RULES, rngs=nnx.Rngs(quant=1))
+  per_block = ["attn.key", "attn.out", "attn.query", "attn.value", "mlp_in", "mlp_out"]
+  expected = {f"blocks.{i}.{name}": "nvfp4" for i in range(LAYERS) for name in per_block}
+  assert report.quantized == expected
+  assert report.unused_rules == ("embed", "blocks.*typo")
+  assert report.unmatched_layers == ()
+  assert report.recipe_of("head") is None and report.recipe_of("blocks.1.attn.out").name == "nvfp4"
+  text = str(report)
+  assert "12 of 13 linear layers quantized" in text and "rules that matched no layer: 'embed', 'blocks.*typo'" in text
+  assert "head" in text and "left alone" in text
+
+
+def test_quantized_forward_equals_fp4jax_dot_general_on_the_layer_inputs():
+  """The injected model's logits equal a twin whose layers call fp4jax.dot_general themselves, bit for bit.
+  (NVFP4's forward GEMM uses no randomness, so the twin's fixed key changes nothing.)"""
+  recipe = recipes.nvfp4()
+  model = Transformer(rngs=nnx.Rngs(0))
+  report = fp4jax.quantize_model(model, RULES, rngs=nnx.Rngs(quant=1))
+  twin = Transformer(rngs=nnx.Rngs(0))
+  for path, module in nnx.iter_modules(twin):
+    if ".".join(map(str, path)) in report.quantized:
+      module.dot_general = _reference_dot_general(recipe)
+  plain = Transformer(rngs=nnx.Rngs(0))
+  y, y_twin, y_plain = _forward(model), _forward(twin), _forward(plain)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_twin))
+  assert np.abs(np.asarray(y) - np.asarray(y_plain)).max() > 1e-3  # really quantized
+
+
+def test_sr_gradients_differ_per_call_and_the_seed_reproduces_them():
+  def two_gradients(quant_seed):
+    model = Transformer(rngs=nnx.Rngs(0))
+    fp4jax.quantize_model(model, RULES, rngs=nnx.Rngs(quant=quant_seed))
+    return _kernel_grads(_grad(model)), _kernel_grads(_grad(model))
+
+  g1, g2 = two_gradients(1)
+  quantized = [p for p in g1 if p.startswith("blocks")]
+  assert len(quantized) == 12
+  for p in quantized:  # fresh stochastic-rounding noise on every call
+    assert not np.array_equal(g1[p], g2[p]), p
+  # The head is left alone and sees the same (deterministic) forward: its gradient does not move.
+  np.testing.assert_array_equal(g1["head.kernel"], g2["head.kernel"])
+  r1, r2 = two_gradients(1)
+  for p in g1:
+    np.testing.assert_array_equal(g1[p], r1[p])
+    np.testing.assert_array_equal(g2[p], r2[p])
+  other, _ = two_gradients(2)
+  assert not np.array_equal(g1["blocks.0.mlp_in.kernel"], other["blocks.0.mlp_in.kernel"])
+
+
+@pytest.mark.parametrize("rule", [None, "bf16"])
+def test_unquantized_rules_give_the_unquantized_model_exactly(rule):
+  plain = Transformer(rngs=nnx.Rngs(0))
+  model = Transformer(rngs=nnx.Rngs(0))
+  fp4jax.quantize_model(model, [(".*", "nvfp4")], rngs=3)  # quantize, then switch everything back off
+  report = fp4jax.quantize_model(model, [(".*", rule)])
+  assert report.quantized == {}
+  np.testing.assert_array_equal(np.asarray(_forward(model)), np.asarray(_forward(plain)))
+  g, g_plain = _kernel_grads(_grad(model)), _kernel_grads(_grad(plain))
+  for p in g_plain:
+    np.testing.assert_array_equal(g[p], g_plain[p])
+
+
+class EinsumModel(nnx.Module):
+
+  def __init__(self, equation, kernel_shape, bias_shape=None, *, rngs):
+    self.proj = nnx.Einsum(equation, kernel_shape, bias_shape=bias_shape, rngs=rngs)
+
+  def __call__(self, x):
+    return self.proj(x)
+
+
+@pytest.mark.parametrize("equation,kernel_shape,bias_shape,k_axes", [
+    ("btd,dnh->btnh", (D, HEADS, 16), (HEADS, 16), 1),  # [K, heads, head_dim]
+    ("btd,hd->bth", (48, D), (48,), None),  # a transposed [N, K] kernel
+    ("...nh,nhd->...d", (HEADS, 16, D), (D,), 2),  # attention output: contract two axes, ellipsis batch
+])
+def test_einsum_linear_layers(equation, kernel_shape, bias_shape, k_axes):
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((B, T, D) if k_axes != 2 else (B, T, HEADS, 16)), jnp.float32)
+  model = EinsumModel(equation, kernel_shape, bias_shape, rngs=nnx.Rngs(0))
+  report = fp4jax.quantize_model(model, [("proj", "nvfp4")], rngs=4)
+  assert report.quantized == {"proj": "nvfp4"}
+  y = nnx.jit(lambda m, x: m(x))(model, x)
+  w = model.proj.kernel[...]
+  w_KxN = w.T if k_axes is None else w.reshape(int(np.prod(w.shape[:k_axes])), -1)
+  k = w_KxN.shape[0]
+  gemm = jax.jit(lambda x_MxK, w_KxN: fp4jax.dot_general(x_MxK, w_KxN, (((1,), (0,)), ((), ())), recipe="nvfp4",
+                                                          key=jax.random.key(0)))
+  y_ref = gemm(x.reshape(-1, k), w_KxN).reshape(y.shape) + model.proj.bias[...]
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+  g = nnx.jit(lambda m, x: nnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(m).proj.kernel[...])
+  assert not np.array_equal(g(model, x), g(model, x))
+
+
+def test_refusals_name_the_layer():
+  batched = EinsumModel("btnd,nhd->btnh", (HEADS, 8, 16), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"proj \(nnx.Einsum\).*not a linear layer.*shared by input, kernel"):
+    fp4jax.quantize_model(batched, [("proj", "nvfp4")], rngs=0)
+  assert fp4jax.quantize_model(batched, [("proj", None)]).quantized == {}  # left alone: fine
+  general = nnx.LinearGeneral(D, (HEADS, 16), axis=-1, batch_axis={0: B}, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="batch_axis"):
+    fp4jax.quantize_model(general, [("", "nvfp4")], rngs=0)
+  custom = nnx.Linear(D, D, dot_general=lambda *a, **k: jax.lax.dot_general(*a[:3]), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="custom dot_general"):
+    fp4jax.quantize_model(custom, [(".*", "nvfp4")], rngs=0)
+
+
+def test_bad_arguments():
+  model = Transformer(rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="stochastic rounding: pass rngs"):
+    fp4jax.quantize_model(model, RULES)
+  with pytest.raises(ValueError, match="stochastic rounding: pass rngs"):
+    fp4jax.quantize_model(model, RULES, rngs=nnx.Rngs(params=0))  # no "quant" stream
+  with pytest.raises(ValueError, match="not a valid regex"):
+    fp4jax.quantize_model(model, [("blocks.(", "nvfp4")], rngs=0)
+  with pytest.raises(ValueError, match=r"rule 0 \('head'\)"):
+    fp4jax.quantize_model(model, [("head", "nvfp5")], rngs=0)
+  with pytest.raises(ValueError, match="pair"):
+    fp4jax.quantize_model(model, ["head"], rngs=0)
+  with pytest.raises(ValueError, match="flax.nnx.Module or flax.linen.Module"):
+    fp4jax.quantize_model(lambda x: x, RULES)
+  # Round-to-nearest recipes need no stream.
+  report = fp4jax.quantize_model(model, [(".*", "nvfp4:stochastic_rounding=false")])
+  assert len(report.quantized) == 13
+
+
+def test_import_fp4jax_does_not_import_flax():
+  code = "import sys, fp4jax; fp4jax.quantize_model; assert not [m for m in sys.modules if m.startswith('flax')]"
+  subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- Linen ----------------------------------------------------------------------------------------------------------
+
+class LinenMLP(linen.Module):
+  """Dense in, DenseGeneral to [heads, head_dim], DenseGeneral contracting both back: a Flax-style model."""
+
+  @linen.compact
+  def __call__(self, x):
+    h = linen.gelu(linen.Dense(FF)(x))
+    h = linen.DenseGeneral((HEADS, 32))(h)
+    return linen.DenseGeneral(D, axis=(-2, -1), name="out")(h)
+
+
+X_LINEN = jnp.asarray(np.random.default_rng(5).standard_normal((B * T, D)), jnp.float32)
+KEY = jax.random.key(0)  # NVFP4 forward GEMMs use no randomness: any key gives the same output
+
+
+def test_linen_quantize_model():
+  model = LinenMLP()
+  qmodel = fp4jax.quantize_model(model, [("out", None), (".*", "nvfp4"), ("typo", "nvfp4")])
+  params = qmodel.init(jax.random.key(0), X_LINEN)
+  same = jax.tree.map(np.array_equal, params, model.init(jax.random.key(0), X_LINEN))
+  assert all(jax.tree.leaves(same))  # the model's own variables
+  apply = jax.jit(qmodel.apply)
+  y = apply(params, X_LINEN, rngs={"quant": jax.random.key(1)})
+  assert qmodel.report.quantized == {"Dense_0": "nvfp4", "DenseGeneral_0": "nvfp4"}
+  assert qmodel.report.unused_rules == ("typo",)
+
+  # Forward: Dense_0's GEMM equals fp4jax.dot_general on its input; the others follow through the same model.
+  @jax.jit
+  def reference(p):
+    dn = (((1,), (0,)), ((), ()))
+    h = fp4jax.dot_general(X_LINEN, p["Dense_0"]["kernel"], dn, recipe="nvfp4", key=KEY)
+    h = fp4jax.dot_general(linen.gelu(h + p["Dense_0"]["bias"]), p["DenseGeneral_0"]["kernel"].reshape(FF, -1), dn,
+                           recipe="nvfp4", key=KEY)
+    h = h.reshape(-1, HEADS, 32) + p["DenseGeneral_0"]["bias"]
+    return jnp.einsum("mhd,hdn->mn", h, p["out"]["kernel"], precision="highest") + p["out"]["bias"]
+
+  y_ref = reference(params["params"])
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(y) - np.asarray(model.apply(params, X_LINEN))).max() > 1e-3
+
+  grad = jax.jit(jax.grad(lambda p, k: jnp.sum(jnp.sin(qmodel.apply(p, X_LINEN, rngs={"quant": k})))))
+  g1, g1_again, g2 = grad(params, jax.random.key(1)), grad(params, jax.random.key(1)), grad(params, jax.random.key(2))
+  k1, k2 = g1["params"]["Dense_0"]["kernel"], g2["params"]["Dense_0"]["kernel"]
+  assert not np.array_equal(k1, k2)
+  np.testing.assert_array_equal(k1, g1_again["params"]["Dense_0"]["kernel"])
+  with pytest.raises(Exception, match="quant"):
+    qmodel.apply(params, X_LINEN)
+
+  bf16 = fp4jax.quantize_model(model, [(".*", "bf16")])
+  np.testing.assert_array_equal(np.asarray(jax.jit(bf16.apply)(params, X_LINEN)),
+                                np.asarray(jax.jit(model.apply)(params, X_LINEN)))
+
+
+# --- the contraction helpers behind both ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("equation,why", [
+    ("btd,bd->bt", "shared by input, kernel and output"),
+    ("btd,dh->bh", "summed away on one side"),
+    ("btd,dh->btdh", "shared by input, kernel and output"),
+    ("btd,dh->bthz", "come from neither operand"),
+    ("btd,...h->bth", "ellipsis in the kernel"),
+    ("btd,dh", "expected 'input,kernel->output'"),
+])
+def test_einsum_that_is_not_a_linear_layer_is_refused(equation, why):
+  from fp4jax import contraction  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=why):
+    contraction.einsum_as_dot_general(equation, 3, 2)
+
+
+def test_quantized_dot_general_takes_linear_general_kernels():
+  """nnx.LinearGeneral([K, heads, head_dim]) with quantized_dot_general: one [M, K] x [K, heads * head_dim] GEMM."""
+  recipe = recipes.nvfp4(stochastic_rounding=False)
+  layer = nnx.LinearGeneral(D, (HEADS, 16), dot_general=fp4jax.quantized_dot_general(recipe), rngs=nnx.Rngs(0))
+  x = X_LINEN.reshape(B, T, D)
+  y_ref = fp4jax.dot_general(x.reshape(-1, D), layer.kernel[...].reshape(D, -1), (((1,), (0,)), ((), ())),
+                             recipe=recipe).reshape(B, T, HEADS, 16) + layer.bias[...]
+  np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(y_ref))
+
+
+def test_linen_refusals_name_the_layer():
+  class Batched(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+      return linen.DenseGeneral(16, axis=-1, batch_dims=(0,), name="per_head")(x)
+
+  x = jnp.ones((HEADS, T, D), jnp.float32)
+  qmodel = fp4jax.quantize_model(Batched(), [(".*", "nvfp4:stochastic_rounding=false")])
+  params = qmodel.init(jax.random.key(0), x)  # init runs unquantized
+  with pytest.raises(ValueError, match="per_head: a batched contraction"):
+    qmodel.apply(params, x)
+  custom = linen.Dense(D, dot_general=jax.lax.dot_general)
+  qcustom = fp4jax.quantize_model(custom, [(".*", "nvfp4:stochastic_rounding=false")])
+  with pytest.raises(ValueError, match="custom dot_general"):
+    qcustom.apply(qcustom.init(jax.random.key(0), X_LINEN), X_LINEN)
