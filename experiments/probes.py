@@ -18,7 +18,7 @@ gradients (captured from a BF16 forward/backward on fixed validation batches), s
     python -m experiments.probes --report-only --out runs/probes_cpu        # redraw tables and plots
 
 The checkpoint is a BF16 run of the preset's model (constant learning rate after warmup, so it stops in the stable
-phase, as the paper's ablations resumed mid-run), trained with fp4jax.pretrain.train.train into OUT/base and reused when
+phase, as the paper's ablations resumed mid-run), trained with fp4jax.pretrain.trainer.train into OUT/base and reused when
 present; --checkpoint RUN_DIR probes another run instead. Outputs: OUT/results.json, OUT/report.md, OUT/*.png.
 """
 
@@ -159,10 +159,10 @@ def base_config(preset: ProbePreset, out: pathlib.Path):
 def ensure_base(preset: ProbePreset, out: pathlib.Path, *, retrain: bool = False, log=print) -> pathlib.Path:
   """Trains the BF16 base run into OUT/base unless a finished run with the same config is there; returns its folder."""
   from fp4jax.pretrain import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import train  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
   config = base_config(preset, out)
   run_dir = pathlib.Path(config.out)
-  stored = run_dir / train.CONFIG_FILE
+  stored = run_dir / trainer.CONFIG_FILE
   if stored.exists() and not retrain:
     from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
     free = ("out", "progress")
@@ -185,30 +185,32 @@ def ensure_base(preset: ProbePreset, out: pathlib.Path, *, retrain: bool = False
         manager.close()
   log(f"Training the BF16 base run into {run_dir} ({config.steps} steps)...")
   t0 = time.perf_counter()
-  train.train(config.replace(overwrite=run_dir.exists()), log=None)
+  trainer.train(config.replace(overwrite=run_dir.exists()), log=None)
   log(f"  done in {time.perf_counter() - t0:.0f}s.")
   return run_dir
 
 
 def restore_run(run_dir: str | pathlib.Path, step: int | None = None):
-  """(TrainConfig, model with the restored params, TrainState, step) of a fp4jax.pretrain.train run's checkpoint."""
+  """(TrainConfig, model with the restored params, TrainState, step) of a `fp4jax train` run's checkpoint."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import train  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import steps as steps_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
   manager = ckpt.open_manager(run_dir, create=False)
   try:
     step, meta = ckpt.restore_meta(manager, step)
     config = TrainConfig.from_dict(meta["config"])
-    model = train.build_model(config, train.run_keys(config.seed)["init"])
+    model = trainer.build_model(config, trainer.run_keys(config.seed)["init"])
     params = nnx.state(model, nnx.Param)
-    target = train.TrainState(params=params, opt_state=train.make_optimizer(config).init(params),
+    target = steps_lib.TrainState(params=params, opt_state=optimizer_lib.make_optimizer(config).init(params),
                               step=jnp.asarray(0, jnp.int32))
     step, restored, _ = ckpt.restore(manager, target._asdict(), step)
   finally:
     manager.close()
-  state = train.TrainState(**restored)
+  state = steps_lib.TrainState(**restored)
   nnx.update(model, state.params)
   return config, model, state, step
 
@@ -305,14 +307,16 @@ def run_continuations(preset: ProbePreset, config, model, state, dataset, *, log
   """Each continuation variant continued `cont_steps` steps from `state` with seeds 1..cont_seeds (paired data)."""
   import jax  # pylint: disable=g-import-not-at-top
   from fp4jax.analysis import probes  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import data, train  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import steps as steps_lib  # pylint: disable=g-import-not-at-top
   names, n_layers = list(model.linear_layers()), len(model.blocks)
   start = int(state.step)
   cont_config = config.replace(steps=start + preset.cont_steps, warmup_fraction=0.0, decay_fraction=0.0)
-  optimizer = train.make_optimizer(cont_config)  # constant LR: the base run's stable phase
+  optimizer = optimizer_lib.make_optimizer(cont_config)  # constant LR: the base run's stable phase
   val = data.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
                          num_batches=config.eval_batches)
-  cache = train.CompileCache()
+  cache = steps_lib.CompileCache()
   runs: dict[str, dict[int, dict]] = {}
   t0 = time.perf_counter()
   for seed in range(1, preset.cont_seeds + 1):
@@ -326,7 +330,7 @@ def run_continuations(preset: ProbePreset, config, model, state, dataset, *, log
       log(f"  continue {variant} seed {seed}: val {result['val_own']:.4f} (BF16 forward {result['val_bf16']:.4f}) "
           f"in {time.perf_counter() - t1:.1f}s")
   bf16_graphdef = nnx_graphdef(model)
-  eval_fn = cache.get(("probe_eval", bf16_graphdef), lambda: jax.jit(train.make_eval_step(bf16_graphdef)))
+  eval_fn = cache.get(("probe_eval", bf16_graphdef), lambda: jax.jit(steps_lib.make_eval_step(bf16_graphdef)))
   start_val = float(np.mean([float(eval_fn(state.params, b, None)) for b in val]))
   log(f"Continuations: {time.perf_counter() - t0:.0f}s.")
   return {"start_step": start, "steps": preset.cont_steps, "seeds": list(range(1, preset.cont_seeds + 1)),
@@ -773,7 +777,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
   parser.add_argument("--out", required=True, help="output folder (the BF16 base run goes to OUT/base)")
-  parser.add_argument("--checkpoint", default=None, help="probe this fp4jax.pretrain.train run folder instead of OUT/base")
+  parser.add_argument("--checkpoint", default=None, help="probe this `fp4jax train` run folder instead of OUT/base")
   parser.add_argument("--retrain-base", action="store_true", help="replace OUT/base even if it holds another run")
   parser.add_argument("--skip-continuations", action="store_true", help="only the fixed-tensor probes")
   parser.add_argument("--report-only", action="store_true", help="redraw report.md and plots from OUT/results.json")

@@ -1,4 +1,4 @@
-"""Sweeps: named runs x seeds, each a `fp4jax.pretrain.train.train` run in OUT/<run>/seed<k>, resumable, then a report.
+"""Sweeps: named runs x seeds, each a `fp4jax.pretrain.trainer.train` run in OUT/<run>/seed<k>, resumable, then a report.
 
 A `Run` is a name plus TrainConfig overrides (what the experiment varies); a `Sweep` holds the runs, the overrides
 shared by all of them (the preset's base, plus any given on the command line), the number of seeds and the
@@ -32,7 +32,8 @@ import fp4jax.pretrain.data
 import fp4jax.pretrain.metrics
 import fp4jax.pretrain.model
 from fp4jax.pretrain import config as config_lib
-from fp4jax.pretrain import train as train_lib
+from fp4jax.pretrain import steps as steps_lib
+from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
 
 PRESETS = ("smoke", "cpu", "gpu")
@@ -270,7 +271,7 @@ def steady_tokens_per_s(records: Sequence[Mapping[str, Any]]) -> float | None:
 
 def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: pathlib.Path, status: str,
                wall_time: float, summary: Mapping[str, Any] | None = None,
-               diverged: train_lib.TrainingDiverged | None = None) -> dict[str, Any]:
+               diverged: trainer.TrainingDiverged | None = None) -> dict[str, Any]:
   """The summary.json of one run x seed: results, throughput, BF16 blocks, the recipe table and the full config.
 
   wall_time covers this process's share only when the run was resumed.
@@ -294,8 +295,8 @@ def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
 
 
 def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], None] | None = print,
-              progress: bool = True, compile_cache: train_lib.CompileCache | None = None,
-              hooks_for: Callable[[str, int], Sequence[train_lib.Hook]] | None = None) -> list[dict[str, Any]]:
+              progress: bool = True, compile_cache: steps_lib.CompileCache | None = None,
+              hooks_for: Callable[[str, int], Sequence[trainer.Hook]] | None = None) -> list[dict[str, Any]]:
   """Runs every run x seed of `sweep` under `out` that has not finished yet; returns one record per job.
 
   Each record: run, seed, status ("skipped": finished before; "finished"; "diverged": stopped on a non-finite
@@ -315,7 +316,7 @@ def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], Non
       _check_same_settings(folder, done["config"], config)
   out.mkdir(parents=True, exist_ok=True)
   _write_json(out / SWEEP_FILE, sweep.to_dict())
-  cache = compile_cache if compile_cache is not None else train_lib.CompileCache()
+  cache = compile_cache if compile_cache is not None else steps_lib.CompileCache()
 
   results = []
   bar = tqdm.tqdm(jobs, desc=sweep.experiment, unit="run", disable=not progress, dynamic_ncols=True)
@@ -338,7 +339,7 @@ def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], Non
 
 
 def _train_one(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: pathlib.Path,
-               cache: train_lib.CompileCache, hooks_for) -> dict[str, Any]:
+               cache: steps_lib.CompileCache, hooks_for) -> dict[str, Any]:
   """Trains one run x seed (resuming from its checkpoints if any) and returns its summary."""
   folder.mkdir(parents=True, exist_ok=True)
   hooks = tuple(hooks_for(run.name, seed)) if hooks_for else ()
@@ -352,12 +353,12 @@ def _train_one(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
       summary = None
       if fp4jax.pretrain.checkpoint.checkpoint_dir(folder).is_dir():
         try:
-          summary = train_lib.train(config.replace(resume=True), hooks, log=write, compile_cache=cache)
+          summary = trainer.train(config.replace(resume=True), hooks, log=write, compile_cache=cache)
         except fp4jax.pretrain.checkpoint.CheckpointError as e:
           write(f"Could not resume ({e}); starting afresh.")
       if summary is None:
-        summary = train_lib.train(config.replace(overwrite=True), hooks, log=write, compile_cache=cache)
-    except train_lib.TrainingDiverged as e:
+        summary = trainer.train(config.replace(overwrite=True), hooks, log=write, compile_cache=cache)
+    except trainer.TrainingDiverged as e:
       write(str(e))
       return _summarize(sweep, run, seed, config, folder, "diverged", time.perf_counter() - t0, diverged=e)
   return _summarize(sweep, run, seed, config, folder, "finished", time.perf_counter() - t0, summary)
@@ -371,7 +372,7 @@ def make_parser(prog: str, doc: str) -> argparse.ArgumentParser:
       prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="Overrides: --set KEY=VALUE (repeatable) changes a setting shared by all runs, e.g. --set steps=100 "
              "--set model.d_model=128 --set recipe=nvfp4:rht_size=4. KEY is a TrainConfig field (see "
-             "`python -m fp4jax.pretrain.train --help`), `model` (a preset: " + ", ".join(sorted(fp4jax.pretrain.model.MODEL_PRESETS))
+             "`python -m fp4jax train --help`), `model` (a preset: " + ", ".join(sorted(fp4jax.pretrain.model.MODEL_PRESETS))
              + "), model.FIELD or data.FIELD. A run's own settings (what the experiment varies) win over --set.")
   parser.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
   parser.add_argument("--out", required=True, help="sweep folder: OUT/<run>/seed<k>/, results.md, *.png")

@@ -39,7 +39,8 @@ from flax import nnx
 import fp4jax.pretrain.data
 import fp4jax.pretrain.model
 import fp4jax.recipes as recipes_lib
-import fp4jax.pretrain.train
+import fp4jax.pretrain.steps
+import fp4jax.pretrain.trainer
 from fp4jax import formats
 from fp4jax.dot_general import (dgrad_gradient, dgrad_weight, fprop_operands, wgrad_activations,
                                 wgrad_gradient)
@@ -199,7 +200,7 @@ def capture_layer_tensors(model: fp4jax.pretrain.model.Transformer, batch: Mappi
     def loss_fn(deltas):
       m = nnx.merge(graphdef, deltas, rest, copy=True)  # fresh variables: the taps write theirs in this trace
       # A key (unused: every layer is BF16) skips the model's key check, which cannot see through the taps.
-      loss = fp4jax.pretrain.train.cross_entropy(m(tokens_BxT, key=jax.random.key(0)), targets_BxT)
+      loss = fp4jax.pretrain.steps.cross_entropy(m(tokens_BxT, key=jax.random.key(0)), targets_BxT)
       return loss, nnx.state(m, _Input)
     (loss, inter), grads = jax.value_and_grad(loss_fn, has_aux=True)(deltas)
     return loss, inter, grads
@@ -476,7 +477,7 @@ def _loss_and_grad(graphdef, params, rest, tokens_BxT, targets_BxT, key):
   def loss_fn(params):
     logits_BxTxV = nnx.merge(graphdef, params, rest)(tokens_BxT, key=key).astype(jnp.float32)
     per_token_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
-    # The mean over everything, as fp4jax.pretrain.train.cross_entropy; per-sequence means for standard errors.
+    # The mean over everything, as fp4jax.pretrain.steps.cross_entropy; per-sequence means for standard errors.
     return per_token_BxT.mean(), per_token_BxT.mean(axis=1)
   (loss, loss_B), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
   return loss, loss_B, _flat(grads)
@@ -544,23 +545,23 @@ def model_probe(model: fp4jax.pretrain.model.Transformer, batch: Mapping[str, An
 
 # --- continuation -------------------------------------------------------------------------------------------------
 
-def continue_training(model: fp4jax.pretrain.model.Transformer, state: fp4jax.pretrain.train.TrainState, recipes, *, optimizer,
+def continue_training(model: fp4jax.pretrain.model.Transformer, state: fp4jax.pretrain.steps.TrainState, recipes, *, optimizer,
                       dataset, batch_size: int, seq_len: int, steps: int, seed: int, val_batches,
-                      cache: fp4jax.pretrain.train.CompileCache | None = None) -> dict[str, Any]:
+                      cache: fp4jax.pretrain.steps.CompileCache | None = None) -> dict[str, Any]:
   """Continues `state` for `steps` AdamW steps with the linear layers running `recipes`; evaluates at the end.
 
   Batches are fp4jax.pretrain.data.get_batch(dataset, "train", state.step + i, seed=seed) and the step key is
   fold_in(fold_in(key(seed), 1), step), so two recipes continued with the same seed see the same data (paired).
   Returns {"losses": train losses, "val_bf16": validation loss with a BF16 forward, "val_own": with the recipe's
-  own forward, "state": the final TrainState}. Raises fp4jax.pretrain.train.TrainingDiverged on a non-finite step.
+  own forward, "state": the final TrainState}. Raises fp4jax.pretrain.trainer.TrainingDiverged on a non-finite step.
   """
   if not isinstance(steps, int) or steps < 1:
     raise ValueError(f"steps must be an int >= 1; got {steps!r}.")
-  cache = cache if cache is not None else fp4jax.pretrain.train.CompileCache()
+  cache = cache if cache is not None else fp4jax.pretrain.steps.CompileCache()
   graphdef = nnx.graphdef(with_recipes(model, recipes))
   bf16_graphdef = nnx.graphdef(with_recipes(model, recipes_lib.bf16()))
   step_fn = cache.get(("probe_train", graphdef, id(optimizer)),
-                      lambda: jax.jit(fp4jax.pretrain.train.make_train_step(graphdef, optimizer)))
+                      lambda: jax.jit(fp4jax.pretrain.steps.make_train_step(graphdef, optimizer)))
   step_key = jax.random.fold_in(jax.random.key(seed), 1)
   start = int(state.step)
   losses = []
@@ -568,13 +569,13 @@ def continue_training(model: fp4jax.pretrain.model.Transformer, state: fp4jax.pr
     batch = fp4jax.pretrain.data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=seq_len, seed=seed)
     new_state, m = step_fn(state, batch, jax.random.fold_in(step_key, i))
     if not bool(m["finite"]):
-      raise fp4jax.pretrain.train.TrainingDiverged(i, float(m["loss"]), float(m["grad_norm"]), None)
+      raise fp4jax.pretrain.trainer.TrainingDiverged(i, float(m["loss"]), float(m["grad_norm"]), None)
     state = new_state
     losses.append(float(m["loss"]))
   eval_key = jax.random.fold_in(jax.random.key(seed), 2)
 
   def val(gd):
-    fn = cache.get(("probe_eval", gd), lambda: jax.jit(fp4jax.pretrain.train.make_eval_step(gd)))
+    fn = cache.get(("probe_eval", gd), lambda: jax.jit(fp4jax.pretrain.steps.make_eval_step(gd)))
     return float(np.mean([float(fn(state.params, b, eval_key)) for b in val_batches]))
 
   return {"losses": losses, "val_bf16": val(bf16_graphdef), "val_own": val(graphdef), "state": state}

@@ -215,3 +215,44 @@ def global_batch(local_batch: dict, mesh: Mesh) -> dict:
   """Assembles each host's slice of the batch (rows process_index*B/P ...) into global sharded arrays."""
   sharding = batch_sharding(mesh)
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where the train state and batches live: one device, or a (data, fsdp, tensor) mesh.
+
+  Quantization runs on global arrays inside jit, so its numerics do not depend on the placement; the mesh only
+  decides which device computes which slice (see the module docstring).
+  """
+
+  state: Any  # a sharding, or a TrainState-shaped pytree of shardings
+  params: Any
+  batch: Any
+  replicated: Any
+  mesh: Any = None
+  key: str = "single"
+
+  @classmethod
+  def single_device(cls) -> "Placement":
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return cls(state=device, params=device, batch=device, replicated=device)
+
+  @classmethod
+  def for_mesh(cls, mesh_spec: str | None, state, *, recipe, batch_size: int, seq_len: int) -> "Placement":
+    """One device when `mesh_spec` is empty; else a mesh, after checking `recipe`'s blocks fit its shards."""
+    if not mesh_spec:
+      return cls.single_device()
+    mesh = make_mesh(mesh_spec)
+    fmt = recipe.fprop.rhs.fmt
+    check_divisibility(state.params, mesh, block_size=fmt.block_size if fmt is not None else 1,
+                       weight_2d=recipe.fprop.rhs.block_2d, batch_size=batch_size, seq_len=seq_len,
+                       rht_size=recipe.rht_size if recipe.wgrad.rht else 1)
+    state_sh = tree_shardings(state, mesh)
+    return cls(state=state_sh, params=state_sh.params, batch=batch_sharding(mesh), replicated=replicated(mesh),
+               mesh=mesh, key=str(mesh_spec))
+
+  def put_batch(self, batch: dict[str, np.ndarray]):
+    """This process's rows of the global batch, placed per the batch sharding."""
+    if self.mesh is None:
+      return jax.device_put(batch, self.batch)
+    return global_batch(batch, self.mesh)

@@ -12,7 +12,8 @@ import pytest
 
 from experiments import report
 from experiments import sweep as sweep_lib
-from fp4jax.pretrain import train as train_lib
+from fp4jax.pretrain import steps as steps_lib
+from fp4jax.pretrain import trainer
 
 EXPERIMENTS = ("formats", "rht_size", "high_precision_layers", "components", "precision_switch")
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
@@ -21,7 +22,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def cache():
-  return train_lib.CompileCache()
+  return steps_lib.CompileCache()
 
 
 def _module(name):
@@ -212,11 +213,11 @@ def test_diverged_run_is_recorded_reported_and_not_rerun(tmp_path, monkeypatch):
     del hooks, log, compile_cache
     calls.append(config.recipe)
     (tmp_path / "q" / "seed0" / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n{"step": 1, "loss": NaN}\n')
-    raise train_lib.TrainingDiverged(1, float("nan"), float("nan"), None)
+    raise trainer.TrainingDiverged(1, float("nan"), float("nan"), None)
 
   sweep = sweep_lib.Sweep(experiment="div", preset="smoke", base=sweep_lib.base_overrides("smoke"), reference=None,
                           runs=(sweep_lib.Run("q", {"recipe": "nvfp4", "lr": 10.0}),))
-  monkeypatch.setattr(sweep_lib.train_lib, "train", diverging_train)
+  monkeypatch.setattr(sweep_lib.trainer, "train", diverging_train)
   (record,) = sweep_lib.run_sweep(sweep, tmp_path, progress=False, log=None)
   assert record["status"] == "diverged" and record["summary"]["diverged_step"] == 1
   assert record["summary"]["final_val_loss"] is None and "diverged at step 1" in record["summary"]["error"]

@@ -1,4 +1,4 @@
-"""Tests for fp4jax.pretrain.train / config / metrics / cli: loss drops per recipe, policy switch, bit-exact resume, divergence,
+"""Tests for fp4jax.pretrain.trainer / config / metrics / cli: loss drops per recipe, policy switch, bit-exact resume, divergence,
 bad input, command line. All runs share one settings block (and a CompileCache), so each graph compiles once."""
 
 import json
@@ -19,7 +19,9 @@ from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import data
 from fp4jax.pretrain import metrics
 from fp4jax.pretrain import model as model_lib
-from fp4jax.pretrain import train as train_lib
+from fp4jax.pretrain import optimizer as optimizer_lib
+from fp4jax.pretrain import steps as steps_lib
+from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
 
 STEPS = 16
@@ -30,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def env(tmp_path_factory):
   """Data cache folder and a compile cache shared by every run in this module."""
   return {"data": data.DataConfig(cache_dir=str(tmp_path_factory.mktemp("data_cache"))),
-          "cache": train_lib.CompileCache()}
+          "cache": steps_lib.CompileCache()}
 
 
 def make_config(env, out, **changes) -> TrainConfig:
@@ -43,7 +45,7 @@ def make_config(env, out, **changes) -> TrainConfig:
 
 
 def run(env, config, hooks=()):
-  return train_lib.train(config, hooks, log=None, compile_cache=env["cache"])
+  return trainer.train(config, hooks, log=None, compile_cache=env["cache"])
 
 
 def tree_equal(a, b) -> bool:
@@ -105,7 +107,7 @@ def test_policy_switch_phase_and_bf16_layers(env, tmp_path):
 
 def test_bf16_layers_are_not_quantized(env):
   config = make_config(env, "unused", recipe="nvfp4", bf16_pattern=r".*mlp\.up")
-  model = train_lib.build_model(config, jax.random.key(0))
+  model = trainer.build_model(config, jax.random.key(0))
   for name, layer in model.linear_layers().items():
     assert layer.recipe.is_quantized == (name != "blocks.0.mlp.up"), name
   x = jax.random.normal(jax.random.key(1), (32, 64), jnp.bfloat16)
@@ -154,12 +156,12 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(env, tmp_path, monkeypatc
 
   monkeypatch.setattr(data, "get_batch", poisoned)
   config = make_config(env, tmp_path, recipe="bf16", checkpoint_every=2)
-  with pytest.raises(train_lib.TrainingDiverged, match="diverged at step 6") as info:
+  with pytest.raises(trainer.TrainingDiverged, match="diverged at step 6") as info:
     run(env, config)
   assert info.value.step == 6 and info.value.last_checkpoint == 6
   manager = ckpt.open_manager(tmp_path, create=False)
   assert ckpt.available_steps(manager) == [2, 4, 6]
-  template = train_lib.TrainState(**ckpt.restore(manager, _state_template(config), 6)[1])
+  template = steps_lib.TrainState(**ckpt.restore(manager, _state_template(config), 6)[1])
   manager.close()
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(template.params))
   last = metrics.read_metrics(tmp_path)[-1]
@@ -167,18 +169,18 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(env, tmp_path, monkeypatc
 
 
 def _state_template(config):
-  model = train_lib.build_model(config, jax.random.key(0))
+  model = trainer.build_model(config, jax.random.key(0))
   params = nnx.state(model, nnx.Param)
-  return train_lib.TrainState(params, train_lib.make_optimizer(config).init(params), jnp.asarray(0, jnp.int32))._asdict()
+  return steps_lib.TrainState(params, optimizer_lib.make_optimizer(config).init(params), jnp.asarray(0, jnp.int32))._asdict()
 
 
 def test_wsd_schedule_shapes():
   config = TrainConfig(steps=100, lr=1.0, warmup_fraction=0.1, decay_fraction=0.2, min_lr_ratio=0.1)
-  lr = train_lib.lr_schedule(config)
+  lr = optimizer_lib.lr_schedule(config)
   assert float(lr(0)) == pytest.approx(0.1) and float(lr(9)) == pytest.approx(1.0)
   assert float(lr(50)) == 1.0 and float(lr(80)) == 1.0
   assert float(lr(90)) == pytest.approx(0.1 + 0.9 * 0.5)
-  sqrt = train_lib.lr_schedule(config.replace(decay_shape="1-sqrt"))
+  sqrt = optimizer_lib.lr_schedule(config.replace(decay_shape="1-sqrt"))
   assert float(sqrt(90)) == pytest.approx(0.1 + 0.9 * (1 - np.sqrt(0.5)))
   assert float(lr(100)) == pytest.approx(0.1)
 
@@ -265,9 +267,9 @@ def test_cli_errors_exit_cleanly(tmp_path, capsys):
 
 def test_cli_maps_divergence_to_exit_code(monkeypatch, capsys):
   def diverge(config):
-    raise train_lib.TrainingDiverged(3, float("nan"), 1.0, 2)
+    raise trainer.TrainingDiverged(3, float("nan"), 1.0, 2)
 
-  monkeypatch.setattr(train_lib, "train", diverge)
+  monkeypatch.setattr(trainer, "train", diverge)
   assert cli.main(["train", "--steps", "4", "--out", "unused"]) == cli.EXIT_DIVERGED
   err = capsys.readouterr().err
   assert "diverged at step 3" in err and "last good checkpoint is step 2" in err
@@ -285,7 +287,7 @@ def test_cli_eval_prints_latest_val_loss(env, tmp_path, capsys):
 
 
 def test_python_m_entry_point_help():
-  proc = subprocess.run([sys.executable, "-m", "fp4jax.pretrain.train", "--help"], cwd=REPO, capture_output=True, text=True,
+  proc = subprocess.run([sys.executable, "-m", "fp4jax", "train", "--help"], cwd=REPO, capture_output=True, text=True,
                         timeout=120, env={**os.environ, "PYTHONPATH": REPO})
   assert proc.returncode == 0, proc.stderr
   assert "--recipe" in proc.stdout and "--bf16-last" in proc.stdout

@@ -9,7 +9,8 @@ import pytest
 
 from fp4jax.pretrain import data
 from fp4jax.pretrain import model as model_lib
-from fp4jax.pretrain import train as train_lib
+from fp4jax.pretrain import steps as steps_lib
+from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated devices (tests/conftest.py)")
@@ -22,7 +23,7 @@ MODEL = model_lib.get_model_config("tiny", d_model=128, n_heads=8, n_kv_heads=4,
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
   return {"data": data.DataConfig(cache_dir=str(tmp_path_factory.mktemp("data_cache"))),
-          "cache": train_lib.CompileCache(), "root": tmp_path_factory.mktemp("runs")}
+          "cache": steps_lib.CompileCache(), "root": tmp_path_factory.mktemp("runs")}
 
 
 def _config(env, name, **changes):
@@ -33,7 +34,7 @@ def _config(env, name, **changes):
 
 
 def _run(env, config):
-  return train_lib.train(config, log=None, compile_cache=env["cache"])
+  return trainer.train(config, log=None, compile_cache=env["cache"])
 
 
 @pytest.fixture(scope="module")
