@@ -34,13 +34,13 @@ MODEL = dict(d_model=128, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=256, n_laye
 
 
 def time_mesh(shape, recipe: str, steps: int, batch: int, seq: int) -> float:
-  cfg = config_lib.TrainConfig(model=model_lib.get_model_config("tiny", **MODEL), recipe=recipe, batch_size=batch,
+  cfg = config_lib.TrainConfig.from_options(model=model_lib.get_model_config("tiny", **MODEL), recipe=recipe, batch_size=batch,
                                seq_len=seq, steps=100)
   model = trainer.build_model(cfg, jax.random.key(0))
   graphdef, params = nnx.split(model, nnx.Param)
-  optimizer = optimizer_lib.make_optimizer(cfg)
+  optimizer = optimizer_lib.make_optimizer(cfg.optimizer, cfg.steps)
   mesh = sharding.make_mesh(sharding.MeshConfig(*shape))
-  sharding.check_divisibility(params, mesh, batch_size=batch, seq_len=seq)
+  sharding.check_divisibility(params, mesh, batch_size=batch, seq_len=seq, **sharding.recipe_block_sizes(cfg.recipe))
   state = steps_lib.TrainState(params=params, opt_state=optimizer.init(params), step=jnp.asarray(0, jnp.int32))
   state_sh = sharding.tree_shardings(state, mesh)
   batch_sh = sharding.batch_sharding(mesh)

@@ -33,12 +33,12 @@ from fp4jax.pretrain.config import TrainConfig  # pylint: disable=wrong-import-p
 
 def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, dataset):
   """Compiled train and eval steps, an initial state and a few batches for one (model, recipe)."""
-  config = TrainConfig(model=model_name, recipe=recipe, batch_size=batch_size, seq_len=seq_len, steps=1000,
+  config = TrainConfig.from_options(model=model_name, recipe=recipe, batch_size=batch_size, seq_len=seq_len, steps=1000,
                        progress=False)
   keys = trainer.run_keys(0)
   model = trainer.build_model(config, keys["init"])
   graphdef = nnx.graphdef(model)
-  optimizer = optimizer_lib.make_optimizer(config)
+  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
   params = nnx.state(model, nnx.Param)
   state = steps_lib.TrainState(params, jax.jit(optimizer.init)(params), jnp.asarray(0, jnp.int32))
   batches = [data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=config.train_seq_len, seed=0)

@@ -1,4 +1,5 @@
-"""BF16 vs FP8 vs NVFP4 (the paper's recipe) vs MXFP4: the paper's main comparison (NVFP4_SPEC.md sections 3, 7).
+"""BF16 vs FP8 vs NVFP4 (the paper's recipe) vs MXFP4: the paper's main comparison
+(docs/numerics.md, "Formats" and "Recipe").
 
 NVFP4 and MXFP4 both run the full recipe (RHT on Wgrad, stochastic rounding on gradients, 2D weight blocks) and keep
 the same last block(s) in BF16, so only the format differs (MXFP4: 32-element blocks, power-of-two "ceil" scales,

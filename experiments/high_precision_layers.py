@@ -1,4 +1,5 @@
-"""Which transformer blocks stay in BF16: none, the first k, the last k, the first k and last k (NVFP4_SPEC.md 6).
+"""Which transformer blocks stay in BF16: none, the first k, the last k, the first k and last k
+(docs/numerics.md, "Recipe").
 
 Every other block runs the paper's NVFP4 recipe. Paper (1.2B, 20 blocks): all-NVFP4 diverged; the last 4 blocks in
 BF16 stabilised training, the first 4 alone did not; first 2 + last 2 worked. At 12B: first 2 + last 8 of 62.

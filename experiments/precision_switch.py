@@ -1,4 +1,4 @@
-"""Switching from NVFP4 to BF16 late in training: forward only, or forward and backward (NVFP4_SPEC.md section 6).
+"""Switching from NVFP4 to BF16 late in training: forward only, or forward and backward (docs/numerics.md, "Recipe").
 
 Before the switch every run is the paper's NVFP4 recipe (last block(s) in BF16); from the switch step on, "all"
 runs every GEMM in BF16 and "fwd" only Fprop (Dgrad and Wgrad stay NVFP4). Paper (12B): switching everything at

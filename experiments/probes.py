@@ -150,7 +150,7 @@ def base_config(preset: ProbePreset, out: pathlib.Path):
   from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
   model = model_lib.get_model_config(preset.model, **dict(preset.model_overrides))
-  return TrainConfig(out=str(out / BASE_DIR), model=model, recipe="bf16", steps=preset.base_steps,
+  return TrainConfig.from_options(out=str(out / BASE_DIR), model=model, recipe="bf16", steps=preset.base_steps,
                      batch_size=preset.batch_size, seq_len=preset.seq_len, lr=preset.lr, warmup_fraction=0.05,
                      decay_fraction=0.0, eval_every=max(preset.base_steps // 4, 1), eval_batches=preset.eval_batches,
                      checkpoint_every=preset.base_steps, keep_checkpoints=1, progress=False, seed=0)
@@ -164,15 +164,9 @@ def ensure_base(preset: ProbePreset, out: pathlib.Path, *, retrain: bool = False
   run_dir = pathlib.Path(config.out)
   stored = run_dir / trainer.CONFIG_FILE
   if stored.exists() and not retrain:
-    from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
-    free = ("out", "progress")
-    want = {k: v for k, v in config.to_dict().items() if k not in free}
-    try:  # through TrainConfig, so fields added since the run was stored take their defaults
-      have = {k: v for k, v in TrainConfig.from_dict(json.loads(stored.read_text())).to_dict().items() if k not in free}
-    except (TypeError, ValueError):
-      have = {}
-    if want != have:
-      changed = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+    from fp4jax.pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
+    changed = config_lib.result_differences(json.loads(stored.read_text()), config.to_dict())
+    if changed:
       raise ValueError(f"{run_dir} holds a base run with other settings ({changed}); pass --retrain-base to "
                        "replace it, or choose another --out.")
     if ckpt.checkpoint_dir(run_dir).is_dir():
@@ -205,7 +199,7 @@ def restore_run(run_dir: str | pathlib.Path, step: int | None = None):
     config = TrainConfig.from_dict(meta["config"])
     model = trainer.build_model(config, trainer.run_keys(config.seed)["init"])
     params = nnx.state(model, nnx.Param)
-    target = steps_lib.TrainState(params=params, opt_state=optimizer_lib.make_optimizer(config).init(params),
+    target = steps_lib.TrainState(params=params, opt_state=optimizer_lib.make_optimizer(config.optimizer, config.steps).init(params),
                               step=jnp.asarray(0, jnp.int32))
     step, restored, _ = ckpt.restore(manager, target._asdict(), step)
   finally:
@@ -313,9 +307,9 @@ def run_continuations(preset: ProbePreset, config, model, state, dataset, *, log
   names, n_layers = list(model.linear_layers()), len(model.blocks)
   start = int(state.step)
   cont_config = config.replace(steps=start + preset.cont_steps, warmup_fraction=0.0, decay_fraction=0.0)
-  optimizer = optimizer_lib.make_optimizer(cont_config)  # constant LR: the base run's stable phase
+  optimizer = optimizer_lib.make_optimizer(cont_config.optimizer, cont_config.steps)  # constant LR: the base run's stable phase
   val = data.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
-                         num_batches=config.eval_batches)
+                         num_batches=config.evaluation.batches)
   cache = steps_lib.CompileCache()
   runs: dict[str, dict[int, dict]] = {}
   t0 = time.perf_counter()

@@ -1,4 +1,5 @@
-"""NVFP4 with Random Hadamard Transform sizes {none, 2, 4, 16, 64, 128} and sign choices (NVFP4_SPEC.md section 4).
+"""NVFP4 with Random Hadamard Transform sizes {none, 2, 4, 16, 64, 128} and sign choices
+(docs/numerics.md, "Random Hadamard transform").
 
 Everything else is the paper's recipe (RHT on Wgrad only, SR, 2D weights, last block(s) in BF16). Signs: "fixed"
 is one random sign vector for the whole run (the paper's default, `random_signs=True`); "nosigns" is a plain

@@ -42,9 +42,6 @@ SWEEP_FILE = "sweep.json"
 LOG_FILE = "train.log"
 # Set per run by the sweep, never by an override.
 MANAGED_FIELDS = ("out", "seed", "resume", "resume_step", "overwrite")
-# Fields that may differ between a finished run and a repeated sweep without changing what the run computed.
-_FREE_FIELDS = ("out", "resume", "resume_step", "overwrite", "progress", "checkpoint_every", "keep_checkpoints",
-                "log_every")
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]*")
 
 # Settings shared by every experiment, per preset. Runs add what they vary; `--set` changes these.
@@ -85,11 +82,8 @@ def base_overrides(preset: str) -> dict[str, Any]:
 # --- override keys and values --------------------------------------------------------------------------------------
 
 def override_keys() -> tuple[str, ...]:
-  """Every key an override may set: TrainConfig fields (less the managed ones), model, model.X and data.X."""
-  top = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in MANAGED_FIELDS and f.name != "data"]
-  nested = [f"model.{f.name}" for f in dataclasses.fields(fp4jax.pretrain.model.ModelConfig)]
-  nested += [f"data.{f.name}" for f in dataclasses.fields(fp4jax.pretrain.data.DataConfig)]
-  return tuple(top + nested)
+  """Every key an override may set: the `fp4jax train` options (less the managed ones), model, model.X, data.X."""
+  return tuple(k for k in config_lib.option_keys() if k not in MANAGED_FIELDS)
 
 
 def check_override_keys(overrides: Mapping[str, Any], where: str = "override") -> None:
@@ -250,14 +244,9 @@ def _write_json(path: pathlib.Path, data: Any) -> None:
   tmp.replace(path)  # atomic: a killed process never leaves a half-written summary
 
 
-def _comparable(config_dict: Mapping[str, Any]) -> dict[str, Any]:
-  return {k: v for k, v in _jsonable(dict(config_dict)).items() if k not in _FREE_FIELDS}
-
-
 def _check_same_settings(folder: pathlib.Path, stored: Mapping[str, Any], config: TrainConfig) -> None:
-  old, new = _comparable(stored), _comparable(config.to_dict())
-  # Fields added to (or dropped from) TrainConfig since the run finished are not counted as changes.
-  changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
+  # Result-free fields (marked on the config fields) and fields added or dropped since the run are not changes.
+  changed = config_lib.result_differences(stored, _jsonable(config.to_dict()))
   if changed:
     raise ValueError(f"{folder} holds a finished run with different settings ({', '.join(changed)}); "
                      "use another --out, or delete that folder to rerun it.")
@@ -279,7 +268,7 @@ def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
   records = fp4jax.pretrain.metrics.read_metrics(folder) if (folder / fp4jax.pretrain.metrics.METRICS_FILE).is_file() else []
   val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
   tokens_per_step = config.batch_size * config.train_seq_len
-  policy = config.policy()
+  policy = config.policy
   out = {"experiment": sweep.experiment, "preset": sweep.preset, "run": run.name, "label": run.label,
          "seed": seed, "overrides": _jsonable(run.overrides), "status": status, "steps": config.steps,
          "tokens_per_step": tokens_per_step, "tokens": config.steps * tokens_per_step, "wall_time": wall_time,
@@ -288,7 +277,7 @@ def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
          "final_loss": summary["final_loss"] if summary else None,
          "val_losses": {str(k): v for k, v in sorted(val.items())},
          "bf16_blocks": list(policy.bf16_blocks(config.model.n_layers)),
-         "recipe": str(policy.resolved_recipe()), "config": config.to_dict()}
+         "recipe": str(policy.recipe), "config": config.to_dict()}
   if diverged is not None:
     out.update(diverged_step=diverged.step, error=str(diverged))
   return out

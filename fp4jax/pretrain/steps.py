@@ -101,13 +101,14 @@ class Phases:
   """
 
   def __init__(self, config: TrainConfig, model: nnx.Module, optimizer,
-               cache: CompileCache | None = None, placement: Placement | None = None, optimizer_key=()):
-    self.config, self.policy, self.optimizer = config, config.policy(), optimizer
+               cache: CompileCache | None = None, placement: Placement | None = None):
+    self.config, self.policy, self.optimizer = config, config.policy, optimizer
     self.placement = placement or Placement.single_device()
     self.cache = cache if cache is not None else CompileCache()
     self._model = model
+    self._model_phase = 0  # the model comes built with the step-0 recipes
     self._graphdefs = {}
-    self._optimizer_key = optimizer_key
+    self._optimizer_key = (config.optimizer, config.steps)
 
   def phase(self, step: int) -> int:
     return self.policy.phase(step, self.config.steps)
@@ -115,8 +116,10 @@ class Phases:
   def graphdef(self, step: int):
     phase = self.phase(step)
     if phase not in self._graphdefs:
-      first = 0 if phase == 0 else self.policy.switch_step(self.config.steps)
-      self.policy.apply(self._model, first, self.config.steps)
+      if phase != self._model_phase:  # recipes change only at the switch
+        first = 0 if phase == 0 else self.policy.switch_step(self.config.steps)
+        self.policy.apply(self._model, first, self.config.steps)
+        self._model_phase = phase
       self._graphdefs[phase] = nnx.graphdef(self._model)
     return self._graphdefs[phase]
 
@@ -140,7 +143,7 @@ class Phases:
         make_eval_step(graphdef), in_shardings=(pl.params, pl.batch, pl.replicated), out_shardings=pl.replicated))
 
   def stats_fn(self, step: int):
-    graphdef, fmt = self.graphdef(step), self.config.stats_format
+    graphdef, fmt = self.graphdef(step), self.config.evaluation.stats_format
     return self.cache.get(("stats", graphdef, fmt), lambda: jax.jit(
         lambda params, tokens, key: metrics_lib.quant_stats(graphdef, params, tokens, key, fmt)))
 

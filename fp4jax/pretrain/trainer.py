@@ -28,6 +28,7 @@ from flax import nnx
 
 import fp4jax
 from fp4jax.pretrain import checkpoint as ckpt
+from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import data as data_lib
 from fp4jax.pretrain import metrics as metrics_lib
 from fp4jax.pretrain import model as model_lib
@@ -37,9 +38,6 @@ from fp4jax.pretrain.sharding import Placement
 from fp4jax.pretrain.steps import CompileCache, Phases, TrainState
 
 CONFIG_FILE = "config.json"
-# Fields that may differ between a run and its resumption without changing what it computes.
-_RESUME_FREE_FIELDS = ("out", "mesh", "resume", "resume_step", "overwrite", "progress", "log_every", "checkpoint_every",
-                       "keep_checkpoints", "eval_every", "eval_batches", "stats_every", "stats_format")
 # Independent streams derived from the run key.
 _INIT_STREAM, _STEP_STREAM, _EVAL_STREAM, _STATS_STREAM = 0, 1, 2, 3
 
@@ -97,22 +95,22 @@ def run_keys(seed: int) -> dict[str, jax.Array]:
 
 
 def build_model(config: TrainConfig, key: jax.Array) -> model_lib.Transformer:
-  """The model with freshly initialised float32 params; layer recipes set by the policy for step 0."""
-  recipe = config.policy().resolved_recipe()
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda k: _make_model(config.model, recipe, k), key))
-  model = nnx.merge(graphdef, _init_state(config.model, recipe, key))
-  config.policy().apply(model, 0, config.steps)
-  return model
+  """The model with freshly initialised float32 params, built with the policy's per-layer recipes of step 0."""
+  names = model_lib.layer_names(config.model)
+  recipes = config.policy.layer_recipes(names, config.model.n_layers, 0, config.steps)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda k: _make_model(config.model, recipes, k), key))
+  return nnx.merge(graphdef, _init_state(config.model, key))
 
 
 def _make_model(model_config, recipe, key):
   return model_lib.Transformer(model_config, recipe=recipe, rngs=nnx.Rngs(params=key))
 
 
-# Initialised under jit: one compile per (model config, recipe) instead of one per eager initializer op.
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _init_state(model_config, recipe, key):
-  return nnx.state(_make_model(model_config, recipe, key))
+# Initialised under jit: one compile per model config instead of one per eager initializer op. Recipes are static
+# layer settings that initialisation never reads, so the params come from a BF16 model of the same shapes.
+@functools.partial(jax.jit, static_argnums=0)
+def _init_state(model_config, key):
+  return nnx.state(_make_model(model_config, None, key))
 
 
 def load_data(config: TrainConfig) -> tuple[data_lib.TokenDataset, list[dict[str, np.ndarray]]]:
@@ -121,15 +119,15 @@ def load_data(config: TrainConfig) -> tuple[data_lib.TokenDataset, list[dict[str
   if dataset.vocab_size > config.model.vocab_size:
     raise ValueError(f"The tokenizer has {dataset.vocab_size} tokens but the model's vocab_size is "
                      f"{config.model.vocab_size}: pass --model.vocab_size {dataset.vocab_size}.")
-  if not config.eval_batches:
+  if not config.evaluation.batches:
     return dataset, []
   val = data_lib.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
-                             num_batches=config.eval_batches)
+                             num_batches=config.evaluation.batches)
   return dataset, val
 
 
 def _placement(config: TrainConfig, state: TrainState) -> Placement:
-  return Placement.for_mesh(config.mesh, state, recipe=config.policy().resolved_recipe(),
+  return Placement.for_mesh(config.mesh, state, recipe=config.policy.recipe,
                             batch_size=config.batch_size, seq_len=config.train_seq_len)
 
 
@@ -140,12 +138,12 @@ def _prepare_out(config: TrainConfig) -> pathlib.Path:
   out = pathlib.Path(config.out).expanduser()
   ck_dir = ckpt.checkpoint_dir(out)
   metrics_path = out / metrics_lib.METRICS_FILE
-  if config.resume:
+  if config.checkpointing.resume:
     if not ck_dir.is_dir():
       raise ckpt.CheckpointError(f"--resume: no checkpoints in {out} ({ck_dir} does not exist).")
     return out
   existing = [p for p in (ck_dir, metrics_path) if p.exists()]
-  if existing and not config.overwrite:
+  if existing and not config.checkpointing.overwrite:
     raise ValueError(f"{out} already holds a run ({', '.join(p.name for p in existing)}). Pass --resume to "
                      "continue it, --overwrite to replace it, or choose another --out.")
   for p in existing:
@@ -156,15 +154,11 @@ def _prepare_out(config: TrainConfig) -> pathlib.Path:
 
 def _checkpoint_meta(config: TrainConfig, step: int, phase: int) -> dict[str, Any]:
   keys = run_keys(config.seed)
-  return {"config": config.to_dict(), "policy": config.policy().to_dict(),
-          "recipe": str(config.policy().resolved_recipe()), "seed": config.seed,
+  config_dict = config.to_dict()
+  return {"config": config_dict, "policy": config_dict["policy"], "recipe": config_dict["policy"]["recipe"],
+          "seed": config.seed,
           "run_key_data": np.asarray(jax.random.key_data(keys["step"])).tolist(),
           "data_position": step, "step": step, "phase": phase, "fp4jax_version": fp4jax.__version__}
-
-
-def _config_differences(a: TrainConfig, b: TrainConfig) -> list[str]:
-  da, db = a.to_dict(), b.to_dict()
-  return [k for k in da if k not in _RESUME_FREE_FIELDS and da[k] != db.get(k)]
 
 
 @contextlib.contextmanager
@@ -211,22 +205,22 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
   dataset, val = load_data(config)
   keys = run_keys(config.seed)
   model = build_model(config, keys["init"])
-  optimizer = optimizer_lib.make_optimizer(config)
+  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
   params = nnx.state(model, nnx.Param)
   state = TrainState(params=params, opt_state=jax.jit(optimizer.init)(params), step=jnp.asarray(0, jnp.int32))
   placement = _placement(config, state)
-  phases = Phases(config, model, optimizer, compile_cache, placement, optimizer_lib.optimizer_key(config))
+  phases = Phases(config, model, optimizer, compile_cache, placement)
   # Committed like a restored state (restore reads onto these shardings), so a fresh and a resumed run hit the
   # same compiled step, and a checkpoint saved on one mesh restores onto another.
   state = jax.device_put(state, placement.state)
 
-  manager = ckpt.open_manager(out, max_to_keep=config.keep_checkpoints,
-                              save_interval_steps=config.checkpoint_every)
+  manager = ckpt.open_manager(out, max_to_keep=config.checkpointing.keep,
+                              save_interval_steps=config.checkpointing.every)
   try:
     start = 0
-    if config.resume:
+    if config.checkpointing.resume:
       start, state = _resume(config, manager, state, out, log)
-    log(config.policy().describe(config.model.n_layers, list(model.linear_layers())))
+    log(config.policy.describe(config.model.n_layers, list(model.linear_layers())))
     log(f"Data: {dataset.source}")
     (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=1))
     user_hooks = [h if isinstance(h, Hook) else record_hook(h) for h in hooks]
@@ -237,17 +231,18 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
 
 
 def _resume(config, manager, state, out, log) -> tuple[int, TrainState]:
-  later = [n for n in ckpt.available_steps(manager) if config.resume_step is not None and n > config.resume_step]
+  resume_step = config.checkpointing.resume_step
+  later = [n for n in ckpt.available_steps(manager) if resume_step is not None and n > resume_step]
   if later:
-    raise ckpt.CheckpointError(f"Resuming from step {config.resume_step} would overwrite the later checkpoints "
+    raise ckpt.CheckpointError(f"Resuming from step {resume_step} would overwrite the later checkpoints "
                                f"{later} in {ckpt.checkpoint_dir(out)}; move or delete them first.")
-  start, restored, meta = ckpt.restore(manager, state._asdict(), config.resume_step)
+  start, restored, meta = ckpt.restore(manager, state._asdict(), resume_step)
   state = TrainState(**restored)
   if int(state.step) != start:
     raise ckpt.CheckpointError(f"Checkpoint {start} holds step counter {int(state.step)}: inconsistent.")
   if start > config.steps:
     raise ValueError(f"Checkpoint step {start} is beyond --steps {config.steps}.")
-  changed = _config_differences(TrainConfig.from_dict(meta["config"]), config)
+  changed = config_lib.result_differences(meta["config"], config.to_dict())
   if changed:
     log(f"Note: resuming with changed settings {changed}; the run will differ from an uninterrupted one.")
   dropped = metrics_lib.truncate_metrics(out, start - 1)
@@ -261,7 +256,7 @@ class _Loop:
   def __init__(self, config, log, out, dataset, val, keys, phases: Phases, manager, start: int):
     self.config, self.log, self.out, self.dataset, self.val = config, log, out, dataset, val
     self.keys, self.phases, self.manager, self.start = keys, phases, manager, start
-    self.last_saved = start if config.resume else None
+    self.last_saved = start if config.checkpointing.resume else None
     self.val_losses: dict[int, float] = {}
 
   # Built-in hooks. Before the update: they see the params step `info.step` starts from.
@@ -288,23 +283,23 @@ class _Loop:
 
   def run(self, state: TrainState, user_hooks: list[Hook]) -> dict[str, Any]:
     config, phases = self.config, self.phases
-    schedule = optimizer_lib.lr_schedule(config)
+    schedule = optimizer_lib.lr_schedule(config.optimizer, config.steps)
     tokens_per_step = config.batch_size * config.train_seq_len
     losses, layer_recipes = [], {}
     t_start = time.perf_counter()
-    before = [Hook(self._checkpoint, config.checkpoint_every)]
+    before = [Hook(self._checkpoint, config.checkpointing.every)]
     if self.val:
-      before.append(Hook(self._validate, config.eval_every))
-    if config.stats_every:
-      before.append(Hook(self._stats, config.stats_every))
+      before.append(Hook(self._validate, config.evaluation.every))
+    if config.evaluation.stats_every:
+      before.append(Hook(self._stats, config.evaluation.stats_every))
 
-    bar = tqdm.tqdm(total=config.steps, initial=self.start, disable=not config.progress, unit="step",
+    bar = tqdm.tqdm(total=config.steps, initial=self.start, disable=not config.logging.progress, unit="step",
                     dynamic_ncols=True)
     with metrics_lib.MetricsLog(self.out) as metrics_log, _sigint_flag() as interrupted, bar:
 
       def write_metrics(info: StepInfo):
         r = info.record
-        due = info.step % config.log_every == 0 or info.step == config.steps - 1 or info.final
+        due = info.step % config.logging.every == 0 or info.step == config.steps - 1 or info.final
         if (due and not info.final) or "val_loss" in r or "quant" in r:
           metrics_log.write(r)
 
@@ -369,8 +364,8 @@ def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: 
   try:
     step, meta = ckpt.restore_meta(manager, step)
     config = TrainConfig.from_dict(meta["config"])
-    if eval_batches is None and not config.eval_batches:
-      eval_batches = TrainConfig.__dataclass_fields__["eval_batches"].default  # the run itself did not validate
+    if eval_batches is None and not config.evaluation.batches:
+      eval_batches = config_lib.EvalConfig().batches  # the run itself did not validate
     if eval_batches is not None:
       if eval_batches < 1:
         raise ValueError(f"eval_batches must be >= 1 to evaluate; got {eval_batches}.")
@@ -378,13 +373,13 @@ def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: 
     _, val = load_data(config)
     keys = run_keys(config.seed)
     model = build_model(config, keys["init"])
-    optimizer = optimizer_lib.make_optimizer(config)
+    optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
     params = nnx.state(model, nnx.Param)
     target = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.asarray(0, jnp.int32))
     step, restored, _ = ckpt.restore(manager, target._asdict(), step)
-    phases = Phases(config, model, optimizer, optimizer_key=optimizer_lib.optimizer_key(config))
+    phases = Phases(config, model, optimizer)
     at = min(step, config.steps - 1)
     val_loss = phases.val_loss(restored["params"], val, keys["eval"], at)
-    return {"step": step, "val_loss": val_loss, "phase": phases.phase(at), "eval_batches": config.eval_batches}
+    return {"step": step, "val_loss": val_loss, "phase": phases.phase(at), "eval_batches": config.evaluation.batches}
   finally:
     manager.close()

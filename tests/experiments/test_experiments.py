@@ -50,21 +50,21 @@ def test_every_preset_builds_valid_configs(name, preset, tmp_path):
 
 def test_ablation_settings_reach_the_recipe(tmp_path):
   sweep = _module("components").get_config("cpu")
-  recipes = {r.name: sweep.config(r, 0, tmp_path).policy() for r in sweep.runs}
-  full = recipes["full"].resolved_recipe()
+  recipes = {r.name: sweep.config(r, 0, tmp_path).policy for r in sweep.runs}
+  full = recipes["full"].recipe
   assert full.wgrad.rht and full.dgrad.lhs.rounding == "stochastic" and full.fprop.rhs.block_2d
-  assert not recipes["no_rht"].resolved_recipe().wgrad.rht
-  assert recipes["no_sr"].resolved_recipe().dgrad.lhs.rounding == "nearest"
-  assert not recipes["no_2d"].resolved_recipe().fprop.rhs.block_2d
+  assert not recipes["no_rht"].recipe.wgrad.rht
+  assert recipes["no_sr"].recipe.dgrad.lhs.rounding == "nearest"
+  assert not recipes["no_2d"].recipe.fprop.rhs.block_2d
   assert recipes["full"].bf16_blocks(4) == (3,) and recipes["no_hp_layers"].bf16_blocks(4) == ()
-  assert not recipes["bf16"].resolved_recipe().is_quantized
+  assert not recipes["bf16"].recipe.is_quantized
   rht = _module("rht_size").get_config("cpu")
-  got = {r.name: rht.config(r, 0, tmp_path).policy().resolved_recipe() for r in rht.runs}
+  got = {r.name: rht.config(r, 0, tmp_path).policy.recipe for r in rht.runs}
   assert {got[f"rht{d}"].rht_size for d in (2, 4, 16, 64, 128)} == {2, 4, 16, 64, 128}
   assert got["rht16"].rht_signs == "fixed" and got["rht16_nosigns"].rht_signs == "none"
   assert got["rht16_per_call"].rht_signs == "per_call" and not got["rht_none"].wgrad.rht
   switch = _module("precision_switch").get_config("cpu")
-  fwd = switch.config(next(r for r in switch.runs if r.name == "fwd_at80"), 0, tmp_path).policy()
+  fwd = switch.config(next(r for r in switch.runs if r.name == "fwd_at80"), 0, tmp_path).policy
   assert fwd.switch == "forward" and fwd.switch_step(300) == 240
 
 
@@ -211,7 +211,7 @@ def test_diverged_run_is_recorded_reported_and_not_rerun(tmp_path, monkeypatch):
 
   def diverging_train(config, hooks=(), *, log=None, compile_cache=None):
     del hooks, log, compile_cache
-    calls.append(config.recipe)
+    calls.append(config.recipe.name)
     (tmp_path / "q" / "seed0" / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n{"step": 1, "loss": NaN}\n')
     raise trainer.TrainingDiverged(1, float("nan"), float("nan"), None)
 

@@ -30,14 +30,14 @@ def make_config(data_config, out, **changes) -> TrainConfig:
   base = dict(out=str(out), model=model_lib.get_model_config("tiny", n_layers=1), data=data_config, seq_len=32,
               steps=16, recipe="bf16", progress=False)
   base.update(changes)
-  return TrainConfig(**base)
+  return TrainConfig.from_options(**base)
 
 
 def make_state(config, seed=0) -> dict:
   """A train state with non-trivial optimizer moments (random values in every float leaf)."""
   model = trainer.build_model(config, jax.random.key(seed))
   params = nnx.state(model, nnx.Param)
-  opt_state = jax.jit(optimizer_lib.make_optimizer(config).init)(params)
+  opt_state = jax.jit(optimizer_lib.make_optimizer(config.optimizer, config.steps).init)(params)
   state = steps_lib.TrainState(params, opt_state, jnp.asarray(7, jnp.int32))._asdict()
   return _randomize(state, jax.random.key(seed + 1))
 
@@ -83,9 +83,10 @@ def test_round_trip_is_bit_exact(data_config, tmp_path):
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
     assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
   assert TrainConfig.from_dict(restored_meta["config"]) == config
-  assert restored_meta["policy"] == config.policy().to_dict() and restored_meta["data_position"] == 7
+  assert restored_meta["policy"] == config.policy.to_dict() and restored_meta["data_position"] == 7
 
 
+@pytest.mark.slow
 def test_restore_into_another_model_is_refused(data_config, tmp_path):
   config = make_config(data_config, tmp_path)
   save_run(config, steps=(4,))
@@ -115,6 +116,7 @@ def test_resume_without_checkpoints_is_a_clear_error(data_config, tmp_path):
   assert cli.main(["train", "--resume", "--out", str(tmp_path / "never")]) == cli.EXIT_USAGE
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(data_config, tmp_path):
   config = make_config(data_config, tmp_path)
   save_run(config)
@@ -141,6 +143,7 @@ def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(data_config, tmp_pat
   assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_fresh_run_never_overwrites_an_existing_one(data_config, tmp_path):
   config = make_config(data_config, tmp_path)
   save_run(config)

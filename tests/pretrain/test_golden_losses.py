@@ -17,9 +17,9 @@ GOLDEN = json.loads((pathlib.Path(__file__).parent / "golden_losses.json").read_
 
 def golden_config(recipe: str, out: pathlib.Path) -> TrainConfig:
   switched = recipe == "nvfp4"  # one run covers the BF16 last block and the switch to BF16 at step 3
-  return TrainConfig(out=str(out), model="tiny", recipe=recipe, steps=4, batch_size=4, seq_len=32, eval_every=0,
-                     eval_batches=1, checkpoint_every=100, progress=False, seed=0, overwrite=True,
-                     bf16_last=1 if switched else 0, switch_at=3 if switched else None)
+  return TrainConfig.from_options(out=str(out), model="tiny", recipe=recipe, steps=4, batch_size=4, seq_len=32,
+                                  eval_every=0, eval_batches=1, checkpoint_every=100, progress=False, seed=0,
+                                  overwrite=True, bf16_last=1 if switched else 0, switch_at=3 if switched else None)
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ def make_config(env, out, **changes) -> TrainConfig:
               batch_size=8, steps=STEPS, lr=1e-2, warmup_fraction=0.1, decay_fraction=0.25, eval_every=0,
               eval_batches=1, checkpoint_every=4, progress=False)
   base.update(changes)
-  return TrainConfig(**base)
+  return TrainConfig.from_options(**base)
 
 
 def run(env, config, hooks=()):
@@ -56,6 +56,7 @@ def tree_equal(a, b) -> bool:
 # --- training --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "mxfp4", "fp8"])
 def test_loss_drops_with_each_recipe(env, tmp_path, recipe):
   # Statistics and validation checked with bf16 only: each compiles its own forward of the quantized graph.
@@ -89,6 +90,7 @@ def test_loss_drops_with_each_recipe(env, tmp_path, recipe):
       assert 0 < s["w_sat"] < 0.5 and 0 <= s["w_zero"] < 0.5
 
 
+@pytest.mark.slow
 def test_policy_switch_phase_and_bf16_layers(env, tmp_path):
   # fp8 compiles fastest of the quantized recipes; the policy does not depend on the format.
   config = make_config(env, tmp_path, recipe="fp8", bf16_pattern=r".*mlp\.down", switch_at=10)
@@ -101,7 +103,7 @@ def test_policy_switch_phase_and_bf16_layers(env, tmp_path):
   manager = ckpt.open_manager(tmp_path, create=False)
   _, meta = ckpt.restore_meta(manager)
   manager.close()
-  assert meta["policy"] == config.policy().to_dict()
+  assert meta["policy"] == config.policy.to_dict()
   assert meta["phase"] == 1
 
 
@@ -116,6 +118,7 @@ def test_bf16_layers_are_not_quantized(env):
   np.testing.assert_array_equal(np.asarray(layer(x, key=jax.random.key(2)), np.float32), np.asarray(plain, np.float32))
 
 
+@pytest.mark.slow
 def test_sigint_checkpoint_and_resume_are_bit_identical(env, tmp_path):
   """16 steps straight == 8 steps, Ctrl-C (checkpoint), resume 8 steps: same losses and params, SR included."""
   straight = run(env, make_config(env, tmp_path / "straight", recipe="nvfp4", eval_batches=0))
@@ -138,12 +141,14 @@ def test_sigint_checkpoint_and_resume_are_bit_identical(env, tmp_path):
   assert [r["loss"] for r in records] == straight["losses"]
 
 
+@pytest.mark.slow
 def test_different_seed_gives_different_run(env, tmp_path):
   a = run(env, make_config(env, tmp_path / "a", recipe="nvfp4", eval_batches=0))
   b = run(env, make_config(env, tmp_path / "b", recipe="nvfp4", eval_batches=0, seed=1))
   assert a["losses"] != b["losses"]
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(env, tmp_path, monkeypatch):
   real_get_batch = data.get_batch
 
@@ -171,16 +176,17 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(env, tmp_path, monkeypatc
 def _state_template(config):
   model = trainer.build_model(config, jax.random.key(0))
   params = nnx.state(model, nnx.Param)
-  return steps_lib.TrainState(params, optimizer_lib.make_optimizer(config).init(params), jnp.asarray(0, jnp.int32))._asdict()
+  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
+  return steps_lib.TrainState(params, optimizer.init(params), jnp.asarray(0, jnp.int32))._asdict()
 
 
 def test_wsd_schedule_shapes():
-  config = TrainConfig(steps=100, lr=1.0, warmup_fraction=0.1, decay_fraction=0.2, min_lr_ratio=0.1)
-  lr = optimizer_lib.lr_schedule(config)
+  config = TrainConfig.from_options(steps=100, lr=1.0, warmup_fraction=0.1, decay_fraction=0.2, min_lr_ratio=0.1)
+  lr = optimizer_lib.lr_schedule(config.optimizer, config.steps)
   assert float(lr(0)) == pytest.approx(0.1) and float(lr(9)) == pytest.approx(1.0)
   assert float(lr(50)) == 1.0 and float(lr(80)) == 1.0
   assert float(lr(90)) == pytest.approx(0.1 + 0.9 * 0.5)
-  sqrt = optimizer_lib.lr_schedule(config.replace(decay_shape="1-sqrt"))
+  sqrt = optimizer_lib.lr_schedule(config.replace(decay_shape="1-sqrt").optimizer, config.steps)
   assert float(sqrt(90)) == pytest.approx(0.1 + 0.9 * (1 - np.sqrt(0.5)))
   assert float(lr(100)) == pytest.approx(0.1)
 
@@ -233,9 +239,10 @@ def test_cli_help_lists_every_field(capsys):
     cli.main(["train", "--help"])
   assert info.value.code == 0
   text = capsys.readouterr().out
-  for name in TrainConfig.__dataclass_fields__:
-    if name not in ("model", "data"):
-      assert f"--{name.replace('_', '-')}" in text, name
+  for name in config_lib.option_keys():
+    assert f"--{name.replace('_', '-')}" in text if "." not in name else f"--{name}" in text, name
+  for title in ("run:", "precision policy", "optimizer", "evaluation", "logging", "checkpointing", "model", "data"):
+    assert title in text, title
   for flag in ("--model.d_model", "--data.corpus", "--bf16-first", "--bf16-last", "--bf16-blocks", "--bf16-pattern",
                "--switch-at", "--switch ", "--resume"):
     assert flag in text, flag
@@ -247,11 +254,12 @@ def test_cli_overrides_build_the_config():
       "--bf16-last", "1", "--bf16-blocks", "0,2", "--switch-at", "0.5", "--switch", "forward", "--steps", "10",
       "--batch_size", "4", "--progress", "false", "--resume-step", "none", "--data.val_fraction", "0.1"])
   assert config.model == model_lib.get_model_config("small", d_model=256)
-  recipe = config.policy().resolved_recipe()
+  recipe = config.policy.recipe
   assert recipe.rht_size == 4 and recipe.dgrad.lhs.rounding == "nearest"
-  assert (config.bf16_last, config.bf16_blocks, config.switch_at, config.switch) == (1, (0, 2), 0.5, "forward")
-  assert config.policy().switch_step(config.steps) == 5
-  assert (config.steps, config.batch_size, config.progress, config.data.val_fraction) == (10, 4, False, 0.1)
+  p = config.policy
+  assert (p.last, p.blocks, p.switch_at, p.switch) == (1, (0, 2), 0.5, "forward")
+  assert config.policy.switch_step(config.steps) == 5
+  assert (config.steps, config.batch_size, config.logging.progress, config.data.val_fraction) == (10, 4, False, 0.1)
   assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
 
@@ -275,6 +283,7 @@ def test_cli_maps_divergence_to_exit_code(monkeypatch, capsys):
   assert "diverged at step 3" in err and "last good checkpoint is step 2" in err
 
 
+@pytest.mark.slow
 def test_cli_eval_prints_latest_val_loss(env, tmp_path, capsys):
   summary = run(env, make_config(env, tmp_path, recipe="bf16"))
   assert cli.main(["eval", "--out", str(tmp_path), "--json"]) == 0

@@ -30,7 +30,7 @@ def _config(env, name, **changes):
   base = dict(out=str(env["root"] / name), model=MODEL, data=env["data"], recipe="nvfp4", seq_len=32, batch_size=8,
               steps=STEPS, lr=1e-2, eval_every=0, eval_batches=0, checkpoint_every=2, progress=False)
   base.update(changes)
-  return TrainConfig(**base)
+  return TrainConfig.from_options(**base)
 
 
 def _run(env, config):
@@ -42,6 +42,7 @@ def single(env):
   return _run(env, _config(env, "single"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["data=8", "fsdp=8", "tensor=8", "data=2,fsdp=2,tensor=2"])
 def test_losses_match_single_device(env, single, mesh):
   # The quantizer is bit-identical on any mesh (tests/test_sharding.py), but float32 summation order differs
@@ -55,6 +56,7 @@ def test_losses_match_single_device(env, single, mesh):
   assert len(leaf.sharding.device_set) == 8
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_on_one_mesh_resumes_on_another(env):
   first = _run(env, _config(env, "dp", mesh="data=8"))
   resumed_dir = env["root"] / "resumed"
