@@ -34,8 +34,8 @@ MODEL = dict(d_model=128, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=256, n_laye
 
 
 def time_mesh(shape, recipe: str, steps: int, batch: int, seq: int) -> float:
-  cfg = config_lib.TrainConfig.from_options(model=model_lib.get_model_config("tiny", **MODEL), recipe=recipe, batch_size=batch,
-                               seq_len=seq, steps=100)
+  cfg = config_lib.TrainConfig.from_options(model=model_lib.get_model_config("tiny", **MODEL), recipe=recipe,
+                                            batch_size=batch, seq_len=seq, steps=100)
   model = trainer.build_model(cfg, jax.random.key(0))
   graphdef, params = nnx.split(model, nnx.Param)
   optimizer = optimizer_lib.make_optimizer(cfg.optimizer, cfg.steps)

@@ -33,8 +33,8 @@ from fp4jax.pretrain.config import TrainConfig  # pylint: disable=wrong-import-p
 
 def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, dataset):
   """Compiled train and eval steps, an initial state and a few batches for one (model, recipe)."""
-  config = TrainConfig.from_options(model=model_name, recipe=recipe, batch_size=batch_size, seq_len=seq_len, steps=1000,
-                       progress=False)
+  config = TrainConfig.from_options(model=model_name, recipe=recipe, batch_size=batch_size, seq_len=seq_len,
+                                    steps=1000, progress=False)
   keys = trainer.run_keys(0)
   model = trainer.build_model(config, keys["init"])
   graphdef = nnx.graphdef(model)

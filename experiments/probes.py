@@ -150,10 +150,11 @@ def base_config(preset: ProbePreset, out: pathlib.Path):
   from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
   model = model_lib.get_model_config(preset.model, **dict(preset.model_overrides))
-  return TrainConfig.from_options(out=str(out / BASE_DIR), model=model, recipe="bf16", steps=preset.base_steps,
-                     batch_size=preset.batch_size, seq_len=preset.seq_len, lr=preset.lr, warmup_fraction=0.05,
-                     decay_fraction=0.0, eval_every=max(preset.base_steps // 4, 1), eval_batches=preset.eval_batches,
-                     checkpoint_every=preset.base_steps, keep_checkpoints=1, progress=False, seed=0)
+  return TrainConfig.from_options(
+      out=str(out / BASE_DIR), model=model, recipe="bf16", steps=preset.base_steps, batch_size=preset.batch_size,
+      seq_len=preset.seq_len, lr=preset.lr, warmup_fraction=0.05, decay_fraction=0.0,
+      eval_every=max(preset.base_steps // 4, 1), eval_batches=preset.eval_batches,
+      checkpoint_every=preset.base_steps, keep_checkpoints=1, progress=False, seed=0)
 
 
 def ensure_base(preset: ProbePreset, out: pathlib.Path, *, retrain: bool = False, log=print) -> pathlib.Path:

@@ -142,10 +142,24 @@ def test_sigint_checkpoint_and_resume_are_bit_identical(env, tmp_path):
 
 
 @pytest.mark.slow
-def test_different_seed_gives_different_run(env, tmp_path):
-  a = run(env, make_config(env, tmp_path / "a", recipe="nvfp4", eval_batches=0))
+def test_different_seed_gives_different_run_and_hooks_run_every_n_steps(env, tmp_path):
+  seen = []
+  every5 = trainer.Hook(lambda info: seen.append((info.step, info.final, info.record.get("loss"))), every=5)
+  a = run(env, make_config(env, tmp_path / "a", recipe="nvfp4", eval_batches=0), hooks=[every5])
   b = run(env, make_config(env, tmp_path / "b", recipe="nvfp4", eval_batches=0, seed=1))
   assert a["losses"] != b["losses"]
+  # After steps 0, 5, 10, 15 (with that step's loss), then once at the end (step == steps, no training loss).
+  assert seen == [(s, False, a["losses"][s]) for s in (0, 5, 10, 15)] + [(STEPS, True, None)]
+
+
+def test_hook_is_due_on_multiples_of_every_and_at_the_end():
+  calls = []
+  hook = trainer.Hook(lambda info: calls.append(info.step), every=3)
+  for step in range(7):
+    hook(trainer.StepInfo(step, None, {}))
+  hook(trainer.StepInfo(7, None, {}, final=True))
+  trainer.Hook(lambda info: calls.append(-1), every=0)(trainer.StepInfo(0, None, {}))  # every=0: never
+  assert calls == [0, 3, 6, 7]
 
 
 @pytest.mark.slow
