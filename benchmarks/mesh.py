@@ -24,7 +24,9 @@ from flax import nnx  # pylint: disable=g-import-not-at-top,wrong-import-positio
 from fp4jax.pretrain import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fp4jax.pretrain import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fp4jax.pretrain import train as train_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax.pretrain import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax.pretrain import steps as steps_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 MESHES = ((8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 2, 1), (2, 1, 4))
 # Widths whose per-shard slices stay whole 16-blocks on every mesh above.
@@ -32,17 +34,17 @@ MODEL = dict(d_model=128, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=256, n_laye
 
 
 def time_mesh(shape, recipe: str, steps: int, batch: int, seq: int) -> float:
-  cfg = config_lib.TrainConfig(model=model_lib.get_model_config("tiny", **MODEL), recipe=recipe, batch_size=batch,
-                               seq_len=seq, steps=100)
-  model = train_lib.build_model(cfg, jax.random.key(0))
+  cfg = config_lib.TrainConfig.from_options(model=model_lib.get_model_config("tiny", **MODEL), recipe=recipe,
+                                            batch_size=batch, seq_len=seq, steps=100)
+  model = trainer.build_model(cfg, jax.random.key(0))
   graphdef, params = nnx.split(model, nnx.Param)
-  optimizer = train_lib.make_optimizer(cfg)
+  optimizer = optimizer_lib.make_optimizer(cfg.optimizer, cfg.steps)
   mesh = sharding.make_mesh(sharding.MeshConfig(*shape))
-  sharding.check_divisibility(params, mesh, batch_size=batch, seq_len=seq)
-  state = train_lib.TrainState(params=params, opt_state=optimizer.init(params), step=jnp.asarray(0, jnp.int32))
+  sharding.check_divisibility(params, mesh, batch_size=batch, seq_len=seq, **sharding.recipe_block_sizes(cfg.recipe))
+  state = steps_lib.TrainState(params=params, opt_state=optimizer.init(params), step=jnp.asarray(0, jnp.int32))
   state_sh = sharding.tree_shardings(state, mesh)
   batch_sh = sharding.batch_sharding(mesh)
-  step = jax.jit(train_lib.make_train_step(graphdef, optimizer), in_shardings=(state_sh, batch_sh, None),
+  step = jax.jit(steps_lib.make_train_step(graphdef, optimizer), in_shardings=(state_sh, batch_sh, None),
                  out_shardings=(state_sh, None), donate_argnums=0)
   state = jax.device_put(state, state_sh)
   tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, 256)

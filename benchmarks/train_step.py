@@ -3,7 +3,7 @@
     python benchmarks/train_step.py                       # tiny and small, nvfp4 vs bf16
     python benchmarks/train_step.py --models small --recipes bf16 nvfp4 mxfp4 fp8 --steps 20 --json out.json
 
-Per (model, recipe): compile time, median step time (the jitted fp4jax.pretrain.train step on real batches, after a warmup,
+Per (model, recipe): compile time, median step time (the jitted fp4jax.pretrain.steps train step on real batches, after a warmup,
 recipes interleaved step by step so load changes on a shared machine hit all alike), the forward-only (eval) median,
 and memory from XLA's compiled memory analysis: temp (scratch, incl. saved activations and residuals), argument and
 output bytes of the step. Ratios are against the first recipe (bf16 by default).
@@ -25,26 +25,28 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fp4jax.pretrain import train as train_lib  # pylint: disable=wrong-import-position
+from fp4jax.pretrain import optimizer as optimizer_lib  # pylint: disable=wrong-import-position
+from fp4jax.pretrain import steps as steps_lib  # pylint: disable=wrong-import-position
+from fp4jax.pretrain import trainer  # pylint: disable=wrong-import-position
 from fp4jax.pretrain.config import TrainConfig  # pylint: disable=wrong-import-position
 
 
 def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, dataset):
   """Compiled train and eval steps, an initial state and a few batches for one (model, recipe)."""
-  config = TrainConfig(model=model_name, recipe=recipe, batch_size=batch_size, seq_len=seq_len, steps=1000,
-                       progress=False)
-  keys = train_lib.run_keys(0)
-  model = train_lib.build_model(config, keys["init"])
+  config = TrainConfig.from_options(model=model_name, recipe=recipe, batch_size=batch_size, seq_len=seq_len,
+                                    steps=1000, progress=False)
+  keys = trainer.run_keys(0)
+  model = trainer.build_model(config, keys["init"])
   graphdef = nnx.graphdef(model)
-  optimizer = train_lib.make_optimizer(config)
+  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
   params = nnx.state(model, nnx.Param)
-  state = train_lib.TrainState(params, jax.jit(optimizer.init)(params), jnp.asarray(0, jnp.int32))
+  state = steps_lib.TrainState(params, jax.jit(optimizer.init)(params), jnp.asarray(0, jnp.int32))
   batches = [data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=config.train_seq_len, seed=0)
              for i in range(4)]
   t0 = time.perf_counter()
-  step = jax.jit(train_lib.make_train_step(graphdef, optimizer)).lower(state, batches[0], keys["step"]).compile()
+  step = jax.jit(steps_lib.make_train_step(graphdef, optimizer)).lower(state, batches[0], keys["step"]).compile()
   compile_s = time.perf_counter() - t0
-  evaluate = jax.jit(train_lib.make_eval_step(graphdef)).lower(params, batches[0], keys["step"]).compile()
+  evaluate = jax.jit(steps_lib.make_eval_step(graphdef)).lower(params, batches[0], keys["step"]).compile()
   mem = step.memory_analysis()
   memory = {name: int(getattr(mem, f"{name}_size_in_bytes", 0) or 0) for name in ("temp", "argument", "output")}
   return {"config": config, "step": step, "eval": evaluate, "state": state, "batches": batches,

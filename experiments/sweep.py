@@ -1,4 +1,4 @@
-"""Sweeps: named runs x seeds, each a `fp4jax.pretrain.train.train` run in OUT/<run>/seed<k>, resumable, then a report.
+"""Sweeps: named runs x seeds, each a `fp4jax.pretrain.trainer.train` run in OUT/<run>/seed<k>, resumable, then a report.
 
 A `Run` is a name plus TrainConfig overrides (what the experiment varies); a `Sweep` holds the runs, the overrides
 shared by all of them (the preset's base, plus any given on the command line), the number of seeds and the
@@ -32,7 +32,8 @@ import fp4jax.pretrain.data
 import fp4jax.pretrain.metrics
 import fp4jax.pretrain.model
 from fp4jax.pretrain import config as config_lib
-from fp4jax.pretrain import train as train_lib
+from fp4jax.pretrain import steps as steps_lib
+from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
 
 from experiments import report
@@ -42,9 +43,6 @@ PRESETS = ("smoke", "cpu", "gpu")
 LOG_FILE = "train.log"
 # Set per run by the sweep, never by an override.
 MANAGED_FIELDS = ("out", "seed", "resume", "resume_step", "overwrite")
-# Fields that may differ between a finished run and a repeated sweep without changing what the run computed.
-_FREE_FIELDS = ("out", "resume", "resume_step", "overwrite", "progress", "checkpoint_every", "keep_checkpoints",
-                "log_every")
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]*")
 
 # Settings shared by every experiment, per preset. Runs add what they vary; `--set` changes these.
@@ -85,11 +83,8 @@ def base_overrides(preset: str) -> dict[str, Any]:
 # --- override keys and values --------------------------------------------------------------------------------------
 
 def override_keys() -> tuple[str, ...]:
-  """Every key an override may set: TrainConfig fields (less the managed ones), model, model.X and data.X."""
-  top = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in MANAGED_FIELDS and f.name != "data"]
-  nested = [f"model.{f.name}" for f in dataclasses.fields(fp4jax.pretrain.model.ModelConfig)]
-  nested += [f"data.{f.name}" for f in dataclasses.fields(fp4jax.pretrain.data.DataConfig)]
-  return tuple(top + nested)
+  """Every key an override may set: the `fp4jax train` options (less the managed ones), model, model.X, data.X."""
+  return tuple(k for k in config_lib.option_keys() if k not in MANAGED_FIELDS)
 
 
 def check_override_keys(overrides: Mapping[str, Any], where: str = "override") -> None:
@@ -246,14 +241,9 @@ def _write_json(path: pathlib.Path, data: Any) -> None:
   tmp.replace(path)  # atomic: a killed process never leaves a half-written summary
 
 
-def _comparable(config_dict: Mapping[str, Any]) -> dict[str, Any]:
-  return {k: v for k, v in jsonable(dict(config_dict)).items() if k not in _FREE_FIELDS}
-
-
 def _check_same_settings(folder: pathlib.Path, stored: Mapping[str, Any], config: TrainConfig) -> None:
-  old, new = _comparable(stored), _comparable(config.to_dict())
-  # Fields added to (or dropped from) TrainConfig since the run finished are not counted as changes.
-  changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
+  # Result-free fields (marked on the config fields) and fields added or dropped since the run are not changes.
+  changed = config_lib.result_differences(stored, jsonable(config.to_dict()))
   if changed:
     raise ValueError(f"{folder} holds a finished run with different settings ({', '.join(changed)}); "
                      "use another --out, or delete that folder to rerun it.")
@@ -267,7 +257,7 @@ def steady_tokens_per_s(records: Sequence[Mapping[str, Any]]) -> float | None:
 
 def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: pathlib.Path, status: str,
                wall_time: float, summary: Mapping[str, Any] | None = None,
-               diverged: train_lib.TrainingDiverged | None = None) -> dict[str, Any]:
+               diverged: trainer.TrainingDiverged | None = None) -> dict[str, Any]:
   """The summary.json of one run x seed: results, throughput, BF16 blocks, the recipe table and the full config.
 
   wall_time covers this process's share only when the run was resumed.
@@ -275,7 +265,7 @@ def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
   records = fp4jax.pretrain.metrics.read_metrics(folder) if (folder / fp4jax.pretrain.metrics.METRICS_FILE).is_file() else []
   val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
   tokens_per_step = config.batch_size * config.train_seq_len
-  policy = config.policy()
+  policy = config.policy
   out = {"experiment": sweep.experiment, "preset": sweep.preset, "run": run.name, "label": run.label,
          "seed": seed, "overrides": jsonable(run.overrides), "status": status, "steps": config.steps,
          "tokens_per_step": tokens_per_step, "tokens": config.steps * tokens_per_step, "wall_time": wall_time,
@@ -284,15 +274,15 @@ def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
          "final_loss": summary["final_loss"] if summary else None,
          "val_losses": {str(k): v for k, v in sorted(val.items())},
          "bf16_blocks": list(policy.bf16_blocks(config.model.n_layers)),
-         "recipe": str(policy.resolved_recipe()), "config": config.to_dict()}
+         "recipe": str(policy.recipe), "config": config.to_dict()}
   if diverged is not None:
     out.update(diverged_step=diverged.step, error=str(diverged))
   return out
 
 
 def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], None] | None = print,
-              progress: bool = True, compile_cache: train_lib.CompileCache | None = None,
-              hooks_for: Callable[[str, int], Sequence[train_lib.Hook]] | None = None) -> list[dict[str, Any]]:
+              progress: bool = True, compile_cache: steps_lib.CompileCache | None = None,
+              hooks_for: Callable[[str, int], Sequence[trainer.Hook]] | None = None) -> list[dict[str, Any]]:
   """Runs every run x seed of `sweep` under `out` that has not finished yet; returns one record per job.
 
   Each record: run, seed, status ("skipped": finished before; "finished"; "diverged": stopped on a non-finite
@@ -312,7 +302,7 @@ def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], Non
       _check_same_settings(folder, done["config"], config)
   out.mkdir(parents=True, exist_ok=True)
   _write_json(out / SWEEP_FILE, sweep.to_dict())
-  cache = compile_cache if compile_cache is not None else train_lib.CompileCache()
+  cache = compile_cache if compile_cache is not None else steps_lib.CompileCache()
 
   results = []
   bar = tqdm.tqdm(jobs, desc=sweep.experiment, unit="run", disable=not progress, dynamic_ncols=True)
@@ -335,7 +325,7 @@ def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], Non
 
 
 def _train_one(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: pathlib.Path,
-               cache: train_lib.CompileCache, hooks_for) -> dict[str, Any]:
+               cache: steps_lib.CompileCache, hooks_for) -> dict[str, Any]:
   """Trains one run x seed (resuming from its checkpoints if any) and returns its summary."""
   folder.mkdir(parents=True, exist_ok=True)
   hooks = tuple(hooks_for(run.name, seed)) if hooks_for else ()
@@ -349,12 +339,12 @@ def _train_one(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
       summary = None
       if fp4jax.pretrain.checkpoint.checkpoint_dir(folder).is_dir():
         try:
-          summary = train_lib.train(config.replace(resume=True), hooks, log=write, compile_cache=cache)
+          summary = trainer.train(config.replace(resume=True), hooks, log=write, compile_cache=cache)
         except fp4jax.pretrain.checkpoint.CheckpointError as e:
           write(f"Could not resume ({e}); starting afresh.")
       if summary is None:
-        summary = train_lib.train(config.replace(overwrite=True), hooks, log=write, compile_cache=cache)
-    except train_lib.TrainingDiverged as e:
+        summary = trainer.train(config.replace(overwrite=True), hooks, log=write, compile_cache=cache)
+    except trainer.TrainingDiverged as e:
       write(str(e))
       return _summarize(sweep, run, seed, config, folder, "diverged", time.perf_counter() - t0, diverged=e)
   return _summarize(sweep, run, seed, config, folder, "finished", time.perf_counter() - t0, summary)
@@ -368,7 +358,7 @@ def make_parser(prog: str, doc: str) -> argparse.ArgumentParser:
       prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="Overrides: --set KEY=VALUE (repeatable) changes a setting shared by all runs, e.g. --set steps=100 "
              "--set model.d_model=128 --set recipe=nvfp4:rht_size=4. KEY is a TrainConfig field (see "
-             "`python -m fp4jax.pretrain.train --help`), `model` (a preset: " + ", ".join(sorted(fp4jax.pretrain.model.MODEL_PRESETS))
+             "`python -m fp4jax train --help`), `model` (a preset: " + ", ".join(sorted(fp4jax.pretrain.model.MODEL_PRESETS))
              + "), model.FIELD or data.FIELD. A run's own settings (what the experiment varies) win over --set.")
   parser.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
   parser.add_argument("--out", required=True, help="sweep folder: OUT/<run>/seed<k>/, results.md, *.png")

@@ -272,21 +272,8 @@ RECIPE_NAMES = tuple(PRESETS)
 
 
 def _parse_value(text: str):
-  low = text.strip().lower()
-  if low in ("true", "yes", "on"):
-    return True
-  if low in ("false", "no", "off"):
-    return False
-  if low in ("none", "null"):
-    return None
-  for cast in (int, float):
-    try:
-      return cast(low)
-    except ValueError:
-      pass
-  if "+" in text:  # tuples: rht_on=wgrad+dgrad
-    return tuple(t.strip() for t in text.split("+") if t.strip())
-  return text.strip()
+  from fp4jax import cli_values  # pylint: disable=g-import-not-at-top
+  return cli_values.parse_scalar(text)
 
 
 def get_recipe(spec: str | Recipe) -> Recipe:

@@ -83,18 +83,20 @@ def _train_setup(model_config, recipe, batch_size: int, seq_len: int, dataset):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import train as train_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import steps as steps_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
-  config = TrainConfig(model=model_config, recipe=recipe, batch_size=batch_size, seq_len=seq_len, steps=1000,
+  config = TrainConfig.from_options(model=model_config, recipe=recipe, batch_size=batch_size, seq_len=seq_len, steps=1000,
                        progress=False)
-  keys = train_lib.run_keys(0)
-  model = train_lib.build_model(config, keys["init"])
-  optimizer = train_lib.make_optimizer(config)
+  keys = trainer.run_keys(0)
+  model = trainer.build_model(config, keys["init"])
+  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
   params = nnx.state(model, nnx.Param)
-  state = train_lib.TrainState(params, jax.jit(optimizer.init)(params), jnp.asarray(0, jnp.int32))
+  state = steps_lib.TrainState(params, jax.jit(optimizer.init)(params), jnp.asarray(0, jnp.int32))
   batches = [data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=config.train_seq_len, seed=0)
              for i in range(2)]
-  step = jax.jit(train_lib.make_train_step(nnx.graphdef(model), optimizer))
+  step = jax.jit(steps_lib.make_train_step(nnx.graphdef(model), optimizer))
   return step, state, batches, keys["step"]
 
 

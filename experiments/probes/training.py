@@ -23,7 +23,10 @@ from fp4jax.analysis import model_probes
 from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import data
 from fp4jax.pretrain import model as model_lib
-from fp4jax.pretrain import train
+from fp4jax.pretrain import config as config_lib
+from fp4jax.pretrain import optimizer as optimizer_lib
+from fp4jax.pretrain import steps as steps_lib
+from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
 
 from experiments.probes.presets import ProbePreset
@@ -36,26 +39,21 @@ BASE_DIR = "base"
 def base_config(preset: ProbePreset, out: pathlib.Path) -> TrainConfig:
   """The TrainConfig of the preset's BF16 base run in OUT/base."""
   model = model_lib.get_model_config(preset.model, **dict(preset.model_overrides))
-  return TrainConfig(out=str(out / BASE_DIR), model=model, recipe="bf16", steps=preset.base_steps,
-                     batch_size=preset.batch_size, seq_len=preset.seq_len, lr=preset.lr, warmup_fraction=0.05,
-                     decay_fraction=0.0, eval_every=max(preset.base_steps // 4, 1), eval_batches=preset.eval_batches,
-                     checkpoint_every=preset.base_steps, keep_checkpoints=1, progress=False, seed=0)
+  return TrainConfig.from_options(
+      out=str(out / BASE_DIR), model=model, recipe="bf16", steps=preset.base_steps, batch_size=preset.batch_size,
+      seq_len=preset.seq_len, lr=preset.lr, warmup_fraction=0.05, decay_fraction=0.0,
+      eval_every=max(preset.base_steps // 4, 1), eval_batches=preset.eval_batches,
+      checkpoint_every=preset.base_steps, keep_checkpoints=1, progress=False, seed=0)
 
 
 def ensure_base(preset: ProbePreset, out: pathlib.Path, *, retrain: bool = False, log=print) -> pathlib.Path:
   """Trains the BF16 base run into OUT/base unless a finished run with the same config is there; returns its folder."""
   config = base_config(preset, out)
   run_dir = pathlib.Path(config.out)
-  stored = run_dir / train.CONFIG_FILE
+  stored = run_dir / trainer.CONFIG_FILE
   if stored.exists() and not retrain:
-    free = ("out", "progress")
-    want = {k: v for k, v in config.to_dict().items() if k not in free}
-    try:  # through TrainConfig, so fields added since the run was stored take their defaults
-      have = {k: v for k, v in TrainConfig.from_dict(json.loads(stored.read_text())).to_dict().items() if k not in free}
-    except (TypeError, ValueError):
-      have = {}
-    if want != have:
-      changed = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+    changed = config_lib.result_differences(json.loads(stored.read_text()), config.to_dict())
+    if changed:
       raise ValueError(f"{run_dir} holds a base run with other settings ({changed}); pass --retrain-base to "
                        "replace it, or choose another --out.")
     if ckpt.checkpoint_dir(run_dir).is_dir():
@@ -68,7 +66,7 @@ def ensure_base(preset: ProbePreset, out: pathlib.Path, *, retrain: bool = False
         manager.close()
   log(f"Training the BF16 base run into {run_dir} ({config.steps} steps)...")
   t0 = time.perf_counter()
-  train.train(config.replace(overwrite=run_dir.exists()), log=None)
+  trainer.train(config.replace(overwrite=run_dir.exists()), log=None)
   log(f"  done in {time.perf_counter() - t0:.0f}s.")
   return run_dir
 
@@ -79,14 +77,14 @@ def restore_run(run_dir: str | pathlib.Path, step: int | None = None):
   try:
     step, meta = ckpt.restore_meta(manager, step)
     config = TrainConfig.from_dict(meta["config"])
-    model = train.build_model(config, train.run_keys(config.seed)["init"])
+    model = trainer.build_model(config, trainer.run_keys(config.seed)["init"])
     params = nnx.state(model, nnx.Param)
-    target = train.TrainState(params=params, opt_state=train.make_optimizer(config).init(params),
-                              step=jnp.asarray(0, jnp.int32))
+    target = steps_lib.TrainState(params=params, opt_state=optimizer_lib.make_optimizer(
+        config.optimizer, config.steps).init(params), step=jnp.asarray(0, jnp.int32))
     step, restored, _ = ckpt.restore(manager, target._asdict(), step)
   finally:
     manager.close()
-  state = train.TrainState(**restored)
+  state = steps_lib.TrainState(**restored)
   nnx.update(model, state.params)
   return config, model, state, step
 
@@ -114,7 +112,7 @@ class Continuation:
   seq_len: int
   val_batches: list[dict[str, np.ndarray]]
   optimizer: Any
-  cache: train.CompileCache
+  cache: steps_lib.CompileCache
 
 
 def continuation(config: TrainConfig, dataset, *, start_step: int, steps: int) -> Continuation:
@@ -123,12 +121,12 @@ def continuation(config: TrainConfig, dataset, *, start_step: int, steps: int) -
   val = data.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
                          num_batches=config.eval_batches)
   return Continuation(dataset=dataset, batch_size=config.batch_size, seq_len=config.train_seq_len, val_batches=val,
-                      optimizer=train.make_optimizer(cont_config), cache=train.CompileCache())
+                      optimizer=optimizer_lib.make_optimizer(cont_config.optimizer, cont_config.steps), cache=steps_lib.CompileCache())
 
 
 def validation_loss(cont: Continuation, graphdef, params, key) -> float:
   """Mean loss of the model `graphdef` with `params` over the continuation's validation batches."""
-  fn = cont.cache.get(("probe_eval", graphdef), lambda: jax.jit(train.make_eval_step(graphdef)))
+  fn = cont.cache.get(("probe_eval", graphdef), lambda: jax.jit(steps_lib.make_eval_step(graphdef)))
   return float(np.mean([float(fn(params, b, key)) for b in cont.val_batches]))
 
 
@@ -137,20 +135,20 @@ def bf16_graphdef(model):
   return nnx.graphdef(model_probes.with_recipes(model, recipes_lib.bf16()))
 
 
-def continue_training(model, state: train.TrainState, recipes, cont: Continuation, *, steps: int, seed: int
+def continue_training(model, state: steps_lib.TrainState, recipes, cont: Continuation, *, steps: int, seed: int
                       ) -> dict[str, Any]:
   """Continues `state` for `steps` AdamW steps with the linear layers running `recipes`; evaluates at the end.
 
   Batches are data.get_batch(dataset, "train", state.step + i, seed=seed) and the step key is
   fold_in(fold_in(key(seed), 1), step), so two recipes continued with the same seed see the same data (paired).
   Returns {"losses": train losses, "val_bf16": validation loss with a BF16 forward, "val_own": with the recipe's
-  own forward, "state": the final TrainState}. Raises train.TrainingDiverged on a non-finite step.
+  own forward, "state": the final TrainState}. Raises trainer.TrainingDiverged on a non-finite step.
   """
   if not isinstance(steps, int) or steps < 1:
     raise ValueError(f"steps must be an int >= 1; got {steps!r}.")
   graphdef = nnx.graphdef(model_probes.with_recipes(model, recipes))
   step_fn = cont.cache.get(("probe_train", graphdef, id(cont.optimizer)),
-                           lambda: jax.jit(train.make_train_step(graphdef, cont.optimizer)))
+                           lambda: jax.jit(steps_lib.make_train_step(graphdef, cont.optimizer)))
   step_key = jax.random.fold_in(jax.random.key(seed), 1)
   start = int(state.step)
   losses = []
@@ -158,7 +156,7 @@ def continue_training(model, state: train.TrainState, recipes, cont: Continuatio
     batch = data.get_batch(cont.dataset, "train", i, batch_size=cont.batch_size, seq_len=cont.seq_len, seed=seed)
     new_state, m = step_fn(state, batch, jax.random.fold_in(step_key, i))
     if not bool(m["finite"]):
-      raise train.TrainingDiverged(i, float(m["loss"]), float(m["grad_norm"]), None)
+      raise trainer.TrainingDiverged(i, float(m["loss"]), float(m["grad_norm"]), None)
     state = new_state
     losses.append(float(m["loss"]))
   eval_key = jax.random.fold_in(jax.random.key(seed), 2)

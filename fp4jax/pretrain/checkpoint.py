@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from fp4jax.pretrain import sharding
+
 CHECKPOINT_DIR = "checkpoints"
 
 
@@ -89,16 +91,9 @@ def restore_meta(manager: ocp.CheckpointManager, step: int | None = None) -> tup
   return step, meta
 
 
-def _key_name(key) -> str:
-  for attr in ("key", "idx", "name"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
 def _array_specs(tree) -> dict[str, tuple[tuple[int, ...], str]]:
   """{dotted path: (shape, dtype name)} in orbax's naming (namedtuple fields and dict keys alike)."""
-  return {".".join(_key_name(k) for k in path): (tuple(leaf.shape), str(leaf.dtype))
+  return {sharding.path_str(path): (tuple(leaf.shape), str(leaf.dtype))
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 

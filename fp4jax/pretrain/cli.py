@@ -58,19 +58,19 @@ def config_from_args(argv: Sequence[str]):
 
 def _run_train(argv: Sequence[str]) -> int:
   from fp4jax.pretrain import sharding  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import train as train_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
   # Multi-host: FP4JAX_COORDINATOR / FP4JAX_NUM_PROCESSES / FP4JAX_PROCESS_ID (no-op when unset).
   sharding.initialize_distributed()
   config = config_from_args(argv)
-  summary = train_lib.train(config)
+  summary = trainer.train(config)
   print(json.dumps({k: v for k, v in summary.items() if k not in ("params", "losses", "val_losses", "layer_recipes")}))
   return 0
 
 
 def _run_eval(argv: Sequence[str]) -> int:
-  from fp4jax.pretrain import train as train_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
   args = _eval_parser().parse_args(list(argv))
-  result = train_lib.evaluate(args.out, args.step, eval_batches=args.eval_batches)
+  result = trainer.evaluate(args.out, args.step, eval_batches=args.eval_batches)
   if args.json:
     print(json.dumps(result))
   else:
@@ -90,10 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(f"\nfp4jax: unknown command {argv[0]!r}; expected one of {sorted(COMMANDS)}.", file=sys.stderr)
       return EXIT_USAGE
     return 0 if argv else EXIT_USAGE
-  from fp4jax.pretrain import train as train_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
   try:
     return COMMANDS[argv[0]](argv[1:])
-  except train_lib.TrainingDiverged as e:
+  except trainer.TrainingDiverged as e:
     print(f"fp4jax: {e}", file=sys.stderr)
     return EXIT_DIVERGED
   except KeyboardInterrupt:

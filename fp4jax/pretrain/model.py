@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +23,11 @@ from flax import nnx
 
 import fp4jax.nn
 import fp4jax.recipes
+from fp4jax import formats
 
 MLP_KINDS = ("swiglu", "squared_relu")
 # NVFP4's block size: every quantized GEMM dimension of a weight must split into whole 16-element blocks.
-BLOCK_SIZE = 16
+BLOCK_SIZE = formats.NVFP4().block_size
 # Sub-layer order inside a block; fixes each layer's integer id (and so its PRNG stream) forever.
 SUBLAYERS = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.up", "mlp.gate", "mlp.down")
 _LAYER_NAME = re.compile(r"blocks\.(\d+)\.(attn\.[qkvo]|mlp\.(?:up|gate|down))")
@@ -132,8 +134,19 @@ def layer_key(key: jax.Array | None, name: str) -> jax.Array | None:
   return None if key is None else jax.random.fold_in(key, layer_id(name))
 
 
-def _resolve_recipe(recipe):
-  return fp4jax.recipes.get_recipe(recipe) if isinstance(recipe, str) else recipe
+def layer_names(config: "ModelConfig") -> tuple[str, ...]:
+  """Names of the quantizable linear layers of a model with `config`, in `Transformer.linear_layers()` order."""
+  subs = [s for s in SUBLAYERS if s != "mlp.gate" or config.mlp == "swiglu"]
+  return tuple(f"blocks.{i}.{s}" for i in range(config.n_layers) for s in subs)
+
+
+def _layer_recipe(recipe, name: str):
+  """`recipe` for every layer, or a {layer name: Recipe} mapping's entry for `name`."""
+  if isinstance(recipe, Mapping):
+    if name not in recipe:
+      raise ValueError(f"The per-layer recipes name no recipe for layer {name!r}.")
+    return recipe[name]
+  return recipe
 
 
 def _params_only(rngs: nnx.Rngs) -> nnx.Rngs:
@@ -175,7 +188,8 @@ class Attention(nnx.Module):
     self.config, self.index = config, index
     shapes, dtype, param_dtype = config.linear_shapes, jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
     for sub in ("q", "k", "v", "o"):
-      setattr(self, sub, fp4jax.nn.Linear(*shapes[f"attn.{sub}"], recipe=recipe, rngs=_params_only(rngs),
+      layer_recipe = _layer_recipe(recipe, f"blocks.{index}.attn.{sub}")
+      setattr(self, sub, fp4jax.nn.Linear(*shapes[f"attn.{sub}"], recipe=layer_recipe, rngs=_params_only(rngs),
                                            dtype=dtype, param_dtype=param_dtype))
 
   def __call__(self, x_BxTxD: jax.Array, positions_T: jax.Array, key: jax.Array | None) -> jax.Array:
@@ -207,8 +221,8 @@ class Mlp(nnx.Module):
   def __init__(self, config: ModelConfig, index: int, *, recipe, rngs: nnx.Rngs):
     self.config, self.index = config, index
     shapes, dtype, param_dtype = config.linear_shapes, jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
-    make = lambda sub: fp4jax.nn.Linear(*shapes[f"mlp.{sub}"], recipe=recipe, rngs=_params_only(rngs),
-                                         dtype=dtype, param_dtype=param_dtype)
+    make = lambda sub: fp4jax.nn.Linear(*shapes[f"mlp.{sub}"], recipe=_layer_recipe(recipe, f"blocks.{index}.mlp.{sub}"),
+                                         rngs=_params_only(rngs), dtype=dtype, param_dtype=param_dtype)
     self.up = make("up")
     if config.mlp == "swiglu":
       self.gate = make("gate")
@@ -251,7 +265,8 @@ _block_forward_remat = nnx.remat(_block_forward)
 class Transformer(nnx.Module):
   """Decoder-only LM. `model(tokens_BxT, key=...)` -> float32 logits [B, T, vocab_size].
 
-  `recipe` (a fp4jax Recipe or its string form) is the initial recipe of every quantizable linear layer; change
+  `recipe` (a fp4jax Recipe, its string form, or a {layer name: Recipe} mapping over `layer_names(config)`) is the
+  initial recipe of the quantizable linear layers; change
   layers later through `linear_layers()` or `fp4jax.pretrain.policy.PrecisionPolicy.apply`. Quantization randomness comes
   only from `key` (each layer folds in its `layer_id`; fold the step in before calling); key=None is allowed
   only when no layer's recipe needs randomness. `rngs` is used for initialisation only.
@@ -260,7 +275,9 @@ class Transformer(nnx.Module):
   def __init__(self, config: ModelConfig, *, recipe=None, rngs: nnx.Rngs):
     if not isinstance(config, ModelConfig):
       raise ValueError(f"config must be a ModelConfig; got {type(config).__name__}.")
-    recipe = fp4jax.recipes.bf16() if recipe is None else _resolve_recipe(recipe)
+    recipe = fp4jax.recipes.bf16() if recipe is None else recipe
+    if isinstance(recipe, str):
+      recipe = fp4jax.recipes.get_recipe(recipe)
     self.config = config
     param_dtype = jnp.dtype(config.param_dtype)
     self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=jnp.float32, param_dtype=param_dtype,

@@ -17,7 +17,9 @@ import re
 from collections.abc import Iterable, Sequence
 
 import fp4jax.recipes
+from fp4jax import cli_values
 from fp4jax import formats
+from fp4jax.pretrain.options import option
 
 SWITCH_MODES = ("forward", "all")
 _BLOCK_OF = re.compile(r"blocks\.(\d+)\.")
@@ -31,7 +33,7 @@ def _is_int(value) -> bool:
 class PrecisionPolicy:
   """Per-layer precision and an optional late switch to BF16.
 
-  recipe: the quantized recipe (a fp4jax Recipe or its string form, e.g. "nvfp4:stochastic_rounding=false").
+  recipe: the quantized recipe; a string form ("nvfp4:stochastic_rounding=false") is parsed once, here.
   first / last: the first / last this many transformer blocks run in BF16.
   blocks: further block indices run in BF16.
   pattern: a regex fully matching layer names ("blocks\\.(0|1)\\..*", ".*mlp\\.down") that run in BF16.
@@ -39,19 +41,22 @@ class PrecisionPolicy:
   switch: "all" -> fully BF16 after the switch; "forward" -> only Fprop in BF16 (Dgrad/Wgrad stay quantized).
   """
 
-  recipe: object = "nvfp4"
-  first: int = 0
-  last: int = 0
-  blocks: tuple[int, ...] = ()
-  pattern: str | None = None
-  switch_at: float | int | None = None
-  switch: str = "all"
+  recipe: fp4jax.recipes.Recipe = option(
+      help="recipe preset with options, e.g. nvfp4, bf16, mxfp4, fp8, 'nvfp4:rht_size=4,stochastic_rounding=false'",
+      factory=fp4jax.recipes.nvfp4)
+  first: int = option(0, "first N transformer blocks in BF16", flag="bf16_first")
+  last: int = option(0, "last N transformer blocks in BF16", flag="bf16_last")
+  blocks: tuple[int, ...] = option((), "more BF16 blocks, e.g. 3,5-7", flag="bf16_blocks")
+  pattern: str | None = option(None, "regex fully matching linear-layer names kept in BF16, e.g. '.*mlp\\.down'",
+                               flag="bf16_pattern")
+  switch_at: float | int | None = option(None, "switch to BF16 at this fraction of the run (0.82) or step (820)")
+  switch: str = option("all", "what switches: all | forward")
 
   def __post_init__(self):
-    if not isinstance(self.recipe, (str, fp4jax.recipes.Recipe)):
-      raise ValueError(f"PrecisionPolicy.recipe must be a Recipe or a recipe string; got {self.recipe!r}.")
     if isinstance(self.recipe, str):
-      fp4jax.recipes.get_recipe(self.recipe)  # fail now on a bad name, not at the first step
+      object.__setattr__(self, "recipe", parse_recipe(self.recipe))
+    if not isinstance(self.recipe, fp4jax.recipes.Recipe):
+      raise ValueError(f"PrecisionPolicy.recipe must be a Recipe or a recipe string; got {self.recipe!r}.")
     for field in ("first", "last"):
       value = getattr(self, field)
       if not _is_int(value) or value < 0:
@@ -78,10 +83,6 @@ class PrecisionPolicy:
         raise ValueError(f"PrecisionPolicy.switch_at must be None, a float in (0, 1) or an int step >= 0; got {s!r}.")
     if self.switch not in SWITCH_MODES:
       raise ValueError(f"PrecisionPolicy.switch must be one of {SWITCH_MODES}; got {self.switch!r}.")
-
-  def resolved_recipe(self) -> fp4jax.recipes.Recipe:
-    """The quantized recipe as a Recipe object."""
-    return fp4jax.recipes.get_recipe(self.recipe) if isinstance(self.recipe, str) else self.recipe
 
   def switch_step(self, total_steps: int | None = None) -> int | None:
     """The first step that runs switched, or None without a switch. A fraction needs `total_steps`."""
@@ -138,7 +139,7 @@ class PrecisionPolicy:
                     total_steps: int | None = None) -> dict[str, fp4jax.recipes.Recipe]:
     """The recipe of each layer at `step`: BF16 for the selected layers, the (possibly switched) recipe elsewhere."""
     bf16 = fp4jax.recipes.bf16()
-    recipe = self.resolved_recipe()
+    recipe = self.recipe
     if self.phase(step, total_steps):
       recipe = recipe.with_bf16(forward=True, backward=False) if self.switch == "forward" else bf16
     selected = set(self.bf16_layers(layer_names, n_layers))
@@ -170,15 +171,15 @@ class PrecisionPolicy:
       when = f"{self.switch_at:.0%} of the run" if isinstance(self.switch_at, float) else f"step {self.switch_at}"
       what = "forward (Fprop) to BF16" if self.switch == "forward" else "all GEMMs to BF16"
       lines.append(f"Switch: at {when}, {what}")
-    lines += ["Recipe:", str(self.resolved_recipe())]
+    lines += ["Recipe:", str(self.recipe)]
     return "\n".join(lines)
 
   def _recipe_label(self) -> str:
-    return self.recipe if isinstance(self.recipe, str) else self.resolved_recipe().name
+    return recipe_spec(self.recipe) or self.recipe.name
 
   def to_dict(self) -> dict:
     """JSON-ready form (for checkpoint metadata); `from_dict` inverts it."""
-    return {"recipe": _recipe_to_json(self.recipe), "first": self.first, "last": self.last,
+    return {"recipe": recipe_to_json(self.recipe), "first": self.first, "last": self.last,
             "blocks": list(self.blocks), "pattern": self.pattern, "switch_at": self.switch_at,
             "switch": self.switch}
 
@@ -193,81 +194,85 @@ class PrecisionPolicy:
     if "blocks" in data:
       data["blocks"] = tuple(data["blocks"])
     if "recipe" in data:
-      data["recipe"] = _recipe_from_json(data["recipe"])
+      data["recipe"] = recipe_from_json(data["recipe"])
     return cls(**data)
 
 
-# Types a stored recipe may contain; recipes are trees of these frozen dataclasses over plain values.
+# --- the recipe boundary: strings become Recipes here, once; a Recipe goes back to its canonical string ---------
+
+# Canonical spec of each recipe parsed so far (Recipes are frozen and hashable). Equal recipes share one spec.
+_SPECS: dict[fp4jax.recipes.Recipe, str] = {}
+
+
+def canonical_spec(spec: str) -> str:
+  """ "NVFP4: stochastic_rounding=false , rht_size=4" -> "nvfp4:rht_size=4,stochastic_rounding=false"."""
+  name, _, args = spec.partition(":")
+  items = sorted("=".join(p.strip() for p in a.split("=", 1)) for a in args.split(",") if a.strip())
+  return name.strip().lower() + (":" + ",".join(items) if items else "")
+
+
+def parse_recipe(spec: str) -> fp4jax.recipes.Recipe:
+  """The Recipe of a CLI recipe string (fp4jax.recipes.get_recipe); remembers its canonical string."""
+  recipe = fp4jax.recipes.get_recipe(spec)
+  _SPECS.setdefault(recipe, canonical_spec(spec))
+  return recipe
+
+
+def recipe_spec(recipe: fp4jax.recipes.Recipe) -> str | None:
+  """The canonical string `recipe` was parsed from, a preset's name, or None for a hand-built recipe."""
+  if recipe in _SPECS:
+    return _SPECS[recipe]
+  for name, preset in fp4jax.recipes.PRESETS.items():
+    if preset() == recipe:
+      return name
+  return None
+
+
+# Types a stored hand-built recipe may contain; recipes are trees of these frozen dataclasses over plain values.
 _RECIPE_TYPES = {t.__name__: t for t in (fp4jax.recipes.Recipe, fp4jax.recipes.GemmConfig,
                                          fp4jax.recipes.OperandConfig, formats.NVFP4, formats.MXFP4, formats.FP8)}
 
 
-def _recipe_to_json(value):
-  """A recipe (or recipe string) as JSON-ready data: strings stay strings, dataclasses become tagged dicts."""
+def recipe_to_json(recipe: fp4jax.recipes.Recipe):
+  """The recipe's canonical string, or (hand-built recipes) its fields as tagged dicts."""
+  spec = recipe_spec(recipe)
+  return spec if spec is not None else _tree_to_json(recipe)
+
+
+def recipe_from_json(value) -> fp4jax.recipes.Recipe:
+  """Inverse of `recipe_to_json`: a string is parsed (once), a tagged dict rebuilt."""
+  return parse_recipe(value) if isinstance(value, str) else _tree_from_json(value)
+
+
+def _tree_to_json(value):
   if dataclasses.is_dataclass(value) and not isinstance(value, type):
     if type(value).__name__ not in _RECIPE_TYPES:
       raise ValueError(f"Cannot store a {type(value).__name__} inside a recipe.")
     out = {"__type__": type(value).__name__}
-    out.update({f.name: _recipe_to_json(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init})
+    out.update({f.name: _tree_to_json(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init})
     return out
   if isinstance(value, tuple):
-    return [_recipe_to_json(v) for v in value]
+    return [_tree_to_json(v) for v in value]
   if value is None or isinstance(value, (str, int, float, bool)):
     return value
   raise ValueError(f"Cannot store {value!r} ({type(value).__name__}) inside a recipe.")
 
 
-def _recipe_from_json(value):
-  """Inverse of `_recipe_to_json` (JSON lists come back as tuples)."""
+def _tree_from_json(value):
   if isinstance(value, dict):
     kind = value.get("__type__")
     if kind not in _RECIPE_TYPES:
       raise ValueError(f"Stored recipe has unknown type {kind!r}; expected one of {sorted(_RECIPE_TYPES)}.")
-    return _RECIPE_TYPES[kind](**{k: _recipe_from_json(v) for k, v in value.items() if k != "__type__"})
+    return _RECIPE_TYPES[kind](**{k: _tree_from_json(v) for k, v in value.items() if k != "__type__"})
   if isinstance(value, list):
-    return tuple(_recipe_from_json(v) for v in value)
+    return tuple(_tree_from_json(v) for v in value)
   return value
-
-
-def _parse_blocks(text: str) -> tuple[int, ...]:
-  """ "3,5,7-9" -> (3, 5, 7, 8, 9)."""
-  out = []
-  for part in (p.strip() for p in text.split(",")):
-    if not part:
-      continue
-    match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-    if match is None:
-      raise ValueError(f"Bad block list entry {part!r} in {text!r}; use e.g. '3,5,7-9'.")
-    lo, hi = int(match.group(1)), int(match.group(2) or match.group(1))
-    if hi < lo:
-      raise ValueError(f"Bad block range {part!r}: end before start.")
-    out.extend(range(lo, hi + 1))
-  return tuple(out)
-
-
-def _parse_switch_at(value) -> float | int | None:
-  """ "0.82" -> 0.82 (fraction), "8200" -> 8200 (step), None/"" -> None."""
-  if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
-    return value
-  text = str(value).strip()
-  if not text or text.lower() == "none":
-    return None
-  try:
-    return int(text) if re.fullmatch(r"[+-]?\d+", text) else float(text)
-  except ValueError as e:
-    raise ValueError(f"switch_at must be a fraction like 0.82 or a step like 8200; got {value!r}.") from e
 
 
 def policy_from_strings(recipe: str, first=0, last=0, blocks="", pattern=None, switch_at=None,
                         switch="all") -> PrecisionPolicy:
   """A policy from CLI-style strings: --bf16-first 2 --bf16-last 2 --bf16-blocks 3,5-7 --bf16-pattern REGEX
   --switch-at 0.82 --switch forward."""
-  def to_int(name, value):
-    try:
-      return int(str(value).strip())
-    except ValueError as e:
-      raise ValueError(f"{name} must be an int; got {value!r}.") from e
-
-  return PrecisionPolicy(recipe=recipe, first=to_int("first", first), last=to_int("last", last),
-                         blocks=_parse_blocks(blocks or ""), pattern=pattern or None,
-                         switch_at=_parse_switch_at(switch_at), switch=switch)
+  return PrecisionPolicy(recipe=recipe, first=cli_values.parse_int(first), last=cli_values.parse_int(last),
+                         blocks=cli_values.parse_int_list(blocks or ""), pattern=pattern or None,
+                         switch_at=cli_values.parse_number(switch_at), switch=switch)

@@ -8,8 +8,9 @@ tensor-parallel over `tensor` (q/k/v/up/gate column-parallel, o/down row-paralle
 Mesh-independent numerics: quantization runs inside `jax.jit` on the global (logical) array, so the per-tensor amax
 is the global max over all shards (XLA inserts an all-reduce-max: one scalar per quantized operand, the only
 collective quantization adds), and stochastic-rounding bits come from `jax.random.bits` over the global shape with
-partitionable threefry, identical however the tensor is split. `check_divisibility` makes sure every 16-block (and
-16x16 weight tile, and RHT tile along tokens) lies within one shard, so no block straddles a shard boundary.
+partitionable threefry, identical however the tensor is split. `check_divisibility` makes sure every scaling block
+(NVFP4: 16 elements, 16x16 weight tiles) and RHT tile along tokens lies within one shard, so no block straddles a
+shard boundary.
 """
 
 from __future__ import annotations
@@ -163,12 +164,21 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def check_divisibility(params, mesh: Mesh, *, block_size: int = 16, weight_2d: bool = True, batch_size: int,
-                       seq_len: int, rht_size: int = 16, rules=PARTITION_RULES, quantized=r"blocks\.\d+\..*kernel$"):
+def recipe_block_sizes(recipe) -> dict[str, Any]:
+  """check_divisibility's block_size / weight_2d / rht_size for a recipe (its Fprop weight format and RHT)."""
+  fmt = recipe.fprop.rhs.fmt
+  return {"block_size": fmt.block_size if fmt is not None else 1, "weight_2d": recipe.fprop.rhs.block_2d,
+          "rht_size": recipe.rht_size if recipe.wgrad.rht else 1}
+
+
+def check_divisibility(params, mesh: Mesh, *, block_size: int, weight_2d: bool, batch_size: int, seq_len: int,
+                       rht_size: int, rules=PARTITION_RULES, quantized=r"blocks\.\d+\..*kernel$"):
   """Raises ValueError unless quantization blocks stay inside shards.
 
-  - each sharded dim of a quantized kernel holds a whole number of blocks per shard (16, or 16x16 tiles for 2D);
-  - each batch shard holds a whole number of 16-token blocks and RHT tiles (Wgrad blocks run along tokens).
+  - each sharded dim of a quantized kernel holds a whole number of blocks per shard (`block_size` elements, or
+    block_size x block_size tiles when `weight_2d`);
+  - each batch shard holds a whole number of token blocks and `rht_size` RHT tiles (Wgrad blocks run along tokens).
+  block_size and rht_size come from the recipe (its weight format's block size; 1 for unquantized recipes).
   """
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     name = path_str(path)
@@ -179,10 +189,10 @@ def check_divisibility(params, mesh: Mesh, *, block_size: int = 16, weight_2d: b
       n = _shards(mesh, entry)
       per_shard, rem = divmod(leaf.shape[dim], n)
       if rem or (n > 1 and per_shard % block_size):
-        layout = "16x16 weight tiles" if weight_2d else f"{block_size}-element blocks"
+        layout = f"{block_size}x{block_size} weight tiles" if weight_2d else f"{block_size}-element blocks"
         raise ValueError(f"parameter {name!r} dim {dim} (size {leaf.shape[dim]}) split over {n} shards of mesh axis "
-                         f"{entry!r} gives {leaf.shape[dim] / n:g} per shard, not a multiple of {block_size}: NVFP4 "
-                         f"{layout} would straddle shard boundaries.")
+                         f"{entry!r} gives {leaf.shape[dim] / n:g} per shard, not a multiple of {block_size}: the "
+                         f"recipe's {layout} would straddle shard boundaries.")
   n_batch = _shards(mesh, BATCH_AXES)
   if batch_size % n_batch:
     raise ValueError(f"batch_size {batch_size} is not divisible by the {n_batch} batch shards (data x fsdp).")
@@ -215,3 +225,41 @@ def global_batch(local_batch: dict, mesh: Mesh) -> dict:
   """Assembles each host's slice of the batch (rows process_index*B/P ...) into global sharded arrays."""
   sharding = batch_sharding(mesh)
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where the train state and batches live: one device, or a (data, fsdp, tensor) mesh.
+
+  Quantization runs on global arrays inside jit, so its numerics do not depend on the placement; the mesh only
+  decides which device computes which slice (see the module docstring).
+  """
+
+  state: Any  # a sharding, or a TrainState-shaped pytree of shardings
+  params: Any
+  batch: Any
+  replicated: Any
+  mesh: Any = None
+  key: str = "single"
+
+  @classmethod
+  def single_device(cls) -> "Placement":
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return cls(state=device, params=device, batch=device, replicated=device)
+
+  @classmethod
+  def for_mesh(cls, mesh_spec: str | None, state, *, recipe, batch_size: int, seq_len: int) -> "Placement":
+    """One device when `mesh_spec` is empty; else a mesh, after checking `recipe`'s blocks fit its shards."""
+    if not mesh_spec:
+      return cls.single_device()
+    mesh = make_mesh(mesh_spec)
+    check_divisibility(state.params, mesh, batch_size=batch_size, seq_len=seq_len, **recipe_block_sizes(recipe))
+    state_sh = tree_shardings(state, mesh)
+    return cls(state=state_sh, params=state_sh.params, batch=batch_sharding(mesh), replicated=replicated(mesh),
+               mesh=mesh, key=str(mesh_spec))
+
+  def put_batch(self, batch: dict[str, np.ndarray]):
+    """This process's rows of the global batch, placed per the batch sharding."""
+    if self.mesh is None:
+      return jax.device_put(batch, self.batch)
+    return global_batch(batch, self.mesh)

@@ -12,7 +12,8 @@ import pytest
 
 from experiments import report
 from experiments import sweep as sweep_lib
-from fp4jax.pretrain import train as train_lib
+from fp4jax.pretrain import steps as steps_lib
+from fp4jax.pretrain import trainer
 
 EXPERIMENTS = ("formats", "rht_size", "high_precision_layers", "components", "precision_switch")
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
@@ -21,7 +22,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def cache():
-  return train_lib.CompileCache()
+  return steps_lib.CompileCache()
 
 
 def _module(name):
@@ -49,21 +50,21 @@ def test_every_preset_builds_valid_configs(name, preset, tmp_path):
 
 def test_ablation_settings_reach_the_recipe(tmp_path):
   sweep = _module("components").get_config("cpu")
-  recipes = {r.name: sweep.config(r, 0, tmp_path).policy() for r in sweep.runs}
-  full = recipes["full"].resolved_recipe()
+  recipes = {r.name: sweep.config(r, 0, tmp_path).policy for r in sweep.runs}
+  full = recipes["full"].recipe
   assert full.wgrad.rht and full.dgrad.lhs.rounding == "stochastic" and full.fprop.rhs.block_2d
-  assert not recipes["no_rht"].resolved_recipe().wgrad.rht
-  assert recipes["no_sr"].resolved_recipe().dgrad.lhs.rounding == "nearest"
-  assert not recipes["no_2d"].resolved_recipe().fprop.rhs.block_2d
+  assert not recipes["no_rht"].recipe.wgrad.rht
+  assert recipes["no_sr"].recipe.dgrad.lhs.rounding == "nearest"
+  assert not recipes["no_2d"].recipe.fprop.rhs.block_2d
   assert recipes["full"].bf16_blocks(4) == (3,) and recipes["no_hp_layers"].bf16_blocks(4) == ()
-  assert not recipes["bf16"].resolved_recipe().is_quantized
+  assert not recipes["bf16"].recipe.is_quantized
   rht = _module("rht_size").get_config("cpu")
-  got = {r.name: rht.config(r, 0, tmp_path).policy().resolved_recipe() for r in rht.runs}
+  got = {r.name: rht.config(r, 0, tmp_path).policy.recipe for r in rht.runs}
   assert {got[f"rht{d}"].rht_size for d in (2, 4, 16, 64, 128)} == {2, 4, 16, 64, 128}
   assert got["rht16"].rht_signs == "fixed" and got["rht16_nosigns"].rht_signs == "none"
   assert got["rht16_per_call"].rht_signs == "per_call" and not got["rht_none"].wgrad.rht
   switch = _module("precision_switch").get_config("cpu")
-  fwd = switch.config(next(r for r in switch.runs if r.name == "fwd_at80"), 0, tmp_path).policy()
+  fwd = switch.config(next(r for r in switch.runs if r.name == "fwd_at80"), 0, tmp_path).policy
   assert fwd.switch == "forward" and fwd.switch_step(300) == 240
 
 
@@ -213,13 +214,13 @@ def test_diverged_run_is_recorded_reported_and_not_rerun(tmp_path, monkeypatch):
 
   def diverging_train(config, hooks=(), *, log=None, compile_cache=None):
     del hooks, log, compile_cache
-    calls.append(config.recipe)
+    calls.append(config.recipe.name)
     (tmp_path / "q" / "seed0" / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n{"step": 1, "loss": NaN}\n')
-    raise train_lib.TrainingDiverged(1, float("nan"), float("nan"), None)
+    raise trainer.TrainingDiverged(1, float("nan"), float("nan"), None)
 
   sweep = sweep_lib.Sweep(experiment="div", preset="smoke", base=sweep_lib.base_overrides("smoke"), reference=None,
                           runs=(sweep_lib.Run("q", {"recipe": "nvfp4", "lr": 10.0}),))
-  monkeypatch.setattr(sweep_lib.train_lib, "train", diverging_train)
+  monkeypatch.setattr(sweep_lib.trainer, "train", diverging_train)
   (record,) = sweep_lib.run_sweep(sweep, tmp_path, progress=False, log=None)
   assert record["status"] == "diverged" and record["summary"]["diverged_step"] == 1
   assert record["summary"]["final_val_loss"] is None and "diverged at step 1" in record["summary"]["error"]

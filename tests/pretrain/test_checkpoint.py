@@ -1,4 +1,4 @@
-"""Tests for fp4jax.pretrain.checkpoint and the resume error paths of fp4jax.pretrain.train: bit-exact round trip, clear errors for
+"""Tests for fp4jax.pretrain.checkpoint and the resume error paths of fp4jax.pretrain.trainer: bit-exact round trip, clear errors for
 missing, corrupt or mismatched checkpoints, and no checkpoint ever deleted or changed by a failed resume."""
 
 import json
@@ -15,7 +15,9 @@ from fp4jax.pretrain import cli
 from fp4jax.pretrain import data
 from fp4jax.pretrain import metrics
 from fp4jax.pretrain import model as model_lib
-from fp4jax.pretrain import train as train_lib
+from fp4jax.pretrain import optimizer as optimizer_lib
+from fp4jax.pretrain import steps as steps_lib
+from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
 
 
@@ -28,15 +30,15 @@ def make_config(data_config, out, **changes) -> TrainConfig:
   base = dict(out=str(out), model=model_lib.get_model_config("tiny", n_layers=1), data=data_config, seq_len=32,
               steps=16, recipe="bf16", progress=False)
   base.update(changes)
-  return TrainConfig(**base)
+  return TrainConfig.from_options(**base)
 
 
 def make_state(config, seed=0) -> dict:
   """A train state with non-trivial optimizer moments (random values in every float leaf)."""
-  model = train_lib.build_model(config, jax.random.key(seed))
+  model = trainer.build_model(config, jax.random.key(seed))
   params = nnx.state(model, nnx.Param)
-  opt_state = jax.jit(train_lib.make_optimizer(config).init)(params)
-  state = train_lib.TrainState(params, opt_state, jnp.asarray(7, jnp.int32))._asdict()
+  opt_state = jax.jit(optimizer_lib.make_optimizer(config.optimizer, config.steps).init)(params)
+  state = steps_lib.TrainState(params, opt_state, jnp.asarray(7, jnp.int32))._asdict()
   return _randomize(state, jax.random.key(seed + 1))
 
 
@@ -55,7 +57,7 @@ def save_run(config, steps=(4, 8)):
   for step in steps:
     state = make_state(config, seed=step)
     state["step"] = jnp.asarray(step, jnp.int32)
-    ckpt.save(manager, step, state, train_lib._checkpoint_meta(config, step, 0), force=True)
+    ckpt.save(manager, step, state, trainer._checkpoint_meta(config, step, 0), force=True)
   manager.wait_until_finished()
   manager.close()
   with metrics.MetricsLog(config.out) as log:
@@ -70,7 +72,7 @@ def snapshot(folder: pathlib.Path) -> dict[str, bytes]:
 def test_round_trip_is_bit_exact(data_config, tmp_path):
   config = make_config(data_config, tmp_path)
   state = make_state(config)
-  meta = train_lib._checkpoint_meta(config, 7, 0)
+  meta = trainer._checkpoint_meta(config, 7, 0)
   manager = ckpt.open_manager(tmp_path)
   assert ckpt.save(manager, 7, state, meta, force=True)
   manager.wait_until_finished()
@@ -81,9 +83,10 @@ def test_round_trip_is_bit_exact(data_config, tmp_path):
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
     assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
   assert TrainConfig.from_dict(restored_meta["config"]) == config
-  assert restored_meta["policy"] == config.policy().to_dict() and restored_meta["data_position"] == 7
+  assert restored_meta["policy"] == config.policy.to_dict() and restored_meta["data_position"] == 7
 
 
+@pytest.mark.slow
 def test_restore_into_another_model_is_refused(data_config, tmp_path):
   config = make_config(data_config, tmp_path)
   save_run(config, steps=(4,))
@@ -105,14 +108,15 @@ def test_restore_into_another_model_is_refused(data_config, tmp_path):
 
 def test_resume_without_checkpoints_is_a_clear_error(data_config, tmp_path):
   with pytest.raises(ckpt.CheckpointError, match="no checkpoints"):
-    train_lib.train(make_config(data_config, tmp_path / "never", resume=True), log=None)
+    trainer.train(make_config(data_config, tmp_path / "never", resume=True), log=None)
   assert not (tmp_path / "never").exists()
   (tmp_path / "empty" / ckpt.CHECKPOINT_DIR).mkdir(parents=True)
   with pytest.raises(ckpt.CheckpointError, match="No checkpoints found"):
-    train_lib.train(make_config(data_config, tmp_path / "empty", resume=True), log=None)
+    trainer.train(make_config(data_config, tmp_path / "empty", resume=True), log=None)
   assert cli.main(["train", "--resume", "--out", str(tmp_path / "never")]) == cli.EXIT_USAGE
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(data_config, tmp_path):
   config = make_config(data_config, tmp_path)
   save_run(config)
@@ -124,10 +128,10 @@ def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(data_config, tmp_pat
   before = snapshot(tmp_path)
 
   with pytest.raises(ckpt.CheckpointError, match="Checkpoint 8 .* unreadable"):
-    train_lib.train(config.replace(resume=True), log=None)
+    trainer.train(config.replace(resume=True), log=None)
   assert snapshot(tmp_path) == before
   with pytest.raises(ckpt.CheckpointError, match="would overwrite the later checkpoints \\[8\\]"):
-    train_lib.train(config.replace(resume=True, resume_step=4), log=None)
+    trainer.train(config.replace(resume=True, resume_step=4), log=None)
   assert snapshot(tmp_path) == before
 
   (ck_dir / "8" / "meta" / "metadata").write_text("{not json")
@@ -139,17 +143,18 @@ def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(data_config, tmp_pat
   assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_fresh_run_never_overwrites_an_existing_one(data_config, tmp_path):
   config = make_config(data_config, tmp_path)
   save_run(config)
   before = snapshot(tmp_path)
   with pytest.raises(ValueError, match="already holds a run"):
-    train_lib.train(config, log=None)
+    trainer.train(config, log=None)
   assert snapshot(tmp_path) == before
   # --overwrite clears the old run before anything else happens (here: before a bad corpus is noticed).
   bad = config.replace(overwrite=True, data=data.DataConfig(corpus=str(tmp_path / "nope")))
   with pytest.raises(FileNotFoundError):
-    train_lib.train(bad, log=None)
+    trainer.train(bad, log=None)
   assert not ckpt.checkpoint_dir(tmp_path).exists() and not (tmp_path / metrics.METRICS_FILE).exists()
 
 

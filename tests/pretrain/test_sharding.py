@@ -71,17 +71,27 @@ def test_indivisible_parameter_names_it():
     sharding.tree_shardings({"blocks": {"0": {"attn": {"q": {"kernel": jnp.zeros((64, 36))}}}}}, mesh)
 
 
+NVFP4_BLOCKS = sharding.recipe_block_sizes(fp4jax.recipes.nvfp4())
+
+
+def test_recipe_block_sizes_come_from_the_format():
+  assert NVFP4_BLOCKS == {"block_size": 16, "weight_2d": True, "rht_size": 16}
+  mx = sharding.recipe_block_sizes(fp4jax.recipes.mxfp4())
+  assert mx["block_size"] == fp4jax.formats.MXFP4().block_size == 32 and mx["rht_size"] == 32
+  assert sharding.recipe_block_sizes(fp4jax.recipes.bf16()) == {"block_size": 1, "weight_2d": False, "rht_size": 1}
+
+
 def test_blocks_must_not_straddle_shards():
   params, cfg = _tiny_params()
   # tiny: attention width 64 over 8 tensor shards = 8 columns per shard < one 16-block.
   with pytest.raises(ValueError, match=r"attn\.[qkv]\.kernel.*per shard, not a multiple of 16"):
-    sharding.check_divisibility(params, _mesh((1, 1, 8)), batch_size=8, seq_len=64)
+    sharding.check_divisibility(params, _mesh((1, 1, 8)), batch_size=8, seq_len=64, **NVFP4_BLOCKS)
   # Tokens per batch shard: 8 / 8 rows x 10 tokens = 10, not a multiple of 16.
   with pytest.raises(ValueError, match="10 tokens"):
-    sharding.check_divisibility(params, _mesh((8, 1, 1)), batch_size=8, seq_len=10)
+    sharding.check_divisibility(params, _mesh((8, 1, 1)), batch_size=8, seq_len=10, **NVFP4_BLOCKS)
   with pytest.raises(ValueError, match="batch_size 6 is not divisible"):
-    sharding.check_divisibility(params, _mesh((8, 1, 1)), batch_size=6, seq_len=64)
-  sharding.check_divisibility(params, _mesh((2, 2, 2)), batch_size=8, seq_len=64)
+    sharding.check_divisibility(params, _mesh((8, 1, 1)), batch_size=6, seq_len=64, **NVFP4_BLOCKS)
+  sharding.check_divisibility(params, _mesh((2, 2, 2)), batch_size=8, seq_len=64, **NVFP4_BLOCKS)
 
 
 def _assert_same_qarray(a, b):

@@ -1,4 +1,4 @@
-"""Tests for fp4jax.pretrain.train / config / metrics / cli: loss drops per recipe, policy switch, bit-exact resume, divergence,
+"""Tests for fp4jax.pretrain.trainer / config / metrics / cli: loss drops per recipe, policy switch, bit-exact resume, divergence,
 bad input, command line. All runs share one settings block (and a CompileCache), so each graph compiles once."""
 
 import json
@@ -19,7 +19,9 @@ from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import data
 from fp4jax.pretrain import metrics
 from fp4jax.pretrain import model as model_lib
-from fp4jax.pretrain import train as train_lib
+from fp4jax.pretrain import optimizer as optimizer_lib
+from fp4jax.pretrain import steps as steps_lib
+from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
 
 STEPS = 16
@@ -30,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def env(tmp_path_factory):
   """Data cache folder and a compile cache shared by every run in this module."""
   return {"data": data.DataConfig(cache_dir=str(tmp_path_factory.mktemp("data_cache"))),
-          "cache": train_lib.CompileCache()}
+          "cache": steps_lib.CompileCache()}
 
 
 def make_config(env, out, **changes) -> TrainConfig:
@@ -39,11 +41,11 @@ def make_config(env, out, **changes) -> TrainConfig:
               batch_size=8, steps=STEPS, lr=1e-2, warmup_fraction=0.1, decay_fraction=0.25, eval_every=0,
               eval_batches=1, checkpoint_every=4, progress=False)
   base.update(changes)
-  return TrainConfig(**base)
+  return TrainConfig.from_options(**base)
 
 
 def run(env, config, hooks=()):
-  return train_lib.train(config, hooks, log=None, compile_cache=env["cache"])
+  return trainer.train(config, hooks, log=None, compile_cache=env["cache"])
 
 
 def tree_equal(a, b) -> bool:
@@ -54,6 +56,7 @@ def tree_equal(a, b) -> bool:
 # --- training --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "mxfp4", "fp8"])
 def test_loss_drops_with_each_recipe(env, tmp_path, recipe):
   # Statistics and validation checked with bf16 only: each compiles its own forward of the quantized graph.
@@ -87,6 +90,7 @@ def test_loss_drops_with_each_recipe(env, tmp_path, recipe):
       assert 0 < s["w_sat"] < 0.5 and 0 <= s["w_zero"] < 0.5
 
 
+@pytest.mark.slow
 def test_policy_switch_phase_and_bf16_layers(env, tmp_path):
   # fp8 compiles fastest of the quantized recipes; the policy does not depend on the format.
   config = make_config(env, tmp_path, recipe="fp8", bf16_pattern=r".*mlp\.down", switch_at=10)
@@ -99,13 +103,13 @@ def test_policy_switch_phase_and_bf16_layers(env, tmp_path):
   manager = ckpt.open_manager(tmp_path, create=False)
   _, meta = ckpt.restore_meta(manager)
   manager.close()
-  assert meta["policy"] == config.policy().to_dict()
+  assert meta["policy"] == config.policy.to_dict()
   assert meta["phase"] == 1
 
 
 def test_bf16_layers_are_not_quantized(env):
   config = make_config(env, "unused", recipe="nvfp4", bf16_pattern=r".*mlp\.up")
-  model = train_lib.build_model(config, jax.random.key(0))
+  model = trainer.build_model(config, jax.random.key(0))
   for name, layer in model.linear_layers().items():
     assert layer.recipe.is_quantized == (name != "blocks.0.mlp.up"), name
   x = jax.random.normal(jax.random.key(1), (32, 64), jnp.bfloat16)
@@ -114,6 +118,7 @@ def test_bf16_layers_are_not_quantized(env):
   np.testing.assert_array_equal(np.asarray(layer(x, key=jax.random.key(2)), np.float32), np.asarray(plain, np.float32))
 
 
+@pytest.mark.slow
 def test_sigint_checkpoint_and_resume_are_bit_identical(env, tmp_path):
   """16 steps straight == 8 steps, Ctrl-C (checkpoint), resume 8 steps: same losses and params, SR included."""
   straight = run(env, make_config(env, tmp_path / "straight", recipe="nvfp4", eval_batches=0))
@@ -136,12 +141,28 @@ def test_sigint_checkpoint_and_resume_are_bit_identical(env, tmp_path):
   assert [r["loss"] for r in records] == straight["losses"]
 
 
-def test_different_seed_gives_different_run(env, tmp_path):
-  a = run(env, make_config(env, tmp_path / "a", recipe="nvfp4", eval_batches=0))
+@pytest.mark.slow
+def test_different_seed_gives_different_run_and_hooks_run_every_n_steps(env, tmp_path):
+  seen = []
+  every5 = trainer.Hook(lambda info: seen.append((info.step, info.final, info.record.get("loss"))), every=5)
+  a = run(env, make_config(env, tmp_path / "a", recipe="nvfp4", eval_batches=0), hooks=[every5])
   b = run(env, make_config(env, tmp_path / "b", recipe="nvfp4", eval_batches=0, seed=1))
   assert a["losses"] != b["losses"]
+  # After steps 0, 5, 10, 15 (with that step's loss), then once at the end (step == steps, no training loss).
+  assert seen == [(s, False, a["losses"][s]) for s in (0, 5, 10, 15)] + [(STEPS, True, None)]
 
 
+def test_hook_is_due_on_multiples_of_every_and_at_the_end():
+  calls = []
+  hook = trainer.Hook(lambda info: calls.append(info.step), every=3)
+  for step in range(7):
+    hook(trainer.StepInfo(step, None, {}))
+  hook(trainer.StepInfo(7, None, {}, final=True))
+  trainer.Hook(lambda info: calls.append(-1), every=0)(trainer.StepInfo(0, None, {}))  # every=0: never
+  assert calls == [0, 3, 6, 7]
+
+
+@pytest.mark.slow
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(env, tmp_path, monkeypatch):
   real_get_batch = data.get_batch
 
@@ -154,12 +175,12 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(env, tmp_path, monkeypatc
 
   monkeypatch.setattr(data, "get_batch", poisoned)
   config = make_config(env, tmp_path, recipe="bf16", checkpoint_every=2)
-  with pytest.raises(train_lib.TrainingDiverged, match="diverged at step 6") as info:
+  with pytest.raises(trainer.TrainingDiverged, match="diverged at step 6") as info:
     run(env, config)
   assert info.value.step == 6 and info.value.last_checkpoint == 6
   manager = ckpt.open_manager(tmp_path, create=False)
   assert ckpt.available_steps(manager) == [2, 4, 6]
-  template = train_lib.TrainState(**ckpt.restore(manager, _state_template(config), 6)[1])
+  template = steps_lib.TrainState(**ckpt.restore(manager, _state_template(config), 6)[1])
   manager.close()
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(template.params))
   last = metrics.read_metrics(tmp_path)[-1]
@@ -167,18 +188,19 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(env, tmp_path, monkeypatc
 
 
 def _state_template(config):
-  model = train_lib.build_model(config, jax.random.key(0))
+  model = trainer.build_model(config, jax.random.key(0))
   params = nnx.state(model, nnx.Param)
-  return train_lib.TrainState(params, train_lib.make_optimizer(config).init(params), jnp.asarray(0, jnp.int32))._asdict()
+  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
+  return steps_lib.TrainState(params, optimizer.init(params), jnp.asarray(0, jnp.int32))._asdict()
 
 
 def test_wsd_schedule_shapes():
-  config = TrainConfig(steps=100, lr=1.0, warmup_fraction=0.1, decay_fraction=0.2, min_lr_ratio=0.1)
-  lr = train_lib.lr_schedule(config)
+  config = TrainConfig.from_options(steps=100, lr=1.0, warmup_fraction=0.1, decay_fraction=0.2, min_lr_ratio=0.1)
+  lr = optimizer_lib.lr_schedule(config.optimizer, config.steps)
   assert float(lr(0)) == pytest.approx(0.1) and float(lr(9)) == pytest.approx(1.0)
   assert float(lr(50)) == 1.0 and float(lr(80)) == 1.0
   assert float(lr(90)) == pytest.approx(0.1 + 0.9 * 0.5)
-  sqrt = train_lib.lr_schedule(config.replace(decay_shape="1-sqrt"))
+  sqrt = optimizer_lib.lr_schedule(config.replace(decay_shape="1-sqrt").optimizer, config.steps)
   assert float(sqrt(90)) == pytest.approx(0.1 + 0.9 * (1 - np.sqrt(0.5)))
   assert float(lr(100)) == pytest.approx(0.1)
 
@@ -231,9 +253,10 @@ def test_cli_help_lists_every_field(capsys):
     cli.main(["train", "--help"])
   assert info.value.code == 0
   text = capsys.readouterr().out
-  for name in TrainConfig.__dataclass_fields__:
-    if name not in ("model", "data"):
-      assert f"--{name.replace('_', '-')}" in text, name
+  for name in config_lib.option_keys():
+    assert f"--{name.replace('_', '-')}" in text if "." not in name else f"--{name}" in text, name
+  for title in ("run:", "precision policy", "optimizer", "evaluation", "logging", "checkpointing", "model", "data"):
+    assert title in text, title
   for flag in ("--model.d_model", "--data.corpus", "--bf16-first", "--bf16-last", "--bf16-blocks", "--bf16-pattern",
                "--switch-at", "--switch ", "--resume"):
     assert flag in text, flag
@@ -245,11 +268,12 @@ def test_cli_overrides_build_the_config():
       "--bf16-last", "1", "--bf16-blocks", "0,2", "--switch-at", "0.5", "--switch", "forward", "--steps", "10",
       "--batch_size", "4", "--progress", "false", "--resume-step", "none", "--data.val_fraction", "0.1"])
   assert config.model == model_lib.get_model_config("small", d_model=256)
-  recipe = config.policy().resolved_recipe()
+  recipe = config.policy.recipe
   assert recipe.rht_size == 4 and recipe.dgrad.lhs.rounding == "nearest"
-  assert (config.bf16_last, config.bf16_blocks, config.switch_at, config.switch) == (1, (0, 2), 0.5, "forward")
-  assert config.policy().switch_step(config.steps) == 5
-  assert (config.steps, config.batch_size, config.progress, config.data.val_fraction) == (10, 4, False, 0.1)
+  p = config.policy
+  assert (p.last, p.blocks, p.switch_at, p.switch) == (1, (0, 2), 0.5, "forward")
+  assert config.policy.switch_step(config.steps) == 5
+  assert (config.steps, config.batch_size, config.logging.progress, config.data.val_fraction) == (10, 4, False, 0.1)
   assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
 
@@ -265,14 +289,15 @@ def test_cli_errors_exit_cleanly(tmp_path, capsys):
 
 def test_cli_maps_divergence_to_exit_code(monkeypatch, capsys):
   def diverge(config):
-    raise train_lib.TrainingDiverged(3, float("nan"), 1.0, 2)
+    raise trainer.TrainingDiverged(3, float("nan"), 1.0, 2)
 
-  monkeypatch.setattr(train_lib, "train", diverge)
+  monkeypatch.setattr(trainer, "train", diverge)
   assert cli.main(["train", "--steps", "4", "--out", "unused"]) == cli.EXIT_DIVERGED
   err = capsys.readouterr().err
   assert "diverged at step 3" in err and "last good checkpoint is step 2" in err
 
 
+@pytest.mark.slow
 def test_cli_eval_prints_latest_val_loss(env, tmp_path, capsys):
   summary = run(env, make_config(env, tmp_path, recipe="bf16"))
   assert cli.main(["eval", "--out", str(tmp_path), "--json"]) == 0
@@ -285,7 +310,7 @@ def test_cli_eval_prints_latest_val_loss(env, tmp_path, capsys):
 
 
 def test_python_m_entry_point_help():
-  proc = subprocess.run([sys.executable, "-m", "fp4jax.pretrain.train", "--help"], cwd=REPO, capture_output=True, text=True,
+  proc = subprocess.run([sys.executable, "-m", "fp4jax", "train", "--help"], cwd=REPO, capture_output=True, text=True,
                         timeout=120, env={**os.environ, "PYTHONPATH": REPO})
   assert proc.returncode == 0, proc.stderr
   assert "--recipe" in proc.stdout and "--bf16-last" in proc.stdout

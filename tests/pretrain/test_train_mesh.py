@@ -9,7 +9,8 @@ import pytest
 
 from fp4jax.pretrain import data
 from fp4jax.pretrain import model as model_lib
-from fp4jax.pretrain import train as train_lib
+from fp4jax.pretrain import steps as steps_lib
+from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated devices (tests/conftest.py)")
@@ -22,18 +23,18 @@ MODEL = model_lib.get_model_config("tiny", d_model=128, n_heads=8, n_kv_heads=4,
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
   return {"data": data.DataConfig(cache_dir=str(tmp_path_factory.mktemp("data_cache"))),
-          "cache": train_lib.CompileCache(), "root": tmp_path_factory.mktemp("runs")}
+          "cache": steps_lib.CompileCache(), "root": tmp_path_factory.mktemp("runs")}
 
 
 def _config(env, name, **changes):
   base = dict(out=str(env["root"] / name), model=MODEL, data=env["data"], recipe="nvfp4", seq_len=32, batch_size=8,
               steps=STEPS, lr=1e-2, eval_every=0, eval_batches=0, checkpoint_every=2, progress=False)
   base.update(changes)
-  return TrainConfig(**base)
+  return TrainConfig.from_options(**base)
 
 
 def _run(env, config):
-  return train_lib.train(config, log=None, compile_cache=env["cache"])
+  return trainer.train(config, log=None, compile_cache=env["cache"])
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,7 @@ def single(env):
   return _run(env, _config(env, "single"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["data=8", "fsdp=8", "tensor=8", "data=2,fsdp=2,tensor=2"])
 def test_losses_match_single_device(env, single, mesh):
   # The quantizer is bit-identical on any mesh (tests/test_sharding.py), but float32 summation order differs
@@ -54,6 +56,7 @@ def test_losses_match_single_device(env, single, mesh):
   assert len(leaf.sharding.device_set) == 8
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_on_one_mesh_resumes_on_another(env):
   first = _run(env, _config(env, "dp", mesh="data=8"))
   resumed_dir = env["root"] / "resumed"

@@ -1,0 +1,101 @@
+"""Command-line value parsers shared by recipe specs ("nvfp4:rht_size=4"), training options and precision policies.
+
+Each parser takes the text of one value and returns a typed value or raises `BadValue` (a ValueError that argparse
+also reports verbatim). No Flax, no JAX: the library and the CLI both import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_TRUE, _FALSE, _NONE = ("1", "true", "yes", "on"), ("0", "false", "no", "off"), ("none", "null")
+_INT = re.compile(r"[+-]?\d+")
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+class BadValue(argparse.ArgumentTypeError, ValueError):
+  """A value that does not parse; the message says what was expected."""
+
+
+def parse_bool(text) -> bool:
+  """ "true"/"yes"/"on"/"1" -> True, "false"/"no"/"off"/"0" -> False."""
+  if isinstance(text, bool):
+    return text
+  low = str(text).strip().lower()
+  if low in _TRUE:
+    return True
+  if low in _FALSE:
+    return False
+  raise BadValue(f"expected true/false, got {text!r}")
+
+
+def parse_int(text) -> int:
+  if isinstance(text, int) and not isinstance(text, bool):
+    return text
+  low = str(text).strip()
+  if not _INT.fullmatch(low):
+    raise BadValue(f"expected an int, got {text!r}")
+  return int(low)
+
+
+def parse_number(text) -> int | float | None:
+  """ "820" -> 820 (an int: a step), "0.82" -> 0.82 (a float: a fraction), "none" or "" -> None."""
+  if text is None or isinstance(text, (int, float)) and not isinstance(text, bool):
+    return text
+  low = str(text).strip().lower()
+  if low in ("", *_NONE):
+    return None
+  if _INT.fullmatch(low):
+    return int(low)
+  try:
+    return float(low)
+  except ValueError:
+    raise BadValue(f"expected a number, got {text!r}") from None
+
+
+def parse_int_list(text) -> tuple[int, ...]:
+  """ "3,5,7-9" -> (3, 5, 7, 8, 9); "" -> ()."""
+  if isinstance(text, (tuple, list)):
+    return tuple(parse_int(v) for v in text)
+  out = []
+  for part in (p.strip() for p in str(text).split(",")):
+    if not part:
+      continue
+    match = _RANGE.fullmatch(part)
+    if match is None:
+      raise BadValue(f"bad list entry {part!r} in {text!r}; use e.g. '3,5,7-9'")
+    lo, hi = int(match.group(1)), int(match.group(2) or match.group(1))
+    if hi < lo:
+      raise BadValue(f"bad range {part!r}: end before start")
+    out.extend(range(lo, hi + 1))
+  return tuple(out)
+
+
+def optional(parse):
+  """`parse`, except that "none" / "null" give None."""
+
+  def parse_optional(text):
+    return None if text is None or str(text).strip().lower() in _NONE else parse(text)
+
+  parse_optional.__name__ = getattr(parse, "__name__", "value")
+  return parse_optional
+
+
+def parse_scalar(text: str):
+  """A recipe option value by its look: bool words, none, int, float, 'a+b' tuples, else the stripped string."""
+  low = text.strip().lower()
+  if low in _TRUE[1:]:  # "1" / "0" stay ints here: rht_size=1 is a size
+    return True
+  if low in _FALSE[1:]:
+    return False
+  if low in _NONE:
+    return None
+  for cast in (int, float):
+    try:
+      return cast(low)
+    except ValueError:
+      pass
+  if "+" in text:  # tuples: rht_on=wgrad+dgrad
+    return tuple(t.strip() for t in text.split("+") if t.strip())
+  return text.strip()

@@ -1,0 +1,153 @@
+"""The pure step functions: TrainState, the loss, train/eval step builders, and a cache of their compiled forms.
+
+A step is a pure function of (state, batch, key) with state = TrainState(params, opt_state, step): float32 master
+weights and optimizer state, bf16 compute inside the model. The model's structure and its layers' recipes are the
+static `graphdef`, so each precision phase has its own graphdef and its own compiled step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from fp4jax.pretrain import metrics as metrics_lib
+from fp4jax.pretrain.config import TrainConfig
+from fp4jax.pretrain.sharding import Placement
+
+
+class TrainState(NamedTuple):
+  """Everything a step updates: float32 params (nnx.State), optax state, and the number of steps taken."""
+
+  params: Any
+  opt_state: Any
+  step: jax.Array
+
+
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy in float32."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV.astype(jnp.float32), targets_BxT).mean()
+
+
+def make_loss_fn(graphdef) -> Callable:
+  """loss(params, batch, key) for the model described by `graphdef` (its layers' recipes included)."""
+
+  def loss_fn(params, batch, key):
+    model = nnx.merge(graphdef, params)
+    return cross_entropy(model(batch["inputs"], key=key), batch["targets"])
+
+  return loss_fn
+
+
+def global_norm(tree) -> jax.Array:
+  """sqrt of the sum of squares of all leaves, in float32 (what clip_by_global_norm clips)."""
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def _all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation) -> Callable:
+  """step(state, batch, key) -> (new_state, metrics): one AdamW update; apply jax.jit (and shardings) yourself.
+
+  metrics: loss (of the params before the update), grad_norm (before clipping), and `finite`: whether loss, grads
+  and new params are all finite. The caller must discard new_state when `finite` is false.
+  """
+  loss_fn = make_loss_fn(graphdef)
+
+  def step(state: TrainState, batch, key):
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key)
+    grad_norm = global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
+    new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1)
+    return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+
+  return step
+
+
+def make_eval_step(graphdef) -> Callable:
+  """eval(params, batch, key) -> mean cross-entropy of the batch."""
+  return make_loss_fn(graphdef)
+
+
+class CompileCache:
+  """Jitted step functions keyed by (kind, graphdef, settings): pass one to several `train` calls (seed sweeps,
+  resumption in one process) so identical graphs compile once. Owned by the caller; holds compiled executables."""
+
+  def __init__(self):
+    self._fns = {}
+
+  def get(self, key, build: Callable[[], Callable]) -> Callable:
+    if key not in self._fns:
+      self._fns[key] = build()
+    return self._fns[key]
+
+  def __len__(self):
+    return len(self._fns)
+
+
+class Phases:
+  """Graphdef and jitted step functions per precision phase of `config`'s policy, built on first use.
+
+  The policy sets `model`'s layer recipes when a phase is first needed, so each phase compiles once.
+  """
+
+  def __init__(self, config: TrainConfig, model: nnx.Module, optimizer,
+               cache: CompileCache | None = None, placement: Placement | None = None):
+    self.config, self.policy, self.optimizer = config, config.policy, optimizer
+    self.placement = placement or Placement.single_device()
+    self.cache = cache if cache is not None else CompileCache()
+    self._model = model
+    self._model_phase = 0  # the model comes built with the step-0 recipes
+    self._graphdefs = {}
+    self._optimizer_key = (config.optimizer, config.steps)
+
+  def phase(self, step: int) -> int:
+    return self.policy.phase(step, self.config.steps)
+
+  def graphdef(self, step: int):
+    phase = self.phase(step)
+    if phase not in self._graphdefs:
+      if phase != self._model_phase:  # recipes change only at the switch
+        first = 0 if phase == 0 else self.policy.switch_step(self.config.steps)
+        self.policy.apply(self._model, first, self.config.steps)
+        self._model_phase = phase
+      self._graphdefs[phase] = nnx.graphdef(self._model)
+    return self._graphdefs[phase]
+
+  def layer_recipes(self, step: int) -> dict[str, str]:
+    """Recipe name of each linear layer in the phase of `step`."""
+    model = nnx.merge(self.graphdef(step), nnx.state(self._model))
+    return {name: layer.recipe.name for name, layer in model.linear_layers().items()}
+
+  def train_step(self, step: int):
+    graphdef = self.graphdef(step)
+    pl = self.placement
+    return self.cache.get(("train", graphdef, self._optimizer_key, pl.key),
+                          lambda: jax.jit(make_train_step(graphdef, self.optimizer),
+                                          in_shardings=(pl.state, pl.batch, pl.replicated),
+                                          out_shardings=(pl.state, pl.replicated)))
+
+  def eval_step(self, step: int):
+    graphdef = self.graphdef(step)
+    pl = self.placement
+    return self.cache.get(("eval", graphdef, pl.key), lambda: jax.jit(
+        make_eval_step(graphdef), in_shardings=(pl.params, pl.batch, pl.replicated), out_shardings=pl.replicated))
+
+  def stats_fn(self, step: int):
+    graphdef, fmt = self.graphdef(step), self.config.evaluation.stats_format
+    return self.cache.get(("stats", graphdef, fmt), lambda: jax.jit(
+        lambda params, tokens, key: metrics_lib.quant_stats(graphdef, params, tokens, key, fmt)))
+
+  def val_loss(self, params, val: list[dict[str, np.ndarray]], key: jax.Array, step: int) -> float:
+    """Mean validation loss over the fixed batches, with the layer recipes in force at `step`."""
+    eval_step = self.eval_step(step)
+    return float(np.mean([float(eval_step(params, self.placement.put_batch(batch), key)) for batch in val]))

@@ -1,0 +1,385 @@
+"""The training loop: `train(config)` and `evaluate(out)`.
+
+The loop runs the compiled step of the current precision phase; everything periodic (validation, quantization
+statistics, checkpoints, the metrics log, the caller's hooks) is a `Hook(fn, every=N)`. Batches are a pure function
+of (seed, step) and the step key is fold_in(run key, step), so a run resumed from a checkpoint reproduces an
+uninterrupted one bit for bit, stochastic rounding included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import pathlib
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+from flax import nnx
+
+import fp4jax
+from fp4jax.pretrain import checkpoint as ckpt
+from fp4jax.pretrain import config as config_lib
+from fp4jax.pretrain import data as data_lib
+from fp4jax.pretrain import metrics as metrics_lib
+from fp4jax.pretrain import model as model_lib
+from fp4jax.pretrain import optimizer as optimizer_lib
+from fp4jax.pretrain.config import TrainConfig
+from fp4jax.pretrain.sharding import Placement
+from fp4jax.pretrain.steps import CompileCache, Phases, TrainState
+
+CONFIG_FILE = "config.json"
+# Independent streams derived from the run key.
+_INIT_STREAM, _STEP_STREAM, _EVAL_STREAM, _STATS_STREAM = 0, 1, 2, 3
+
+
+class TrainingDiverged(RuntimeError):
+  """The loss, gradient norm or parameters became non-finite; the state of that step was discarded."""
+
+  def __init__(self, step: int, loss: float, grad_norm: float, last_checkpoint: int | None):
+    self.step, self.loss, self.grad_norm, self.last_checkpoint = step, loss, grad_norm, last_checkpoint
+    kept = (f"the last good checkpoint is step {last_checkpoint}" if last_checkpoint is not None
+            else "no checkpoint was saved")
+    super().__init__(f"Training diverged at step {step}: loss={loss}, grad_norm={grad_norm} (non-finite). "
+                     f"The diverged state was not saved; {kept}. Try a lower --lr, more BF16 layers "
+                     "(--bf16-last), or another --recipe.")
+
+
+@dataclasses.dataclass
+class StepInfo:
+  """What a hook sees: the step index, the train state, and the step's metrics record (hooks may add to it).
+
+  Hooks before the update see `state` before step `step`; hooks after it see the updated state and the step's loss.
+  `final` marks the one extra call after the last step (step == config.steps).
+  """
+
+  step: int
+  state: TrainState
+  record: dict[str, Any]
+  final: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+  """Periodic work: `fn(info)` at steps that are multiples of `every` (0: never), and at the final call."""
+
+  fn: Callable[[StepInfo], None]
+  every: int = 1
+
+  def __call__(self, info: StepInfo) -> None:
+    if info.final or (self.every > 0 and info.step % self.every == 0):
+      self.fn(info)
+
+
+def record_hook(fn: Callable[[int, dict[str, Any]], None], every: int = 1) -> Hook:
+  """A Hook from a callable (step, record) -> None, called after each step and once more at the end."""
+  return Hook(lambda info: fn(info.step, info.record), every)
+
+
+# --- setup --------------------------------------------------------------------------------------------------------
+
+def run_keys(seed: int) -> dict[str, jax.Array]:
+  """The run's PRNG streams: init, step (fold in the step index), eval, stats."""
+  base = jax.random.key(seed)
+  return {name: jax.random.fold_in(base, stream) for name, stream in
+          (("init", _INIT_STREAM), ("step", _STEP_STREAM), ("eval", _EVAL_STREAM), ("stats", _STATS_STREAM))}
+
+
+def build_model(config: TrainConfig, key: jax.Array) -> model_lib.Transformer:
+  """The model with freshly initialised float32 params, built with the policy's per-layer recipes of step 0."""
+  names = model_lib.layer_names(config.model)
+  recipes = config.policy.layer_recipes(names, config.model.n_layers, 0, config.steps)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda k: _make_model(config.model, recipes, k), key))
+  return nnx.merge(graphdef, _init_state(config.model, key))
+
+
+def _make_model(model_config, recipe, key):
+  return model_lib.Transformer(model_config, recipe=recipe, rngs=nnx.Rngs(params=key))
+
+
+# Initialised under jit: one compile per model config instead of one per eager initializer op. Recipes are static
+# layer settings that initialisation never reads, so the params come from a BF16 model of the same shapes.
+@functools.partial(jax.jit, static_argnums=0)
+def _init_state(model_config, key):
+  return nnx.state(_make_model(model_config, None, key))
+
+
+def load_data(config: TrainConfig) -> tuple[data_lib.TokenDataset, list[dict[str, np.ndarray]]]:
+  """The dataset and the fixed validation batches; checks the vocabulary fits the model."""
+  dataset = data_lib.load_dataset(config.data)
+  if dataset.vocab_size > config.model.vocab_size:
+    raise ValueError(f"The tokenizer has {dataset.vocab_size} tokens but the model's vocab_size is "
+                     f"{config.model.vocab_size}: pass --model.vocab_size {dataset.vocab_size}.")
+  if not config.evaluation.batches:
+    return dataset, []
+  val = data_lib.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
+                             num_batches=config.evaluation.batches)
+  return dataset, val
+
+
+def _placement(config: TrainConfig, state: TrainState) -> Placement:
+  return Placement.for_mesh(config.mesh, state, recipe=config.policy.recipe,
+                            batch_size=config.batch_size, seq_len=config.train_seq_len)
+
+
+# --- run folder ---------------------------------------------------------------------------------------------------
+
+def _prepare_out(config: TrainConfig) -> pathlib.Path:
+  """Creates --out; refuses (without touching anything) to start a fresh run over an existing one."""
+  out = pathlib.Path(config.out).expanduser()
+  ck_dir = ckpt.checkpoint_dir(out)
+  metrics_path = out / metrics_lib.METRICS_FILE
+  if config.checkpointing.resume:
+    if not ck_dir.is_dir():
+      raise ckpt.CheckpointError(f"--resume: no checkpoints in {out} ({ck_dir} does not exist).")
+    return out
+  existing = [p for p in (ck_dir, metrics_path) if p.exists()]
+  if existing and not config.checkpointing.overwrite:
+    raise ValueError(f"{out} already holds a run ({', '.join(p.name for p in existing)}). Pass --resume to "
+                     "continue it, --overwrite to replace it, or choose another --out.")
+  for p in existing:
+    shutil.rmtree(p) if p.is_dir() else p.unlink()
+  out.mkdir(parents=True, exist_ok=True)
+  return out
+
+
+def _checkpoint_meta(config: TrainConfig, step: int, phase: int) -> dict[str, Any]:
+  keys = run_keys(config.seed)
+  config_dict = config.to_dict()
+  return {"config": config_dict, "policy": config_dict["policy"], "recipe": config_dict["policy"]["recipe"],
+          "seed": config.seed,
+          "run_key_data": np.asarray(jax.random.key_data(keys["step"])).tolist(),
+          "data_position": step, "step": step, "phase": phase, "fp4jax_version": fp4jax.__version__}
+
+
+@contextlib.contextmanager
+def _sigint_flag():
+  """Turns the first Ctrl-C into a flag the loop checks after each step (a second one interrupts at once)."""
+  flag = threading.Event()
+  if threading.current_thread() is not threading.main_thread():
+    yield flag
+    return
+
+  def handler(signum, frame):
+    del frame
+    if flag.is_set():
+      raise KeyboardInterrupt
+    flag.set()
+    tqdm.tqdm.write("Interrupted: saving a checkpoint after this step (Ctrl-C again to abort without saving).")
+
+  previous = signal.signal(signal.SIGINT, handler)
+  try:
+    yield flag
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
+# --- the loop -----------------------------------------------------------------------------------------------------
+
+def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, Any]], None]] = (), *,
+          log: Callable[[str], None] | None = print, compile_cache: CompileCache | None = None) -> dict[str, Any]:
+  """Trains per `config`, writing <out>/metrics.jsonl, <out>/config.json and <out>/checkpoints/.
+
+  hooks: `Hook`s (called after each step whose index is a multiple of `every`, and once at the end), or callables
+    (step, record) -> None called after every step with that step's metrics record (the dict written to
+    metrics.jsonl: loss, lr, grad_norm, ..., val_loss / quant when computed) and once more for the final
+    evaluation record (step == config.steps).
+  Returns a summary: final_loss, final_val_loss (None without validation), val_losses {step: loss}, losses (this
+    call's train losses), steps, start_step, tokens, wall_time, checkpoint_step, out, params (the final nnx.State),
+    layer_recipes ({phase: {layer: recipe name}} for the phases this call ran).
+  compile_cache: reuse jitted steps across calls (see CompileCache).
+  Raises TrainingDiverged on a non-finite loss (nothing non-finite is ever saved), CheckpointError when --resume
+  finds no readable checkpoint, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C.
+  """
+  log = log or (lambda _: None)
+  out = _prepare_out(config)
+  dataset, val = load_data(config)
+  keys = run_keys(config.seed)
+  model = build_model(config, keys["init"])
+  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
+  params = nnx.state(model, nnx.Param)
+  state = TrainState(params=params, opt_state=jax.jit(optimizer.init)(params), step=jnp.asarray(0, jnp.int32))
+  placement = _placement(config, state)
+  phases = Phases(config, model, optimizer, compile_cache, placement)
+  # Committed like a restored state (restore reads onto these shardings), so a fresh and a resumed run hit the
+  # same compiled step, and a checkpoint saved on one mesh restores onto another.
+  state = jax.device_put(state, placement.state)
+
+  manager = ckpt.open_manager(out, max_to_keep=config.checkpointing.keep,
+                              save_interval_steps=config.checkpointing.every)
+  try:
+    start = 0
+    if config.checkpointing.resume:
+      start, state = _resume(config, manager, state, out, log)
+    log(config.policy.describe(config.model.n_layers, list(model.linear_layers())))
+    log(f"Data: {dataset.source}")
+    (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=1))
+    user_hooks = [h if isinstance(h, Hook) else record_hook(h) for h in hooks]
+    return _Loop(config, log, out, dataset, val, keys, phases, manager, start).run(state, user_hooks)
+  finally:
+    manager.wait_until_finished()
+    manager.close()
+
+
+def _resume(config, manager, state, out, log) -> tuple[int, TrainState]:
+  resume_step = config.checkpointing.resume_step
+  later = [n for n in ckpt.available_steps(manager) if resume_step is not None and n > resume_step]
+  if later:
+    raise ckpt.CheckpointError(f"Resuming from step {resume_step} would overwrite the later checkpoints "
+                               f"{later} in {ckpt.checkpoint_dir(out)}; move or delete them first.")
+  start, restored, meta = ckpt.restore(manager, state._asdict(), resume_step)
+  state = TrainState(**restored)
+  if int(state.step) != start:
+    raise ckpt.CheckpointError(f"Checkpoint {start} holds step counter {int(state.step)}: inconsistent.")
+  if start > config.steps:
+    raise ValueError(f"Checkpoint step {start} is beyond --steps {config.steps}.")
+  changed = config_lib.result_differences(meta["config"], config.to_dict())
+  if changed:
+    log(f"Note: resuming with changed settings {changed}; the run will differ from an uninterrupted one.")
+  dropped = metrics_lib.truncate_metrics(out, start - 1)
+  log(f"Resumed from step {start} in {out}" + (f" (dropped {dropped} later metric records)" if dropped else ""))
+  return start, state
+
+
+class _Loop:
+  """One call's loop over steps [start, config.steps) and the built-in hooks it runs around each step."""
+
+  def __init__(self, config, log, out, dataset, val, keys, phases: Phases, manager, start: int):
+    self.config, self.log, self.out, self.dataset, self.val = config, log, out, dataset, val
+    self.keys, self.phases, self.manager, self.start = keys, phases, manager, start
+    self.last_saved = start if config.checkpointing.resume else None
+    self.val_losses: dict[int, float] = {}
+
+  # Built-in hooks. Before the update: they see the params step `info.step` starts from.
+  def _validate(self, info: StepInfo):
+    at = min(info.step, self.config.steps - 1)
+    info.record["val_loss"] = self.val_losses[info.step] = self.phases.val_loss(
+        info.state.params, self.val, self.keys["eval"], at)
+
+  def _stats(self, info: StepInfo):
+    at = min(info.step, self.config.steps - 1)
+    raw = self.phases.stats_fn(at)(info.state.params, jnp.asarray(self.val[0]["inputs"]), self.keys["stats"])
+    info.record["quant"] = jax.tree.map(float, raw)
+
+  def _checkpoint(self, info: StepInfo):
+    if info.step != self.start or info.final:  # the state at `start` is the one this call began from
+      self.save(info.step, info.state, force=info.final)
+
+  def save(self, step: int, state: TrainState, force: bool):
+    if step == self.last_saved:
+      return
+    meta = _checkpoint_meta(self.config, step, self.phases.phase(min(step, self.config.steps - 1)))
+    if ckpt.save(self.manager, step, state._asdict(), meta, force=force):
+      self.last_saved = step
+
+  def run(self, state: TrainState, user_hooks: list[Hook]) -> dict[str, Any]:
+    config, phases = self.config, self.phases
+    schedule = optimizer_lib.lr_schedule(config.optimizer, config.steps)
+    tokens_per_step = config.batch_size * config.train_seq_len
+    losses, layer_recipes = [], {}
+    t_start = time.perf_counter()
+    before = [Hook(self._checkpoint, config.checkpointing.every)]
+    if self.val:
+      before.append(Hook(self._validate, config.evaluation.every))
+    if config.evaluation.stats_every:
+      before.append(Hook(self._stats, config.evaluation.stats_every))
+
+    bar = tqdm.tqdm(total=config.steps, initial=self.start, disable=not config.logging.progress, unit="step",
+                    dynamic_ncols=True)
+    with metrics_lib.MetricsLog(self.out) as metrics_log, _sigint_flag() as interrupted, bar:
+
+      def write_metrics(info: StepInfo):
+        r = info.record
+        due = info.step % config.logging.every == 0 or info.step == config.steps - 1 or info.final
+        if (due and not info.final) or "val_loss" in r or "quant" in r:
+          metrics_log.write(r)
+
+      after = [Hook(write_metrics), *user_hooks]
+      for step in range(self.start, config.steps):
+        info = StepInfo(step, state, {"step": step, "phase": phases.phase(step)})
+        if info.record["phase"] not in layer_recipes:
+          layer_recipes[info.record["phase"]] = phases.layer_recipes(step)
+        for hook in before:
+          hook(info)
+
+        batch = phases.placement.put_batch(data_lib.get_batch(
+            self.dataset, "train", step, batch_size=config.batch_size, seq_len=config.train_seq_len,
+            seed=config.seed, process_index=jax.process_index(), process_count=jax.process_count()))
+        train_step = phases.train_step(step)
+        t0 = time.perf_counter()
+        new_state, m = train_step(state, batch, jax.random.fold_in(self.keys["step"], step))
+        loss, grad_norm, finite = float(m["loss"]), float(m["grad_norm"]), bool(m["finite"])
+        step_time = time.perf_counter() - t0
+        info.record.update(loss=loss, lr=float(schedule(step)), grad_norm=grad_norm, step_time=step_time,
+                           tokens_per_s=tokens_per_step / step_time)
+        if not finite:
+          info.record["diverged"] = True
+          metrics_log.write(info.record)
+          raise TrainingDiverged(step, loss, grad_norm, self.last_saved)
+        state = info.state = new_state
+        losses.append(loss)
+        for hook in after:
+          hook(info)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}",
+                        **({"val": f"{info.record['val_loss']:.4f}"} if "val_loss" in info.record else {}))
+        if interrupted.is_set():
+          self.save(step + 1, state, force=True)
+          self.manager.wait_until_finished()
+          self.log(f"Interrupted after step {step + 1}: checkpoint saved in {ckpt.checkpoint_dir(self.out)}.")
+          raise KeyboardInterrupt
+
+      final = StepInfo(config.steps, state, {"step": config.steps, "phase": phases.phase(config.steps - 1)},
+                       final=True)
+      for hook in [*before[1:], *after, before[0]]:  # the final checkpoint last, after the final record
+        hook(final)
+
+    wall = time.perf_counter() - t_start
+    val_text = f", val_loss {self.val_losses[config.steps]:.4f}" if self.val else ""
+    self.log(f"Done: step {config.steps}{val_text}, {wall:.1f}s; outputs in {self.out}")
+    return {"out": str(self.out), "steps": config.steps, "start_step": self.start, "losses": losses,
+            "final_loss": losses[-1] if losses else None, "final_val_loss": self.val_losses.get(config.steps),
+            "val_losses": self.val_losses, "tokens": (config.steps - self.start) * tokens_per_step,
+            "wall_time": wall, "checkpoint_step": self.last_saved, "params": state.params,
+            "layer_recipes": layer_recipes}
+
+
+# --- evaluation of a saved run ------------------------------------------------------------------------------------
+
+def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: int | None = None) -> dict[str, Any]:
+  """Validation loss of the checkpoint at `step` (default: latest) of the run in `out`.
+
+  Returns {"step", "val_loss", "phase", "eval_batches"}. Raises CheckpointError if there is no readable checkpoint.
+  """
+  manager = ckpt.open_manager(out, create=False)
+  try:
+    step, meta = ckpt.restore_meta(manager, step)
+    config = TrainConfig.from_dict(meta["config"])
+    if eval_batches is None and not config.evaluation.batches:
+      eval_batches = config_lib.EvalConfig().batches  # the run itself did not validate
+    if eval_batches is not None:
+      if eval_batches < 1:
+        raise ValueError(f"eval_batches must be >= 1 to evaluate; got {eval_batches}.")
+      config = config.replace(eval_batches=eval_batches)
+    _, val = load_data(config)
+    keys = run_keys(config.seed)
+    model = build_model(config, keys["init"])
+    optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
+    params = nnx.state(model, nnx.Param)
+    target = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.asarray(0, jnp.int32))
+    step, restored, _ = ckpt.restore(manager, target._asdict(), step)
+    phases = Phases(config, model, optimizer)
+    at = min(step, config.steps - 1)
+    val_loss = phases.val_loss(restored["params"], val, keys["eval"], at)
+    return {"step": step, "val_loss": val_loss, "phase": phases.phase(at), "eval_batches": config.evaluation.batches}
+  finally:
+    manager.close()

@@ -1,0 +1,38 @@
+"""Tests for fp4jax.cli_values: the one parser of command-line values (recipe options, training flags, policies)."""
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from fp4jax import cli_values
+
+
+def test_parsers():
+  words = ("true", "YES", "on", "1", "false", "no", "off", "0")
+  assert [cli_values.parse_bool(t) for t in words] == [True] * 4 + [False] * 4
+  assert cli_values.parse_int(" -3 ") == -3
+  assert cli_values.parse_number("820") == 820 and isinstance(cli_values.parse_number("820"), int)
+  assert cli_values.parse_number("0.82") == 0.82 and cli_values.parse_number("none") is None
+  assert cli_values.parse_int_list("3,5,7-9") == (3, 5, 7, 8, 9) and cli_values.parse_int_list("") == ()
+  assert cli_values.optional(cli_values.parse_int)("null") is None
+  assert [cli_values.parse_scalar(t) for t in ("true", "off", "none", "4", "0.5", "wgrad+dgrad", " ceil ")] == [
+      True, False, None, 4, 0.5, ("wgrad", "dgrad"), "ceil"]
+  assert cli_values.parse_scalar("1") == 1 and cli_values.parse_scalar("1") is not True  # sizes, not booleans
+
+
+@pytest.mark.parametrize("parse, text, message", [
+    (cli_values.parse_bool, "maybe", "expected true/false"), (cli_values.parse_int, "2.5", "expected an int"),
+    (cli_values.parse_number, "abc", "expected a number"), (cli_values.parse_int_list, "3,x", "bad list entry"),
+    (cli_values.parse_int_list, "5-3", "end before start")])
+def test_errors_are_value_errors_argparse_reports(parse, text, message):
+  with pytest.raises(ValueError, match=message) as info:
+    parse(text)
+  assert isinstance(info.value, argparse.ArgumentTypeError)
+
+
+def test_imports_without_flax():
+  code = "import sys, fp4jax.cli_values; print('flax' in sys.modules)"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+  assert out.split() == ["False"]

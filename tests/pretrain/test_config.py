@@ -1,0 +1,85 @@
+"""Tests for fp4jax.pretrain.config / options: groups, flat option names, JSON round trip, result-free fields, and
+the recipe string parsed once per CLI run."""
+
+import json
+
+import pytest
+
+import fp4jax.recipes
+from fp4jax.pretrain import cli
+from fp4jax.pretrain import config as config_lib
+from fp4jax.pretrain import optimizer as optimizer_lib
+from fp4jax.pretrain import policy as policy_lib
+from fp4jax.pretrain.config import TrainConfig
+
+
+def test_flat_options_land_in_their_groups():
+  config = TrainConfig.from_options(lr=1e-3, bf16_last=1, checkpoint_every=7, eval_every=5, log_every=2,
+                                    recipe="mxfp4", **{"model.n_layers": 3})
+  assert config.optimizer.lr == 1e-3 and config.policy.last == 1 and config.checkpointing.every == 7
+  assert config.evaluation.every == 5 and config.logging.every == 2 and config.model.n_layers == 3
+  assert config.recipe == fp4jax.recipes.mxfp4() == config.policy.recipe
+  assert config.replace(lr=2e-3).optimizer == optimizer_lib.OptimizerConfig(lr=2e-3)
+  with pytest.raises(ValueError, match="Unknown TrainConfig option 'learning_rate'"):
+    config.replace(learning_rate=1.0)
+  with pytest.raises(ValueError, match="OptimizerConfig: lr must be > 0"):
+    config.replace(lr=0.0)
+  with pytest.raises(ValueError, match="exceeds the model's 3 blocks"):
+    config.replace(bf16_last=4)
+
+
+def test_to_dict_round_trip_stores_the_canonical_recipe_string():
+  config = TrainConfig.from_options(recipe="NVFP4: stochastic_rounding=false , rht_size=4", bf16_blocks=(0, 1),
+                                    switch_at=0.5)
+  stored = json.loads(json.dumps(config.to_dict()))
+  assert stored["policy"]["recipe"] == "nvfp4:rht_size=4,stochastic_rounding=false"
+  assert set(stored) >= {"policy", "optimizer", "evaluation", "logging", "checkpointing"}
+  assert TrainConfig.from_dict(stored) == config
+  # A hand-built recipe has no string: it is stored field by field.
+  custom = fp4jax.recipes.nvfp4().replace(name="custom", rht_size=8)
+  config = TrainConfig.from_options(policy=policy_lib.PrecisionPolicy(recipe=custom))
+  assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))).recipe == custom
+
+
+def test_from_dict_reads_the_flat_form_of_earlier_versions():
+  flat = {"out": "runs/x", "model": dict(TrainConfig().to_dict()["model"], n_layers=3), "recipe": "fp8", "lr": 0.01,
+          "bf16_blocks": [1], "eval_every": 3, "keep_checkpoints": 2, "steps": 20}
+  config = TrainConfig.from_dict(flat)
+  assert (config.recipe, config.optimizer.lr, config.policy.blocks) == (fp4jax.recipes.fp8(), 0.01, (1,))
+  assert (config.evaluation.every, config.checkpointing.keep, config.model.n_layers) == (3, 2, 3)
+
+
+def test_result_free_fields_are_marked_once():
+  assert config_lib.result_free_keys() == {"out", "progress", "log_every", "checkpoint_every", "keep_checkpoints",
+                                           "resume", "resume_step", "overwrite"}
+  a = TrainConfig.from_options(lr=1e-2)
+  b = a.replace(out="elsewhere", progress=False, log_every=5, checkpoint_every=3, keep_checkpoints=1, resume=True)
+  assert config_lib.result_differences(a.to_dict(), b.to_dict()) == []
+  c = a.replace(lr=1e-3, eval_every=7, mesh="data=8", recipe="bf16")
+  assert config_lib.result_differences(a.to_dict(), c.to_dict()) == ["eval_every", "lr", "mesh", "recipe"]
+
+
+@pytest.mark.slow
+def test_one_recipe_parse_per_cli_run(tmp_path, monkeypatch, capsys):
+  """`fp4jax train --recipe SPEC` parses SPEC once (3 steps, one checkpoint, a precision switch); `fp4jax eval`
+  parses the stored string once. The model is built with the step-0 recipes; they are re-set only at the switch."""
+  parses, applies = [], []
+  parse, apply = fp4jax.recipes.get_recipe, policy_lib.PrecisionPolicy.apply
+  # Only strings are parsed: the library passes Recipe objects through get_recipe unchanged.
+  monkeypatch.setattr(fp4jax.recipes, "get_recipe",
+                      lambda spec: (parses.append(spec) if isinstance(spec, str) else None, parse(spec))[1])
+  monkeypatch.setattr(policy_lib.PrecisionPolicy, "apply",
+                      lambda self, *a, **k: (applies.append(a), apply(self, *a, **k))[1])
+  out = tmp_path / "run"
+  code = cli.main(["train", "--model", "tiny", "--model.n_layers", "2", "--recipe", "nvfp4:rht_size=4",
+                   "--bf16-last", "1", "--switch-at", "2", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
+                   "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "100", "--progress", "false",
+                   "--data.cache_dir", str(tmp_path / "cache"), "--out", str(out)])
+  assert code == 0, capsys.readouterr().err
+  assert parses == ["nvfp4:rht_size=4"]
+  assert [a[1] for a in applies] == [2]  # (model, step, total_steps): only the switch, at step 2
+  assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["3"]
+  assert json.loads((out / "config.json").read_text())["policy"]["recipe"] == "nvfp4:rht_size=4"
+  parses.clear()
+  assert cli.main(["eval", "--out", str(out), "--json"]) == 0
+  assert parses == ["nvfp4:rht_size=4"]
