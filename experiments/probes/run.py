@@ -142,8 +142,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--retrain-base", action="store_true", help="replace OUT/base even if it holds another run")
   parser.add_argument("--skip-continuations", action="store_true", help="only the fixed-tensor probes")
   parser.add_argument("--report-only", action="store_true", help="redraw report.md and plots from OUT/results.json")
+  parser.add_argument("--list", action="store_true", help="print the preset's settings and the base run's config, "
+                      "run nothing")
   args = parser.parse_args(argv)
   try:
+    if args.list:
+      preset = presets.get_preset(args.preset)
+      print(f"probes ({args.preset}):")
+      for name, value in dataclasses.asdict(preset).items():
+        print(f"  {name:<18} {value}")
+      print(f"  base run           {training.base_config(preset, pathlib.Path(args.out)).to_dict()}")
+      return 0
     if args.report_only:
       for p in report.write_report(args.out):
         print(p)
