@@ -90,7 +90,8 @@ def test_python_block_runs(index, tmp_path):
                        timeout=600)
   assert res.returncode == 0, f"README python block {index} failed:\n{code}\n{res.stderr[-3000:]}"
   if shown is not None:
-    assert res.stdout.strip() == shown.strip(), f"README shows:\n{shown}\nthe code prints:\n{res.stdout}"
+    printed = "\n".join(line.rstrip() for line in res.stdout.strip().splitlines())
+    assert printed == shown.strip(), f"README shows:\n{shown}\nthe code prints:\n{res.stdout}"
 
 
 @pytest.mark.slow
