@@ -7,8 +7,9 @@ Every computation is jitted with its input donated, warmed up, and timed as the 
 and dtype (`x + 1`); "vs baseline" is throughput / baseline throughput, measured in the same run (from the medians;
 "(min)" from the fastest runs, steadier when other processes share the cores). Rows ("q+dq" is `fake_quant`, bit-identical to
 `dequantize(quantize(x))`, with the codes decoded in the same fused pass):
-  nvfp4 rne / sr q+dq         NVFP4, round-to-nearest-even / stochastic rounding (32 random bits, threefry key)
-  nvfp4 sr q+dq, rbg key      stochastic rounding with bits from an "rbg" key (XLA's RngBitGenerator)
+  nvfp4 rne / sr q+dq         NVFP4, round-to-nearest-even / stochastic rounding (32 random bits, the default
+                              counter-based hash generator of fp4jax.prng, fused into the elementwise pass)
+  nvfp4 sr q+dq, threefry     stochastic rounding with sr_bits="threefry" (jax.random.bits, the reference)
   nvfp4 rne / sr +rht q+dq    the same after a 16-point random Hadamard transform along the blocked axis
   nvfp4 rne 2d q+dq           16x16 blocks (the weights' layout)
   mxfp4 q+dq                  MXFP4, OCP floor scale rule
@@ -70,8 +71,8 @@ def computations(x, key):
       (BASELINE, lambda x: x + jnp.asarray(1, x.dtype), (x,), (0,)),
       ("nvfp4 rne q+dq", lambda x: fp4jax.fake_quant(x, NVFP4), (x,), (0,)),
       ("nvfp4 sr q+dq", lambda x, k: fp4jax.fake_quant(x, NVFP4, rounding="stochastic", key=k), (x, key), (0,)),
-      ("nvfp4 sr q+dq, rbg key", lambda x, k: fp4jax.fake_quant(x, NVFP4, rounding="stochastic", key=k),
-       (x, jax.random.key(2, impl="rbg")), (0,)),
+      ("nvfp4 sr q+dq, threefry", lambda x, k: fp4jax.fake_quant(x, NVFP4, rounding="stochastic", key=k,
+                                                                   sr_bits="threefry"), (x, key), (0,)),
       ("nvfp4 rne +rht q+dq", lambda x: fp4jax.fake_quant(_rht(x), NVFP4), (x,), (0,)),
       ("nvfp4 sr +rht q+dq", lambda x, k: fp4jax.fake_quant(_rht(x), NVFP4, rounding="stochastic", key=k), (x, key),
        (0,)),

@@ -16,6 +16,7 @@ from fp4jax import fp8
 from fp4jax import grids
 from fp4jax import mxfp4
 from fp4jax import nvfp4
+from fp4jax import prng
 from fp4jax import rounding as rounding_lib
 from fp4jax.qarray import QArray, block_shape
 
@@ -24,7 +25,7 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 # --- validation ---------------------------------------------------------------------------------------------------
 
-def _check_input(x, fmt, axis, block_2d, rounding, key, random_bits):
+def _check_input(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits="hash"):
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
     raise ValueError(f"quantize supports float32, bfloat16 and float16 inputs; got dtype {jnp.dtype(x.dtype).name}.")
   if x.ndim < 1 or (block_2d and x.ndim < 2):
@@ -43,6 +44,7 @@ def _check_input(x, fmt, axis, block_2d, rounding, key, random_bits):
       raise ValueError(f"stochastic rounding is implemented for the FP4 formats; got {fmt.name}.")
   if random_bits not in rounding_lib.RANDOM_BITS:
     raise ValueError(f"random_bits must be one of {rounding_lib.RANDOM_BITS}; got {random_bits!r}.")
+  prng.check_sr_bits(sr_bits)
   return axis
 
 
@@ -160,7 +162,7 @@ def _scale_shape(shape, block):
   return tuple(s // b for s, b in zip(shape, block))
 
 
-def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False):
+def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False, sr_bits="hash"):
   """The quantizer proper on the (padded) float32 tensor.
 
   Returns (elements, scales, amax, decode): `elements` has x32's shape: E2M1 codes (int32 0..15) for FP4, or with
@@ -188,8 +190,9 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False
     scales = mxfp4.encode_scales(e, amax_b)
     decode = lambda v: jnp.where(_expand_blocks(jnp.isnan(amax_b), block), jnp.nan, _scale_by_pow2_blocks(v, e, block))
   if values:  # the rounded values equal the decoded codes (up to NaN inputs, whose tensor dequantizes to NaN)
-    return rounding_lib.round_e2m1(y, rounding=rounding, key=key, random_bits=random_bits), scales, amax, decode
-  codes = rounding_lib.e2m1_codes(y, rounding=rounding, key=key, random_bits=random_bits)
+    rounded = rounding_lib.round_e2m1(y, rounding=rounding, key=key, random_bits=random_bits, sr_bits=sr_bits)
+    return rounded, scales, amax, decode
+  codes = rounding_lib.e2m1_codes(y, rounding=rounding, key=key, random_bits=random_bits, sr_bits=sr_bits)
   return codes, scales, amax, decode
 
 
@@ -207,7 +210,7 @@ def _prepare(x, fmt, axis, block_2d, pad):
 
 
 def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
-             random_bits: int = 32, pad: bool = False) -> QArray:
+             random_bits: int = 32, pad: bool = False, sr_bits: str = "hash") -> QArray:
   """Quantizes `x` to `fmt` (NVFP4, MXFP4, FP8 or a name from fp4jax.FORMAT_NAMES).
 
   Args:
@@ -219,15 +222,17 @@ def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = 
     key: JAX PRNG key for stochastic rounding; the same key gives the same bits.
     random_bits: 32 for full-width uniforms, 8 for hardware-style 8 random bits per element.
     pad: zero-pad blocked axes up to a multiple of the block size instead of raising.
+    sr_bits: the stochastic-rounding bit generator: "hash" (counter-based, fused; the default) or "threefry"
+      (jax.random.bits); see fp4jax.prng.
 
   Returns:
     A QArray. NaN anywhere makes amax NaN; NaN or inf anywhere makes the whole dequantized tensor non-finite.
   """
   fmt = formats.get_format(fmt)
   x = jnp.asarray(x)
-  axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits)
+  axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
   x32, shape, block = _prepare(x, fmt, axis, block_2d, pad)
-  elements, scales, amax, _ = _quantize_elements(x32, fmt, block, rounding, key, random_bits)
+  elements, scales, amax, _ = _quantize_elements(x32, fmt, block, rounding, key, random_bits, sr_bits=sr_bits)
   if isinstance(fmt, formats.FP8):
     codes = elements.astype(jnp.float8_e4m3fn)
   else:
@@ -273,7 +278,7 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
 
 
 def fake_quant(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
-               random_bits: int = 32, pad: bool = False) -> jax.Array:
+               random_bits: int = 32, pad: bool = False, sr_bits: str = "hash") -> jax.Array:
   """dequantize(quantize(x, fmt, ...)) in x's dtype: the values a quantized GEMM would see.
 
   Bit-identical to that composition, but multiplies the rounded E2M1/E4M3 values by their scales directly (no
@@ -281,9 +286,10 @@ def fake_quant(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str 
   """
   fmt = formats.get_format(fmt)
   x = jnp.asarray(x)
-  axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits)
+  axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
   x32, _, block = _prepare(x, fmt, axis, block_2d, pad)
-  elements, _, amax, decode = _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=True)
+  elements, _, amax, decode = _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=True,
+                                                 sr_bits=sr_bits)
   return _finish(decode(elements), amax, x.shape, x.dtype)
 
 
