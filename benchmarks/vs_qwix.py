@@ -12,8 +12,8 @@ Workloads:
 Rows: fp4jax recipes (CLI strings), and Qwix's QtRule with weight, activation and backward qtype nvfp4 (tiles of
 16), mxfp4 (32) or float8_e4m3fn (per channel). Qwix's NVFP4 has one scale level (E4M3 block scales without a
 per-tensor scale), no stochastic rounding and no RHT, so "nvfp4:stochastic_rounding=false,rht=false" is the fp4jax
-row doing comparable work. Each row reports the median and min step-time ratio to the baseline over --runs runs
-(recipes interleaved step by step within a run) and the loss after the run's steps (the last run's).
+row doing comparable work. Each row reports the median and min over --runs blocks of timed steps of its step-time
+ratio to the baseline (rows interleaved step by step), and its loss after all the steps.
 """
 
 from __future__ import annotations
@@ -139,24 +139,32 @@ def _small_run(name: str, batch: int):
 
 # --- timing ---------------------------------------------------------------------------------------------------------
 
-def run_part(part: str, names: list[str], *, steps: int, warmup: int, width: int, batch: int) -> dict:
-  """{name: (step seconds list, final loss)} for one run, recipes interleaved step by step."""
-  runs = {}
-  for n in names:
-    runs[n] = _mlp_run(n, width, batch) if part == "mlp" else _small_run(n, batch)
+def run_part(part: str, names: list[str], *, steps: int, warmup: int, runs: int, width: int, batch: int):
+  """({name: [median step-time ratio to "unquantized" per run]}, {name: median step s}, {name: final loss}).
+
+  Each row compiles once; then `warmup` steps, then `runs` blocks of `steps` timed steps, rows interleaved step by
+  step so that load from other processes hits every row alike. The loss is the last step's (training goes on
+  across blocks: warmup + runs * steps steps in all).
+  """
+  setups = {n: _mlp_run(n, width, batch) if part == "mlp" else _small_run(n, batch) for n in names}
+  states = {n: setups[n][1] for n in names}
   times = {n: [] for n in names}
-  states = {n: runs[n][1] for n in names}
   losses = {}
-  for i in range(warmup + steps):
+  for i in range(warmup + runs * steps):
     key = jax.random.fold_in(jax.random.key(7), i)
     for n in names:
       t0 = time.perf_counter()
-      states[n], loss = runs[n][0](states[n], key)
+      states[n], loss = setups[n][0](states[n], key)
       jax.block_until_ready(loss)
       if i >= warmup:
         times[n].append(time.perf_counter() - t0)
       losses[n] = float(loss)
-  return {n: (times[n], losses[n]) for n in names}
+  ratios = {n: [] for n in names}
+  for b in range(runs):
+    base = statistics.median(times["unquantized"][b * steps:(b + 1) * steps])
+    for n in names:
+      ratios[n].append(statistics.median(times[n][b * steps:(b + 1) * steps]) / base)
+  return ratios, {n: statistics.median(times[n]) for n in names}, losses
 
 
 def main(argv=None):
@@ -166,7 +174,7 @@ def main(argv=None):
   parser.add_argument("--qwix", default=",".join(QWIX_RULES), help="Qwix rows (empty: none)")
   parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
   parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--runs", type=int, default=3, help="independent runs (fresh state); min and median reported")
+  parser.add_argument("--runs", type=int, default=3, help="blocks of --steps timed steps; min and median reported")
   parser.add_argument("--width", type=int, default=1024)
   parser.add_argument("--batch", type=int, default=2048, help="MLP batch")
   parser.add_argument("--small-batch", type=int, default=8)
@@ -175,19 +183,14 @@ def main(argv=None):
   print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs; {args.runs} runs x "
         f"{args.steps} steps (+{args.warmup} warmup), recipes interleaved")
   for part in args.parts.split(","):
-    ratios = {n: [] for n in names}
-    result = {}
-    for _ in range(args.runs):
-      result = run_part(part, names, steps=args.steps, warmup=args.warmup, width=args.width,
-                        batch=args.batch if part == "mlp" else args.small_batch)
-      base = statistics.median(result["unquantized"][0])
-      for n in names:
-        ratios[n].append(statistics.median(result[n][0]) / base)
-    print(f"\n{part}: step time / unquantized step time, loss after {args.warmup + args.steps} steps")
+    ratios, step_s, losses = run_part(part, names, steps=args.steps, warmup=args.warmup, runs=args.runs,
+                                      width=args.width, batch=args.batch if part == "mlp" else args.small_batch)
+    print(f"\n{part}: step time / unquantized step time (median, min over runs), loss after "
+          f"{args.warmup + args.runs * args.steps} steps")
     print(f"  {'row':<46} {'median':>7} {'min':>6} {'step ms':>8} {'loss':>10}")
     for n in names:
-      ms = 1e3 * statistics.median(result[n][0])
-      print(f"  {n:<46} {statistics.median(ratios[n]):>7.2f} {min(ratios[n]):>6.2f} {ms:>8.1f} {result[n][1]:>10.5f}")
+      print(f"  {n:<46} {statistics.median(ratios[n]):>7.2f} {min(ratios[n]):>6.2f} {1e3 * step_s[n]:>8.1f} "
+            f"{losses[n]:>10.5f}")
 
 
 if __name__ == "__main__":
