@@ -48,7 +48,8 @@ def qwix_provider(name: str):
   qtype, tile = QWIX_RULES[name]
   # Every backward operand quantized too, in tiles along its contraction axis (FP4 formats need the tiles).
   extra = {"dlhs_tile_size": tile, "drhs_tile_size": tile} if tile else None
-  rule = qwix.QtRule(module_path=".*", weight_qtype=qtype, act_qtype=qtype, bwd_qtype=qtype, tile_size=tile,
+  # Only dot_general: the linear layers (attention's einsums stay in high precision, as in fp4jax).
+  rule = qwix.QtRule(module_path=".*", op_names=("dot_general",), weight_qtype=qtype, act_qtype=qtype, bwd_qtype=qtype, tile_size=tile,
                      bwd_weight_grad_tile_size=tile, additional_qt_config=extra)
   return qwix.QtProvider([rule])
 
