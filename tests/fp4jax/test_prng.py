@@ -4,11 +4,14 @@ Every statistic uses fixed keys and a 5-sigma bound (chi-square statistics: mean
 chi-square distribution, df + 5 sqrt(2 df)), so a failure means a real defect, not bad luck (p ~ 3e-7 per check).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fp4jax
 from fp4jax import prng
 
 SHAPE = (1024, 1024)  # 2^20 words per draw
@@ -144,3 +147,21 @@ def test_one_bit_index_change_flips_each_output_bit_half_the_time():
     flipped = np.asarray(prng.hash_bits(seed, idx ^ jnp.uint32(1 << bit)))
     flips = np.unpackbits((base ^ flipped).view(np.uint8)).reshape(n, 32).mean(axis=0)
     assert np.all(np.abs(flips - 0.5) < 5 * 0.5 / np.sqrt(n)), (bit, flips)
+
+
+def _entry_ops_with_shape(fn, args, shape_text):
+  """Top-level ops of the compiled computation (kernels and their outputs) whose result has type `shape_text`."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  entry = text[text.index("\nENTRY"):].splitlines()[1:]
+  pattern = re.compile(r"\s*(ROOT )?%\S+ = " + re.escape(shape_text))
+  return [line for line in entry if pattern.match(line)]
+
+
+@pytest.mark.parametrize("sr_bits,fused", [("hash", True), ("threefry", False)])
+def test_hash_bits_are_computed_inside_the_quantizer_loop(sr_bits, fused):
+  """No full-size uint32 array in the compiled SR quantizer: the index iota and the hash fuse into the elementwise
+  pass (threefry's bits, for contrast, are a separate full-size array)."""
+  x = jnp.zeros((256, 256), jnp.float32)
+  f = lambda x, k: fp4jax.fake_quant(x, "nvfp4", rounding="stochastic", key=k, sr_bits=sr_bits)
+  rows = _entry_ops_with_shape(f, (x, jax.random.key(0)), "u32[256,256]")
+  assert (len(rows) == 0) == fused, rows
