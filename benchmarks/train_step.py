@@ -6,8 +6,8 @@
 Per (model, recipe): compile time, median step time (the jitted fp4jax.pretrain.train step on real batches, after a warmup,
 recipes interleaved step by step so load changes on a shared machine hit all alike), the forward-only (eval) median,
 and memory from XLA's compiled memory analysis: temp (scratch, incl. saved activations and residuals), argument and
-output bytes of the step. Ratios are against the first recipe (bf16 by default); with --runs N the timed steps come in N blocks, and "x med" /
-"x min" are the median / min over blocks of each block's step-time ratio.
+output bytes of the step. Ratios are against the first recipe (bf16 by default); with --runs N the timed steps
+come in N blocks, and "x med" / "x min" are the median / min over blocks of each block's step-time ratio.
 """
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ def qwix_provider(name: str):
   # Every backward operand quantized too, in tiles along its contraction axis (FP4 formats need the tiles).
   extra = {"dlhs_tile_size": tile, "drhs_tile_size": tile} if tile else None
   # Only dot_general: the linear layers (attention's einsums stay in high precision, as in fp4jax).
-  rule = qwix.QtRule(module_path=".*", op_names=("dot_general",), weight_qtype=qtype, act_qtype=qtype, bwd_qtype=qtype, tile_size=tile,
-                     bwd_weight_grad_tile_size=tile, additional_qt_config=extra)
+  rule = qwix.QtRule(module_path=".*", op_names=("dot_general",), weight_qtype=qtype, act_qtype=qtype,
+                     bwd_qtype=qtype, tile_size=tile, bwd_weight_grad_tile_size=tile, additional_qt_config=extra)
   return qwix.QtProvider([rule])
 
 
@@ -180,7 +180,16 @@ def main(argv=None):
   parser.add_argument("--batch", type=int, default=2048, help="MLP batch")
   parser.add_argument("--small-batch", type=int, default=8)
   args = parser.parse_args(argv)
-  names = ["unquantized"] + args.recipes + [q for q in args.qwix.split(",") if q]
+  qwix_rows = [q for q in args.qwix.split(",") if q]
+  unknown = [q for q in qwix_rows if q not in QWIX_RULES]
+  if unknown:
+    parser.error(f"unknown Qwix rows {unknown}; choose from {list(QWIX_RULES)}.")
+  if qwix_rows:
+    try:
+      import qwix  # pylint: disable=g-import-not-at-top,unused-import
+    except ImportError:
+      parser.error("Qwix rows need qwix: pip install -e '.[bench]' (or --qwix '' for fp4jax rows only).")
+  names = ["unquantized"] + args.recipes + qwix_rows
   print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs; {args.runs} runs x "
         f"{args.steps} steps (+{args.warmup} warmup), recipes interleaved")
   for part in args.parts.split(","):

@@ -7,8 +7,9 @@ For y = x W with x [..., K] (tokens M = product of leading dims) and W [K, N] (o
 The "xla" backend multiplies the operands' values with float32 accumulation, which equals a real FP4 GEMM up to
 float32 summation order: either code x block scale in bfloat16 (exact: at most 6 significant bits) with the
 per-tensor scales applied to the float32 output (gemm_mode "bf16", BF16 tensor cores on a GPU), or the fully
-dequantized float32 values at HIGHEST precision (gemm_mode "f32", the reference). Residuals are kept quantized: the backward needs Q(W, 2D) and Q(RHT x along M),
-both computed in the forward pass from high-precision tensors, so no full-precision copy of x or W is saved.
+dequantized float32 values at HIGHEST precision (gemm_mode "f32", the reference). Residuals are kept quantized:
+the backward needs Q(W, 2D) and Q(RHT x along M), both computed in the forward pass from high-precision tensors, so
+no full-precision copy of x or W is saved.
 """
 
 from __future__ import annotations
