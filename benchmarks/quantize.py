@@ -7,9 +7,11 @@ Every computation is jitted with its input donated, warmed up, and timed as the 
 and dtype (`x + 1`); "vs baseline" is throughput / baseline throughput, measured in the same run (from the medians;
 "(min)" from the fastest runs, steadier when other processes share the cores). Rows ("q+dq" is `fake_quant`, bit-identical to
 `dequantize(quantize(x))`, with the codes decoded in the same fused pass):
-  nvfp4 rne / sr q+dq         NVFP4, round-to-nearest-even / stochastic rounding (32 random bits, threefry key)
-  nvfp4 sr q+dq, rbg key      stochastic rounding with bits from an "rbg" key (XLA's RngBitGenerator)
+  nvfp4 rne / sr q+dq         NVFP4, round-to-nearest-even / stochastic rounding (32 random bits, the default
+                              counter-based hash generator of fp4jax.prng, fused into the elementwise pass)
+  nvfp4 sr q+dq, threefry     stochastic rounding with sr_bits="threefry" (jax.random.bits, the reference)
   nvfp4 rne / sr +rht q+dq    the same after a 16-point random Hadamard transform along the blocked axis
+  nvfp4 rne +rht axis0 q+dq   RHT and blocks along axis 0 (Wgrad's token axis: the RHT runs in place, no transposes)
   nvfp4 rne 2d q+dq           16x16 blocks (the weights' layout)
   mxfp4 q+dq                  MXFP4, OCP floor scale rule
   nvfp4 quantize              quantize() alone: packed codes + E4M3 scales + amax (outputs 9/16 of a float32 size)
@@ -35,9 +37,12 @@ HLO findings (XLA:CPU, jax 0.10.2, AVX-512 host; `--hlo` prints the kernels of t
   rounding of each block scale ran once per element) but not a divide, so per-block scales end in an exact
   division; XLA merges reduce(reduce(x)) with one computation into a full-size reduction and splits reductions over
   more than 32 elements into a tree with |x| materialised, so long and 2D blocks reduce in two stages of different
-  kinds. Stochastic rounding is bound by generating 32 random bits per element (threefry: ~17 ns per element on
-  this CPU; an "rbg" key, XLA's RngBitGenerator, is no faster here); the RHT is a [.., 16] x [16, 16] float32 dot
-  (HIGHEST precision) with its own full read and write.
+  kinds. Stochastic rounding used to be bound by generating 32 random bits per element (threefry: ~17 ns per
+  element on this CPU; an "rbg" key, XLA's RngBitGenerator, was no faster). The default generator now hashes
+  (seed, element index) inside the elementwise loop (fp4jax.prng: an iota and two multiply/xor-shift rounds, no
+  random tensor in memory): SR q+dq still makes 2 passes and runs ~10x faster than with threefry. The RHT is a
+  [.., 16] x [16, 16] float32 dot (HIGHEST precision) with its own full read and write; an add/subtract
+  (Walsh-Hadamard) form was slower, as XLA:CPU wrote every butterfly stage to memory.
 """
 
 from __future__ import annotations
@@ -70,9 +75,11 @@ def computations(x, key):
       (BASELINE, lambda x: x + jnp.asarray(1, x.dtype), (x,), (0,)),
       ("nvfp4 rne q+dq", lambda x: fp4jax.fake_quant(x, NVFP4), (x,), (0,)),
       ("nvfp4 sr q+dq", lambda x, k: fp4jax.fake_quant(x, NVFP4, rounding="stochastic", key=k), (x, key), (0,)),
-      ("nvfp4 sr q+dq, rbg key", lambda x, k: fp4jax.fake_quant(x, NVFP4, rounding="stochastic", key=k),
-       (x, jax.random.key(2, impl="rbg")), (0,)),
+      ("nvfp4 sr q+dq, threefry", lambda x, k: fp4jax.fake_quant(x, NVFP4, rounding="stochastic", key=k,
+                                                                   sr_bits="threefry"), (x, key), (0,)),
       ("nvfp4 rne +rht q+dq", lambda x: fp4jax.fake_quant(_rht(x), NVFP4), (x,), (0,)),
+      ("nvfp4 rne +rht axis0 q+dq",
+       lambda x: fp4jax.fake_quant(fp4jax.random_hadamard(x, size=16, axis=0), NVFP4, axis=0), (x,), (0,)),
       ("nvfp4 sr +rht q+dq", lambda x, k: fp4jax.fake_quant(_rht(x), NVFP4, rounding="stochastic", key=k), (x, key),
        (0,)),
       ("nvfp4 rne 2d q+dq", lambda x: fp4jax.fake_quant(x, NVFP4, block_2d=True), (x,), (0,)),

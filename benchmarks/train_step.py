@@ -6,7 +6,8 @@
 Per (model, recipe): compile time, median step time (the jitted fp4jax.pretrain.steps train step on real batches, after a warmup,
 recipes interleaved step by step so load changes on a shared machine hit all alike), the forward-only (eval) median,
 and memory from XLA's compiled memory analysis: temp (scratch, incl. saved activations and residuals), argument and
-output bytes of the step. Ratios are against the first recipe (bf16 by default).
+output bytes of the step. Ratios are against the first recipe (bf16 by default); with --runs N the timed steps
+come in N blocks, and "x med" / "x min" are the median / min over blocks of each block's step-time ratio.
 """
 
 from __future__ import annotations
@@ -66,27 +67,40 @@ def _time_once(run: dict, i: int) -> None:
   run["eval_times"].append(time.perf_counter() - t0)
 
 
-def benchmark(models, recipes, *, steps: int, warmup: int, batch_size: int, seq_len: int | None) -> list[dict]:
-  """One result row per (model, recipe)."""
+def benchmark(models, recipes, *, steps: int, warmup: int, batch_size: int, seq_len: int | None,
+              runs: int = 1) -> list[dict]:
+  """One result row per (model, recipe). With runs > 1 the timed steps repeat in `runs` blocks (after one warmup)
+  and each row also gets the median and min over blocks of the block's median step-time ratio."""
   dataset = data.load_dataset(data.DataConfig())
   rows = []
   for model_name in models:
-    runs = {r: _setup(model_name, r, batch_size, seq_len, dataset) for r in recipes}
-    for i in range(warmup + steps):
-      for r in recipes:  # interleaved: a load spike on a shared machine hits every recipe
-        _time_once(runs[r], i)
-    base = runs[recipes[0]]
-    base_step = float(np.median(base["step_times"][warmup:]))
-    base_eval = float(np.median(base["eval_times"][warmup:]))
+    setups = {r: _setup(model_name, r, batch_size, seq_len, dataset) for r in recipes}
+    for i in range(warmup):
+      for r in recipes:
+        _time_once(setups[r], i)
     for r in recipes:
-      run = runs[r]
-      step_s = float(np.median(run["step_times"][warmup:]))
-      eval_s = float(np.median(run["eval_times"][warmup:]))
+      setups[r]["step_times"], setups[r]["eval_times"] = [], []
+    block_ratios = {r: [] for r in recipes}
+    for b in range(runs):
+      for i in range(steps):
+        for r in recipes:  # interleaved: a load spike on a shared machine hits every recipe
+          _time_once(setups[r], warmup + b * steps + i)
+      base_block = float(np.median(setups[recipes[0]]["step_times"][b * steps:]))
+      for r in recipes:
+        block_ratios[r].append(float(np.median(setups[r]["step_times"][b * steps:])) / base_block)
+    base = setups[recipes[0]]
+    base_step = float(np.median(base["step_times"]))
+    base_eval = float(np.median(base["eval_times"]))
+    for r in recipes:
+      run = setups[r]
+      step_s = float(np.median(run["step_times"]))
+      eval_s = float(np.median(run["eval_times"]))
       mem = run["memory"]
       rows.append({
           "model": model_name, "recipe": r, "tokens_per_step": run["tokens"], "compile_s": run["compile_s"],
           "step_ms": 1e3 * step_s, "step_ratio": step_s / base_step, "eval_ms": 1e3 * eval_s,
           "eval_ratio": eval_s / base_eval, "tokens_per_s": run["tokens"] / step_s,
+          "ratio_median": float(np.median(block_ratios[r])), "ratio_min": float(np.min(block_ratios[r])),
           "temp_mb": mem["temp"] / 2**20, "temp_ratio": mem["temp"] / max(base["memory"]["temp"], 1),
           "argument_mb": mem["argument"] / 2**20, "output_mb": mem["output"] / 2**20})
   return rows
@@ -95,12 +109,12 @@ def benchmark(models, recipes, *, steps: int, warmup: int, batch_size: int, seq_
 def _print(rows: list[dict]) -> None:
   width = max(7, *(len(r["recipe"]) for r in rows))
   head = (f"{'model':<6} {'recipe':<{width}} {'compile s':>9} {'step ms':>8} {'x':>6} {'fwd ms':>7} {'x':>6} "
-          f"{'tok/s':>8} {'temp MB':>8} {'x':>6} {'args MB':>8}")
+          f"{'tok/s':>8} {'temp MB':>8} {'x':>6} {'args MB':>8} {'x med':>6} {'x min':>6}")
   print(head)
   for r in rows:
     print(f"{r['model']:<6} {r['recipe']:<{width}} {r['compile_s']:>9.1f} {r['step_ms']:>8.1f} {r['step_ratio']:>6.2f} "
           f"{r['eval_ms']:>7.1f} {r['eval_ratio']:>6.2f} {r['tokens_per_s']:>8.0f} {r['temp_mb']:>8.2f} "
-          f"{r['temp_ratio']:>6.2f} {r['argument_mb']:>8.2f}")
+          f"{r['temp_ratio']:>6.2f} {r['argument_mb']:>8.2f} {r['ratio_median']:>6.2f} {r['ratio_min']:>6.2f}")
 
 
 def main(argv=None) -> int:
@@ -110,12 +124,14 @@ def main(argv=None) -> int:
                       help="recipes (CLI form, e.g. nvfp4:stochastic_rounding=false); the first is the baseline")
   parser.add_argument("--steps", type=int, default=10, help="timed steps per recipe")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
+  parser.add_argument("--runs", type=int, default=1,
+                      help="blocks of --steps timed steps; 'x med' / 'x min': median / min of the blocks' ratios")
   parser.add_argument("--batch-size", type=int, default=8)
   parser.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
   args = parser.parse_args(argv)
   rows = benchmark(args.models.split(","), args.recipes, steps=args.steps, warmup=args.warmup,
-                   batch_size=args.batch_size, seq_len=args.seq_len)
+                   batch_size=args.batch_size, seq_len=args.seq_len, runs=args.runs)
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; batch {args.batch_size}")
   _print(rows)
   if args.json:

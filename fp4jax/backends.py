@@ -71,7 +71,7 @@ def pallas_quantize(x, cfg, *, axis: int, recipe, key, signs):
     return None
   return _kernels().quantize_nvfp4(x, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding, key=key,
                                    rht_size=recipe.rht_size if cfg.rht else None, rht_signs=signs,
-                                   random_bits=recipe.random_bits, pad=cfg.pad)
+                                   random_bits=recipe.random_bits, pad=cfg.pad, sr_bits=recipe.sr_bits)
 
 
 def gemm_dims(a, b, contract) -> tuple[int, int, int]:

@@ -4,9 +4,12 @@ For y = x W with x [..., K] (tokens M = product of leading dims) and W [K, N] (o
   Fprop  y  = Q(x along K)            @ Q(W, 2D)
   Dgrad  dx = Q(dY along N, SR)       @ Q(W, 2D)^T          (the Fprop weight codes, transposed: no re-quantization)
   Wgrad  dW = Q(RHT x along M)^T      @ Q(RHT dY along M, SR)
-Each GEMM multiplies dequantized operands with float32 accumulation (the "xla" backend), which equals a real FP4
-GEMM up to float32 summation order. Residuals are kept quantized: the backward needs Q(W, 2D) and Q(RHT x along M),
-both computed in the forward pass from high-precision tensors, so no full-precision copy of x or W is saved.
+The "xla" backend multiplies the operands' values with float32 accumulation, which equals a real FP4 GEMM up to
+float32 summation order: either code x block scale in bfloat16 (exact: at most 6 significant bits) with the
+per-tensor scales applied to the float32 output (gemm_mode "bf16", BF16 tensor cores on a GPU), or the fully
+dequantized float32 values at HIGHEST precision (gemm_mode "f32", the reference). Residuals are kept quantized:
+the backward needs Q(W, 2D) and Q(RHT x along M), both computed in the forward pass from high-precision tensors, so
+no full-precision copy of x or W is saved.
 
 The rule is built from public pieces, `layer_operands`, `fprop`, `dgrad` and `wgrad`, so that analysis code
 (fp4jax.analysis.probes) runs exactly the rule's GEMMs on tensors of its choice.
@@ -14,6 +17,7 @@ The rule is built from public pieces, `layer_operands`, `fprop`, `dgrad` and `wg
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple
@@ -21,6 +25,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fp4jax import formats
+from fp4jax import nvfp4
 from fp4jax.quantize import dequantize, quantize
 from fp4jax import keys
 from fp4jax import recipes as recipes_lib
@@ -59,7 +65,7 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
     return x.astype(compute_dtype) if compute_dtype is not None else x
   return quantize(x, cfg.fmt, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding,
                                key=key if cfg.rounding == "stochastic" else None, random_bits=recipe.random_bits,
-                               pad=cfg.pad)
+                               pad=cfg.pad, sr_bits=recipe.sr_bits)
 
 
 def _values(operand):
@@ -69,14 +75,57 @@ def _values(operand):
   return operand.astype(jnp.float32)
 
 
+def _bf16_values(operand):
+  """(bfloat16 values, float32 per-tensor factor) with values * factor == _values(operand), or None if not exact.
+
+  NVFP4: E2M1 code x E4M3 block scale (<= 2 x 4 significant bits) and the factor amax / 2688; MXFP4: code x 2^e and
+  1; FP8 with one tensor scale: the E4M3 code and that scale. FP8's float32 block scales and float32 operands have
+  no exact bfloat16 form. A non-finite amax makes the factor NaN, as dequantize poisons the whole tensor.
+  """
+  if not isinstance(operand, QArray):
+    return (operand, jnp.float32(1.0)) if operand.dtype == jnp.bfloat16 else None
+  poison = lambda f: jnp.where(jnp.isfinite(operand.amax), f, jnp.float32(jnp.nan))
+  if isinstance(operand.fmt, formats.NVFP4):
+    # Dequantizing with amax = 2688 multiplies by a global scale of exactly 1 and skips no other step.
+    unit = dataclasses.replace(operand, amax=jnp.full_like(operand.amax, nvfp4.GLOBAL_RANGE))
+    return dequantize(unit, jnp.bfloat16), poison(nvfp4.global_decode_scale(operand.amax))
+  if isinstance(operand.fmt, formats.MXFP4):
+    return dequantize(operand, jnp.bfloat16), jnp.float32(1.0)
+  if operand.scales.ndim == 0:  # FP8 with per-tensor scaling
+    unit = dataclasses.replace(operand, scales=jnp.ones_like(operand.scales))
+    return dequantize(unit, jnp.bfloat16), poison(operand.scales.astype(jnp.float32))
+  return None
+
+
+def resolve_gemm_mode(recipe: recipes_lib.Recipe, platform: str | None = None) -> str:
+  """The recipe's GEMM mode, with "auto" resolved for `platform` (default: jax.default_backend()).
+
+  GPUs and TPUs multiply bf16 on tensor cores / the MXU, many times their float32 rate: "bf16". XLA:CPU has no
+  batched bf16 x bf16 -> float32 dot (a vmapped layer fails to run), so there "bf16" feeds the same exact values as
+  float32 and gains nothing: "auto" keeps the reference "f32" (bit-identical to earlier runs).
+  """
+  if recipe.gemm_mode != "auto":
+    return recipe.gemm_mode
+  return "f32" if (platform or jax.default_backend()) == "cpu" else "bf16"
+
+
 def _gemm(a, b, contract, recipe):
-  """a . b contracting axes `contract` = (a_axis, b_axis), float32 accumulation."""
+  """a . b contracting axes `contract` = (a_axis, b_axis), float32 accumulation, in the recipe's GEMM mode."""
   if recipe.backend == "pallas" and isinstance(a, QArray) and isinstance(b, QArray):
     from fp4jax import backends  # pylint: disable=g-import-not-at-top
     out = backends.pallas_gemm(a, b, contract)
     if out is not None:
       return out
   dims = (((contract[0],), (contract[1],)), ((), ()))
+  if resolve_gemm_mode(recipe) == "bf16":
+    av, bv = _bf16_values(a), _bf16_values(b)
+    if av is not None and bv is not None:
+      if jax.default_backend() == "cpu":  # see resolve_gemm_mode: the exact values, as float32
+        out = jax.lax.dot_general(av[0].astype(jnp.float32), bv[0].astype(jnp.float32), dims, precision=_HIGHEST,
+                                  preferred_element_type=jnp.float32)
+      else:
+        out = jax.lax.dot_general(av[0], bv[0], dims, preferred_element_type=jnp.float32)
+      return (out * av[1]) * bv[1]  # two products, not one: a * b of two tiny or huge factors may over/underflow
   return jax.lax.dot_general(_values(a), _values(b), dims, precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 

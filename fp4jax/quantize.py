@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from fp4jax import formats
 from fp4jax import grids
 from fp4jax import keys
+from fp4jax import prng
 from fp4jax import rounding as rounding_lib
 from fp4jax import qarray as qarray_lib
 from fp4jax.qarray import QArray, block_shape
@@ -24,7 +25,7 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 # --- validation ---------------------------------------------------------------------------------------------------
 
-def _check_input(x, fmt, axis, block_2d, rounding, key, random_bits):
+def _check_input(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits="hash"):
   if key is not None:
     keys.check_key(key, "key")
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
@@ -45,6 +46,7 @@ def _check_input(x, fmt, axis, block_2d, rounding, key, random_bits):
       raise ValueError(f"stochastic rounding is implemented for the FP4 formats; got {fmt.name}.")
   if random_bits not in rounding_lib.RANDOM_BITS:
     raise ValueError(f"random_bits must be one of {rounding_lib.RANDOM_BITS}; got {random_bits!r}.")
+  prng.check_sr_bits(sr_bits)
   return axis
 
 
@@ -168,7 +170,7 @@ def _scale_shape(shape, block):
   return tuple(s // b for s, b in zip(shape, block))
 
 
-def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False):
+def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False, sr_bits="hash"):
   """The quantizer proper on the (padded) float32 tensor.
 
   Returns (elements, scales, amax, decode): `elements` has x32's shape: E2M1 codes (int32 0..15) for FP4, or with
@@ -185,8 +187,9 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False
   if not fmt.is_fp4:  # E4M3 elements (FP8): round-to-nearest-even only
     return grids.round_e4m3(y), scales, amax, decode
   if values:  # the rounded values equal the decoded codes (up to NaN inputs, whose tensor dequantizes to NaN)
-    return rounding_lib.round_e2m1(y, rounding=rounding, key=key, random_bits=random_bits), scales, amax, decode
-  codes = rounding_lib.e2m1_codes(y, rounding=rounding, key=key, random_bits=random_bits)
+    rounded = rounding_lib.round_e2m1(y, rounding=rounding, key=key, random_bits=random_bits, sr_bits=sr_bits)
+    return rounded, scales, amax, decode
+  codes = rounding_lib.e2m1_codes(y, rounding=rounding, key=key, random_bits=random_bits, sr_bits=sr_bits)
   return codes, scales, amax, decode
 
 
@@ -204,7 +207,7 @@ def _prepare(x, fmt, axis, block_2d, pad):
 
 
 def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
-             random_bits: int = 32, pad: bool = False) -> QArray:
+             random_bits: int = 32, pad: bool = False, sr_bits: str = "hash") -> QArray:
   """Quantizes `x` to `fmt` (NVFP4, MXFP4, FP8 or a name from fp4jax.FORMAT_NAMES).
 
   Args:
@@ -216,15 +219,17 @@ def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = 
     key: JAX PRNG key for stochastic rounding; the same key gives the same bits.
     random_bits: 32 for full-width uniforms, 8 for hardware-style 8 random bits per element.
     pad: zero-pad blocked axes up to a multiple of the block size instead of raising.
+    sr_bits: the stochastic-rounding bit generator: "hash" (counter-based, fused; the default) or "threefry"
+      (jax.random.bits); see fp4jax.prng.
 
   Returns:
     A QArray. NaN anywhere makes amax NaN; NaN or inf anywhere makes the whole dequantized tensor non-finite.
   """
   fmt = formats.get_format(fmt)
   x = jnp.asarray(x)
-  axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits)
+  axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
   x32, shape, block = _prepare(x, fmt, axis, block_2d, pad)
-  elements, scales, amax, _ = _quantize_elements(x32, fmt, block, rounding, key, random_bits)
+  elements, scales, amax, _ = _quantize_elements(x32, fmt, block, rounding, key, random_bits, sr_bits=sr_bits)
   codes = fmt.pack(elements, axis)
   per_tensor = not _blocked_axes(fmt, x.ndim, axis, block_2d)
   scales = scales.reshape(() if per_tensor else _scale_shape(shape, block))
@@ -260,7 +265,7 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
 
 
 def fake_quant(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
-               random_bits: int = 32, pad: bool = False) -> jax.Array:
+               random_bits: int = 32, pad: bool = False, sr_bits: str = "hash") -> jax.Array:
   """dequantize(quantize(x, fmt, ...)) in x's dtype: the values a quantized GEMM would see.
 
   Bit-identical to that composition, but multiplies the rounded E2M1/E4M3 values by their scales directly (no
@@ -268,9 +273,10 @@ def fake_quant(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str 
   """
   fmt = formats.get_format(fmt)
   x = jnp.asarray(x)
-  axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits)
+  axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
   x32, _, block = _prepare(x, fmt, axis, block_2d, pad)
-  elements, _, amax, decode = _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=True)
+  elements, _, amax, decode = _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=True,
+                                                 sr_bits=sr_bits)
   return _finish(decode(elements), amax, x.shape, x.dtype)
 
 

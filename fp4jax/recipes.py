@@ -18,11 +18,13 @@ import dataclasses
 from typing import Literal
 
 from fp4jax import formats
+from fp4jax import prng
 from fp4jax import rht as rht_lib
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 BACKENDS = ("xla", "pallas")
 RHT_SIGNS = ("fixed", "none", "per_call")
+GEMM_MODES = ("auto", "bf16", "f32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +87,13 @@ class Recipe:
       ablation) or "per_call" (fresh signs from the layer's key at every call).
     random_bits: 32 (full-width uniforms) or 8 (hardware-style) for stochastic rounding.
     reuse_fprop_weight: Dgrad uses the transposed Fprop weight codes (needs the same 2D quantization in both).
-    backend: "xla" (dequantize + float32 matmul emulation) or "pallas" (pallas_kernels).
+    backend: "xla" (dequantize + matmul emulation) or "pallas" (pallas_kernels).
+    sr_bits: stochastic-rounding bits: "hash" (counter-based, fused into the quantizer; fast) or "threefry"
+      (jax.random.bits; the generator of earlier runs). See fp4jax.prng.
+    gemm_mode: how the xla backend multiplies quantized operands: "f32" (dequantized float32 values at HIGHEST
+      precision, the reference), "bf16" (code x block scale, exact in bf16, with float32 accumulation and the
+      per-tensor scales applied to the output: equal to "f32" up to summation order) or "auto" (bf16 where it is
+      faster; see fp4jax.dot_general.resolve_gemm_mode).
   """
 
   name: str = "bf16"
@@ -97,6 +105,8 @@ class Recipe:
   random_bits: int = 32
   reuse_fprop_weight: bool = True
   backend: Literal["xla", "pallas"] = "xla"
+  sr_bits: Literal["hash", "threefry"] = "hash"
+  gemm_mode: Literal["auto", "bf16", "f32"] = "auto"
 
   def __post_init__(self):
     rht_lib.check_size(self.rht_size)
@@ -106,6 +116,9 @@ class Recipe:
       raise ValueError(f"backend must be one of {BACKENDS}; got {self.backend!r}.")
     if self.random_bits not in (8, 32):
       raise ValueError(f"random_bits must be 8 or 32; got {self.random_bits!r}.")
+    prng.check_sr_bits(self.sr_bits)
+    if self.gemm_mode not in GEMM_MODES:
+      raise ValueError(f"gemm_mode must be one of {GEMM_MODES}; got {self.gemm_mode!r}.")
     for gemm in GEMMS:
       cfg = getattr(self, gemm)
       if cfg.lhs.rht != cfg.rhs.rht:
@@ -150,7 +163,7 @@ class Recipe:
   def table(self) -> str:
     """The recipe as a readable table: one row per GEMM."""
     rows = [f"Recipe {self.name!r} (backend={self.backend}, rht_size={self.rht_size}, rht_signs={self.rht_signs}, "
-            f"random_bits={self.random_bits})",
+            f"random_bits={self.random_bits}, sr_bits={self.sr_bits}, gemm_mode={self.gemm_mode})",
             f"  {'GEMM':<6} {'lhs':<30} {'rhs':<30}"]
     for g in GEMMS:
       cfg = self.gemm(g)
@@ -173,7 +186,7 @@ def bf16() -> Recipe:
 
 
 def _ablation_name(name, *, rht_on, rht_size, default_rht_size, stochastic_rounding, weight_2d, signs,
-                   random_bits) -> str:
+                   random_bits, sr_bits="hash", gemm_mode="auto") -> str:
   """'nvfp4' for the paper's recipe, with one tag per switched component, e.g. 'nvfp4-rht-sr'."""
   tags = []
   if not rht_on:
@@ -187,15 +200,22 @@ def _ablation_name(name, *, rht_on, rht_size, default_rht_size, stochastic_round
       tags.append(f"-signs:{signs}")
   if not stochastic_rounding:
     tags.append("-sr")
-  elif random_bits != 32:
-    tags.append(f"-sr{random_bits}bit")
+  else:
+    if random_bits != 32:
+      tags.append(f"-sr{random_bits}bit")
+    if sr_bits != "hash":
+      tags.append(f"-{sr_bits}")
   if not weight_2d:
     tags.append("-2d")
-  return name + "".join(tags)
+  return name + "".join(tags) + _gemm_tag(gemm_mode)
+
+
+def _gemm_tag(gemm_mode: str) -> str:
+  return "" if gemm_mode == "auto" else f"-gemm:{gemm_mode}"
 
 
 def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht_on, random_signs, random_bits,
-                backend, default_rht_size) -> Recipe:
+                backend, default_rht_size, sr_bits, gemm_mode) -> Recipe:
   # A CLI typo ("stochastic_rounding=flase") parses to a truthy string: reject it rather than silently enable.
   for flag, value in (("rht", rht), ("stochastic_rounding", stochastic_rounding), ("weight_2d", weight_2d)):
     if not isinstance(value, bool):
@@ -222,41 +242,44 @@ def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht
   return Recipe(
       name=_ablation_name(name, rht_on=rht_on, rht_size=rht_size, default_rht_size=default_rht_size,
                           stochastic_rounding=stochastic_rounding, weight_2d=weight_2d, signs=signs,
-                          random_bits=random_bits),
+                          random_bits=random_bits, sr_bits=sr_bits, gemm_mode=gemm_mode),
       fprop=GemmConfig(op(gemm="fprop"), op(block_2d=weight_2d, gemm="fprop")),
       dgrad=GemmConfig(op(grad_rounding, gemm="dgrad"), op(block_2d=weight_2d, gemm="dgrad")),
       wgrad=GemmConfig(op(grad_rounding, gemm="wgrad"), op(gemm="wgrad")),
-      rht_size=rht_size, rht_signs=signs, random_bits=random_bits, backend=backend)
+      rht_size=rht_size, rht_signs=signs, random_bits=random_bits, backend=backend, sr_bits=sr_bits,
+      gemm_mode=gemm_mode)
 
 
 def nvfp4(*, rht: bool = True, rht_size: int = 16, stochastic_rounding: bool = True, weight_2d: bool = True,
           rht_on: tuple[str, ...] = ("wgrad",), random_signs=True, random_bits: int = 32,
-          backend: str = "xla") -> Recipe:
+          backend: str = "xla", sr_bits: str = "hash", gemm_mode: str = "auto") -> Recipe:
   """The paper's NVFP4 recipe; each keyword switches one component off or changes it (for ablations).
 
   rht: Random Hadamard Transform on the GEMMs in `rht_on` (paper: Wgrad only), tile size `rht_size`.
   stochastic_rounding: SR on the output-gradient operands of Dgrad and Wgrad (RNE elsewhere).
   weight_2d: 16x16 weight blocks, so Dgrad reuses the Fprop weight exactly (else 1x16 re-quantized per GEMM).
   random_signs: True = fixed random sign vector (paper), False = no signs, "per_call" = fresh signs per call.
+  sr_bits, gemm_mode: the SR bit generator and the GEMM mode (see Recipe); they change speed, not the recipe.
   """
   return _fp4_recipe("nvfp4", formats.NVFP4(), rht=rht, rht_size=rht_size, stochastic_rounding=stochastic_rounding,
                      weight_2d=weight_2d, rht_on=rht_on, random_signs=random_signs, random_bits=random_bits,
-                     backend=backend, default_rht_size=16)
+                     backend=backend, default_rht_size=16, sr_bits=sr_bits, gemm_mode=gemm_mode)
 
 
 def mxfp4(*, scale_rule: str = "ceil", rht: bool = True, rht_size: int = 32, stochastic_rounding: bool = True,
           weight_2d: bool = True, rht_on: tuple[str, ...] = ("wgrad",), random_signs=True, random_bits: int = 32,
-          backend: str = "xla") -> Recipe:
+          backend: str = "xla", sr_bits: str = "hash", gemm_mode: str = "auto") -> Recipe:
   """The paper's MXFP4 comparison: 32-element E8M0 blocks ("ceil" scales), RHT size 32 on Wgrad, SR on gradients.
 
   Weights use 32x32 2D blocks by default so the comparison with nvfp4() changes only the format.
   """
   return _fp4_recipe("mxfp4", formats.MXFP4(scale_rule=scale_rule), rht=rht, rht_size=rht_size,
                      stochastic_rounding=stochastic_rounding, weight_2d=weight_2d, rht_on=rht_on,
-                     random_signs=random_signs, random_bits=random_bits, backend=backend, default_rht_size=32)
+                     random_signs=random_signs, random_bits=random_bits, backend=backend, default_rht_size=32,
+                     sr_bits=sr_bits, gemm_mode=gemm_mode)
 
 
-def fp8(*, block_size: int = 128, scaling: str = "block") -> Recipe:
+def fp8(*, block_size: int = 128, scaling: str = "block", gemm_mode: str = "auto") -> Recipe:
   """The paper's FP8 baseline: E4M3 everywhere, 1x128 blocks for activations/gradients, 128x128 for weights, RNE.
 
   Partial blocks at the end of a contraction axis are zero-padded (layers narrower than 128 still work).
@@ -264,7 +287,8 @@ def fp8(*, block_size: int = 128, scaling: str = "block") -> Recipe:
   fmt = formats.FP8(scaling=scaling, block_size=block_size)
   act = OperandConfig(fmt=fmt, pad=True)
   weight = OperandConfig(fmt=fmt, block_2d=True, pad=True)
-  return Recipe(name="fp8", fprop=GemmConfig(act, weight), dgrad=GemmConfig(act, weight), wgrad=GemmConfig(act, act))
+  return Recipe(name="fp8" + _gemm_tag(gemm_mode), fprop=GemmConfig(act, weight), dgrad=GemmConfig(act, weight),
+                wgrad=GemmConfig(act, act), gemm_mode=gemm_mode)
 
 
 PRESETS = {"bf16": bf16, "nvfp4": nvfp4, "mxfp4": mxfp4, "fp8": fp8}

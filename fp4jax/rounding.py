@@ -1,8 +1,9 @@
 """Rounding onto the E2M1 grid: round-to-nearest-even and stochastic rounding keyed off a JAX PRNG key.
 
 Stochastic rounding (SR) picks the lower or upper grid neighbour with probability proportional to closeness, so
-E[SR(y)] = y for |y| <= 6. Random bits come from `jax.random.bits` over the whole tensor's shape; with JAX's
-partitionable threefry (the default since jax 0.5) they do not depend on how the tensor is sharded.
+E[SR(y)] = y for |y| <= 6. Random bits come from fp4jax.prng over the whole tensor's shape: by default a counter-based
+hash of (seed from the key, element index) fused into the elementwise pass, or ("threefry") `jax.random.bits`; both are
+independent of how the tensor is sharded.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import grids
+from fp4jax import prng
 
 ROUNDING_MODES = ("nearest", "stochastic")
 RANDOM_BITS = (32, 8)
@@ -35,20 +37,20 @@ def round_e2m1_nearest(y):
   return grids.with_sign_of(grids.round_e2m1_magnitude(jnp.abs(y)), y)
 
 
-def _round_up(a, lo, key, shape, random_bits):
+def _round_up(a, lo, key, shape, random_bits, sr_bits):
   """The stochastic decision: True where a (in [lo, next grid value]) rounds up. False for NaN."""
   inv_gap = jnp.where(lo >= 4.0, jnp.float32(0.5), jnp.where(lo >= 2.0, jnp.float32(1.0), jnp.float32(2.0)))
   p = (a - lo) * inv_gap  # exact, the same as dividing by the gap: the gap is a power of two
-  u = uniform_from_bits(jax.random.bits(key, shape, jnp.uint32), random_bits)
+  u = uniform_from_bits(prng.random_bits(key, shape, sr_bits), random_bits)
   threshold = p if random_bits == 32 else jnp.floor(p * 256.0)
   return u < threshold
 
 
-def round_e2m1_stochastic(y, key, random_bits: int = 32):
+def round_e2m1_stochastic(y, key, random_bits: int = 32, sr_bits: str = "hash"):
   """Signed E2M1 values: |y| (saturated at 6) rounded down or up at random, unbiased; deterministic given `key`."""
   a = jnp.minimum(jnp.abs(y), grids.E2M1_MAX)
   lo, gap = grids.e2m1_floor_magnitude(a)
-  r = jnp.where(_round_up(a, lo, key, y.shape, random_bits), lo + gap, lo)
+  r = jnp.where(_round_up(a, lo, key, y.shape, random_bits, sr_bits), lo + gap, lo)
   return grids.with_sign_of(jnp.where(jnp.isnan(a), a, r), y)
 
 
@@ -57,26 +59,26 @@ def e2m1_codes_nearest(y):
   return grids.e2m1_magnitude_code_nearest(jnp.abs(y)) | (grids.sign_bit(y) * grids.E2M1_SIGN_BIT)
 
 
-def e2m1_codes_stochastic(y, key, random_bits: int = 32):
-  """4-bit E2M1 codes (int32 0..15) of round_e2m1_stochastic(y, key, random_bits): the same random bits and decisions.
+def e2m1_codes_stochastic(y, key, random_bits: int = 32, sr_bits: str = "hash"):
+  """4-bit E2M1 codes (int32 0..15) of round_e2m1_stochastic(y, key, ...): the same random bits and decisions.
 
   Rounding up moves to the next code, so the code is the lower neighbour's code plus the up/down decision.
   """
   a = jnp.minimum(jnp.abs(y), grids.E2M1_MAX)
   lo_code = grids.e2m1_floor_code(a)
-  up = _round_up(a, grids.e2m1_decode(lo_code), key, y.shape, random_bits)  # a NaN keeps only its sign
+  up = _round_up(a, grids.e2m1_decode(lo_code), key, y.shape, random_bits, sr_bits)  # a NaN keeps only its sign
   return (lo_code + up.astype(jnp.int32)) | (grids.sign_bit(y) * grids.E2M1_SIGN_BIT)
 
 
-def e2m1_codes(y, *, rounding: str = "nearest", key=None, random_bits: int = 32):
+def e2m1_codes(y, *, rounding: str = "nearest", key=None, random_bits: int = 32, sr_bits: str = "hash"):
   """4-bit E2M1 codes (int32 0..15) of round_e2m1(y, ...): what `quantize` stores."""
   if rounding == "nearest":
     return e2m1_codes_nearest(y)
-  return e2m1_codes_stochastic(y, key, random_bits)
+  return e2m1_codes_stochastic(y, key, random_bits, sr_bits)
 
 
-def round_e2m1(y, *, rounding: str = "nearest", key=None, random_bits: int = 32):
+def round_e2m1(y, *, rounding: str = "nearest", key=None, random_bits: int = 32, sr_bits: str = "hash"):
   """Rounds scaled values onto the signed E2M1 grid with the chosen rounding mode."""
   if rounding == "nearest":
     return round_e2m1_nearest(y)
-  return round_e2m1_stochastic(y, key, random_bits)
+  return round_e2m1_stochastic(y, key, random_bits, sr_bits)

@@ -124,7 +124,8 @@ def test_quantize_benchmark_prints_its_table():
   assert proc.returncode == 0, proc.stderr
   out = proc.stdout
   assert "quantize+dequantize throughput, 64x64" in out
-  names = ["baseline x+1", "nvfp4 rne q+dq", "nvfp4 sr q+dq", "nvfp4 sr q+dq, rbg key", "nvfp4 rne +rht q+dq",
+  names = ["baseline x+1", "nvfp4 rne q+dq", "nvfp4 sr q+dq", "nvfp4 sr q+dq, threefry", "nvfp4 rne +rht q+dq",
+           "nvfp4 rne +rht axis0 q+dq",
            "nvfp4 sr +rht q+dq", "nvfp4 rne 2d q+dq", "mxfp4 q+dq", "nvfp4 quantize", "nvfp4 dequantize",
            "nvfp4 dequantize(quantize)"]
   for name in names:

@@ -162,3 +162,28 @@ def test_rht_lowers_nvfp4_error_when_outliers_starve_the_other_blocks():
   err_plain, err_rht = (float(e) for e in errors(x))
   assert err_rht < 0.5 * err_plain, (err_plain, err_rht)
   assert err_plain > 3e-5  # the starved blocks really are lost without the RHT
+
+
+def _moved_axis_rht(x, size, axis, inverse):
+  """The transform as first written: the axis moved last, tiles [.., size] @ H, moved back."""
+  h = fp4jax.hadamard_matrix(size)
+  xm = jnp.moveaxis(x, axis, -1)
+  tiles = xm.reshape(*xm.shape[:-1], xm.shape[-1] // size, size).astype(jnp.float32)
+  y = jnp.einsum("...j,ij->...i" if inverse else "...j,ji->...i", tiles, h, precision=jax.lax.Precision.HIGHEST)
+  return jnp.moveaxis(y.reshape(xm.shape).astype(x.dtype), -1, axis)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("size,shape,axis", [(16, (256, 96), 0), (32, (128, 64), 0), (4, (8, 64, 24), 1),
+                                             (16, (64, 4, 8), 0), (256, (512, 16), 0)])
+def test_in_place_tile_axis_is_bit_identical_to_moving_the_axis_last(dtype, size, shape, axis):
+  """Non-minor axes (Wgrad's token axis) transform in place, without transposes: the same bits as moving the axis."""
+  x = jnp.asarray(np.random.default_rng(size).standard_t(3, shape), dtype)
+  for inverse in (False, True):
+    f = jax.jit(functools.partial(fp4jax.random_hadamard, size=size, axis=axis, inverse=inverse))
+    got = np.asarray(f(x), np.float32)
+    want = np.asarray(jax.jit(_moved_axis_rht, static_argnums=(1, 2, 3))(x, size, axis, inverse), np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_allclose(got, ref.rht_apply(np.asarray(x, np.float64), size, fp4jax.rht.default_signs(size),
+                                                  axis=axis, inverse=inverse),
+                               rtol=2**-7 if dtype == jnp.bfloat16 else 1e-5, atol=1e-5)

@@ -204,9 +204,9 @@ _SHARDING_SCRIPT = textwrap.dedent("""
     x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32))
     mesh = Mesh(np.array(jax.devices()), ("d",))
     checked = 0
-    for axis, bits in ((-1, 32), (0, 8)):
+    for axis, bits, gen in ((-1, 32, "hash"), (0, 8, "hash"), (-1, 32, "threefry")):
       q = jax.jit(functools.partial(fp4jax.quantize, fmt=fp4jax.NVFP4(), axis=axis, rounding="stochastic",
-                                    key=jax.random.key(42), random_bits=bits))
+                                    key=jax.random.key(42), random_bits=bits, sr_bits=gen))
       base = q(x)
       for spec in (P("d", None), P(None, "d")):
         xs = jax.device_put(x, NamedSharding(mesh, spec))
@@ -223,10 +223,67 @@ _SHARDING_SCRIPT = textwrap.dedent("""
 
 
 def test_stochastic_rounding_is_independent_of_sharding():
-  """Row- and column-sharded [64, 256] over 8 CPU devices give the unsharded codes, scales and amax bit for bit."""
+  """Row- and column-sharded [64, 256] over 8 CPU devices give the unsharded codes, scales and amax bit for bit.
+
+  For both generators: the hash's element index is the global one, threefry is JAX's partitionable threefry.
+  """
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
   res = subprocess.run([sys.executable, "-c", _SHARDING_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
   assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-  assert "SHARDING_OK 4" in res.stdout
+  assert "SHARDING_OK 6" in res.stdout
+
+
+# ---------------------------------------------------------------- generators
+
+
+@pytest.mark.parametrize("sr_bits", ["hash", "threefry"])
+def test_unbiased_over_sixteen_million_elements(sr_bits):
+  """sum(SR(y) - y) over 2^24 values spread over [-6, 6] is within 5 sigma (sigma^2 = sum gap^2 p (1 - p))."""
+  n = 1 << 24
+  y = np.random.default_rng(8).uniform(-6, 6, n).astype(np.float32)
+  r = jax.jit(lambda y, k: fp4jax.rounding.round_e2m1_stochastic(y, k, 32, sr_bits))(jnp.asarray(y),
+                                                                                     jax.random.key(9))
+  r = np.asarray(r, np.float64)
+  a = np.abs(y.astype(np.float64))
+  lo, hi = ref.e2m1_neighbours(a)
+  assert np.all((np.abs(r) == lo) | (np.abs(r) == hi))
+  gap = hi - lo
+  p = np.where(gap > 0, (a - lo) / np.where(gap > 0, gap, 1), 0.0)
+  sigma = np.sqrt(np.sum(gap**2 * p * (1 - p)))
+  z = np.sum(np.abs(r) - a) / sigma
+  assert abs(z) < 5, z
+  # The rounding goes up with probability p in every part of the grid (steps 0.5, 1 and 2).
+  for lo_edge, hi_edge in ((0, 2), (2, 4), (4, 6)):
+    sel = (a >= lo_edge) & (a < hi_edge) & (gap > 0)
+    up = np.abs(r[sel]) == hi[sel]
+    z = (up.sum() - p[sel].sum()) / np.sqrt(np.sum(p[sel] * (1 - p[sel])))
+    assert abs(z) < 5, (lo_edge, z)
+
+
+def test_threefry_option_draws_jax_random_bits():
+  """sr_bits="threefry" rounds up exactly where jax.random.bits(key)'s uniform is below p (the previous bits)."""
+  x = jnp.asarray(np.random.default_rng(10).uniform(-6, 6, (64, 128)).astype(np.float32))
+  key = jax.random.key(12)
+  u = fp4jax.rounding.uniform_from_bits(jax.random.bits(key, x.shape, jnp.uint32), 32)
+  a = np.abs(np.asarray(x, np.float64))
+  lo, hi = ref.e2m1_neighbours(a)
+  want = np.where(np.asarray(u) < (a - lo) / np.where(hi > lo, hi - lo, 1), hi, lo)
+  got = np.abs(np.asarray(fp4jax.rounding.round_e2m1_stochastic(x, key, 32, "threefry"), np.float64))
+  np.testing.assert_array_equal(got, want)
+  hashed = np.abs(np.asarray(fp4jax.rounding.round_e2m1_stochastic(x, key, 32, "hash"), np.float64))
+  assert np.mean(hashed != got) > 0.1  # a different generator: different draws
+
+
+@pytest.mark.parametrize("sr_bits", ["hash", "threefry"])
+def test_quantize_and_fake_quant_draw_the_same_bits(sr_bits):
+  x = jnp.asarray(_x(11, (48, 64)))
+  kw = dict(rounding="stochastic", key=jax.random.key(13), sr_bits=sr_bits)
+  q = fp4jax.quantize(x, FMT, **kw)
+  np.testing.assert_array_equal(np.asarray(fp4jax.dequantize(q)), np.asarray(fp4jax.fake_quant(x, FMT, **kw)))
+
+
+def test_unknown_sr_bits_raises():
+  with pytest.raises(ValueError, match="sr_bits"):
+    fp4jax.quantize(jnp.ones((4, 16)), FMT, rounding="stochastic", key=jax.random.key(0), sr_bits="philox")

@@ -1,0 +1,26 @@
+"""benchmarks/vs_qwix.py runs end to end on a small MLP (fp4jax rows always; Qwix rows when qwix is installed)."""
+
+import importlib.util
+
+import pytest
+
+from benchmarks import vs_qwix
+
+
+def test_mlp_rows_print_ratios_and_losses(capsys):
+  qwix_rows = "qwix:nvfp4" if importlib.util.find_spec("qwix") else ""
+  vs_qwix.main(["--parts", "mlp", "--width", "64", "--batch", "128", "--recipes", "nvfp4", "fp8", "--qwix", qwix_rows,
+                "--steps", "1", "--warmup", "1", "--runs", "2"])
+  out = capsys.readouterr().out
+  rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("  ") and "row" not in line}
+  expected = ["unquantized", "nvfp4", "fp8"] + ([qwix_rows] if qwix_rows else [])
+  assert sorted(rows) == sorted(expected)
+  assert rows["unquantized"][:2] == ["1.00", "1.00"]
+  for name in expected:
+    median, minimum, ms, loss = (float(v) for v in rows[name])
+    assert 0 < minimum <= median and ms > 0 and 0 < loss < 10
+
+
+def test_unknown_qwix_row_is_rejected():
+  with pytest.raises(SystemExit):
+    vs_qwix.main(["--qwix", "qwix:int3"])

@@ -1,0 +1,125 @@
+"""GEMM modes of the xla backend: "bf16" (exact code x block scale operands, per-tensor scales after the GEMM) against
+the "f32" reference (dequantized float32 values, HIGHEST precision): the same products up to summation order.
+"""
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4jax
+from fp4jax import recipes
+from fp4jax.quantize import dequantize, quantize
+
+dg = importlib.import_module("fp4jax.dot_general")  # the module (fp4jax.dot_general is also the function)
+DN = (((1,), (0,)), ((), ()))
+M, K, N = 64, 128, 64
+EPS = 2.0**-24  # float32 unit roundoff
+
+
+def _inputs(seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((M, K)).astype(np.float32)
+  x[3, 5] = 40.0  # an outlier: blocks with very different scales in one GEMM
+  w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
+  g = (rng.standard_normal((M, N)) * 1e-5).astype(np.float32)
+  return jnp.asarray(x), jnp.asarray(w), jnp.asarray(g)
+
+
+@functools.partial(jax.jit, static_argnames="recipe")
+def _fwd_and_grads(x, w, g, key, recipe):
+  y, vjp = jax.vjp(lambda x, w: fp4jax.dot_general(x, w, DN, recipe=recipe, key=key), x, w)
+  return (y,) + vjp(g)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4:stochastic_rounding=false,rht=false", "mxfp4",
+                                  "fp8:scaling=tensor"])
+def test_bf16_and_f32_modes_agree_to_summation_order(name):
+  """y, dx and dW of both modes differ by at most (K + 3) float32 roundings of |A| @ |B| (the operands' magnitudes):
+  K - 1 additions in some order, plus the reference's rounded products and the per-tensor scale multiplications."""
+  x, w, g = _inputs()
+  key = jax.random.key(4)
+  base = recipes.get_recipe(name)
+  ref = _fwd_and_grads(x, w, g, key, base.replace(gemm_mode="f32"))
+  got = _fwd_and_grads(x, w, g, key, base.replace(gemm_mode="bf16"))
+  # Magnitude bounds |A| @ |B| from the same quantized operands (the forward's; the backward's are of similar size).
+  xq, wq = dg.fprop_operands(x, w, base, key)
+  bound = (K + 3) * EPS * (np.abs(np.asarray(dequantize(xq), np.float64)) @ np.abs(np.asarray(dequantize(wq),
+                                                                                               np.float64)))
+  y_ref, y = np.asarray(ref[0], np.float64), np.asarray(got[0], np.float64)
+  assert np.all(np.abs(y - y_ref) <= bound), np.max(np.abs(y - y_ref) / bound)
+  for a, b in zip(ref[1:], got[1:]):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a)), np.max(np.abs(a - b)) / np.max(np.abs(a))
+  if name.startswith("nvfp4"):  # the global scales moved after the GEMM: really another computation
+    assert not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(ref, got))
+
+
+@pytest.mark.parametrize("fmt,kwargs", [
+    ("nvfp4", dict(axis=1)), ("nvfp4", dict(axis=0, block_2d=True)), ("mxfp4", dict(axis=0)),
+    (fp4jax.FP8(scaling="tensor"), dict(axis=1)),
+])
+def test_bf16_operand_times_factor_is_the_dequantized_value_bit_for_bit(fmt, kwargs):
+  x = np.random.default_rng(1).standard_t(3, (64, 64)).astype(np.float32)
+  q = quantize(jnp.asarray(x), fmt, **kwargs)
+  values, factor = dg._bf16_values(q)  # pylint: disable=protected-access
+  assert values.dtype == jnp.bfloat16
+  want = np.asarray(dequantize(q, jnp.float32)).view(np.uint32)
+  np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32) * factor).view(np.uint32), want)
+
+
+def test_non_finite_tensor_poisons_the_bf16_product_like_dequantize():
+  x = np.ones((16, 32), np.float32)
+  x[2, 3] = np.inf
+  values, factor = dg._bf16_values(quantize(jnp.asarray(x), "nvfp4"))  # pylint: disable=protected-access
+  assert np.isnan(np.asarray(factor))
+  assert np.all(np.isnan(np.asarray(dequantize(quantize(jnp.asarray(x), "nvfp4")))))
+  del values
+
+
+def test_fp8_block_scales_are_not_exact_in_bf16_so_the_gemm_stays_f32():
+  """FP8's float32 block scales (amax / 448) have no exact bf16 form: "bf16" mode runs the reference GEMM."""
+  x, w, g = _inputs(2)
+  assert dg._bf16_values(quantize(x, "fp8", axis=1)) is None  # pylint: disable=protected-access
+  key = jax.random.key(0)
+  a = _fwd_and_grads(x, w, g, key, recipes.fp8(gemm_mode="f32"))
+  b = _fwd_and_grads(x, w, g, key, recipes.fp8(gemm_mode="bf16"))
+  for u, v in zip(a, b):
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def test_auto_mode_per_platform():
+  r = recipes.nvfp4()
+  assert r.gemm_mode == "auto"
+  assert dg.resolve_gemm_mode(r, "cpu") == "f32"
+  assert dg.resolve_gemm_mode(r, "gpu") == "bf16" and dg.resolve_gemm_mode(r, "tpu") == "bf16"
+  assert dg.resolve_gemm_mode(r.replace(gemm_mode="f32"), "gpu") == "f32"
+  assert dg.resolve_gemm_mode(r.replace(gemm_mode="bf16"), "cpu") == "bf16"
+
+
+def test_recipe_fields_in_cli_strings_names_and_table():
+  r = recipes.get_recipe("nvfp4:sr_bits=threefry,gemm_mode=bf16")
+  assert (r.sr_bits, r.gemm_mode, r.name) == ("threefry", "bf16", "nvfp4-threefry-gemm:bf16")
+  assert "sr_bits=threefry" in r.table() and "gemm_mode=bf16" in r.table()
+  assert recipes.nvfp4().name == "nvfp4" and recipes.nvfp4().sr_bits == "hash"
+  assert recipes.get_recipe("nvfp4:stochastic_rounding=false,sr_bits=threefry").name == "nvfp4-sr"
+  assert recipes.get_recipe("fp8:gemm_mode=f32").name == "fp8-gemm:f32"
+  assert recipes.get_recipe("mxfp4:sr_bits=threefry").sr_bits == "threefry"
+  with pytest.raises(ValueError, match="sr_bits"):
+    recipes.get_recipe("nvfp4:sr_bits=philox")
+  with pytest.raises(ValueError, match="gemm_mode"):
+    recipes.nvfp4(gemm_mode="fp16")
+
+
+def test_threefry_recipe_draws_the_threefry_bits():
+  """dgrad's SR operand under sr_bits="threefry" is quantize(dY, ..., sr_bits="threefry") with the GEMM's key."""
+  _, _, g = _inputs(3)
+  key = jax.random.key(5)
+  for sr_bits in ("hash", "threefry"):
+    r = recipes.nvfp4(sr_bits=sr_bits)
+    q = dg.dgrad_gradient(g, r, key)
+    want = quantize(g, "nvfp4", axis=1, rounding="stochastic", key=jax.random.fold_in(key, 1), sr_bits=sr_bits)
+    np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(want.codes))
