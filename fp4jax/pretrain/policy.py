@@ -263,7 +263,11 @@ def _tree_from_json(value):
     kind = value.get("__type__")
     if kind not in _RECIPE_TYPES:
       raise ValueError(f"Stored recipe has unknown type {kind!r}; expected one of {sorted(_RECIPE_TYPES)}.")
-    return _RECIPE_TYPES[kind](**{k: _tree_from_json(v) for k, v in value.items() if k != "__type__"})
+    fields = {k: _tree_from_json(v) for k, v in value.items() if k != "__type__"}
+    if kind == "Recipe":
+      # Recipes stored before `sr_bits` existed drew their SR bits with threefry: resume them with the same bits.
+      fields.setdefault("sr_bits", "threefry")
+    return _RECIPE_TYPES[kind](**fields)
   if isinstance(value, list):
     return tuple(_tree_from_json(v) for v in value)
   return value

@@ -1,7 +1,9 @@
 """Golden losses: 4-step runs of the tiny model (five recipes, one with BF16 last block and a precision switch)
 reproduce, float32 for float32, the losses the trainer produced before the pretraining package was restructured.
 
-golden_losses.json was written by the pre-restructure trainer (commit 7588ce6) from these exact configs.
+golden_losses.json was written by the pre-restructure trainer (commit 7588ce6) from these exact configs. Stochastic
+rounding then drew its bits with threefry; the default is now the counter-based hash (fp4jax.prng), so the SR recipes
+run with `sr_bits=threefry` here, which must reproduce the old bits exactly.
 """
 
 import json
@@ -15,9 +17,15 @@ from fp4jax.pretrain.config import TrainConfig
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "golden_losses.json").read_text())
 
 
+def _with_threefry(recipe: str) -> str:
+  if "stochastic_rounding=false" in recipe or recipe in ("bf16", "fp8"):
+    return recipe
+  return recipe + (",sr_bits=threefry" if ":" in recipe else ":sr_bits=threefry")
+
+
 def golden_config(recipe: str, out: pathlib.Path) -> TrainConfig:
   switched = recipe == "nvfp4"  # one run covers the BF16 last block and the switch to BF16 at step 3
-  return TrainConfig.from_options(out=str(out), model="tiny", recipe=recipe, steps=4, batch_size=4, seq_len=32,
+  return TrainConfig.from_options(out=str(out), model="tiny", recipe=_with_threefry(recipe), steps=4, batch_size=4, seq_len=32,
                                   eval_every=0, eval_batches=1, checkpoint_every=100, progress=False, seed=0,
                                   overwrite=True, bf16_last=1 if switched else 0, switch_at=3 if switched else None)
 
