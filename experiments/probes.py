@@ -162,27 +162,28 @@ def ensure_base(preset: ProbePreset, out: pathlib.Path, *, retrain: bool = False
   from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
   config = base_config(preset, out)
   run_dir = pathlib.Path(config.out)
-  stored = run_dir / trainer.CONFIG_FILE
-  if stored.exists() and not retrain:
+  if ckpt.checkpoint_dir(run_dir).is_dir() and not retrain:
     from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
-    free = ("out", "progress")
-    want = {k: v for k, v in config.to_dict().items() if k not in free}
-    try:  # through TrainConfig, so fields added since the run was stored take their defaults
-      have = {k: v for k, v in TrainConfig.from_dict(json.loads(stored.read_text())).to_dict().items() if k not in free}
-    except (TypeError, ValueError):
-      have = {}
-    if want != have:
-      changed = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
-      raise ValueError(f"{run_dir} holds a base run with other settings ({changed}); pass --retrain-base to "
-                       "replace it, or choose another --out.")
-    if ckpt.checkpoint_dir(run_dir).is_dir():
-      manager = ckpt.open_manager(run_dir, create=False)
-      try:
-        if config.steps in ckpt.available_steps(manager):
-          log(f"Reusing the BF16 base checkpoint in {run_dir} (step {config.steps}).")
-          return run_dir
-      finally:
-        manager.close()
+    manager = ckpt.open_manager(run_dir, create=False)
+    try:  # each checkpoint stores the config it was saved under
+      steps = ckpt.available_steps(manager)
+      stored = ckpt.restore_meta(manager)[1]["config"] if steps else None
+    finally:
+      manager.close()
+    if stored is not None:
+      free = ("out", "progress")
+      want = {k: v for k, v in config.to_dict().items() if k not in free}
+      try:  # through TrainConfig, so fields added since the run was stored take their defaults
+        have = {k: v for k, v in TrainConfig.from_dict(stored).to_dict().items() if k not in free}
+      except (TypeError, ValueError):
+        have = {}
+      if want != have:
+        changed = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+        raise ValueError(f"{run_dir} holds a base run with other settings ({changed}); pass --retrain-base to "
+                         "replace it, or choose another --out.")
+      if config.steps in steps:
+        log(f"Reusing the BF16 base checkpoint in {run_dir} (step {config.steps}).")
+        return run_dir
   log(f"Training the BF16 base run into {run_dir} ({config.steps} steps)...")
   t0 = time.perf_counter()
   trainer.train(config.replace(overwrite=run_dir.exists()), log=None)

@@ -47,7 +47,8 @@ class TrainConfig:
       "switch to BF16 at this fraction of the run (0.82) or step (820)"))
   switch: str = dataclasses.field(default="all", metadata=_help("what switches: all | forward"))
   # Run length and batches.
-  steps: int = dataclasses.field(default=200, metadata=_help("optimizer steps"))
+  steps: int = dataclasses.field(default=200, metadata=_help(
+      "optimizer steps (with --resume, another value is a new LR schedule: see --keep-schedule)"))
   batch_size: int = dataclasses.field(default=8, metadata=_help("sequences per step"))
   seq_len: int | None = dataclasses.field(default=None, metadata=_help("tokens per sequence; None = the model's max_seq_len"))
   seed: int = dataclasses.field(default=0, metadata=_help("seeds init, data order and stochastic rounding"))
@@ -75,8 +76,10 @@ class TrainConfig:
   keep_checkpoints: int = dataclasses.field(default=3, metadata=_help("checkpoints kept on disk"))
   mesh: str | None = dataclasses.field(default=None, metadata=_help(
       "device mesh 'data=2,fsdp=2,tensor=2' (product = device count); None: one device"))
-  resume: bool = dataclasses.field(default=False, metadata=_help("continue from the latest checkpoint in --out"))
-  resume_step: int | None = dataclasses.field(default=None, metadata=_help("resume from this step, not the latest"))
+  resume: bool = dataclasses.field(default=False, metadata=_help(
+      "continue from the newest readable checkpoint in --out (unreadable ones are moved aside, not deleted)"))
+  resume_step: int | None = dataclasses.field(default=None, metadata=_help(
+      "resume from this step, not the latest (later checkpoints are moved aside, not deleted)"))
   overwrite: bool = dataclasses.field(default=False, metadata=_help(
       "start afresh in an --out that holds a run (deletes its checkpoints and metrics)"))
 
