@@ -141,10 +141,12 @@ def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str |
   lr_old, lr_new = _lrs(stored, start + 1), _lrs(config, start + 1)
   switched_before = [s for s in (old_switch, new_switch) if s is not None and s < start]
   past_agrees = np.array_equal(lr_old[:start], lr_new[:start]) and (old_switch == new_switch or not switched_before)
-  lines = [f"Note: resuming at step {start} of a {stored.steps}-step run with --steps {config.steps}: the learning "
-           f"rate schedule{' and the BF16 switch' if old_switch != new_switch else ''} are recomputed for "
-           f"{config.steps} steps. LR at step {start}: {lr_old[start]:.4g} in the stored schedule, "
-           f"{lr_new[start]:.4g} now."]
+  longer = config.steps != stored.steps
+  what = "learning-rate schedule" + (" and the BF16 switch are" if old_switch != new_switch else " is")
+  lines = [f"Note: resuming at step {start} of a {stored.steps}-step run "
+           + (f"with --steps {config.steps}: the {what} recomputed for {config.steps} steps." if longer else
+              f"with other schedule settings: the {what} recomputed.")
+           + f" LR at step {start}: {lr_old[start]:.4g} in the stored schedule, {lr_new[start]:.4g} now."]
   if past_agrees:
     lines.append(f"Both schedules agree on steps 0..{start - 1}, so this run equals a fresh {config.steps}-step run.")
   else:

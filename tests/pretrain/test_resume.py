@@ -109,6 +109,10 @@ def test_schedule_note_says_what_a_new_steps_does():
   assert "equals a fresh 200-step run" in kept and "rises again" not in kept
   # Without --keep-schedule, warmup 20 steps instead of 10: the first 50 steps differ.
   assert "new schedule" in resume_lib.schedule_note(stored, stored.replace(steps=200), 50)
+  lower = resume_lib.schedule_note(stored, stored.replace(lr=0.5), 50)
+  assert "with other schedule settings: the learning-rate schedule is recomputed. LR at step 50: 1 " in lower
+  switched = resume_lib.schedule_note(stored.replace(switch_at=0.9), stored.replace(steps=200, switch_at=0.9), 100)
+  assert "the learning-rate schedule and the BF16 switch are recomputed for 200 steps" in switched
 
 
 def test_cli_keep_schedule(env, tmp_path):

@@ -96,7 +96,9 @@ def test_lock_held_by_another_process_then_stale_after_it_dies(tmp_path, capsys)
     assert lock.stale["pid"] == proc.pid
     assert len(notes) == 1 and f"pid {proc.pid}" in notes[0] and "did not exit cleanly" in notes[0]
     assert "that process is gone" in notes[0]
-    assert runfolder._read_holder(os.open(lock.path, os.O_RDONLY))["pid"] == os.getpid()
+    fd = os.open(lock.path, os.O_RDONLY)
+    assert runfolder._read_holder(fd)["pid"] == os.getpid()
+    os.close(fd)
   finally:
     lock.release()
   assert lock.path.read_bytes() == b""
@@ -122,6 +124,8 @@ def test_train_requires_out(tmp_path, monkeypatch, capsys):
     cli.config_from_args(["--resume"])
   with pytest.raises(ValueError, match="--keep-schedule only applies with --resume"):
     cli.config_from_args(["--out", "x", "--keep-schedule"])
+  help_text = cli._train_parser().format_help()
+  assert "--keep-schedule" in help_text and "A different --steps is a new schedule" in help_text
 
 
 def test_corpus_too_small_says_so(env, tmp_path, capsys):
