@@ -9,7 +9,7 @@
 
 Resuming: --resume continues from the newest readable checkpoint in --out with the config stored in it (options
 given change it); unreadable newer checkpoints are moved to <out>/checkpoints_moved/, never deleted. --resume-step N
-resumes from step N and moves the later checkpoints there too. Resuming with the same --steps reproduces the
+resumes from step N and moves the later checkpoints there too. Resuming with the stored settings reproduces the
 uninterrupted run bit for bit. A different --steps is a new schedule: the LR warmup/decay (and a fractional
 --switch-at) are recomputed for the new length, so the result is neither the old run continued nor a fresh run of
 the new length; --keep-schedule keeps the stored run's warmup and decay lengths in steps and moves the decay to the
@@ -33,7 +33,7 @@ def _train_parser(prog: str = "fp4jax train") -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog=__doc__[__doc__.index("Resuming:"):__doc__.index("Exit codes:")].strip(),
-      description="Train a transformer with quantized GEMMs (NVFP4 recipe and comparisons). Every "
+      description="Train a transformer with quantized GEMMs (NVFP4 recipe and comparisons).\nEvery "
       "TrainConfig field is an option; with --resume the stored config is the base and the given options change it.")
   config_lib.add_config_arguments(parser)
   parser.add_argument("--keep-schedule", "--keep_schedule", dest="keep_schedule", action="store_true",
