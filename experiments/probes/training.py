@@ -8,7 +8,6 @@ rate (the base run's stable phase), the way the paper's ablations resume a run m
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import time
 from typing import Any
@@ -50,20 +49,21 @@ def ensure_base(preset: ProbePreset, out: pathlib.Path, *, retrain: bool = False
   """Trains the BF16 base run into OUT/base unless a finished run with the same config is there; returns its folder."""
   config = base_config(preset, out)
   run_dir = pathlib.Path(config.out)
-  stored = run_dir / trainer.CONFIG_FILE
-  if stored.exists() and not retrain:
-    changed = config_lib.result_differences(json.loads(stored.read_text()), config.to_dict())
-    if changed:
-      raise ValueError(f"{run_dir} holds a base run with other settings ({changed}); pass --retrain-base to "
-                       "replace it, or choose another --out.")
-    if ckpt.checkpoint_dir(run_dir).is_dir():
-      manager = ckpt.open_manager(run_dir, create=False)
-      try:
-        if config.steps in ckpt.available_steps(manager):
-          log(f"Reusing the BF16 base checkpoint in {run_dir} (step {config.steps}).")
-          return run_dir
-      finally:
-        manager.close()
+  if ckpt.checkpoint_dir(run_dir).is_dir() and not retrain:
+    manager = ckpt.open_manager(run_dir, create=False)
+    try:  # each checkpoint stores the config it was saved under
+      steps = ckpt.available_steps(manager)
+      stored = ckpt.restore_meta(manager)[1]["config"] if steps else None
+    finally:
+      manager.close()
+    if stored is not None:
+      changed = config_lib.result_differences(stored, config.to_dict())
+      if changed:
+        raise ValueError(f"{run_dir} holds a base run with other settings ({changed}); pass --retrain-base to "
+                         "replace it, or choose another --out.")
+      if config.steps in steps:
+        log(f"Reusing the BF16 base checkpoint in {run_dir} (step {config.steps}).")
+        return run_dir
   log(f"Training the BF16 base run into {run_dir} ({config.steps} steps)...")
   t0 = time.perf_counter()
   trainer.train(config.replace(overwrite=run_dir.exists()), log=None)
@@ -119,7 +119,7 @@ def continuation(config: TrainConfig, dataset, *, start_step: int, steps: int) -
   """Continuations of the run `config` from `start_step` for `steps` steps at the base run's constant peak LR."""
   cont_config = config.replace(steps=start_step + steps, warmup_fraction=0.0, decay_fraction=0.0)
   val = data.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
-                         num_batches=config.eval_batches)
+                         num_batches=config.evaluation.batches)
   return Continuation(dataset=dataset, batch_size=config.batch_size, seq_len=config.train_seq_len, val_batches=val,
                       optimizer=optimizer_lib.make_optimizer(cont_config.optimizer, cont_config.steps), cache=steps_lib.CompileCache())
 

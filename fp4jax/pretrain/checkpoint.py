@@ -4,7 +4,8 @@ Layout: <out>/checkpoints/<step>/{state, meta}. `state` is the pytree {"params",
 master weights and optimizer state, bit-exact); `meta` is JSON: config, recipe, policy, seed and run-key data, and
 the data position (batches are a pure function of (seed, step), so the step is the position).
 
-Failures to find or read a checkpoint raise `CheckpointError` and never delete or overwrite anything on disk.
+Failures to find or read a checkpoint raise `CheckpointError` (`CorruptCheckpointError` for damaged files) and never
+delete or overwrite anything on disk.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ CHECKPOINT_DIR = "checkpoints"
 
 class CheckpointError(ValueError):
   """A checkpoint is missing, unreadable or does not match the run it is restored into."""
+
+
+class CorruptCheckpointError(CheckpointError):
+  """A checkpoint's files cannot be read (damaged or incomplete), as opposed to not matching the run."""
 
 
 def _short(e: Exception, limit: int = 400) -> str:
@@ -83,11 +88,12 @@ def restore_meta(manager: ocp.CheckpointManager, step: int | None = None) -> tup
   try:
     restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
   except Exception as e:  # orbax raises many types for damaged files; all mean the same to the caller
-    raise CheckpointError(f"Checkpoint {step} in {manager.directory} is unreadable (metadata): {_short(e)}. "
-                          "Nothing was deleted; pass an earlier step or remove that folder.") from e
+    raise CorruptCheckpointError(f"Checkpoint {step} in {manager.directory} is unreadable (metadata): "
+                                 f"{_short(e)}. Nothing was deleted; --resume moves it aside and falls back to an "
+                                 "earlier one.") from e
   meta = restored["meta"]
   if not isinstance(meta, dict):
-    raise CheckpointError(f"Checkpoint {step} in {manager.directory} has malformed metadata: {meta!r}.")
+    raise CorruptCheckpointError(f"Checkpoint {step} in {manager.directory} has malformed metadata: {meta!r}.")
   return step, meta
 
 
@@ -103,9 +109,9 @@ def _check_compatible(manager: ocp.CheckpointManager, step: int, abstract) -> No
     stored_tree = manager.item_metadata(step)["state"]
     stored = _array_specs(stored_tree)
   except Exception as e:  # damaged metadata surfaces as many exception types
-    raise CheckpointError(f"Checkpoint {step} in {manager.directory} is unreadable (array metadata): "
-                          f"{_short(e)}. Nothing was deleted; pass an earlier step or remove that "
-                          "folder.") from e
+    raise CorruptCheckpointError(f"Checkpoint {step} in {manager.directory} is unreadable (array metadata): "
+                                 f"{_short(e)}. Nothing was deleted; --resume moves it aside and falls back to an "
+                                 "earlier one.") from e
   wanted = _array_specs(abstract)
   if stored == wanted:
     return
@@ -132,9 +138,9 @@ def restore(manager: ocp.CheckpointManager, target: dict[str, Any], step: int | 
   try:
     restored = manager.restore(step, args=args)
   except Exception as e:  # orbax raises many types for damaged files; all mean the same to the caller
-    raise CheckpointError(f"Checkpoint {step} in {manager.directory} could not be restored: "
-                          f"{_short(e)}. Nothing was deleted; pass an earlier step or remove that "
-                          "folder.") from e
+    raise CorruptCheckpointError(f"Checkpoint {step} in {manager.directory} could not be restored: "
+                                 f"{_short(e)}. Nothing was deleted; --resume moves it aside and falls back to an "
+                                 "earlier one.") from e
   state, meta = restored["state"], restored["meta"]
   want = jax.tree.structure(abstract)
   got = jax.tree.structure(state)

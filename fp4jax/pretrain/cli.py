@@ -3,8 +3,17 @@
   fp4jax train --model tiny --recipe nvfp4 --steps 200 --out runs/x
   fp4jax train --model small --model.d_model 256 --recipe "nvfp4:rht_size=4,stochastic_rounding=false" --out runs/y
   fp4jax train --recipe nvfp4 --bf16-last 1 --switch-at 0.8 --out runs/z
-  fp4jax train --out runs/x --resume --steps 400          (resume: the stored config, with the options given)
+  fp4jax train --out runs/x --resume                       (continue runs/x from its newest readable checkpoint)
+  fp4jax train --out runs/x --resume --steps 400 --keep-schedule   (lengthen it: see "Resuming" below)
   fp4jax eval --out runs/x                                 (validation loss of the latest checkpoint)
+
+Resuming: --resume continues from the newest readable checkpoint in --out with the config stored in it (options
+given change it); unreadable newer checkpoints are moved to <out>/checkpoints_moved/, never deleted. --resume-step N
+resumes from step N and moves the later checkpoints there too. Resuming with the stored settings reproduces the
+uninterrupted run bit for bit. A different --steps is a new schedule: the LR warmup/decay (and a fractional
+--switch-at) are recomputed for the new length, so the result is neither the old run continued nor a fresh run of
+the new length; --keep-schedule keeps the stored run's warmup and decay lengths in steps and moves the decay to the
+new end (exact continuation only from a checkpoint taken before the old decay began).
 
 Exit codes: 0 done, 1 training diverged, 2 bad arguments/config/data or unusable checkpoint, 130 interrupted.
 """
@@ -22,9 +31,14 @@ EXIT_DIVERGED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 def _train_parser(prog: str = "fp4jax train") -> argparse.ArgumentParser:
   from fp4jax.pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(
-      prog=prog, description="Train a transformer with quantized GEMMs (NVFP4 recipe and comparisons). Every "
+      prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog=__doc__[__doc__.index("Resuming:"):__doc__.index("Exit codes:")].strip(),
+      description="Train a transformer with quantized GEMMs (NVFP4 recipe and comparisons).\nEvery "
       "TrainConfig field is an option; with --resume the stored config is the base and the given options change it.")
   config_lib.add_config_arguments(parser)
+  parser.add_argument("--keep-schedule", "--keep_schedule", dest="keep_schedule", action="store_true",
+                      help="with --resume and a new --steps: keep the stored run's warmup and decay lengths in "
+                      "steps (the stable phase absorbs the change) and the BF16 switch's distance from the end")
   return parser
 
 
@@ -40,20 +54,27 @@ def _eval_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str]):
   """The TrainConfig that `fp4jax train ARGV` runs (reads the stored config when --resume is given)."""
-  from fp4jax.pretrain import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import resume as resume_lib  # pylint: disable=g-import-not-at-top
   args = _train_parser().parse_args(list(argv))
   overrides = config_lib.config_overrides(args)
-  if overrides.get("resume"):
-    out = overrides.get("out", config_lib.TrainConfig.__dataclass_fields__["out"].default)
-    manager = ckpt.open_manager(out, create=False)
-    try:
-      _, meta = ckpt.restore_meta(manager, overrides.get("resume_step"))
-    finally:
-      manager.close()
-    base = config_lib.TrainConfig.from_dict(meta["config"])
-    return config_lib.config_from_overrides(overrides, base=base)
-  return config_lib.config_from_overrides(overrides)
+  if "out" not in overrides:  # never a silent default folder: the run folder is the run's identity
+    raise ValueError("fp4jax train needs --out DIR, the run folder (metrics.jsonl, checkpoints/); give a new folder "
+                     "for a fresh run, or an existing run's folder with --resume.")
+  if args.keep_schedule and not overrides.get("resume"):
+    raise ValueError("--keep-schedule only applies with --resume (it keeps the stored run's schedule shape).")
+  if not overrides.get("resume"):
+    return config_lib.config_from_overrides(overrides)
+  _, meta = resume_lib.resume_meta(overrides["out"], overrides.get("resume_step"))
+  base = config_lib.TrainConfig.from_dict(meta["config"])
+  config = config_lib.config_from_overrides(overrides, base=base)
+  if args.keep_schedule:
+    both = sorted(set(overrides) & set(resume_lib.SCHEDULE_FIELDS))
+    if both:
+      raise ValueError(f"--keep-schedule sets {list(resume_lib.SCHEDULE_FIELDS)} from the stored run; do not "
+                       f"also pass {['--' + f.replace('_', '-') for f in both]}.")
+    config = resume_lib.keep_schedule(base, config)
+  return config
 
 
 def _run_train(argv: Sequence[str]) -> int:

@@ -74,8 +74,10 @@ class CheckpointConfig:
 
   every: int = option(100, "save every N steps (and at the end)", flag="checkpoint_every", result_free=True)
   keep: int = option(3, "checkpoints kept on disk", flag="keep_checkpoints", result_free=True)
-  resume: bool = option(False, "continue from the latest checkpoint in --out", result_free=True)
-  resume_step: int | None = option(None, "resume from this step, not the latest", result_free=True)
+  resume: bool = option(False, "continue from the newest readable checkpoint in --out (unreadable ones are moved "
+                        "aside, not deleted)", result_free=True)
+  resume_step: int | None = option(None, "resume from this step, not the latest (later checkpoints are moved aside, "
+                                   "not deleted)", result_free=True)
   overwrite: bool = option(False, "start afresh in an --out that holds a run (deletes its checkpoints and metrics)",
                            result_free=True)
 
@@ -97,7 +99,7 @@ class TrainConfig:
   data: data_lib.DataConfig = option(help="corpus and tokenizer", factory=data_lib.DataConfig)
   policy: PrecisionPolicy = option(help="recipe and per-layer precision", factory=PrecisionPolicy)
   optimizer: OptimizerConfig = option(help="AdamW and its schedule", factory=OptimizerConfig)
-  steps: int = option(200, "optimizer steps")
+  steps: int = option(200, "optimizer steps (with --resume, another value is a new LR schedule: see --keep-schedule)")
   batch_size: int = option(8, "sequences per step")
   seq_len: int | None = option(None, "tokens per sequence; None = the model's max_seq_len")
   seed: int = option(0, "seeds init, data order and stochastic rounding")

@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import pathlib
-import shutil
 import signal
 import threading
 import time
@@ -33,11 +31,12 @@ from fp4jax.pretrain import data as data_lib
 from fp4jax.pretrain import metrics as metrics_lib
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
+from fp4jax.pretrain import resume as resume_lib
+from fp4jax.pretrain import runfolder
 from fp4jax.pretrain.config import TrainConfig
 from fp4jax.pretrain.sharding import Placement
 from fp4jax.pretrain.steps import CompileCache, Phases, TrainState
 
-CONFIG_FILE = "config.json"
 # Independent streams derived from the run key.
 _INIT_STREAM, _STEP_STREAM, _EVAL_STREAM, _STATS_STREAM = 0, 1, 2, 3
 
@@ -119,11 +118,34 @@ def load_data(config: TrainConfig) -> tuple[data_lib.TokenDataset, list[dict[str
   if dataset.vocab_size > config.model.vocab_size:
     raise ValueError(f"The tokenizer has {dataset.vocab_size} tokens but the model's vocab_size is "
                      f"{config.model.vocab_size}: pass --model.vocab_size {dataset.vocab_size}.")
+  _check_corpus_size(dataset, config)
   if not config.evaluation.batches:
     return dataset, []
   val = data_lib.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
                              num_batches=config.evaluation.batches)
   return dataset, val
+
+
+def _check_corpus_size(dataset: data_lib.TokenDataset, config: TrainConfig) -> None:
+  """Every window takes seq_len+1 tokens from one split; says how to fix a corpus too small for that."""
+  window, frac = config.train_seq_len + 1, config.data.val_fraction
+  n_train, n_val = dataset.train.size, dataset.val.size if config.evaluation.batches else window
+  if n_train >= window and n_val >= window:
+    return
+  if config.evaluation.batches and frac <= 0:
+    raise ValueError(f"data.val_fraction=0 leaves no validation split, but eval_batches={config.evaluation.batches}: "
+                     "pass --eval-batches 0 or a --data.val_fraction > 0.")
+  n = n_train + dataset.val.size
+  need = int(np.ceil(window / frac)) if config.evaluation.batches else window
+  while need - int(np.ceil(need * frac)) < window:  # the smallest corpus whose splits both hold a window
+    need += 1
+  fits = min(n_train, n_val) - 1
+  raise ValueError(
+      f"The corpus is too small: it has {n} tokens (train split {n_train}, validation split {dataset.val.size} at "
+      f"val_fraction={frac}), but every window needs seq_len+1={window} tokens from one split, so it needs at "
+      f"least {need} tokens. Use a larger --corpus"
+      + (f", a --seq-len of at most {fits}" if fits >= 1 else "")
+      + (", or --eval-batches 0 to skip validation." if config.evaluation.batches else "."))
 
 
 def _placement(config: TrainConfig, state: TrainState) -> Placement:
@@ -132,25 +154,6 @@ def _placement(config: TrainConfig, state: TrainState) -> Placement:
 
 
 # --- run folder ---------------------------------------------------------------------------------------------------
-
-def _prepare_out(config: TrainConfig) -> pathlib.Path:
-  """Creates --out; refuses (without touching anything) to start a fresh run over an existing one."""
-  out = pathlib.Path(config.out).expanduser()
-  ck_dir = ckpt.checkpoint_dir(out)
-  metrics_path = out / metrics_lib.METRICS_FILE
-  if config.checkpointing.resume:
-    if not ck_dir.is_dir():
-      raise ckpt.CheckpointError(f"--resume: no checkpoints in {out} ({ck_dir} does not exist).")
-    return out
-  existing = [p for p in (ck_dir, metrics_path) if p.exists()]
-  if existing and not config.checkpointing.overwrite:
-    raise ValueError(f"{out} already holds a run ({', '.join(p.name for p in existing)}). Pass --resume to "
-                     "continue it, --overwrite to replace it, or choose another --out.")
-  for p in existing:
-    shutil.rmtree(p) if p.is_dir() else p.unlink()
-  out.mkdir(parents=True, exist_ok=True)
-  return out
-
 
 def _checkpoint_meta(config: TrainConfig, step: int, phase: int) -> dict[str, Any]:
   keys = run_keys(config.seed)
@@ -187,7 +190,9 @@ def _sigint_flag():
 
 def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, Any]], None]] = (), *,
           log: Callable[[str], None] | None = print, compile_cache: CompileCache | None = None) -> dict[str, Any]:
-  """Trains per `config`, writing <out>/metrics.jsonl, <out>/config.json and <out>/checkpoints/.
+  """Trains per `config`, writing <out>/metrics.jsonl and <out>/checkpoints/ (each checkpoint holds its config).
+
+  Holds <out>/run.lock for the whole call: a second run on the same --out raises runfolder.RunLockedError.
 
   hooks: `Hook`s (called after each step whose index is a multiple of `every`, and once at the end), or callables
     (step, record) -> None called after every step with that step's metrics record (the dict written to
@@ -198,10 +203,18 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
     layer_recipes ({phase: {layer: recipe name}} for the phases this call ran).
   compile_cache: reuse jitted steps across calls (see CompileCache).
   Raises TrainingDiverged on a non-finite loss (nothing non-finite is ever saved), CheckpointError when --resume
-  finds no readable checkpoint, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C.
+  finds no readable checkpoint (unreadable newer ones are moved aside, see fp4jax.pretrain.resume), RunLockedError
+  when another run holds --out, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C.
   """
   log = log or (lambda _: None)
-  out = _prepare_out(config)
+  out, lock = runfolder.open_run_folder(config.out, resume=config.checkpointing.resume,
+                                        overwrite=config.checkpointing.overwrite, log=log)
+  with lock:
+    log(f"Run folder: {out.absolute()}")
+    return _train_locked(config, hooks, log, compile_cache, out)
+
+
+def _train_locked(config, hooks, log, compile_cache, out) -> dict[str, Any]:
   dataset, val = load_data(config)
   keys = run_keys(config.seed)
   model = build_model(config, keys["init"])
@@ -213,16 +226,15 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
   # Committed like a restored state (restore reads onto these shardings), so a fresh and a resumed run hit the
   # same compiled step, and a checkpoint saved on one mesh restores onto another.
   state = jax.device_put(state, placement.state)
+  start = 0
+  if config.checkpointing.resume:  # before opening the manager below: resuming may move checkpoints aside
+    start, state = _resume(config, state, out, log)
 
   manager = ckpt.open_manager(out, max_to_keep=config.checkpointing.keep,
                               save_interval_steps=config.checkpointing.every)
   try:
-    start = 0
-    if config.checkpointing.resume:
-      start, state = _resume(config, manager, state, out, log)
     log(config.policy.describe(config.model.n_layers, list(model.linear_layers())))
     log(f"Data: {dataset.source}")
-    (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=1))
     user_hooks = [h if isinstance(h, Hook) else record_hook(h) for h in hooks]
     return _Loop(config, log, out, dataset, val, keys, phases, manager, start).run(state, user_hooks)
   finally:
@@ -230,18 +242,19 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
     manager.close()
 
 
-def _resume(config, manager, state, out, log) -> tuple[int, TrainState]:
+def _resume(config, state, out, log) -> tuple[int, TrainState]:
   resume_step = config.checkpointing.resume_step
-  later = [n for n in ckpt.available_steps(manager) if resume_step is not None and n > resume_step]
-  if later:
-    raise ckpt.CheckpointError(f"Resuming from step {resume_step} would overwrite the later checkpoints "
-                               f"{later} in {ckpt.checkpoint_dir(out)}; move or delete them first.")
-  start, restored, meta = ckpt.restore(manager, state._asdict(), resume_step)
+  if resume_step is not None and resume_step > config.steps:
+    raise ValueError(f"--resume-step {resume_step} is beyond --steps {config.steps}.")
+  start, restored, meta = resume_lib.restore_readable(out, state._asdict(), resume_step, log=log)
   state = TrainState(**restored)
   if int(state.step) != start:
     raise ckpt.CheckpointError(f"Checkpoint {start} holds step counter {int(state.step)}: inconsistent.")
   if start > config.steps:
     raise ValueError(f"Checkpoint step {start} is beyond --steps {config.steps}.")
+  note = resume_lib.schedule_note(TrainConfig.from_dict(meta["config"]), config, start)
+  if note:
+    log(note)
   changed = config_lib.result_differences(meta["config"], config.to_dict())
   if changed:
     log(f"Note: resuming with changed settings {changed}; the run will differ from an uninterrupted one.")

@@ -1,5 +1,5 @@
-"""Tests for fp4jax.pretrain.checkpoint and the resume error paths of fp4jax.pretrain.trainer: bit-exact round trip, clear errors for
-missing, corrupt or mismatched checkpoints, and no checkpoint ever deleted or changed by a failed resume."""
+"""Tests for fp4jax.pretrain.checkpoint and fp4jax.pretrain.resume: bit-exact round trip, clear errors for missing or
+mismatched checkpoints, corrupt or superseded checkpoints moved aside byte for byte (never deleted or changed)."""
 
 import json
 import pathlib
@@ -16,6 +16,7 @@ from fp4jax.pretrain import data
 from fp4jax.pretrain import metrics
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
+from fp4jax.pretrain import resume as resume_lib
 from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
@@ -117,30 +118,63 @@ def test_resume_without_checkpoints_is_a_clear_error(data_config, tmp_path):
 
 
 @pytest.mark.slow
-def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(data_config, tmp_path):
+def test_corrupt_latest_is_moved_aside_and_the_previous_restored_bit_for_bit(data_config, tmp_path):
   config = make_config(data_config, tmp_path)
   save_run(config)
   ck_dir = ckpt.checkpoint_dir(tmp_path)
+  manager = ckpt.open_manager(tmp_path, create=False)
+  _, want, _ = ckpt.restore(manager, make_state(config), 4)
+  manager.close()
   data_files = [p for p in (ck_dir / "8" / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
   assert data_files
   for p in data_files:  # bit rot in the array data of the latest checkpoint
     p.write_bytes(b"\0" * p.stat().st_size)
-  before = snapshot(tmp_path)
+  corrupt, kept = snapshot(ck_dir / "8"), snapshot(ck_dir / "4")
 
-  with pytest.raises(ckpt.CheckpointError, match="Checkpoint 8 .* unreadable"):
-    trainer.train(config.replace(resume=True), log=None)
-  assert snapshot(tmp_path) == before
-  with pytest.raises(ckpt.CheckpointError, match="would overwrite the later checkpoints \\[8\\]"):
-    trainer.train(config.replace(resume=True, resume_step=4), log=None)
-  assert snapshot(tmp_path) == before
+  # Read-only paths report it and change nothing.
+  assert cli.main(["eval", "--out", str(tmp_path)]) == cli.EXIT_USAGE
+  assert resume_lib.resume_meta(tmp_path)[0] == 8  # its metadata is intact; only the arrays are damaged
+  assert snapshot(ck_dir / "8") == corrupt
 
-  (ck_dir / "8" / "meta" / "metadata").write_text("{not json")
+  notes = []
+  step, state, meta = resume_lib.restore_readable(tmp_path, make_state(config), log=notes.append)
+  assert step == 4 and meta["step"] == 4
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
+    assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+  moved = list((tmp_path / resume_lib.MOVED_DIR).iterdir())
+  assert len(moved) == 1 and moved[0].name.startswith("8.corrupt.")
+  assert snapshot(moved[0]) == corrupt and snapshot(ck_dir / "4") == kept  # renamed, byte for byte
+  assert len(notes) == 1 and "Moved checkpoint 8 aside" in notes[0] and "not deleted" in notes[0]
+  manager = ckpt.open_manager(tmp_path, create=False)
+  assert ckpt.available_steps(manager) == [4]
+  manager.close()
+
+  # With no readable checkpoint left, nothing is moved and the error lists why.
+  (ck_dir / "4" / "meta" / "metadata").write_text("{not json")
   before = snapshot(tmp_path)
-  with pytest.raises(ckpt.CheckpointError, match="unreadable"):
+  with pytest.raises(ckpt.CorruptCheckpointError, match="No readable checkpoint .* nothing was moved"):
+    resume_lib.restore_readable(tmp_path, make_state(config))
+  with pytest.raises(ckpt.CorruptCheckpointError, match="No readable checkpoint"):
     cli.config_from_args(["--resume", "--out", str(tmp_path)])
   assert cli.main(["train", "--resume", "--out", str(tmp_path)]) == cli.EXIT_USAGE
-  assert cli.main(["eval", "--out", str(tmp_path)]) == cli.EXIT_USAGE
   assert snapshot(tmp_path) == before
+
+
+def test_resume_step_moves_later_checkpoints_aside(data_config, tmp_path):
+  config = make_config(data_config, tmp_path)
+  save_run(config, steps=(4, 8, 12))
+  ck_dir = ckpt.checkpoint_dir(tmp_path)
+  (ck_dir / "12" / "meta" / "metadata").write_text("{not json")
+  later = {s: snapshot(ck_dir / str(s)) for s in (8, 12)}
+  with pytest.raises(ckpt.CheckpointError, match="No checkpoint for step 5"):
+    resume_lib.restore_readable(tmp_path, make_state(config), 5)
+  notes = []
+  step, state, _ = resume_lib.restore_readable(tmp_path, make_state(config), 4, log=notes.append)
+  assert step == 4 and int(state["step"]) == 4
+  moved = {p.name.split(".")[0]: p for p in (tmp_path / resume_lib.MOVED_DIR).iterdir()}
+  assert sorted(moved) == ["12", "8"] and all(".after-resume-4." in p.name for p in moved.values())
+  assert all(snapshot(moved[str(s)]) == later[s] for s in (8, 12))
+  assert len(notes) == 2 and "comes after --resume-step 4" in notes[0]
 
 
 @pytest.mark.slow

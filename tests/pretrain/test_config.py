@@ -6,6 +6,7 @@ import json
 import pytest
 
 import fp4jax.recipes
+from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import cli
 from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
@@ -79,7 +80,11 @@ def test_one_recipe_parse_per_cli_run(tmp_path, monkeypatch, capsys):
   assert parses == ["nvfp4:rht_size=4"]
   assert [a[1] for a in applies] == [2]  # (model, step, total_steps): only the switch, at step 2
   assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["3"]
-  assert json.loads((out / "config.json").read_text())["policy"]["recipe"] == "nvfp4:rht_size=4"
+  manager = ckpt.open_manager(out, create=False)  # each checkpoint stores its config (no run-level config.json)
+  try:
+    assert ckpt.restore_meta(manager)[1]["config"]["policy"]["recipe"] == "nvfp4:rht_size=4"
+  finally:
+    manager.close()
   parses.clear()
   assert cli.main(["eval", "--out", str(out), "--json"]) == 0
   assert parses == ["nvfp4:rht_size=4"]

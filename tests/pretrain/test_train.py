@@ -266,7 +266,9 @@ def test_cli_overrides_build_the_config():
   config = cli.config_from_args([
       "--model", "small", "--model.d_model", "256", "--recipe", "nvfp4:rht_size=4,stochastic_rounding=false",
       "--bf16-last", "1", "--bf16-blocks", "0,2", "--switch-at", "0.5", "--switch", "forward", "--steps", "10",
-      "--batch_size", "4", "--progress", "false", "--resume-step", "none", "--data.val_fraction", "0.1"])
+      "--batch_size", "4", "--progress", "false", "--resume-step", "none", "--data.val_fraction", "0.1",
+      "--out", "runs/y"])
+  assert config.out == "runs/y"
   assert config.model == model_lib.get_model_config("small", d_model=256)
   recipe = config.policy.recipe
   assert recipe.rht_size == 4 and recipe.dgrad.lhs.rounding == "nearest"

@@ -1,0 +1,158 @@
+"""Resuming a run: the newest readable checkpoint, damaged ones moved aside, and what a longer --steps means.
+
+Nothing here deletes a checkpoint. A checkpoint that cannot be read, and (with an explicit --resume-step) every
+checkpoint after the chosen one, is renamed into <out>/checkpoints_moved/<step>.<reason>.<UTC time>, where orbax no
+longer sees it and a later save can never overwrite it.
+
+The learning-rate schedule and a fractional --switch-at are functions of --steps. Resuming with another --steps
+therefore starts a new schedule at the checkpoint's step: steps already taken followed the old one, so the result
+equals neither the old run continued nor a fresh run of the new length (unless both schedules agree on the steps
+taken). `keep_schedule` keeps the old run's warmup and decay lengths (and the switch's distance from the end) in
+steps, which is the usual way to lengthen a warmup-stable-decay run from a checkpoint taken before its decay.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from fp4jax.pretrain import checkpoint as ckpt
+from fp4jax.pretrain import optimizer as optimizer_lib
+from fp4jax.pretrain.config import TrainConfig
+
+MOVED_DIR = "checkpoints_moved"
+# The options (flat names) keep_schedule sets; giving them on the command line as well is ambiguous.
+SCHEDULE_FIELDS = ("warmup_fraction", "decay_fraction", "switch_at")
+
+
+def move_aside(out_dir: str | pathlib.Path, step: int, reason: str) -> pathlib.Path:
+  """Renames checkpoint `step` of the run in `out_dir` into <out>/checkpoints_moved/; returns its new path."""
+  src = ckpt.checkpoint_dir(out_dir) / str(step)
+  if not src.is_dir():
+    raise ckpt.CheckpointError(f"Cannot move checkpoint {step} aside: {src} is not a folder.")
+  root = pathlib.Path(out_dir).expanduser().absolute() / MOVED_DIR
+  root.mkdir(exist_ok=True)
+  stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+  dest = root / f"{step}.{reason}.{stamp}"
+  n = 1
+  while dest.exists():
+    n += 1
+    dest = root / f"{step}.{reason}.{stamp}.{n}"
+  src.rename(dest)  # same file system: atomic, and the data is never copied or dropped
+  return dest
+
+
+def resume_meta(out_dir: str | pathlib.Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
+  """(step, meta) of the checkpoint --resume would start from: `step`, else the newest with readable metadata.
+
+  Read-only (the training run itself moves damaged checkpoints aside, under the run folder's lock).
+  """
+  manager = ckpt.open_manager(out_dir, create=False)
+  try:
+    if step is not None:
+      return ckpt.restore_meta(manager, step)
+    steps = ckpt.available_steps(manager)
+    errors = []
+    for s in reversed(steps):
+      try:
+        return ckpt.restore_meta(manager, s)
+      except ckpt.CorruptCheckpointError as e:
+        errors.append(str(e))
+    if not errors:
+      raise ckpt.CheckpointError(f"No checkpoints found in {manager.directory}.")
+    raise ckpt.CorruptCheckpointError(f"No readable checkpoint in {manager.directory}; nothing was moved or "
+                                      "deleted:\n  " + "\n  ".join(errors))
+  finally:
+    manager.close()
+
+
+def restore_readable(out_dir: str | pathlib.Path, target: dict[str, Any], step: int | None = None, *,
+                     log: Callable[[str], None] = print) -> tuple[int, dict[str, Any], dict[str, Any]]:
+  """(step, state, meta) to resume the run in `out_dir` from; moves damaged or superseded checkpoints aside.
+
+  step None: the newest checkpoint that restores; newer damaged ones are moved aside (reason "corrupt").
+  step N: checkpoint N, which must restore; later checkpoints are moved aside (reason "after-resume-N") so the
+    resumed run's saves cannot mix with them. A checkpoint that does not match the run (another model or optimizer)
+    is an error, never a reason to fall back. Nothing is moved unless a checkpoint restored.
+  """
+  manager = ckpt.open_manager(out_dir, create=False)
+  moves: list[tuple[int, str, str]] = []  # (step, reason, why)
+  try:
+    steps = ckpt.available_steps(manager)
+    if step is not None:
+      result = ckpt.restore(manager, target, step)
+      moves = [(s, f"after-resume-{step}", f"it comes after --resume-step {step}") for s in steps if s > step]
+    else:
+      result, errors = None, []
+      for s in reversed(steps):
+        try:
+          result = ckpt.restore(manager, target, s)
+          break
+        except ckpt.CorruptCheckpointError as e:
+          errors.append(str(e))
+          moves.append((s, "corrupt", "it is unreadable"))
+      if result is None:
+        if not errors:
+          raise ckpt.CheckpointError(f"No checkpoints found in {manager.directory}.")
+        raise ckpt.CorruptCheckpointError(f"No readable checkpoint in {manager.directory}; nothing was moved or "
+                                          "deleted:\n  " + "\n  ".join(errors))
+  finally:
+    manager.close()
+  for s, reason, why in moves:
+    dest = move_aside(out_dir, s, reason)
+    log(f"Moved checkpoint {s} aside to {dest} ({why}; kept, not deleted).")
+  return result
+
+
+def keep_schedule(stored: TrainConfig, config: TrainConfig) -> TrainConfig:
+  """`config` with the warmup and decay lengths of `stored` in steps, and a --switch-at as far from the end.
+
+  For a new --steps on resume: the stable phase absorbs the difference, so a checkpoint taken before the old decay
+  continues exactly as the old schedule would have until the (moved) decay starts.
+  """
+  if config.steps == stored.steps:
+    return config
+  warmup = round(stored.optimizer.warmup_fraction * stored.steps)
+  decay = round(stored.optimizer.decay_fraction * stored.steps)
+  if warmup + decay > config.steps:
+    raise ValueError(f"--keep-schedule: the stored run's warmup ({warmup}) and decay ({decay}) steps do not fit in "
+                     f"--steps {config.steps}.")
+  changes: dict[str, Any] = {"warmup_fraction": warmup / config.steps, "decay_fraction": decay / config.steps}
+  switch = stored.policy.switch_step(stored.steps)
+  if switch is not None:
+    changes["switch_at"] = max(config.steps - (stored.steps - switch), 0)
+  return config.replace(**changes)
+
+
+def _lrs(config: TrainConfig, stop: int) -> np.ndarray:
+  return np.asarray(optimizer_lib.lr_schedule(config.optimizer, config.steps)(np.arange(stop)), np.float64)
+
+
+def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str | None:
+  """What resuming the checkpoint of `stored` at `start` under `config` does to the schedule (None: nothing)."""
+  old_switch = stored.policy.switch_step(stored.steps)
+  new_switch = config.policy.switch_step(config.steps)
+  same_schedule = (stored.optimizer, stored.steps) == (config.optimizer, config.steps)  # what lr_schedule reads
+  if same_schedule and old_switch == new_switch:
+    return None
+  lr_old, lr_new = _lrs(stored, start + 1), _lrs(config, start + 1)
+  switched_before = [s for s in (old_switch, new_switch) if s is not None and s < start]
+  past_agrees = np.array_equal(lr_old[:start], lr_new[:start]) and (old_switch == new_switch or not switched_before)
+  longer = config.steps != stored.steps
+  what = "learning-rate schedule" + (" and the BF16 switch are" if old_switch != new_switch else " is")
+  lines = [f"Note: resuming at step {start} of a {stored.steps}-step run "
+           + (f"with --steps {config.steps}: the {what} recomputed for {config.steps} steps." if longer else
+              f"with other schedule settings: the {what} recomputed.")
+           + f" LR at step {start}: {lr_old[start]:.4g} in the stored schedule, {lr_new[start]:.4g} now."]
+  if past_agrees:
+    lines.append(f"Both schedules agree on steps 0..{start - 1}, so this run equals a fresh {config.steps}-step run.")
+  else:
+    lines.append(f"Steps 0..{start - 1} followed the old schedule, so this is a new schedule: the result equals "
+                 f"neither the stored run continued nor a fresh {config.steps}-step run.")
+  if start >= stored.steps and stored.optimizer.decay_fraction > 0 and lr_new[start] > lr_old[start - 1]:
+    lines.append("The stored run had finished its decay; the learning rate rises again.")
+  return " ".join(lines)

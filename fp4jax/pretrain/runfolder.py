@@ -1,0 +1,179 @@
+"""A run folder's ownership: an exclusive lock held for the life of a training run, and opening the folder.
+
+`fcntl.flock` on <out>/run.lock: the kernel drops the lock when its holder exits, however it exits, so a lock can
+never outlive a dead process on the same machine. The holder writes its pid, host, start time and command into the
+file and empties it on a clean exit; a non-empty file found with the lock free is therefore the trace of a run that
+died (killed, crashed, machine lost), which `acquire` reports before taking the lock over. In a multi-process run
+each process locks its own file (run.<process>.lock), so a second multi-process run on the same folder is refused
+by every process alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import pathlib
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+
+from fp4jax.pretrain import checkpoint as ckpt
+from fp4jax.pretrain.metrics import METRICS_FILE
+
+LOCK_FILE = "run.lock"
+
+
+class RunLockedError(ValueError):
+  """Another live process holds the run folder's lock."""
+
+
+def lock_path(out_dir: str | pathlib.Path, process_index: int = 0, process_count: int = 1) -> pathlib.Path:
+  """The lock file of process `process_index` in `out_dir`."""
+  name = LOCK_FILE if process_count == 1 else f"run.{process_index}.lock"
+  return pathlib.Path(out_dir).expanduser().absolute() / name
+
+
+def _describe(holder: dict) -> str:
+  if not holder:
+    return "a process that has not written its details yet"
+  started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("started", 0)))
+  command = " ".join(holder.get("argv", []))
+  return (f"pid {holder.get('pid')} on host {holder.get('host')}, started {started}"
+          + (f" ({command})" if command else ""))
+
+
+def _read_holder(fd: int) -> dict:
+  os.lseek(fd, 0, os.SEEK_SET)
+  raw = b""
+  while chunk := os.read(fd, 65536):
+    raw += chunk
+  if not raw.strip():
+    return {}
+  try:
+    holder = json.loads(raw)
+  except ValueError:
+    return {"pid": "?", "host": "?", "argv": [f"unparsable lock file: {raw[:80]!r}"]}
+  return holder if isinstance(holder, dict) else {}
+
+
+def _pid_alive(pid) -> bool:
+  if not isinstance(pid, int) or pid <= 0:
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # exists, owned by someone else
+    return True
+  return True
+
+
+@dataclasses.dataclass
+class RunLock:
+  """A held lock; `release()` (or leaving the `with` block) empties the file and unlocks it.
+
+  `stale` is the holder record a dead run left behind ({} when the previous run exited cleanly).
+  """
+
+  path: pathlib.Path
+  fd: int
+  stale: dict
+
+  def release(self) -> None:
+    if self.fd < 0:
+      return
+    try:
+      os.ftruncate(self.fd, 0)  # a clean exit leaves an empty file: nothing stale to report next time
+    finally:
+      fcntl.flock(self.fd, fcntl.LOCK_UN)
+      os.close(self.fd)
+      self.fd = -1
+
+  def __enter__(self) -> RunLock:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+def acquire(out_dir: str | pathlib.Path, *, process_index: int = 0, process_count: int = 1,
+            log: Callable[[str], None] | None = None) -> RunLock:
+  """Locks `out_dir` (which must exist) for this process, or raises RunLockedError naming the holder.
+
+  Never waits: a folder in use is an error, not a queue. A lock left by a dead run is reported through `log` and
+  taken over (the dead run's checkpoints stay; resume from them with --resume).
+  """
+  path = lock_path(out_dir, process_index, process_count)
+  # O_CLOEXEC: a child process started by exec (a shell command from a hook) must not inherit the lock.
+  fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        raise OSError(e.errno, f"Cannot lock the run folder ({path}): {e.strerror}. The file system may not "
+                      "support flock; use an --out on a local or lock-capable file system.") from e
+      holder = _read_holder(fd)
+      raise RunLockedError(
+          f"{pathlib.Path(out_dir)} is in use by another fp4jax run: {_describe(holder)}. Two runs in one folder "
+          "would overwrite each other's checkpoints and interleave metrics. Wait for that run to finish, stop it, "
+          f"or choose another --out. (Lock file: {path}.)") from None
+    stale = _read_holder(fd)
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "argv": sys.argv}
+    os.write(fd, json.dumps(record).encode())
+    os.fsync(fd)
+  except BaseException:
+    os.close(fd)
+    raise
+  if stale and log is not None:
+    same_host = stale.get("host") == socket.gethostname()
+    state = ("that process is gone" if same_host and not _pid_alive(stale.get("pid")) else
+             "it no longer holds the lock")
+    log(f"Note: {pathlib.Path(out_dir)} was locked by a run that did not exit cleanly ({_describe(stale)}); "
+        f"{state}, so this run takes the lock over. Its checkpoints are kept.")
+  return RunLock(path=path, fd=fd, stale=stale)
+
+
+def _existing_run(out: pathlib.Path) -> list[pathlib.Path]:
+  return [p for p in (ckpt.checkpoint_dir(out), out / METRICS_FILE) if p.exists()]
+
+
+def open_run_folder(out_dir: str | pathlib.Path, *, resume: bool, overwrite: bool,
+                    log: Callable[[str], None] | None = None) -> tuple[pathlib.Path, RunLock]:
+  """Creates and locks `out_dir` for a run; (path, held lock).
+
+  A fresh run (neither `resume` nor `overwrite`) is refused, without touching anything, where a run already is;
+  `overwrite` deletes that run's checkpoints and metrics once the lock is held; `resume` needs checkpoints.
+  """
+  out = pathlib.Path(out_dir).expanduser()
+  ck_dir = ckpt.checkpoint_dir(out)
+  if resume and not ck_dir.is_dir():
+    raise ckpt.CheckpointError(f"--resume: no checkpoints in {out} ({ck_dir} does not exist).")
+
+  def refuse_existing():
+    existing = _existing_run(out)
+    if existing and not resume and not overwrite:
+      raise ValueError(f"{out} already holds a run ({', '.join(p.name for p in existing)}). Pass --resume to "
+                       "continue it, --overwrite to replace it, or choose another --out.")
+
+  refuse_existing()  # before creating the lock file, so a refused run leaves the folder as it was
+  out.mkdir(parents=True, exist_ok=True)
+  lock = acquire(out, process_index=jax.process_index(), process_count=jax.process_count(), log=log)
+  try:
+    refuse_existing()  # again under the lock: a run may have finished here since the first look
+    if overwrite:
+      for p in _existing_run(out):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+  except BaseException:
+    lock.release()
+    raise
+  return out, lock

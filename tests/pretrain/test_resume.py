@@ -1,0 +1,128 @@
+"""Tests for resuming through fp4jax.pretrain.resume / trainer / cli: a corrupt latest checkpoint falls back to the
+previous one and loses nothing (the resumed run equals the uninterrupted one bit for bit, the corrupt folder is kept
+renamed); --resume-step N works with later (corrupt) checkpoints; a new --steps is reported as the new schedule it
+is, and --keep-schedule keeps the stored warmup/decay lengths exactly."""
+
+import jax
+import numpy as np
+import pytest
+
+from fp4jax.pretrain import checkpoint as ckpt
+from fp4jax.pretrain import cli
+from fp4jax.pretrain import data
+from fp4jax.pretrain import metrics
+from fp4jax.pretrain import model as model_lib
+from fp4jax.pretrain import optimizer as optimizer_lib
+from fp4jax.pretrain import resume as resume_lib
+from fp4jax.pretrain import steps as steps_lib
+from fp4jax.pretrain import trainer
+from fp4jax.pretrain.config import TrainConfig
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  return {"data": data.DataConfig(cache_dir=str(tmp_path_factory.mktemp("data_cache"))),
+          "cache": steps_lib.CompileCache()}
+
+
+def make_config(env, out, **changes) -> TrainConfig:
+  base = dict(out=str(out), model=model_lib.get_model_config("tiny", n_layers=1), data=env["data"], seq_len=32,
+              batch_size=4, steps=12, recipe="bf16", lr=1e-2, warmup_fraction=0.25, decay_fraction=0.25,
+              eval_every=0, eval_batches=0, checkpoint_every=4, progress=False)
+  base.update(changes)
+  return TrainConfig.from_options(**base)
+
+
+def tree_equal(a, b) -> bool:
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def snapshot(folder):
+  return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def zero_array_data(step_dir):
+  files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+  assert files
+  for p in files:
+    p.write_bytes(b"\0" * p.stat().st_size)
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoints_fall_back_and_lose_nothing(env, tmp_path):
+  straight = trainer.train(make_config(env, tmp_path / "a"), log=None, compile_cache=env["cache"])
+  out = tmp_path / "b"
+  trainer.train(make_config(env, out), log=None, compile_cache=env["cache"])
+  ck_dir = ckpt.checkpoint_dir(out)
+  zero_array_data(ck_dir / "12")
+  corrupt = snapshot(ck_dir / "12")
+
+  # --resume: 12 is unreadable, so the run restarts from 8, and reproduces steps 8..11 bit for bit.
+  log = []
+  config = cli.config_from_args(["--resume", "--out", str(out)])
+  resumed = trainer.train(config, log=log.append, compile_cache=env["cache"])
+  assert resumed["start_step"] == 8
+  assert resumed["losses"] == straight["losses"][8:]  # exact float equality
+  assert tree_equal(resumed["params"], straight["params"])
+  moved = list((out / resume_lib.MOVED_DIR).iterdir())
+  assert [p.name.split(".")[:2] for p in moved] == [["12", "corrupt"]]
+  assert snapshot(moved[0]) == corrupt  # kept, renamed, byte for byte
+  assert any("Moved checkpoint 12 aside" in line for line in log)
+  assert [r["loss"] for r in metrics.read_metrics(out)] == straight["losses"]
+
+  # --resume-step 4 with a later corrupt checkpoint (the new 12, damaged again) and a readable one (8).
+  (ck_dir / "12" / "meta" / "metadata").write_text("{not json")
+  config = cli.config_from_args(["--resume", "--resume-step", "4", "--out", str(out)])
+  resumed = trainer.train(config, log=None, compile_cache=env["cache"])
+  assert resumed["start_step"] == 4 and resumed["losses"] == straight["losses"][4:]
+  assert tree_equal(resumed["params"], straight["params"])
+  names = sorted(p.name.split(".")[:2] for p in (out / resume_lib.MOVED_DIR).iterdir())
+  assert names == [["12", "after-resume-4"], ["12", "corrupt"], ["8", "after-resume-4"]]
+  manager = ckpt.open_manager(out, create=False)
+  assert ckpt.available_steps(manager) == [4, 8, 12]
+  manager.close()
+
+
+def test_keep_schedule_keeps_warmup_decay_and_switch_in_steps():
+  stored = TrainConfig.from_options(steps=100, warmup_fraction=0.1, decay_fraction=0.2, min_lr_ratio=0.1,
+                                    switch_at=0.9)
+  longer = resume_lib.keep_schedule(stored, stored.replace(steps=250))
+  assert round(longer.optimizer.warmup_fraction * 250) == 10 and round(longer.optimizer.decay_fraction * 250) == 20
+  assert longer.policy.switch_step(250) == 240
+  lr_old = np.asarray(optimizer_lib.lr_schedule(stored.optimizer, stored.steps)(np.arange(100)))
+  lr_new = np.asarray(optimizer_lib.lr_schedule(longer.optimizer, longer.steps)(np.arange(250)))
+  np.testing.assert_array_equal(lr_new[:80], lr_old[:80])  # warmup and stable phase: identical
+  np.testing.assert_array_equal(lr_new[80:230], lr_old[79])  # the stable phase absorbs the 150 new steps
+  np.testing.assert_array_equal(lr_new[230:], lr_old[80:])  # the same decay, moved to the new end
+  assert resume_lib.keep_schedule(stored, stored) == stored
+  with pytest.raises(ValueError, match="do not fit"):
+    resume_lib.keep_schedule(stored, stored.replace(steps=25))
+
+
+def test_schedule_note_says_what_a_new_steps_does():
+  stored = TrainConfig.from_options(steps=100, lr=1.0, warmup_fraction=0.1, decay_fraction=0.2)
+  assert resume_lib.schedule_note(stored, stored.replace(resume=True, eval_every=7), 60) is None
+  finished = resume_lib.schedule_note(stored, stored.replace(steps=200), 100)
+  assert "LR at step 100: 0 in the stored schedule, 1 now" in finished
+  assert "this is a new schedule" in finished and "finished its decay; the learning rate rises again" in finished
+  # From a stable-phase checkpoint with the schedule kept, the steps taken agree with a fresh longer run.
+  kept = resume_lib.schedule_note(stored, resume_lib.keep_schedule(stored, stored.replace(steps=200)), 50)
+  assert "equals a fresh 200-step run" in kept and "rises again" not in kept
+  # Without --keep-schedule, warmup 20 steps instead of 10: the first 50 steps differ.
+  assert "new schedule" in resume_lib.schedule_note(stored, stored.replace(steps=200), 50)
+  lower = resume_lib.schedule_note(stored, stored.replace(lr=0.5), 50)
+  assert "with other schedule settings: the learning-rate schedule is recomputed. LR at step 50: 1 " in lower
+  switched = resume_lib.schedule_note(stored.replace(switch_at=0.9), stored.replace(steps=200, switch_at=0.9), 100)
+  assert "the learning-rate schedule and the BF16 switch are recomputed for 200 steps" in switched
+
+
+@pytest.mark.slow
+def test_cli_keep_schedule(env, tmp_path):
+  trainer.train(make_config(env, tmp_path, steps=4), log=None, compile_cache=env["cache"])
+  config = cli.config_from_args(["--resume", "--out", str(tmp_path), "--steps", "8", "--keep-schedule"])
+  assert config.steps == 8 and config.optimizer.warmup_fraction == 1 / 8 and config.optimizer.decay_fraction == 1 / 8
+  with pytest.raises(ValueError, match="do not also pass \\['--warmup-fraction'\\]"):
+    cli.config_from_args(["--resume", "--out", str(tmp_path), "--steps", "8", "--keep-schedule",
+                          "--warmup-fraction", "0.5"])
+  assert cli.config_from_args(["--resume", "--out", str(tmp_path), "--steps", "8"]).optimizer.warmup_fraction == 0.25

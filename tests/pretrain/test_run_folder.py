@@ -1,0 +1,161 @@
+"""Tests for fp4jax.pretrain.runfolder and the run-folder checks of trainer / cli: one run per folder (a second is
+refused naming the holder), stale locks from dead processes reported and taken over, --out required, a corpus too
+small for one window named as such, and each checkpoint carrying the config it was saved under."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fp4jax.pretrain import checkpoint as ckpt
+from fp4jax.pretrain import cli
+from fp4jax.pretrain import data
+from fp4jax.pretrain import metrics
+from fp4jax.pretrain import model as model_lib
+from fp4jax.pretrain import runfolder
+from fp4jax.pretrain import steps as steps_lib
+from fp4jax.pretrain import trainer
+from fp4jax.pretrain.config import TrainConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  return {"data": data.DataConfig(cache_dir=str(tmp_path_factory.mktemp("data_cache"))),
+          "cache": steps_lib.CompileCache()}
+
+
+def make_config(env, out, **changes) -> TrainConfig:
+  base = dict(out=str(out), model=model_lib.get_model_config("tiny", n_layers=1), data=env["data"], seq_len=32,
+              batch_size=4, steps=4, recipe="bf16", eval_every=0, eval_batches=0, checkpoint_every=2, progress=False)
+  base.update(changes)
+  return TrainConfig.from_options(**base)
+
+
+def hold_lock_in_subprocess(folder):
+  """A child process that locks `folder` and sleeps; returns it once the lock is held."""
+  code = textwrap.dedent(f"""
+      import sys, time
+      from fp4jax.pretrain import runfolder
+      lock = runfolder.acquire({str(folder)!r})
+      print("locked", flush=True)
+      time.sleep(600)
+  """)
+  proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"})
+  assert proc.stdout.readline().strip() == "locked"
+  return proc
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_running_folder_is_refused(env, tmp_path):
+  """While a run trains (it is inside its step hook), a second train() on the same --out is refused."""
+  config = make_config(env, tmp_path)
+  refusals = []
+
+  def second_run(step, record):
+    if step == 1:
+      with pytest.raises(runfolder.RunLockedError) as info:
+        trainer.train(config.replace(overwrite=True), log=None, compile_cache=env["cache"])
+      refusals.append(str(info.value))
+
+  summary = trainer.train(config, [second_run], log=None, compile_cache=env["cache"])
+  assert len(refusals) == 1
+  assert f"pid {os.getpid()} on host {socket.gethostname()}" in refusals[0] and "in use by another" in refusals[0]
+  # The refused --overwrite run deleted nothing: the first run finished with all its checkpoints and metrics.
+  manager = ckpt.open_manager(tmp_path, create=False)
+  assert ckpt.available_steps(manager) == [2, 4]
+  manager.close()
+  assert [r["step"] for r in metrics.read_metrics(tmp_path) if "loss" in r] == [0, 1, 2, 3]
+  assert summary["steps"] == 4
+  # Released on return, and a clean exit leaves nothing stale behind.
+  lock = runfolder.acquire(tmp_path)
+  assert lock.stale == {}
+  lock.release()
+
+
+def test_lock_held_by_another_process_then_stale_after_it_dies(tmp_path, capsys):
+  proc = hold_lock_in_subprocess(tmp_path)
+  try:
+    code = cli.main(["train", "--out", str(tmp_path), "--steps", "2", "--progress", "false"])
+    assert code == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"in use by another fp4jax run: pid {proc.pid} on host {socket.gethostname()}" in err
+    assert "choose another --out" in err
+    assert not ckpt.checkpoint_dir(tmp_path).exists() and not (tmp_path / metrics.METRICS_FILE).exists()
+  finally:
+    proc.send_signal(signal.SIGKILL)  # dies without releasing: its record stays in the lock file
+    proc.wait(timeout=60)
+  notes = []
+  lock = runfolder.acquire(tmp_path, log=notes.append)
+  try:
+    assert lock.stale["pid"] == proc.pid
+    assert len(notes) == 1 and f"pid {proc.pid}" in notes[0] and "did not exit cleanly" in notes[0]
+    assert "that process is gone" in notes[0]
+    fd = os.open(lock.path, os.O_RDONLY)
+    assert runfolder._read_holder(fd)["pid"] == os.getpid()
+    os.close(fd)
+  finally:
+    lock.release()
+  assert lock.path.read_bytes() == b""
+
+
+def test_stale_and_unreadable_lock_files(tmp_path):
+  path = runfolder.lock_path(tmp_path)
+  path.write_text("garbage{")
+  notes = []
+  with runfolder.acquire(tmp_path, log=notes.append) as lock:
+    assert "unparsable lock file" in notes[0] and lock.stale
+    with pytest.raises(runfolder.RunLockedError, match=f"pid {os.getpid()}"):
+      runfolder.acquire(tmp_path)  # another open of the file is another lock, even in this process
+  assert runfolder.lock_path(tmp_path, 3, 4).name == "run.3.lock" and path.name == "run.lock"
+
+
+def test_train_requires_out(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  assert cli.main(["train", "--steps", "2"]) == cli.EXIT_USAGE
+  assert "fp4jax train needs --out DIR" in capsys.readouterr().err
+  assert not (tmp_path / "runs").exists()
+  with pytest.raises(ValueError, match="needs --out"):
+    cli.config_from_args(["--resume"])
+  with pytest.raises(ValueError, match="--keep-schedule only applies with --resume"):
+    cli.config_from_args(["--out", "x", "--keep-schedule"])
+  help_text = cli._train_parser().format_help()
+  assert "--keep-schedule" in help_text and "A different --steps is a new schedule" in help_text
+
+
+def test_corpus_too_small_says_so(env, tmp_path, capsys):
+  corpus = tmp_path / "tiny.txt"
+  corpus.write_text("Hello world!")  # 12 bytes
+  assert cli.main(["train", "--corpus", str(corpus), "--data.cache_dir", env["data"].cache_dir,
+                   "--out", str(tmp_path / "run")]) == cli.EXIT_USAGE
+  err = capsys.readouterr().err
+  assert "The corpus is too small: it has 12 tokens" in err
+  assert "seq_len+1=65" in err and "needs at least 1300 tokens" in err and "--eval-batches 0" in err
+  small = data.DataConfig(corpus=str(corpus), cache_dir=env["data"].cache_dir, val_fraction=0.5)
+  with pytest.raises(ValueError, match="has 12 tokens .*--seq-len of at most 5"):
+    trainer.train(make_config(env, tmp_path / "run2", data=small, eval_batches=1), log=None)
+  with pytest.raises(ValueError, match="no validation split"):
+    trainer.train(make_config(env, tmp_path / "run3", data=data.DataConfig(
+        corpus=str(corpus), cache_dir=env["data"].cache_dir, val_fraction=0.0), eval_batches=1), log=None)
+
+
+@pytest.mark.slow
+def test_each_checkpoint_holds_its_own_config(env, tmp_path):
+  """No run-level config file that a resume with other settings could make disagree with older checkpoints."""
+  config = make_config(env, tmp_path)
+  trainer.train(config, log=None, compile_cache=env["cache"])
+  trainer.train(config.replace(resume=True, steps=6, log_every=2), log=None, compile_cache=env["cache"])
+  assert not (tmp_path / "config.json").exists()
+  manager = ckpt.open_manager(tmp_path, create=False)
+  try:
+    stored = {s: TrainConfig.from_dict(ckpt.restore_meta(manager, s)[1]["config"]) for s in (2, 4, 6)}
+  finally:
+    manager.close()
+  assert stored[2] == stored[4] == config
+  assert stored[6] == config.replace(resume=True, steps=6, log_every=2)
