@@ -782,6 +782,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--skip-continuations", action="store_true", help="only the fixed-tensor probes")
   parser.add_argument("--report-only", action="store_true", help="redraw report.md and plots from OUT/results.json")
   args = parser.parse_args(argv)
+  from fp4jax.pretrain import distributed  # pylint: disable=g-import-not-at-top
+  distributed.init_distributed()  # before any JAX use; a no-op without the FP4JAX_* variables
   try:
     if args.report_only:
       for p in write_report(args.out):

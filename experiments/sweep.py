@@ -29,6 +29,7 @@ import tqdm
 
 import fp4jax.pretrain.checkpoint
 import fp4jax.pretrain.data
+import fp4jax.pretrain.distributed
 import fp4jax.pretrain.metrics
 import fp4jax.pretrain.model
 from fp4jax.pretrain import config as config_lib
@@ -416,6 +417,7 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
   parser = make_parser(prog, doc)
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
+  fp4jax.pretrain.distributed.init_distributed()  # first JAX use; a no-op without the FP4JAX_* variables
   try:
     sweep = build_sweep(get_config, args)
   except ValueError as e:

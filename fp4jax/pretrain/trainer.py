@@ -4,6 +4,10 @@ The loop runs the compiled step of the current precision phase; everything perio
 statistics, checkpoints, the metrics log, the caller's hooks) is a `Hook(fn, every=N)`. Batches are a pure function
 of (seed, step) and the step key is fold_in(run key, step), so a run resumed from a checkpoint reproduces an
 uninterrupted one bit for bit, stochastic rounding included.
+
+Multi-process runs (fp4jax.pretrain.distributed.init_distributed first): every process runs this same loop on its
+own rows of each batch; process 0 alone writes metrics.jsonl, config.json and the log, while all processes save and
+restore the orbax checkpoints together. A Ctrl-C on any process stops all of them after the same step.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from flax import nnx
 import fp4jax
 from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import data as data_lib
+from fp4jax.pretrain import distributed
 from fp4jax.pretrain import metrics as metrics_lib
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
@@ -115,8 +120,10 @@ def _init_state(model_config, recipe, key):
   return nnx.state(_make_model(model_config, recipe, key))
 
 
-def load_data(config: TrainConfig) -> tuple[data_lib.TokenDataset, list[dict[str, np.ndarray]]]:
-  """The dataset and the fixed validation batches; checks the vocabulary fits the model."""
+def load_data(config: TrainConfig, process_index: int = 0, process_count: int = 1
+              ) -> tuple[data_lib.TokenDataset, list[dict[str, np.ndarray]]]:
+  """The dataset and the fixed validation batches (row block `process_index` of `process_count`); checks the
+  vocabulary fits the model."""
   dataset = data_lib.load_dataset(config.data)
   if dataset.vocab_size > config.model.vocab_size:
     raise ValueError(f"The tokenizer has {dataset.vocab_size} tokens but the model's vocab_size is "
@@ -124,7 +131,8 @@ def load_data(config: TrainConfig) -> tuple[data_lib.TokenDataset, list[dict[str
   if not config.eval_batches:
     return dataset, []
   val = data_lib.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
-                             num_batches=config.eval_batches)
+                             num_batches=config.eval_batches, process_index=process_index,
+                             process_count=process_count)
   return dataset, val
 
 
@@ -136,7 +144,10 @@ def _placement(config: TrainConfig, state: TrainState) -> Placement:
 # --- run folder ---------------------------------------------------------------------------------------------------
 
 def _prepare_out(config: TrainConfig) -> pathlib.Path:
-  """Creates --out; refuses (without touching anything) to start a fresh run over an existing one."""
+  """Creates --out; refuses (without touching anything) to start a fresh run over an existing one.
+
+  Every process checks (so all raise alike); only process 0 deletes and creates, and the others wait for it.
+  """
   out = pathlib.Path(config.out).expanduser()
   ck_dir = ckpt.checkpoint_dir(out)
   metrics_path = out / metrics_lib.METRICS_FILE
@@ -148,9 +159,11 @@ def _prepare_out(config: TrainConfig) -> pathlib.Path:
   if existing and not config.overwrite:
     raise ValueError(f"{out} already holds a run ({', '.join(p.name for p in existing)}). Pass --resume to "
                      "continue it, --overwrite to replace it, or choose another --out.")
-  for p in existing:
-    shutil.rmtree(p) if p.is_dir() else p.unlink()
-  out.mkdir(parents=True, exist_ok=True)
+  if distributed.is_main_process():
+    for p in existing:
+      shutil.rmtree(p) if p.is_dir() else p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+  distributed.barrier("fp4jax_prepare_out")
   return out
 
 
@@ -206,15 +219,15 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
   Raises TrainingDiverged on a non-finite loss (nothing non-finite is ever saved), CheckpointError when --resume
   finds no readable checkpoint, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C.
   """
-  log = log or (lambda _: None)
+  log = log if log and distributed.is_main_process() else (lambda _: None)
   out = _prepare_out(config)
-  dataset, val = load_data(config)
   keys = run_keys(config.seed)
   model = build_model(config, keys["init"])
   optimizer = optimizer_lib.make_optimizer(config)
   params = nnx.state(model, nnx.Param)
   state = TrainState(params=params, opt_state=jax.jit(optimizer.init)(params), step=jnp.asarray(0, jnp.int32))
   placement = _placement(config, state)
+  dataset, val = load_data(config, *placement.batch_block())
   phases = Phases(config, model, optimizer, compile_cache, placement, optimizer_lib.optimizer_key(config))
   # Committed like a restored state (restore reads onto these shardings), so a fresh and a resumed run hit the
   # same compiled step, and a checkpoint saved on one mesh restores onto another.
@@ -228,7 +241,8 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
       start, state = _resume(config, manager, state, out, log)
     log(config.policy().describe(config.model.n_layers, list(model.linear_layers())))
     log(f"Data: {dataset.source}")
-    (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=1))
+    if distributed.is_main_process():
+      (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=1))
     user_hooks = [h if isinstance(h, Hook) else record_hook(h) for h in hooks]
     return _Loop(config, log, out, dataset, val, keys, phases, manager, start).run(state, user_hooks)
   finally:
@@ -250,9 +264,16 @@ def _resume(config, manager, state, out, log) -> tuple[int, TrainState]:
   changed = _config_differences(TrainConfig.from_dict(meta["config"]), config)
   if changed:
     log(f"Note: resuming with changed settings {changed}; the run will differ from an uninterrupted one.")
-  dropped = metrics_lib.truncate_metrics(out, start - 1)
+  dropped = metrics_lib.truncate_metrics(out, start - 1) if distributed.is_main_process() else 0
   log(f"Resumed from step {start} in {out}" + (f" (dropped {dropped} later metric records)" if dropped else ""))
   return start, state
+
+
+class _NoMetrics:
+  """What processes other than process 0 write metrics to: nothing."""
+
+  def write(self, record: dict[str, Any]) -> None:
+    del record
 
 
 class _Loop:
@@ -298,9 +319,11 @@ class _Loop:
     if config.stats_every:
       before.append(Hook(self._stats, config.stats_every))
 
-    bar = tqdm.tqdm(total=config.steps, initial=self.start, disable=not config.progress, unit="step",
+    main = distributed.is_main_process()
+    bar = tqdm.tqdm(total=config.steps, initial=self.start, disable=not (config.progress and main), unit="step",
                     dynamic_ncols=True)
-    with metrics_lib.MetricsLog(self.out) as metrics_log, _sigint_flag() as interrupted, bar:
+    metrics_file = metrics_lib.MetricsLog(self.out) if main else contextlib.nullcontext(_NoMetrics())
+    with metrics_file as metrics_log, _sigint_flag() as interrupted, bar:
 
       def write_metrics(info: StepInfo):
         r = info.record
@@ -316,9 +339,10 @@ class _Loop:
         for hook in before:
           hook(info)
 
+        block, blocks = phases.placement.batch_block()
         batch = phases.placement.put_batch(data_lib.get_batch(
             self.dataset, "train", step, batch_size=config.batch_size, seq_len=config.train_seq_len,
-            seed=config.seed, process_index=jax.process_index(), process_count=jax.process_count()))
+            seed=config.seed, process_index=block, process_count=blocks))
         train_step = phases.train_step(step)
         t0 = time.perf_counter()
         new_state, m = train_step(state, batch, jax.random.fold_in(self.keys["step"], step))
@@ -337,7 +361,8 @@ class _Loop:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}",
                         **({"val": f"{info.record['val_loss']:.4f}"} if "val_loss" in info.record else {}))
-        if interrupted.is_set():
+        # All processes stop after the same step, so the checkpoint below is saved by all of them together.
+        if distributed.any_process(interrupted.is_set()):
           self.save(step + 1, state, force=True)
           self.manager.wait_until_finished()
           self.log(f"Interrupted after step {step + 1}: checkpoint saved in {ckpt.checkpoint_dir(self.out)}.")
