@@ -246,6 +246,8 @@ def read_summary(folder: str | pathlib.Path) -> dict[str, Any] | None:
 
 
 def _write_json(path: pathlib.Path, data: Any) -> None:
+  if not fp4jax.pretrain.distributed.is_main_process():  # multi-process sweeps: one writer
+    return
   tmp = path.with_name(path.name + ".tmp")
   tmp.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
   tmp.replace(path)  # atomic: a killed process never leaves a half-written summary
@@ -435,7 +437,7 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
   except KeyboardInterrupt:
     print(f"Interrupted: finished runs are kept in {args.out}; repeat the command to resume.", file=sys.stderr)
     return 130
-  if not args.no_report:
+  if not args.no_report and fp4jax.pretrain.distributed.is_main_process():
     from experiments import report  # pylint: disable=g-import-not-at-top
     written = report.write_report(args.out)
     print(f"Report: {', '.join(str(p) for p in written)}")

@@ -1,8 +1,9 @@
 """Multi-process training for real: `python -m fp4jax train` launched as 2 processes on localhost with 2 simulated CPU
 devices each (gloo collectives), against one process with 4 devices on the same (data=2, fsdp=2) mesh.
 
-The slow tests share one module-scoped pair of reference runs and a persistent compilation cache, so each
-process-count/config pair compiles once. Every subprocess is bounded by a timeout: a hang fails the test.
+The slow tests share one module-scoped pair of reference runs and a persistent compilation cache (which spares
+single-process launches and process 0 a recompile; JAX writes it from process 0 only, so process 1 always compiles).
+Every subprocess is bounded by a timeout: a hang fails the test instead of CI.
 """
 
 import json
@@ -24,10 +25,10 @@ from fp4jax.pretrain import distributed
 from fp4jax.pretrain import sharding
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-STEPS = 8
-# The issue's command, plus what keeps it short: 1 block, 32-token rows, no validation, a checkpoint every 4 steps.
+STEPS = 16  # enough steps left for a SIGINT sent after step 0 to land mid-run
+# The README's two-process command, plus what keeps it short: 1 block, 32-token rows, no validation, a checkpoint every 8 steps.
 TRAIN_ARGS = ["train", "--model", "tiny", "--recipe", "nvfp4", "--mesh", "data=2,fsdp=2", "--steps", str(STEPS),
-              "--model.n_layers", "1", "--seq-len", "32", "--eval-batches", "0", "--checkpoint-every", "4",
+              "--model.n_layers", "1", "--seq-len", "32", "--eval-batches", "0", "--checkpoint-every", "8",
               "--progress", "false"]
 TIMEOUT = 240  # per launch; generous for a loaded 2-core machine, still fails a hang
 
@@ -55,9 +56,9 @@ def _launch(tmp, args, nprocs: int, log_name: str, **extra) -> list[subprocess.P
   for pid in range(nprocs):
     env = _env(tmp, 2, FP4JAX_COORDINATOR=f"localhost:{port}", FP4JAX_NUM_PROCESSES=str(nprocs),
                FP4JAX_PROCESS_ID=str(pid), **extra) if nprocs > 1 else _env(tmp, 4, **extra)
-    log = open(tmp / f"{log_name}.{pid}.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
-    procs.append(subprocess.Popen([sys.executable, "-m", "fp4jax", *args], cwd=REPO, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT, text=True))
+    with open(tmp / f"{log_name}.{pid}.log", "w", encoding="utf-8") as log:  # the child keeps its own handle
+      procs.append(subprocess.Popen([sys.executable, "-m", "fp4jax", *args], cwd=REPO, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, text=True))
   return procs
 
 
@@ -208,17 +209,17 @@ def test_two_processes_match_one_process(runs):
   lines = (runs / "two" / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(line)["step"] for line in lines] == list(range(STEPS))  # one writer, one line per step
   assert json.loads((runs / "two" / "config.json").read_text())["mesh"] == "data=2,fsdp=2"
-  assert sorted(int(p.name) for p in (runs / "two" / "checkpoints").iterdir()) == [4, 8]
-  assert "Done: step 8" in (runs / "two.0.log").read_text()
+  assert sorted(int(p.name) for p in (runs / "two" / "checkpoints").iterdir()) == [8, 16]
+  assert "Done: step 16" in (runs / "two.0.log").read_text()
   assert "Done: step" not in (runs / "two.1.log").read_text()  # only process 0 logs
 
 
 @pytest.mark.slow
 def test_resume_one_process_checkpoint_on_two_processes(runs):
   out = runs / "one_to_two"
-  _copy_checkpoint(runs / "one", out, 4)
+  _copy_checkpoint(runs / "one", out, 8)
   _run(runs, TRAIN_ARGS + ["--out", str(out), "--resume"], 2, "one_to_two")
-  _assert_losses_match(_losses(out), _losses(runs / "one"), 4)
+  _assert_losses_match(_losses(out), _losses(runs / "one"), 8)
 
 
 def _launch_and_wait_for_first_step(tmp, out, log_name):
