@@ -21,6 +21,7 @@ import shutil
 import signal
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +46,8 @@ CONFIG_FILE = "config.json"
 # Fields that may differ between a run and its resumption without changing what it computes.
 _RESUME_FREE_FIELDS = ("out", "mesh", "resume", "resume_step", "overwrite", "progress", "log_every", "checkpoint_every",
                        "keep_checkpoints", "eval_every", "eval_batches", "stats_every", "stats_format")
+# What processes other than process 0 write metrics to.
+_NO_METRICS = types.SimpleNamespace(write=lambda record: None)
 # Independent streams derived from the run key.
 _INIT_STREAM, _STEP_STREAM, _EVAL_STREAM, _STATS_STREAM = 0, 1, 2, 3
 
@@ -269,13 +272,6 @@ def _resume(config, manager, state, out, log) -> tuple[int, TrainState]:
   return start, state
 
 
-class _NoMetrics:
-  """What processes other than process 0 write metrics to: nothing."""
-
-  def write(self, record: dict[str, Any]) -> None:
-    del record
-
-
 class _Loop:
   """One call's loop over steps [start, config.steps) and the built-in hooks it runs around each step."""
 
@@ -322,7 +318,7 @@ class _Loop:
     main = distributed.is_main_process()
     bar = tqdm.tqdm(total=config.steps, initial=self.start, disable=not (config.progress and main), unit="step",
                     dynamic_ncols=True)
-    metrics_file = metrics_lib.MetricsLog(self.out) if main else contextlib.nullcontext(_NoMetrics())
+    metrics_file = metrics_lib.MetricsLog(self.out) if main else contextlib.nullcontext(_NO_METRICS)
     with metrics_file as metrics_log, _sigint_flag() as interrupted, bar:
 
       def write_metrics(info: StepInfo):
