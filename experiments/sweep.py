@@ -29,6 +29,7 @@ import tqdm
 
 import fp4jax.pretrain.checkpoint
 import fp4jax.pretrain.data
+import fp4jax.pretrain.distributed
 import fp4jax.pretrain.metrics
 import fp4jax.pretrain.model
 from fp4jax.pretrain import config as config_lib
@@ -236,6 +237,8 @@ def read_summary(folder: str | pathlib.Path) -> dict[str, Any] | None:
 
 
 def _write_json(path: pathlib.Path, data: Any) -> None:
+  if not fp4jax.pretrain.distributed.is_main_process():  # multi-process sweeps: one writer
+    return
   tmp = path.with_name(path.name + ".tmp")
   tmp.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
   tmp.replace(path)  # atomic: a killed process never leaves a half-written summary
@@ -402,6 +405,7 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
   parser = make_parser(prog, doc)
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
+  fp4jax.pretrain.distributed.init_distributed()  # first JAX use; a no-op without the FP4JAX_* variables
   try:
     sweep = build_sweep(get_config, args)
   except ValueError as e:
@@ -419,7 +423,7 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
   except KeyboardInterrupt:
     print(f"Interrupted: finished runs are kept in {args.out}; repeat the command to resume.", file=sys.stderr)
     return 130
-  if not args.no_report:
+  if not args.no_report and fp4jax.pretrain.distributed.is_main_process():
     written = report.write_report(args.out)
     print(f"Report: {', '.join(str(p) for p in written)}")
   return 0

@@ -6,11 +6,12 @@ All arithmetic is float32 and each line is one rounding, in the reference order:
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax import grids
 
 GLOBAL_RANGE = grids.E2M1_MAX * grids.E4M3_MAX  # 2688: the largest value a block can represent at S_enc = 1
-_ONE_SIXTH = jnp.float32(1.0 / 6.0)
+_ONE_SIXTH = np.float32(1.0 / 6.0)  # NumPy, not jnp: importing fp4jax must not start a JAX backend
 
 
 def global_encode_scale(amax):

@@ -15,17 +15,22 @@ uninterrupted run bit for bit. A different --steps is a new schedule: the LR war
 the new length; --keep-schedule keeps the stored run's warmup and decay lengths in steps and moves the decay to the
 new end (exact continuation only from a checkpoint taken before the old decay began).
 
-Exit codes: 0 done, 1 training diverged, 2 bad arguments/config/data or unusable checkpoint, 130 interrupted.
+Multi-process (one process per host, all with the same arguments; see fp4jax.pretrain.distributed):
+  FP4JAX_COORDINATOR=host0:12377 FP4JAX_NUM_PROCESSES=2 FP4JAX_PROCESS_ID=0 fp4jax train --mesh data=2,fsdp=2 ...
+
+Exit codes: 0 done, 1 training diverged, 2 bad arguments/config/data or unusable checkpoint, 3 another process of
+a multi-process run failed, 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
-EXIT_DIVERGED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_DIVERGED, EXIT_USAGE, EXIT_PEER_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
 def _train_parser(prog: str = "fp4jax train") -> argparse.ArgumentParser:
@@ -78,13 +83,13 @@ def config_from_args(argv: Sequence[str]):
 
 
 def _run_train(argv: Sequence[str]) -> int:
-  from fp4jax.pretrain import sharding  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import distributed  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
-  # Multi-host: FP4JAX_COORDINATOR / FP4JAX_NUM_PROCESSES / FP4JAX_PROCESS_ID (no-op when unset).
-  sharding.initialize_distributed()
   config = config_from_args(argv)
   summary = trainer.train(config)
-  print(json.dumps({k: v for k, v in summary.items() if k not in ("params", "losses", "val_losses", "layer_recipes")}))
+  if distributed.is_main_process():
+    hidden = ("params", "losses", "val_losses", "layer_recipes")
+    print(json.dumps({k: v for k, v in summary.items() if k not in hidden}))
   return 0
 
 
@@ -111,9 +116,29 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(f"\nfp4jax: unknown command {argv[0]!r}; expected one of {sorted(COMMANDS)}.", file=sys.stderr)
       return EXIT_USAGE
     return 0 if argv else EXIT_USAGE
+  from fp4jax.pretrain import distributed  # pylint: disable=g-import-not-at-top
+  try:
+    # Before anything starts a JAX backend; a no-op unless the FP4JAX_* multi-process variables are set.
+    multi = distributed.init_distributed()
+  except ValueError as e:
+    print(f"fp4jax: error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+  except RuntimeError as e:  # the coordinator or a peer did not answer within the initialization timeout
+    print(f"fp4jax: error: could not join the multi-process run: {str(e)[:500]}", file=sys.stderr)
+    return EXIT_PEER_FAILED
+  import jax  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
   try:
     return COMMANDS[argv[0]](argv[1:])
+  except jax.errors.JaxRuntimeError as e:
+    if not multi:
+      raise
+    # A collective failed: another process died or was unreachable. Skip jax.distributed's exit-time shutdown
+    # barrier, which would wait for the dead process until the heartbeat timeout and then abort.
+    print(f"fp4jax: error: process {jax.process_index()} of {jax.process_count()}: a collective failed, another "
+          f"process probably died (see its log): {str(e)[:300]}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_PEER_FAILED)  # pylint: disable=protected-access
   except trainer.TrainingDiverged as e:
     print(f"fp4jax: {e}", file=sys.stderr)
     return EXIT_DIVERGED

@@ -93,7 +93,8 @@ class CheckpointConfig:
 class TrainConfig:
   """A training run. `model` may be given as a preset name and `data` as a corpus spec; both are normalised."""
 
-  out: str = option("runs/default", "run folder: metrics.jsonl, checkpoints/", result_free=True)
+  out: str = option("runs/default", "run folder: metrics.jsonl, checkpoints/ (required: a new folder for a fresh "
+                    "run, an existing run's folder with --resume)", result_free=True, help_default=False)
   model: model_lib.ModelConfig = option(help="model preset name (see --model.FIELD overrides)",
                                         factory=lambda: model_lib.get_model_config("tiny"))
   data: data_lib.DataConfig = option(help="corpus and tokenizer", factory=data_lib.DataConfig)
@@ -287,7 +288,7 @@ def _parser_for(hint) -> tuple[Any, bool]:
 
 def _help(f: dataclasses.Field) -> str:
   text, default = f.metadata.get("help", ""), default_of(f)
-  if default is not dataclasses.MISSING:
+  if default is not dataclasses.MISSING and f.metadata.get("help_default", True):
     if isinstance(default, fp4jax.recipes.Recipe):
       default = policy_lib.recipe_spec(default)
     text += f" (default: {default})" if text else f"default: {default}"

@@ -14,10 +14,11 @@ _MISSING = dataclasses.MISSING
 
 
 def option(default=_MISSING, help: str = "", *,  # pylint: disable=redefined-builtin
-           flag: str | None = None, result_free: bool = False, factory=_MISSING) -> Any:
+           flag: str | None = None, result_free: bool = False, factory=_MISSING, help_default: bool = True) -> Any:
   """A dataclass field with a help text, its flat option name (`flag`, default: the field name) and
-  `result_free`: True for fields that may change without changing what the run computes (out, cadences, ...)."""
-  metadata = {"help": help, "flag": flag, "result_free": result_free}
+  `result_free`: True for fields that may change without changing what the run computes (out, cadences, ...).
+  `help_default=False`: the option's help does not show the default (an option the CLI requires)."""
+  metadata = {"help": help, "flag": flag, "result_free": result_free, "help_default": help_default}
   if factory is not _MISSING:
     return dataclasses.field(default_factory=factory, metadata=metadata)
   return dataclasses.field(default=default, metadata=metadata)

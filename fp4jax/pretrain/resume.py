@@ -9,6 +9,10 @@ therefore starts a new schedule at the checkpoint's step: steps already taken fo
 equals neither the old run continued nor a fresh run of the new length (unless both schedules agree on the steps
 taken). `keep_schedule` keeps the old run's warmup and decay lengths (and the switch's distance from the end) in
 steps, which is the usual way to lengthen a warmup-stable-decay run from a checkpoint taken before its decay.
+
+Multi-process runs: process 0 alone moves checkpoints aside, the others waiting for it. Falling back past an
+unreadable checkpoint is refused there (processes could disagree on which checkpoint reads, and would then restore
+different steps): resume once with a single process, or pass --resume-step with a readable step.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from fp4jax.pretrain import checkpoint as ckpt
+from fp4jax.pretrain import distributed
 from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain.config import TrainConfig
 
@@ -71,16 +77,22 @@ def resume_meta(out_dir: str | pathlib.Path, step: int | None = None) -> tuple[i
 
 
 def restore_readable(out_dir: str | pathlib.Path, target: dict[str, Any], step: int | None = None, *,
-                     log: Callable[[str], None] = print) -> tuple[int, dict[str, Any], dict[str, Any]]:
+                     log: Callable[[str], None] = print, process_index: int | None = None,
+                     process_count: int | None = None) -> tuple[int, dict[str, Any], dict[str, Any]]:
   """(step, state, meta) to resume the run in `out_dir` from; moves damaged or superseded checkpoints aside.
 
   step None: the newest checkpoint that restores; newer damaged ones are moved aside (reason "corrupt").
   step N: checkpoint N, which must restore; later checkpoints are moved aside (reason "after-resume-N") so the
     resumed run's saves cannot mix with them. A checkpoint that does not match the run (another model or optimizer)
     is an error, never a reason to fall back. Nothing is moved unless a checkpoint restored.
+  Multi-process (process_index/process_count default to JAX's): an unreadable checkpoint raises instead of falling
+  back; process 0 alone moves checkpoints aside and the others wait for it.
   """
+  pi = jax.process_index() if process_index is None else process_index
+  pc = jax.process_count() if process_count is None else process_count
   manager = ckpt.open_manager(out_dir, create=False)
   moves: list[tuple[int, str, str]] = []  # (step, reason, why)
+  multi = pc > 1
   try:
     steps = ckpt.available_steps(manager)
     if step is not None:
@@ -93,6 +105,11 @@ def restore_readable(out_dir: str | pathlib.Path, target: dict[str, Any], step: 
           result = ckpt.restore(manager, target, s)
           break
         except ckpt.CorruptCheckpointError as e:
+          if multi:
+            raise ckpt.CorruptCheckpointError(
+                f"{e}\nThis is a multi-process run: unreadable checkpoints are not skipped or moved aside here "
+                "(the processes could disagree on which step reads). Resume once with a single process (which moves "
+                "it to checkpoints_moved/), or pass --resume-step with an older, readable step.") from None
           errors.append(str(e))
           moves.append((s, "corrupt", "it is unreadable"))
       if result is None:
@@ -102,9 +119,21 @@ def restore_readable(out_dir: str | pathlib.Path, target: dict[str, Any], step: 
                                           "deleted:\n  " + "\n  ".join(errors))
   finally:
     manager.close()
-  for s, reason, why in moves:
-    dest = move_aside(out_dir, s, reason)
-    log(f"Moved checkpoint {s} aside to {dest} ({why}; kept, not deleted).")
+  error = None
+  if pi == 0:  # the others wait below, so no process opens a manager on a half-moved folder
+    try:
+      for s, reason, why in moves:
+        dest = move_aside(out_dir, s, reason)
+        log(f"Moved checkpoint {s} aside to {dest} ({why}; kept, not deleted).")
+    except (OSError, ckpt.CheckpointError) as e:
+      error = e
+  if multi:
+    failed = distributed.any_process(error is not None)  # a collective: also the barrier
+    if failed and error is None:
+      raise ckpt.CheckpointError(f"process {pi}: process 0 could not move superseded checkpoints "
+                                 "aside; see its error.")
+  if error is not None:
+    raise error
   return result
 
 

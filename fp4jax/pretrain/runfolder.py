@@ -25,6 +25,7 @@ from collections.abc import Callable
 import jax
 
 from fp4jax.pretrain import checkpoint as ckpt
+from fp4jax.pretrain import distributed
 from fp4jax.pretrain.metrics import METRICS_FILE
 
 LOCK_FILE = "run.lock"
@@ -147,17 +148,39 @@ def _existing_run(out: pathlib.Path) -> list[pathlib.Path]:
   return [p for p in (ckpt.checkpoint_dir(out), out / METRICS_FILE) if p.exists()]
 
 
+class PeerFailedError(ValueError):
+  """Another process of a multi-process run failed a step that all processes take together (see its log)."""
+
+
+def _agree(error: BaseException | None, what: str, process_index: int, process_count: int) -> None:
+  """Every process learns whether any failed `what`: raises `error` here, or PeerFailedError if only another did.
+
+  A collective in multi-process runs (all processes must call it), so it is also a barrier; a no-op with one.
+  """
+  failed = distributed.any_process(error is not None) if process_count > 1 else error is not None
+  if error is not None:
+    raise error
+  if failed:
+    raise PeerFailedError(f"process {process_index} of {process_count}: another process failed {what}; see its "
+                          "error (process 0's log names it).")
+
+
 def open_run_folder(out_dir: str | pathlib.Path, *, resume: bool, overwrite: bool,
-                    log: Callable[[str], None] | None = None) -> tuple[pathlib.Path, RunLock]:
+                    log: Callable[[str], None] | None = None, process_index: int | None = None,
+                    process_count: int | None = None) -> tuple[pathlib.Path, RunLock]:
   """Creates and locks `out_dir` for a run; (path, held lock).
 
   A fresh run (neither `resume` nor `overwrite`) is refused, without touching anything, where a run already is;
   `overwrite` deletes that run's checkpoints and metrics once the lock is held; `resume` needs checkpoints.
+
+  Multi-process runs (process_index/process_count default to JAX's): every process checks and locks its own
+  run.<i>.lock, and all agree on the outcome (one refusing makes all raise); only process 0 creates the folder and
+  deletes an overwritten run, the others waiting for it.
   """
+  pi = jax.process_index() if process_index is None else process_index
+  pc = jax.process_count() if process_count is None else process_count
   out = pathlib.Path(out_dir).expanduser()
   ck_dir = ckpt.checkpoint_dir(out)
-  if resume and not ck_dir.is_dir():
-    raise ckpt.CheckpointError(f"--resume: no checkpoints in {out} ({ck_dir} does not exist).")
 
   def refuse_existing():
     existing = _existing_run(out)
@@ -165,15 +188,35 @@ def open_run_folder(out_dir: str | pathlib.Path, *, resume: bool, overwrite: boo
       raise ValueError(f"{out} already holds a run ({', '.join(p.name for p in existing)}). Pass --resume to "
                        "continue it, --overwrite to replace it, or choose another --out.")
 
-  refuse_existing()  # before creating the lock file, so a refused run leaves the folder as it was
-  out.mkdir(parents=True, exist_ok=True)
-  lock = acquire(out, process_index=jax.process_index(), process_count=jax.process_count(), log=log)
+  error = None
   try:
+    if resume and not ck_dir.is_dir():
+      raise ckpt.CheckpointError(f"--resume: no checkpoints in {out} ({ck_dir} does not exist).")
+    refuse_existing()  # before creating the lock file, so a refused run leaves the folder as it was
+    if pi == 0:
+      out.mkdir(parents=True, exist_ok=True)
+  except (ValueError, OSError) as e:
+    error = e
+  _agree(error, "to open the run folder", pi, pc)  # the others wait for process 0's mkdir
+
+  lock = None
+  try:
+    lock = acquire(out, process_index=pi, process_count=pc, log=log)
     refuse_existing()  # again under the lock: a run may have finished here since the first look
+  except (ValueError, OSError) as e:
+    error = e
+  try:
+    _agree(error, "to lock the run folder", pi, pc)
     if overwrite:
-      for p in _existing_run(out):
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
+      try:
+        if pi == 0:
+          for p in _existing_run(out):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+      except OSError as e:
+        error = e
+      _agree(error, "to delete the overwritten run", pi, pc)  # the others wait for the deletion
   except BaseException:
-    lock.release()
+    if lock is not None:
+      lock.release()
     raise
   return out, lock

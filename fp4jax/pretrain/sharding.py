@@ -11,13 +11,15 @@ collective quantization adds), and stochastic-rounding bits come from `jax.rando
 partitionable threefry, identical however the tensor is split. `check_divisibility` makes sure every scaling block
 (NVFP4: 16 elements, 16x16 weight tiles) and RHT tile along tokens lies within one shard, so no block straddles a
 shard boundary.
+
+Multi-process runs (fp4jax.pretrain.distributed): the mesh spans every process's devices; each process reads only
+the rows of the batch its devices hold (`batch_block`) and `global_batch` assembles the global arrays.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 from typing import Any, Sequence
 
@@ -203,28 +205,32 @@ def check_divisibility(params, mesh: Mesh, *, block_size: int, weight_2d: bool, 
                      f"of {multiple}: Wgrad's token blocks / RHT tiles would straddle shards.")
 
 
-def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
-  """Multi-host setup: `jax.distributed.initialize` from arguments or the environment.
+def batch_block(mesh: Mesh, process_index: int | None = None) -> tuple[int, int]:
+  """(index, count): the process's devices hold block `index` of the batch cut into `count` equal row blocks.
 
-  Environment: FP4JAX_COORDINATOR (host:port), FP4JAX_NUM_PROCESSES, FP4JAX_PROCESS_ID; with none given and no
-  variables set this is a no-op (single host). On managed clusters (SLURM, TPU pods) jax auto-detects them.
+  With one process this is (0, 1). A process whose batch shards are not one contiguous block of rows (a mesh whose
+  device order interleaves processes along data/fsdp) raises ValueError: build the mesh from jax.devices() order.
   """
-  coordinator_address = coordinator_address or os.environ.get("FP4JAX_COORDINATOR")
-  num_processes = num_processes or (int(os.environ["FP4JAX_NUM_PROCESSES"])
-                                    if "FP4JAX_NUM_PROCESSES" in os.environ else None)
-  if process_id is None and "FP4JAX_PROCESS_ID" in os.environ:
-    process_id = int(os.environ["FP4JAX_PROCESS_ID"])
-  if coordinator_address is None and num_processes is None:
-    return
-  jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                             process_id=process_id)
+  process_index = jax.process_index() if process_index is None else process_index
+  n_fsdp, n_batch = mesh.shape["fsdp"], _shards(mesh, BATCH_AXES)
+  axes = [mesh.axis_names.index(a) for a in BATCH_AXES]
+  shards = sorted({idx[axes[0]] * n_fsdp + idx[axes[1]] for idx, device in np.ndenumerate(mesh.devices)
+                   if device.process_index == process_index})
+  if not shards:
+    raise ValueError(f"process {process_index} has no device in the mesh {dict(mesh.shape)}.")
+  m = len(shards)
+  if shards != list(range(shards[0], shards[0] + m)) or shards[0] % m or n_batch % m:
+    raise ValueError(f"process {process_index} holds batch shards {shards} of {n_batch}: not one contiguous block "
+                     "of rows, so it cannot read its rows of the batch alone; order the mesh's data/fsdp axes by "
+                     "process (jax.devices() order).")
+  return shards[0] // m, n_batch // m
 
 
-def global_batch(local_batch: dict, mesh: Mesh) -> dict:
-  """Assembles each host's slice of the batch (rows process_index*B/P ...) into global sharded arrays."""
+def global_batch(local_batch: dict, mesh: Mesh, count: int = 1) -> dict:
+  """Global sharded arrays from each process's block of rows (`count` blocks in all, see `batch_block`)."""
   sharding = batch_sharding(mesh)
-  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
+  return {k: jax.make_array_from_process_local_data(sharding, v, (v.shape[0] * count, *v.shape[1:]))
+          for k, v in local_batch.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +257,9 @@ class Placement:
   def for_mesh(cls, mesh_spec: str | None, state, *, recipe, batch_size: int, seq_len: int) -> "Placement":
     """One device when `mesh_spec` is empty; else a mesh, after checking `recipe`'s blocks fit its shards."""
     if not mesh_spec:
+      if jax.process_count() > 1:
+        raise ValueError(f"this is one of {jax.process_count()} processes: pass a --mesh over all "
+                         f"{jax.device_count()} devices (e.g. data={jax.device_count()}).")
       return cls.single_device()
     mesh = make_mesh(mesh_spec)
     check_divisibility(state.params, mesh, batch_size=batch_size, seq_len=seq_len, **recipe_block_sizes(recipe))
@@ -258,8 +267,12 @@ class Placement:
     return cls(state=state_sh, params=state_sh.params, batch=batch_sharding(mesh), replicated=replicated(mesh),
                mesh=mesh, key=str(mesh_spec))
 
+  def batch_block(self) -> tuple[int, int]:
+    """(index, count) of this process's rows: pass them to data.get_batch as (process_index, process_count)."""
+    return (0, 1) if self.mesh is None else batch_block(self.mesh)
+
   def put_batch(self, batch: dict[str, np.ndarray]):
-    """This process's rows of the global batch, placed per the batch sharding."""
+    """Global batch arrays from this process's rows (block `batch_block()` of the global batch)."""
     if self.mesh is None:
       return jax.device_put(batch, self.batch)
-    return global_batch(batch, self.mesh)
+    return global_batch(batch, self.mesh, self.batch_block()[1])

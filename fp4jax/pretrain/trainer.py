@@ -4,6 +4,12 @@ The loop runs the compiled step of the current precision phase; everything perio
 statistics, checkpoints, the metrics log, the caller's hooks) is a `Hook(fn, every=N)`. Batches are a pure function
 of (seed, step) and the step key is fold_in(run key, step), so a run resumed from a checkpoint reproduces an
 uninterrupted one bit for bit, stochastic rounding included.
+
+Multi-process runs (fp4jax.pretrain.distributed.init_distributed first): every process runs this same loop on its
+own rows of each batch; process 0 alone writes metrics.jsonl and the log (each checkpoint holds the config),
+creates or clears the run folder and moves superseded checkpoints aside, while all processes save and restore the
+orbax checkpoints together (each holds its own run.<i>.lock). A Ctrl-C on any process stops all of them after the
+same step. Unreadable checkpoints are not skipped in multi-process runs (see fp4jax.pretrain.resume).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import pathlib
 import signal
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +35,7 @@ import fp4jax
 from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import data as data_lib
+from fp4jax.pretrain import distributed
 from fp4jax.pretrain import metrics as metrics_lib
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
@@ -37,6 +45,8 @@ from fp4jax.pretrain.config import TrainConfig
 from fp4jax.pretrain.sharding import Placement
 from fp4jax.pretrain.steps import CompileCache, Phases, TrainState
 
+# What processes other than process 0 write metrics to.
+_NO_METRICS = types.SimpleNamespace(write=lambda record: None)
 # Independent streams derived from the run key.
 _INIT_STREAM, _STEP_STREAM, _EVAL_STREAM, _STATS_STREAM = 0, 1, 2, 3
 
@@ -112,8 +122,10 @@ def _init_state(model_config, key):
   return nnx.state(_make_model(model_config, None, key))
 
 
-def load_data(config: TrainConfig) -> tuple[data_lib.TokenDataset, list[dict[str, np.ndarray]]]:
-  """The dataset and the fixed validation batches; checks the vocabulary fits the model."""
+def load_data(config: TrainConfig, process_index: int = 0, process_count: int = 1
+              ) -> tuple[data_lib.TokenDataset, list[dict[str, np.ndarray]]]:
+  """The dataset and the fixed validation batches (row block `process_index` of `process_count`); checks the
+  vocabulary fits the model."""
   dataset = data_lib.load_dataset(config.data)
   if dataset.vocab_size > config.model.vocab_size:
     raise ValueError(f"The tokenizer has {dataset.vocab_size} tokens but the model's vocab_size is "
@@ -122,7 +134,8 @@ def load_data(config: TrainConfig) -> tuple[data_lib.TokenDataset, list[dict[str
   if not config.evaluation.batches:
     return dataset, []
   val = data_lib.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
-                             num_batches=config.evaluation.batches)
+                             num_batches=config.evaluation.batches, process_index=process_index,
+                             process_count=process_count)
   return dataset, val
 
 
@@ -206,22 +219,23 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
   finds no readable checkpoint (unreadable newer ones are moved aside, see fp4jax.pretrain.resume), RunLockedError
   when another run holds --out, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C.
   """
-  log = log or (lambda _: None)
+  log = log if log and distributed.is_main_process() else (lambda _: None)
   out, lock = runfolder.open_run_folder(config.out, resume=config.checkpointing.resume,
-                                        overwrite=config.checkpointing.overwrite, log=log)
+                                        overwrite=config.checkpointing.overwrite, log=log,
+                                        process_index=jax.process_index(), process_count=jax.process_count())
   with lock:
     log(f"Run folder: {out.absolute()}")
     return _train_locked(config, hooks, log, compile_cache, out)
 
 
 def _train_locked(config, hooks, log, compile_cache, out) -> dict[str, Any]:
-  dataset, val = load_data(config)
   keys = run_keys(config.seed)
   model = build_model(config, keys["init"])
   optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
   params = nnx.state(model, nnx.Param)
   state = TrainState(params=params, opt_state=jax.jit(optimizer.init)(params), step=jnp.asarray(0, jnp.int32))
   placement = _placement(config, state)
+  dataset, val = load_data(config, *placement.batch_block())
   phases = Phases(config, model, optimizer, compile_cache, placement)
   # Committed like a restored state (restore reads onto these shardings), so a fresh and a resumed run hit the
   # same compiled step, and a checkpoint saved on one mesh restores onto another.
@@ -246,7 +260,9 @@ def _resume(config, state, out, log) -> tuple[int, TrainState]:
   resume_step = config.checkpointing.resume_step
   if resume_step is not None and resume_step > config.steps:
     raise ValueError(f"--resume-step {resume_step} is beyond --steps {config.steps}.")
-  start, restored, meta = resume_lib.restore_readable(out, state._asdict(), resume_step, log=log)
+  start, restored, meta = resume_lib.restore_readable(out, state._asdict(), resume_step, log=log,
+                                                      process_index=jax.process_index(),
+                                                      process_count=jax.process_count())
   state = TrainState(**restored)
   if int(state.step) != start:
     raise ckpt.CheckpointError(f"Checkpoint {start} holds step counter {int(state.step)}: inconsistent.")
@@ -258,7 +274,7 @@ def _resume(config, state, out, log) -> tuple[int, TrainState]:
   changed = config_lib.result_differences(meta["config"], config.to_dict())
   if changed:
     log(f"Note: resuming with changed settings {changed}; the run will differ from an uninterrupted one.")
-  dropped = metrics_lib.truncate_metrics(out, start - 1)
+  dropped = metrics_lib.truncate_metrics(out, start - 1) if distributed.is_main_process() else 0
   log(f"Resumed from step {start} in {out}" + (f" (dropped {dropped} later metric records)" if dropped else ""))
   return start, state
 
@@ -306,9 +322,11 @@ class _Loop:
     if config.evaluation.stats_every:
       before.append(Hook(self._stats, config.evaluation.stats_every))
 
-    bar = tqdm.tqdm(total=config.steps, initial=self.start, disable=not config.logging.progress, unit="step",
+    main = distributed.is_main_process()
+    bar = tqdm.tqdm(total=config.steps, initial=self.start, disable=not (config.logging.progress and main), unit="step",
                     dynamic_ncols=True)
-    with metrics_lib.MetricsLog(self.out) as metrics_log, _sigint_flag() as interrupted, bar:
+    metrics_file = metrics_lib.MetricsLog(self.out) if main else contextlib.nullcontext(_NO_METRICS)
+    with metrics_file as metrics_log, _sigint_flag() as interrupted, bar:
 
       def write_metrics(info: StepInfo):
         r = info.record
@@ -324,9 +342,10 @@ class _Loop:
         for hook in before:
           hook(info)
 
+        block, blocks = phases.placement.batch_block()
         batch = phases.placement.put_batch(data_lib.get_batch(
             self.dataset, "train", step, batch_size=config.batch_size, seq_len=config.train_seq_len,
-            seed=config.seed, process_index=jax.process_index(), process_count=jax.process_count()))
+            seed=config.seed, process_index=block, process_count=blocks))
         train_step = phases.train_step(step)
         t0 = time.perf_counter()
         new_state, m = train_step(state, batch, jax.random.fold_in(self.keys["step"], step))
@@ -345,7 +364,8 @@ class _Loop:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}",
                         **({"val": f"{info.record['val_loss']:.4f}"} if "val_loss" in info.record else {}))
-        if interrupted.is_set():
+        # All processes stop after the same step, so the checkpoint below is saved by all of them together.
+        if distributed.any_process(interrupted.is_set()):
           self.save(step + 1, state, force=True)
           self.manager.wait_until_finished()
           self.log(f"Interrupted after step {step + 1}: checkpoint saved in {ckpt.checkpoint_dir(self.out)}.")

@@ -4,8 +4,10 @@ renamed); --resume-step N works with later (corrupt) checkpoints; a new --steps 
 is, and --keep-schedule keeps the stored warmup/decay lengths exactly."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import cli
@@ -82,6 +84,36 @@ def test_corrupt_checkpoints_fall_back_and_lose_nothing(env, tmp_path):
   manager = ckpt.open_manager(out, create=False)
   assert ckpt.available_steps(manager) == [4, 8, 12]
   manager.close()
+
+
+@pytest.mark.slow
+def test_multi_process_resume_refuses_corrupt_fallback_and_moves_from_process_0_only(env, tmp_path, monkeypatch):
+  out = tmp_path / "run"
+  trainer.train(make_config(env, out), log=None, compile_cache=env["cache"])
+  ck_dir = ckpt.checkpoint_dir(out)
+  zero_array_data(ck_dir / "12")
+  waits = []
+  monkeypatch.setattr(resume_lib.distributed, "any_process", lambda flag: waits.append(flag) or bool(flag))
+  config = make_config(env, out, resume=True)
+  state = _fresh_state(config)
+  # Unreadable newest checkpoint, several processes: a clear error, nothing moved.
+  with pytest.raises(ckpt.CorruptCheckpointError, match="multi-process run"):
+    resume_lib.restore_readable(out, state, log=None, process_index=0, process_count=2)
+  assert not (out / resume_lib.MOVED_DIR).exists()
+  # An explicit --resume-step: process 1 restores and waits, moving nothing; process 0 moves the later ones.
+  start, _, _ = resume_lib.restore_readable(out, state, 4, log=None, process_index=1, process_count=2)
+  assert start == 4 and waits == [False] and not (out / resume_lib.MOVED_DIR).exists()
+  start, _, _ = resume_lib.restore_readable(out, state, 4, log=lambda _: None, process_index=0, process_count=2)
+  assert start == 4 and waits == [False, False]
+  assert sorted(p.name.split(".")[0] for p in (out / resume_lib.MOVED_DIR).iterdir()) == ["12", "8"]
+
+
+def _fresh_state(config):
+  model = trainer.build_model(config, trainer.run_keys(config.seed)["init"])
+  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
+  params = nnx.state(model, nnx.Param)
+  return steps_lib.TrainState(params=params, opt_state=optimizer.init(params),
+                              step=jnp.asarray(0, jnp.int32))._asdict()
 
 
 def test_keep_schedule_keeps_warmup_decay_and_switch_in_steps():

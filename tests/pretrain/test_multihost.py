@@ -1,0 +1,304 @@
+"""Multi-process training for real: `python -m fp4jax train` launched as 2 processes on localhost with 2 simulated CPU
+devices each (gloo collectives), against one process with 4 devices on the same (data=2, fsdp=2) mesh.
+
+The slow tests share one module-scoped pair of reference runs and a persistent compilation cache (which spares
+single-process launches and process 0 a recompile; JAX writes it from process 0 only, so process 1 always compiles).
+Every subprocess is bounded by a timeout: a hang fails the test instead of CI.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from fp4jax.pretrain import distributed
+from fp4jax.pretrain import resume
+from fp4jax.pretrain import runfolder
+from fp4jax.pretrain import sharding
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+STEPS = 16  # enough steps left for a SIGINT sent after step 0 to land mid-run
+# The README's two-process command, plus what keeps it short: 1 block, 32-token rows, no validation, a checkpoint every 8 steps.
+TRAIN_ARGS = ["train", "--model", "tiny", "--recipe", "nvfp4", "--mesh", "data=2,fsdp=2", "--steps", str(STEPS),
+              "--model.n_layers", "1", "--seq-len", "32", "--eval-batches", "0", "--checkpoint-every", "8",
+              "--progress", "false"]
+TIMEOUT = 240  # per launch; generous for a loaded 2-core machine, still fails a hang
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _env(tmp: pathlib.Path, devices: int, **extra) -> dict[str, str]:
+  env = {k: v for k, v in os.environ.items() if not k.startswith("FP4JAX_")}
+  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+             PYTHONPATH=str(REPO), JAX_COMPILATION_CACHE_DIR=str(tmp / "jax_cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", FP4JAX_HEARTBEAT_TIMEOUT="10",
+             FP4JAX_SHUTDOWN_TIMEOUT="10", FP4JAX_INIT_TIMEOUT="60")
+  env.update(extra)
+  return env
+
+
+def _launch(tmp, args, nprocs: int, log_name: str, **extra) -> list[subprocess.Popen]:
+  """`python -m fp4jax ARGS` as `nprocs` processes (2 devices each) or one process with 4 devices."""
+  port = _free_port()
+  procs = []
+  for pid in range(nprocs):
+    env = _env(tmp, 2, FP4JAX_COORDINATOR=f"localhost:{port}", FP4JAX_NUM_PROCESSES=str(nprocs),
+               FP4JAX_PROCESS_ID=str(pid), **extra) if nprocs > 1 else _env(tmp, 4, **extra)
+    with open(tmp / f"{log_name}.{pid}.log", "w", encoding="utf-8") as log:  # the child keeps its own handle
+      procs.append(subprocess.Popen([sys.executable, "-m", "fp4jax", *args], cwd=REPO, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, text=True))
+  return procs
+
+
+def _wait(procs, timeout=TIMEOUT) -> list[int]:
+  deadline = time.monotonic() + timeout
+  codes = []
+  try:
+    for p in procs:
+      codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    pytest.fail(f"a process did not finish within {timeout}s (hang)")
+  return codes
+
+
+def _logs(tmp, log_name, nprocs) -> str:
+  return "\n".join(f"--- {log_name}.{i}\n" + (tmp / f"{log_name}.{i}.log").read_text()[-3000:]
+                   for i in range(nprocs))
+
+
+def _run(tmp, args, nprocs, log_name, **extra) -> None:
+  codes = _wait(_launch(tmp, args, nprocs, log_name, **extra))
+  assert codes == [0] * nprocs, _logs(tmp, log_name, nprocs)
+
+
+def _losses(out) -> dict[int, float]:
+  records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  steps = [r["step"] for r in records if "loss" in r]
+  assert len(steps) == len(set(steps)), f"duplicate step records (one writer only): {steps}"
+  return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def _copy_checkpoint(src, dst, step):
+  (dst / "checkpoints").mkdir(parents=True)
+  shutil.copytree(src / "checkpoints" / str(step), dst / "checkpoints" / str(step))
+
+
+def _assert_losses_match(got: dict[int, float], want: dict[int, float], first: int):
+  # As in test_train_mesh.py: the first step from identical params agrees to float tolerance; later steps drift
+  # like a change of SR seed once a float32 summation-order difference flips an FP4 code.
+  assert sorted(got) == list(range(first, STEPS)), got
+  np.testing.assert_allclose(got[first], want[first], rtol=1e-5)
+  np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """The same run as 2 processes x 2 devices and as 1 process x 4 devices (launched together)."""
+  tmp = tmp_path_factory.mktemp("multihost")
+  two = _launch(tmp, TRAIN_ARGS + ["--out", str(tmp / "two")], 2, "two")
+  one = _launch(tmp, TRAIN_ARGS + ["--out", str(tmp / "one")], 1, "one")
+  codes = _wait(two + one)
+  assert codes == [0, 0, 0], _logs(tmp, "two", 2) + _logs(tmp, "one", 1)
+  return tmp
+
+
+# --- fast checks -------------------------------------------------------------------------------------------------
+
+def test_env_config_parsing():
+  assert distributed.DistributedConfig.from_env({}) is None
+  cfg = distributed.DistributedConfig.from_env({"FP4JAX_COORDINATOR": "h:1", "FP4JAX_NUM_PROCESSES": "4",
+                                                "FP4JAX_PROCESS_ID": "3", "FP4JAX_INIT_TIMEOUT": "7"})
+  assert (cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.init_timeout) == ("h:1", 4, 3, 7)
+  with pytest.raises(ValueError, match="FP4JAX_PROCESS_ID missing"):
+    distributed.DistributedConfig.from_env({"FP4JAX_COORDINATOR": "h:1", "FP4JAX_NUM_PROCESSES": "2"})
+  with pytest.raises(ValueError, match="must be an integer"):
+    distributed.DistributedConfig.from_env({"FP4JAX_COORDINATOR": "h:1", "FP4JAX_NUM_PROCESSES": "two",
+                                            "FP4JAX_PROCESS_ID": "0"})
+  with pytest.raises(ValueError, match="0 <= FP4JAX_PROCESS_ID"):
+    distributed.DistributedConfig("h:1", num_processes=2, process_id=2)
+  with pytest.raises(ValueError, match="host:port"):
+    distributed.DistributedConfig("h", num_processes=2, process_id=0)
+
+
+def test_init_after_backend_started_is_a_clear_error():
+  jax.devices()  # this pytest process already uses its backend
+  with pytest.raises(RuntimeError, match="must run before anything uses a JAX backend"):
+    distributed.init_distributed(distributed.DistributedConfig("localhost:1", num_processes=2, process_id=0))
+
+
+def test_init_without_variables_is_a_no_op(monkeypatch):
+  for name in ("FP4JAX_COORDINATOR", "FP4JAX_NUM_PROCESSES", "FP4JAX_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  assert distributed.init_distributed() is False
+  assert distributed.is_main_process() and distributed.any_process(True) and not distributed.any_process(False)
+
+
+def _fake_mesh(process_of_device, shape):
+  devices = np.empty(len(process_of_device), object)
+  devices[:] = [types.SimpleNamespace(process_index=p) for p in process_of_device]
+  return types.SimpleNamespace(devices=devices.reshape(shape), axis_names=sharding.AXES,
+                               shape=dict(zip(sharding.AXES, shape)))
+
+
+@pytest.mark.parametrize("procs, shape, want", [
+    ([0, 0, 1, 1], (2, 2, 1), [(0, 2), (1, 2)]),  # the tests' mesh: each process holds half the rows
+    ([0, 0, 0, 0, 1, 1, 1, 1], (2, 2, 2), [(0, 2), (1, 2)]),  # tensor inside a process
+    ([0, 1, 0, 1], (1, 2, 2), [(0, 1), (0, 1)]),  # tensor across processes: both hold all rows
+    ([0, 1, 2, 3], (4, 1, 1), [(i, 4) for i in range(4)]),
+])
+def test_batch_block(procs, shape, want):
+  mesh = _fake_mesh(procs, shape)
+  assert [sharding.batch_block(mesh, p) for p in range(max(procs) + 1)] == want
+
+
+def test_batch_block_interleaved_processes_is_a_clear_error():
+  with pytest.raises(ValueError, match="not one contiguous block"):
+    sharding.batch_block(_fake_mesh([0, 1, 0, 1], (4, 1, 1)), 0)
+
+
+def test_imports_start_no_backend():
+  # init_distributed must come before any backend use: importing the CLI, trainer and experiments must not start
+  # one (a module-level jnp constant once did, making every multi-process launch fail).
+  code = ("import fp4jax, fp4jax.pretrain.cli, fp4jax.pretrain.trainer, experiments.sweep, experiments.probes\n"
+          "import experiments.probes.run, fp4jax.prng, fp4jax.formats, fp4jax.model_quantize, fp4jax.keys\n"
+          "import fp4jax.pretrain.runfolder, fp4jax.pretrain.resume, fp4jax.pretrain.distributed\n"
+          "fp4jax.quantize_model  # lazy attribute: imports model_quantize's dependencies\n"
+          "from fp4jax.pretrain import cli\n"
+          "cli.config_from_args(['--mesh', 'data=2,fsdp=2', '--steps', '3', '--out', 'x'])\n"
+          "from jax._src import xla_bridge\n"
+          "assert not xla_bridge.backends_are_initialized(), 'a backend started'\n")
+  env = {**os.environ, "PYTHONPATH": str(REPO)}
+  result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_run_folder_other_processes_wait_and_leave_the_folder_to_process_0(tmp_path, monkeypatch):
+  # Process 1 of 2 (simulated: JAX itself has one process here): it creates and deletes nothing, locks its own
+  # run.1.lock, and waits (a collective) before locking and after process 0's deletion.
+  waits = []
+  monkeypatch.setattr(distributed, "any_process", lambda flag: waits.append(flag) or bool(flag))
+  out = tmp_path / "run"
+  with pytest.raises(FileNotFoundError):  # process 0 never created it: process 1 did not either
+    runfolder.open_run_folder(out, resume=False, overwrite=False, process_index=1, process_count=2)
+  assert not out.exists() and waits == [False, True]  # its lock failed: all processes learn it
+  (out / "checkpoints" / "8").mkdir(parents=True)
+  (out / "metrics.jsonl").write_text("{}\n")
+  waits.clear()
+  path, lock = runfolder.open_run_folder(out, resume=False, overwrite=True, process_index=1, process_count=2)
+  with lock:
+    assert lock.path.name == "run.1.lock" and waits == [False, False, False]
+    assert (out / "checkpoints" / "8").is_dir() and (out / "metrics.jsonl").exists()  # process 0's job
+  waits.clear()
+  path, lock = runfolder.open_run_folder(out, resume=False, overwrite=True, process_index=0, process_count=2)
+  with lock:
+    assert lock.path.name == "run.0.lock" and waits == [False, False, False]
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_run_folder_refusal_on_one_process_makes_all_raise(tmp_path, monkeypatch):
+  monkeypatch.setattr(distributed, "any_process", lambda flag: True)  # another process refused
+  with pytest.raises(runfolder.PeerFailedError, match="another process failed to open the run folder"):
+    runfolder.open_run_folder(tmp_path / "run", resume=False, overwrite=False, process_index=1, process_count=2)
+
+
+def test_missing_peer_fails_initialization_in_bounded_time(tmp_path):
+  # Process 1 never starts: after FP4JAX_INIT_TIMEOUT, JAX aborts process 0 from C++ (SIGABRT, DEADLINE_EXCEEDED);
+  # there is no Python exception to turn into a nicer exit, so the line printed before waiting says what it was.
+  port = _free_port()
+  env = _env(tmp_path, 2, FP4JAX_COORDINATOR=f"localhost:{port}", FP4JAX_NUM_PROCESSES="2", FP4JAX_PROCESS_ID="0",
+             FP4JAX_INIT_TIMEOUT="3")
+  t0 = time.monotonic()
+  result = subprocess.run([sys.executable, "-m", "fp4jax", *TRAIN_ARGS, "--out", str(tmp_path / "x")], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode != 0
+  assert f"process 0 of 2 joining the run at localhost:{port} (waiting up to 3s" in result.stderr
+  assert "DEADLINE_EXCEEDED" in result.stderr, result.stderr[-3000:]
+  assert time.monotonic() - t0 < 100
+  assert not (tmp_path / "x").exists()
+
+
+# --- real processes ----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(runs):
+  two, one = _losses(runs / "two"), _losses(runs / "one")
+  _assert_losses_match(two, one, 0)
+  lines = (runs / "two" / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line)["step"] for line in lines] == list(range(STEPS))  # one writer, one line per step
+  assert not (runs / "two" / "config.json").exists()  # each checkpoint holds the config
+  assert resume.resume_meta(runs / "two")[1]["config"]["mesh"] == "data=2,fsdp=2"
+  assert sorted(p.name for p in (runs / "two").glob("run*.lock")) == ["run.0.lock", "run.1.lock"]
+  assert sorted(int(p.name) for p in (runs / "two" / "checkpoints").iterdir()) == [8, 16]
+  assert "Done: step 16" in (runs / "two.0.log").read_text()
+  assert "Done: step" not in (runs / "two.1.log").read_text()  # only process 0 logs
+
+
+@pytest.mark.slow
+def test_resume_one_process_checkpoint_on_two_processes(runs):
+  out = runs / "one_to_two"
+  _copy_checkpoint(runs / "one", out, 8)
+  _run(runs, TRAIN_ARGS + ["--out", str(out), "--resume"], 2, "one_to_two")
+  _assert_losses_match(_losses(out), _losses(runs / "one"), 8)
+
+
+def _launch_and_wait_for_first_step(tmp, out, log_name):
+  procs = _launch(tmp, TRAIN_ARGS + ["--out", str(out)], 2, log_name)
+  deadline = time.monotonic() + TIMEOUT
+  metrics = out / "metrics.jsonl"
+  while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
+    if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+      for p in procs:
+        p.kill()
+      pytest.fail("the run did not start: " + _logs(tmp, log_name, 2))
+    time.sleep(0.1)
+  return procs
+
+
+@pytest.mark.slow
+def test_sigint_to_one_process_stops_all_with_a_checkpoint_then_resume_on_one_process(runs):
+  out = runs / "sigint"
+  procs = _launch_and_wait_for_first_step(runs, out, "sigint")
+  procs[1].send_signal(signal.SIGINT)  # not the process that writes metrics
+  assert _wait(procs) == [130, 130], _logs(runs, "sigint", 2)
+  saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir())
+  assert len(saved) == 1 and 1 <= saved[0] < STEPS, saved
+  stopped = saved[0]
+  assert sorted(_losses(out)) == list(range(stopped))  # every finished step logged, once
+  assert f"Interrupted after step {stopped}: checkpoint saved" in (runs / "sigint.0.log").read_text()
+  # The checkpoint the two processes wrote together restores onto one process with 4 devices.
+  resumed = runs / "sigint_resumed"
+  _copy_checkpoint(out, resumed, stopped)
+  _run(runs, TRAIN_ARGS + ["--out", str(resumed), "--resume"], 1, "sigint_resumed")
+  _assert_losses_match(_losses(resumed), _losses(runs / "two"), stopped)
+
+
+@pytest.mark.slow
+def test_a_dead_process_makes_the_other_exit_with_an_error(runs):
+  procs = _launch_and_wait_for_first_step(runs, runs / "dead", "dead")
+  procs[1].kill()
+  t0 = time.monotonic()
+  code = _wait(procs[:1], timeout=90)[0]
+  procs[1].wait(timeout=10)
+  log = (runs / "dead.0.log").read_text()
+  # Exit 3 with our message when a collective fails (gloo sees the closed socket); otherwise the coordination
+  # service's heartbeat timeout (10 s here) aborts the process (SIGABRT: -6) naming the dead task.
+  assert code in (3, -6), log[-3000:]
+  assert "another process probably died" in log or "heartbeat timeout" in log, log[-3000:]
+  assert time.monotonic() - t0 < 60
