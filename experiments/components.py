@@ -12,6 +12,7 @@ Change the full recipe's BF16 blocks with --set bf16_last=K (no_hp_layers keeps 
 
 import sys
 
+from experiments import cli
 from experiments import sweep
 
 SEEDS = {"smoke": 1, "cpu": 2, "gpu": 1}
@@ -36,7 +37,7 @@ def get_config(preset: str) -> sweep.Sweep:
 
 
 def main(argv=None) -> int:
-  return sweep.main(get_config, argv, prog="python -m experiments.components", doc=__doc__)
+  return cli.main(get_config, argv, prog="python -m experiments.components", doc=__doc__)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Paper (8B, 1T tokens): MXFP4 ~2.5% relative loss gap vs ~1.5% for NVFP4.
 
 import sys
 
+from experiments import cli
 from experiments import sweep
 
 SEEDS = {"smoke": 1, "cpu": 2, "gpu": 1}
@@ -34,7 +35,7 @@ def get_config(preset: str) -> sweep.Sweep:
 
 
 def main(argv=None) -> int:
-  return sweep.main(get_config, argv, prog="python -m experiments.formats", doc=__doc__)
+  return cli.main(get_config, argv, prog="python -m experiments.formats", doc=__doc__)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ BF16 stabilised training, the first 4 alone did not; first 2 + last 2 worked. At
 
 import sys
 
+from experiments import cli
 from experiments import sweep
 
 SEEDS = {"smoke": 1, "cpu": 2, "gpu": 1}
@@ -38,7 +39,7 @@ def get_config(preset: str) -> sweep.Sweep:
 
 
 def main(argv=None) -> int:
-  return sweep.main(get_config, argv, prog="python -m experiments.high_precision_layers", doc=__doc__)
+  return cli.main(get_config, argv, prog="python -m experiments.high_precision_layers", doc=__doc__)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ runs every GEMM in BF16 and "fwd" only Fprop (Dgrad and Wgrad stay NVFP4). Paper
 
 import sys
 
+from experiments import cli
 from experiments import sweep
 
 SEEDS = {"smoke": 1, "cpu": 2, "gpu": 1}
@@ -38,7 +39,7 @@ def get_config(preset: str) -> sweep.Sweep:
 
 
 def main(argv=None) -> int:
-  return sweep.main(get_config, argv, prog="python -m experiments.precision_switch", doc=__doc__)
+  return cli.main(get_config, argv, prog="python -m experiments.precision_switch", doc=__doc__)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ fresh signs per call gave no gain.
 
 import sys
 
+from experiments import cli
 from experiments import sweep
 
 SEEDS = {"smoke": 1, "cpu": 2, "gpu": 1}
@@ -40,7 +41,7 @@ def get_config(preset: str) -> sweep.Sweep:
 
 
 def main(argv=None) -> int:
-  return sweep.main(get_config, argv, prog="python -m experiments.rht_size", doc=__doc__)
+  return cli.main(get_config, argv, prog="python -m experiments.rht_size", doc=__doc__)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""The command line shared by every experiment module: `python -m experiments.NAME --preset P --out DIR [...]`.
+
+Parses the preset, --seeds, --set overrides and --runs into a `sweep.Sweep`, runs it (`sweep.run_sweep`) and writes
+the report (`experiments.report`); `--list` prints the runs and runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+
+import fp4jax.pretrain.distributed
+import fp4jax.pretrain.model
+
+from experiments import report
+from experiments.sweep import PRESETS, Sweep, check_preset, parse_overrides, run_sweep
+
+
+def make_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+  """The command line shared by every experiment module."""
+  parser = argparse.ArgumentParser(
+      prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog="Overrides: --set KEY=VALUE (repeatable) changes a setting shared by all runs, e.g. --set steps=100 "
+             "--set model.d_model=128 --set recipe=nvfp4:rht_size=4. KEY is a TrainConfig field (see "
+             "`python -m fp4jax train --help`), `model` (a preset: " + ", ".join(sorted(fp4jax.pretrain.model.MODEL_PRESETS))
+             + "), model.FIELD or data.FIELD. A run's own settings (what the experiment varies) win over --set.")
+  parser.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
+  parser.add_argument("--out", required=True, help="sweep folder: OUT/<run>/seed<k>/, results.md, *.png")
+  parser.add_argument("--seeds", type=int, default=None, help="seeds per run (default: the preset's)")
+  parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a shared setting (repeatable)")
+  parser.add_argument("--runs", default=None, help="comma-separated subset of runs (the reference is kept)")
+  parser.add_argument("--list", action="store_true", help="print the runs and their settings, run nothing")
+  parser.add_argument("--no-report", action="store_true", help="skip writing results.md and plots at the end")
+  parser.add_argument("--quiet", action="store_true", help="no progress bar")
+  return parser
+
+
+def build_sweep(get_config: Callable[[str], Sweep], args: argparse.Namespace) -> Sweep:
+  """The sweep a parsed command line asks for (preset, --seeds, --set, --runs applied)."""
+  sweep = get_config(check_preset(args.preset))
+  if args.seeds is not None:
+    sweep = sweep.replace(seeds=args.seeds)
+  overrides = parse_overrides(args.overrides)
+  if overrides:
+    sweep = sweep.with_overrides(overrides)
+    for run in sweep.runs:
+      kept = sorted(set(overrides) & set(run.overrides))
+      if kept:
+        print(f"Note: run {run.name!r} keeps its own {', '.join(kept)} (what the experiment varies).")
+  if args.runs:
+    sweep = sweep.select([n.strip() for n in args.runs.split(",") if n.strip()])
+  return sweep
+
+
+def describe(sweep: Sweep) -> str:
+  """The sweep's runs and shared settings, one line each."""
+  lines = [f"{sweep.experiment} ({sweep.preset}): {len(sweep.runs)} runs x {sweep.seeds} seeds; "
+           f"reference {sweep.reference}", f"  shared: {sweep.base}"]
+  lines += [f"  {r.name:<24} {r.overrides}" for r in sweep.runs]
+  return "\n".join(lines)
+
+
+def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog: str, doc: str) -> int:
+  """Entry point of `python -m experiments.NAME`: parse, run the sweep, write the report; returns the exit code."""
+  parser = make_parser(prog, doc)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = parser.parse_args(argv)
+  fp4jax.pretrain.distributed.init_distributed()  # first JAX use; a no-op without the FP4JAX_* variables
+  try:
+    sweep = build_sweep(get_config, args)
+  except ValueError as e:
+    parser.error(str(e))
+  sweep = sweep.replace(command=" ".join([prog] + [shlex.quote(a) for a in argv]))  # recorded in results.md
+  if args.list:
+    print(describe(sweep))
+    return 0
+  print(describe(sweep))
+  try:
+    run_sweep(sweep, args.out, progress=not args.quiet)
+  except ValueError as e:  # settings clash with a finished run, invalid combined settings
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print(f"Interrupted: finished runs are kept in {args.out}; repeat the command to resume.", file=sys.stderr)
+    return 130
+  if not args.no_report and fp4jax.pretrain.distributed.is_main_process():
+    written = report.write_report(args.out)
+    print(f"Report: {', '.join(str(p) for p in written)}")
+  return 0
