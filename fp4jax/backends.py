@@ -30,6 +30,9 @@ def pallas_quantize(x, cfg, *, axis: int, recipe, key, signs):
   if not isinstance(cfg.fmt, formats.NVFP4):
     _fallback(f"the quantize kernel is NVFP4-only (got {cfg.fmt.name})")
     return None
+  if not cfg.fmt.is_default:
+    _fallback(f"the quantize kernel has NVIDIA's scale rules only (got {cfg.fmt.label})")
+    return None
   return _kernels().quantize_nvfp4(x, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding, key=key,
                                    rht_size=recipe.rht_size if cfg.rht else None, rht_signs=signs,
                                    random_bits=recipe.random_bits, pad=cfg.pad)
@@ -39,5 +42,9 @@ def pallas_gemm(a, b, contract):
   """float32 product of two 2D FP4 QArrays on the Pallas GEMM kernel, or None if not covered."""
   if not (a.fmt.is_fp4 and b.fmt.is_fp4) or a.ndim != 2 or b.ndim != 2:
     _fallback("the GEMM kernel takes 2D NVFP4/MXFP4 operands")
+    return None
+  if not all(getattr(q.fmt, "is_default", True) for q in (a, b)):
+    # The kernel decodes NVFP4 with NVIDIA's tensor scale amax / 2688; other scale rules decode differently.
+    _fallback("the GEMM kernel decodes NVIDIA's NVFP4 scales only")
     return None
   return _kernels().fp4_matmul(a, b, contract=contract)

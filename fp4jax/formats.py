@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Literal, NamedTuple, Union
 
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax import fp8
 from fp4jax import grids
@@ -38,8 +39,24 @@ class Scaling(NamedTuple):
   nan_blocks: Any = None
 
 
+NVFP4_SCALE_RULES = ("nearest", "up", "4over6")
+FOUR_OVER_SIX_SELECT = ("mse", "mae", "absmax")
+FOUR_OVER_SIX_E4M3_BOUND = 256.0
+_HEADROOM = 16.0 / 17.0
+
+
+def _f32(v: float) -> float:
+  """`v` rounded to the nearest float32 (the constants the float32 arithmetic uses)."""
+  return float(np.float32(v))
+
+
 class _Format:
   """Shared helpers of the format dataclasses."""
+
+  def scaling_candidates(self, amax_b, amax):
+    """Several candidate scalings to choose from per block, or None (the single `scaling_from_amax`)."""
+    del amax_b, amax
+    return None
 
   name: str
   block_size: int
@@ -78,28 +95,95 @@ class NVFP4(_FP4Format):
   Two-level scaling (arXiv 2509.25149, Sec. 2 and App. B): the per-tensor encode scale `2688 / amax` maps the
   tensor's largest block to the top of E4M3 x E2M1 (448 * 6), so block scales stay in E4M3's range whatever the
   tensor's magnitude.
+
+  scale_rule:
+    "nearest": NVIDIA's rule, the block scale amax_b * S_enc / 6 rounded to the nearest E4M3 value. When it rounds
+      down (about half the blocks) the block max scales above 6 and saturates, which biases stochastic rounding.
+    "up": that block scale rounded up to the next E4M3 value, so nothing saturates and stochastic rounding is
+      unbiased at the block maxima too (Quartet II, arXiv 2601.22813, makes the same point; fouroversix's
+      "stochastic_unbiased" rounding).
+    "4over6": Four Over Six (arXiv 2512.02010; mit-han-lab/fouroversix,
+      src/fouroversix/quantize/pytorch/reference.py): each block is quantized twice, its max mapped to 6 and to 4,
+      and keeps the candidate whose dequantized values are closer to the input by `select`. The tensor scale uses
+      an E4M3 bound of 256 instead of 448 (S_enc = 6 * 256 / amax), so the "4" candidate's 1.5x larger block
+      scale still fits in E4M3. Ties keep the "6" candidate. With stochastic rounding both candidates use the
+      same random bits.
+  select: the 4/6 error per block: "mse" (sum of squares), "mae" (sum of magnitudes) or "absmax" (largest).
+  headroom: encode elements at 16/17 of their scale (block max at 6 * 16/17) and undo it in the tensor decode
+    scale: E4M3 rounding moves a block scale down by at most a factor 16/17, so no element saturates (the other
+    cure for the stochastic-rounding bias; fouroversix's rounding "adjustment factor").
   """
 
   block_size: int = 16
+  scale_rule: Literal["nearest", "up", "4over6"] = "nearest"
+  select: Literal["mse", "mae", "absmax"] = "mse"
+  headroom: bool = False
   name: str = dataclasses.field(default="nvfp4", init=False)
 
   def __post_init__(self):
     if self.block_size != 16:
       raise ValueError(f"NVFP4 uses 16-element blocks; got block_size={self.block_size}.")
+    if self.scale_rule not in NVFP4_SCALE_RULES:
+      raise ValueError(f"NVFP4 scale_rule must be one of {NVFP4_SCALE_RULES}; got {self.scale_rule!r}.")
+    if self.select not in FOUR_OVER_SIX_SELECT:
+      raise ValueError(f"NVFP4 select must be one of {FOUR_OVER_SIX_SELECT}; got {self.select!r}.")
+    if not isinstance(self.headroom, bool):
+      raise ValueError(f"NVFP4 headroom must be True or False; got {self.headroom!r}.")
 
   scale_max = grids.E4M3_MAX
   scale_dtype = jnp.float8_e4m3fn
 
-  def scaling_from_amax(self, amax_b, amax) -> Scaling:
-    """Scales from block amaxes and the tensor amax (float32)."""
-    s_b, encode = nvfp4.scales(amax_b, amax)
+  @property
+  def is_default(self) -> bool:
+    """NVIDIA's rules (what the fused kernels implement)."""
+    return self.scale_rule == "nearest" and not self.headroom
+
+  @property
+  def label(self) -> str:
+    tags = [] if self.scale_rule == "nearest" else [self.scale_rule]
+    if self.scale_rule == "4over6" and self.select != "mse":
+      tags[-1] += ":" + self.select
+    if self.headroom:
+      tags.append("16/17")
+    return self.name + (f"({','.join(tags)})" if tags else "")
+
+  @property
+  def _factor(self) -> float:
+    return _HEADROOM if self.headroom else 1.0
+
+  @property
+  def global_range(self) -> float:
+    """float32 R with S_enc = R / amax: 6 * E4M3 bound (448, or 256 for 4/6), times 16/17 with headroom."""
+    bound = FOUR_OVER_SIX_E4M3_BOUND if self.scale_rule == "4over6" else grids.E4M3_MAX
+    return _f32(grids.E2M1_MAX * bound * self._factor)
+
+  @property
+  def targets(self) -> tuple[float, ...]:
+    """The element value(s) a block max maps to: (6,), or (6, 4) for 4/6 (times 16/17 with headroom)."""
+    ts = (grids.E2M1_MAX, 4.0) if self.scale_rule == "4over6" else (grids.E2M1_MAX,)
+    return tuple(t * self._factor for t in ts)
+
+  def _scaling(self, amax_b, amax, target) -> Scaling:
+    s_b, encode = nvfp4.scales(amax_b, amax, global_range=self.global_range, inv_target=_f32(1.0 / target),
+                               round_up=self.scale_rule == "up")
     # s_b is exactly an E4M3 value: decoding with it equals decoding the stored float8 scale (NaN aside, which the
     # quantizer maps to a NaN tensor anyway).
-    return Scaling(s_b.astype(jnp.float8_e4m3fn), (encode,), (s_b,), nvfp4.global_decode_scale(amax))
+    return Scaling(s_b.astype(jnp.float8_e4m3fn), (encode,), (s_b,),
+                   nvfp4.global_decode_scale(amax, self.global_range))
+
+  def scaling_from_amax(self, amax_b, amax) -> Scaling:
+    """Scales from block amaxes and the tensor amax (float32); for 4/6, the "6" candidate."""
+    return self._scaling(amax_b, amax, self.targets[0])
+
+  def scaling_candidates(self, amax_b, amax):
+    """The candidate scalings a block chooses from by `select` (4/6: max -> 6, max -> 4), or None if just one."""
+    if len(self.targets) == 1:
+      return None
+    return tuple(self._scaling(amax_b, amax, t) for t in self.targets)
 
   def scaling_from_stored(self, scales, amax) -> Scaling:
     """Decode scales from stored E4M3 block scales and the stored amax."""
-    return Scaling(scales, (), (scales.astype(jnp.float32),), nvfp4.global_decode_scale(amax))
+    return Scaling(scales, (), (scales.astype(jnp.float32),), nvfp4.global_decode_scale(amax, self.global_range))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +283,8 @@ Format = Union[NVFP4, MXFP4, FP8]
 
 _NAMED = {
     "nvfp4": NVFP4(),
+    "nvfp4_4over6": NVFP4(scale_rule="4over6"),
+    "nvfp4_up": NVFP4(scale_rule="up"),
     "mxfp4": MXFP4(),
     "mxfp4_ceil": MXFP4(scale_rule="ceil"),
     "fp8": FP8(),

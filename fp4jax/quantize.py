@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import formats
+from fp4jax import four_over_six
 from fp4jax import grids
 from fp4jax import rounding as rounding_lib
 from fp4jax.qarray import QArray, block_shape
@@ -174,6 +175,9 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False
   """
   amax_b = _block_amax(x32, block)
   amax = _tensor_amax(amax_b)
+  candidates = fmt.scaling_candidates(amax_b, amax)
+  if candidates is not None:
+    return _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, amax, values)
   scaling = fmt.scaling_from_amax(amax_b, amax)
   y = _scale_blocks(x32, scaling.encode, block)
   scales = scaling.stored
@@ -184,6 +188,17 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False
     return rounding_lib.round_e2m1(y, rounding=rounding, key=key, random_bits=random_bits), scales, amax, decode
   codes = rounding_lib.e2m1_codes(y, rounding=rounding, key=key, random_bits=random_bits)
   return codes, scales, amax, decode
+
+
+def _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, amax, values):
+  """_quantize_elements for formats that choose per block among candidate scalings (NVFP4 4/6: four_over_six.py)."""
+  round_fn = lambda y: rounding_lib.round_e2m1(y, rounding=rounding, key=key, random_bits=random_bits)
+  decode_fn = lambda v, sc: _decode(v, sc, block)
+  expand_fn = lambda s: _expand_blocks(s, block)
+  elements, stored, s_b, _ = four_over_six.choose(x32, candidates, block, fmt.select, round_fn, decode_fn, expand_fn)
+  scaling = formats.Scaling(stored, (), (s_b,), candidates[0].tensor_decode)
+  decode = lambda v: _decode(v, scaling, block)
+  return (elements if values else grids.e2m1_codes(elements)), stored, amax, decode
 
 
 # --- quantize -----------------------------------------------------------------------------------------------------
