@@ -149,16 +149,19 @@ class Recipe:
 
   def table(self) -> str:
     """The recipe as a readable table: one row per GEMM."""
-    rows = [f"Recipe {self.name!r} (backend={self.backend}, rht_size={self.rht_size}, rht_signs={self.rht_signs}, "
-            f"random_bits={self.random_bits})",
-            f"  {'GEMM':<6} {'lhs':<30} {'rhs':<30}"]
+    cells = []
     for g in GEMMS:
       cfg = self.gemm(g)
       ln, rn = _OPERAND_NAMES[g]
       rhs = cfg.rhs.describe()
       if g == "dgrad" and self.dgrad_reuses_weight:
         rhs += " (Fprop W^T reused)"
-      rows.append(f"  {g:<6} {ln + ': ' + cfg.lhs.describe():<30} {rn + ': ' + rhs:<30}")
+      cells.append((g, ln + ": " + cfg.lhs.describe(), rn + ": " + rhs))
+    w = max(30, *(len(c[1]) + 1 for c in cells))
+    rows = [f"Recipe {self.name!r} (backend={self.backend}, rht_size={self.rht_size}, rht_signs={self.rht_signs}, "
+            f"random_bits={self.random_bits})",
+            f"  {'GEMM':<6} {'lhs':<{w}} {'rhs':<30}"]
+    rows += [f"  {g:<6} {lhs:<{w}} {rhs:<30}" for g, lhs, rhs in cells]
     return "\n".join(rows)
 
   def __str__(self) -> str:
@@ -195,7 +198,7 @@ def _ablation_name(name, *, rht_on, rht_size, default_rht_size, stochastic_round
 
 
 def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht_on, random_signs, random_bits,
-                backend, default_rht_size) -> Recipe:
+                backend, default_rht_size, sr_fmt=None, extra_tags="") -> Recipe:
   # A CLI typo ("stochastic_rounding=flase") parses to a truthy string: reject it rather than silently enable.
   for flag, value in (("rht", rht), ("stochastic_rounding", stochastic_rounding), ("weight_2d", weight_2d)):
     if not isinstance(value, bool):
@@ -209,7 +212,8 @@ def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht
   grad_rounding = "stochastic" if stochastic_rounding else "nearest"
 
   def op(rounding="nearest", block_2d=False, gemm="fprop"):
-    return OperandConfig(fmt=fmt, block_2d=block_2d, rounding=rounding, rht=gemm in rht_on)
+    op_fmt = sr_fmt if rounding == "stochastic" and sr_fmt is not None else fmt
+    return OperandConfig(fmt=op_fmt, block_2d=block_2d, rounding=rounding, rht=gemm in rht_on)
 
   if random_signs is True:
     signs = "fixed"
@@ -222,26 +226,59 @@ def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht
   return Recipe(
       name=_ablation_name(name, rht_on=rht_on, rht_size=rht_size, default_rht_size=default_rht_size,
                           stochastic_rounding=stochastic_rounding, weight_2d=weight_2d, signs=signs,
-                          random_bits=random_bits),
+                          random_bits=random_bits) + extra_tags,
       fprop=GemmConfig(op(gemm="fprop"), op(block_2d=weight_2d, gemm="fprop")),
       dgrad=GemmConfig(op(grad_rounding, gemm="dgrad"), op(block_2d=weight_2d, gemm="dgrad")),
       wgrad=GemmConfig(op(grad_rounding, gemm="wgrad"), op(gemm="wgrad")),
       rht_size=rht_size, rht_signs=signs, random_bits=random_bits, backend=backend)
 
 
+UNBIASED_SR = (False, True, "up", "headroom")
+
+
 def nvfp4(*, rht: bool = True, rht_size: int = 16, stochastic_rounding: bool = True, weight_2d: bool = True,
           rht_on: tuple[str, ...] = ("wgrad",), random_signs=True, random_bits: int = 32,
-          backend: str = "xla") -> Recipe:
+          backend: str = "xla", four_over_six: bool = False, select: str = "mse", unbiased_sr=False) -> Recipe:
   """The paper's NVFP4 recipe; each keyword switches one component off or changes it (for ablations).
 
   rht: Random Hadamard Transform on the GEMMs in `rht_on` (paper: Wgrad only), tile size `rht_size`.
   stochastic_rounding: SR on the output-gradient operands of Dgrad and Wgrad (RNE elsewhere).
   weight_2d: 16x16 weight blocks, so Dgrad reuses the Fprop weight exactly (else 1x16 re-quantized per GEMM).
   random_signs: True = fixed random sign vector (paper), False = no signs, "per_call" = fresh signs per call.
+  four_over_six: every operand uses Four Over Six block scales (arXiv 2512.02010; `formats.NVFP4` scale_rule
+    "4over6"), chosen per block by `select` ("mse", "mae" or "absmax").
+  unbiased_sr: the SR operands' block scales: False (NVIDIA: rounded to nearest, ~1 % bias at block maxima),
+    True or "up" (rounded up: unbiased), "headroom" (elements at 16/17 of their scale: unbiased, composes with 4/6).
   """
-  return _fp4_recipe("nvfp4", formats.NVFP4(), rht=rht, rht_size=rht_size, stochastic_rounding=stochastic_rounding,
+  if not isinstance(four_over_six, bool):
+    raise ValueError(f"four_over_six must be True or False; got {four_over_six!r}.")
+  if unbiased_sr not in UNBIASED_SR or (unbiased_sr is not False and not isinstance(unbiased_sr, (bool, str))):
+    raise ValueError(f"unbiased_sr must be one of {UNBIASED_SR}; got {unbiased_sr!r}.")
+  if four_over_six and unbiased_sr in (True, "up"):
+    raise ValueError("four_over_six chooses between two block scales per block; rounding them up is not defined. "
+                     "Use unbiased_sr='headroom' with four_over_six.")
+  fmt = formats.NVFP4(scale_rule="4over6", select=select) if four_over_six else formats.NVFP4()
+  sr_fmt, tags = None, ""
+  if four_over_six:
+    tags += "+4over6" + ("" if select == "mse" else f":{select}")
+  if unbiased_sr is not False and stochastic_rounding:
+    sr_fmt = fmt.replace(headroom=True) if unbiased_sr == "headroom" else fmt.replace(scale_rule="up")
+    tags += "+usr" + (":headroom" if unbiased_sr == "headroom" else "")
+  return _fp4_recipe("nvfp4", fmt, rht=rht, rht_size=rht_size, stochastic_rounding=stochastic_rounding,
                      weight_2d=weight_2d, rht_on=rht_on, random_signs=random_signs, random_bits=random_bits,
-                     backend=backend, default_rht_size=16)
+                     backend=backend, default_rht_size=16, sr_fmt=sr_fmt, extra_tags=tags)
+
+
+def four_over_six(*, select: str = "mse", unbiased_sr=False, rht: bool = True, rht_size: int = 16,
+                  stochastic_rounding: bool = True, weight_2d: bool = True, rht_on: tuple[str, ...] = ("wgrad",),
+                  random_signs=True, random_bits: int = 32, backend: str = "xla") -> Recipe:
+  """NVIDIA's NVFP4 recipe with Four Over Six block scales on every operand (arXiv 2512.02010; repository
+  mit-han-lab/fouroversix): weights, activations and gradients, SR on the gradients as in NVIDIA's recipe. Unlike
+  TransformerEngine's implementation it composes with the RHT. Same switches as `nvfp4()`."""
+  r = nvfp4(rht=rht, rht_size=rht_size, stochastic_rounding=stochastic_rounding, weight_2d=weight_2d,
+            rht_on=rht_on, random_signs=random_signs, random_bits=random_bits, backend=backend,
+            four_over_six=True, select=select, unbiased_sr=unbiased_sr)
+  return r.replace(name="four_over_six" + r.name[len("nvfp4"):].replace("+4over6", "", 1))
 
 
 def mxfp4(*, scale_rule: str = "ceil", rht: bool = True, rht_size: int = 32, stochastic_rounding: bool = True,
@@ -267,7 +304,7 @@ def fp8(*, block_size: int = 128, scaling: str = "block") -> Recipe:
   return Recipe(name="fp8", fprop=GemmConfig(act, weight), dgrad=GemmConfig(act, weight), wgrad=GemmConfig(act, act))
 
 
-PRESETS = {"bf16": bf16, "nvfp4": nvfp4, "mxfp4": mxfp4, "fp8": fp8}
+PRESETS = {"bf16": bf16, "nvfp4": nvfp4, "mxfp4": mxfp4, "fp8": fp8, "four_over_six": four_over_six}
 RECIPE_NAMES = tuple(PRESETS)
 
 

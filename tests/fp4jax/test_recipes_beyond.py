@@ -221,3 +221,77 @@ def test_round_up_costs_variance_on_gaussian_data():
     var[name] = np.mean((d - d.mean(0)) ** 2)
   ratio = var["up"] / var["nearest"]
   assert 1.05 < ratio < 1.4, ratio
+
+
+# ---------------------------------------------------------------- presets
+
+
+def test_four_over_six_preset_table_and_cli_form():
+  r = fp4jax.recipes.four_over_six()
+  text = str(r)
+  assert r.name == "four_over_six"
+  for gemm in ("fprop", "dgrad", "wgrad"):
+    for op in (r.gemm(gemm).lhs, r.gemm(gemm).rhs):
+      assert op.fmt == FOUR_SIX
+  assert text.count("nvfp4(4over6)") == 6 and "SR RHT" in text and "16x16" in text
+  assert fp4jax.recipes.get_recipe("four_over_six") == r
+  assert fp4jax.recipes.get_recipe("nvfp4:four_over_six=true") == r.replace(name="nvfp4+4over6")
+  assert fp4jax.recipes.four_over_six(stochastic_rounding=False).name == "four_over_six-sr"
+  mae = fp4jax.recipes.get_recipe("four_over_six:select=mae,unbiased_sr=headroom")
+  assert mae.dgrad.lhs.fmt == fp4jax.NVFP4(scale_rule="4over6", select="mae", headroom=True)
+  assert mae.fprop.lhs.fmt == fp4jax.NVFP4(scale_rule="4over6", select="mae")
+
+
+def test_unbiased_sr_preset_changes_only_the_sr_operands():
+  r = fp4jax.recipes.get_recipe("nvfp4:unbiased_sr=true")
+  base = fp4jax.recipes.nvfp4()
+  assert r.name == "nvfp4+usr" and "nvfp4(up) 1x16 SR" in str(r)
+  assert r.dgrad.lhs.fmt == r.wgrad.lhs.fmt == fp4jax.NVFP4(scale_rule="up")
+  assert (r.fprop, r.dgrad.rhs, r.wgrad.rhs) == (base.fprop, base.dgrad.rhs, base.wgrad.rhs)
+  assert r.dgrad_reuses_weight
+  head = fp4jax.recipes.nvfp4(unbiased_sr="headroom")
+  assert head.wgrad.lhs.fmt == fp4jax.NVFP4(headroom=True)
+  # No SR, nothing to unbias: the recipe is NVIDIA's RNE ablation.
+  assert fp4jax.recipes.nvfp4(unbiased_sr=True, stochastic_rounding=False) == fp4jax.recipes.nvfp4(
+      stochastic_rounding=False)
+
+
+@pytest.mark.parametrize("spec,match", [("nvfp4:unbiased_sr=maybe", "unbiased_sr"),
+                                        ("four_over_six:unbiased_sr=true", "headroom"),
+                                        ("nvfp4:four_over_six=1", "four_over_six"),
+                                        ("four_over_six:select=l1", "select")])
+def test_bad_preset_options_raise(spec, match):
+  with pytest.raises(ValueError, match=match):
+    fp4jax.recipes.get_recipe(spec)
+
+
+DN = (((1,), (0,)), ((), ()))
+
+
+@functools.partial(jax.jit, static_argnames="recipe")
+def _fwd_and_grads(x_MxK, w_KxN, g_MxN, key, recipe):
+  y, vjp = jax.vjp(lambda x, w: fp4jax.dot_general(x, w, DN, recipe=recipe, key=key), x_MxK, w_KxN)
+  return (y,) + vjp(g_MxN)
+
+
+def test_four_over_six_recipe_gemms_with_rht_everywhere():
+  """4/6 composes with RHT on all three GEMMs: each GEMM is the product of the hand-quantized (RHT'd) operands."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((32, 48)) / 6, jnp.float32)
+  g = jnp.asarray(rng.standard_normal((32, 48)) * 1e-4, jnp.float32)
+  recipe = fp4jax.recipes.four_over_six(stochastic_rounding=False, rht_on=("fprop", "dgrad", "wgrad"),
+                                        weight_2d=False)
+  y, dx, dw = _fwd_and_grads(x, w, g, jax.random.key(0), recipe)
+  h = lambda t, axis: fp4jax.random_hadamard(t, size=16, axis=axis)
+  fq = lambda t, axis: np.asarray(fp4jax.fake_quant(t, FOUR_SIX, axis=axis), np.float64)
+  y_ref = fq(h(x, 1), 1) @ fq(h(w, 0), 0)
+  dx_ref = fq(h(g, 1), 1) @ fq(h(w, 1), 1).T
+  dw_ref = fq(h(x, 0), 0).T @ fq(h(g, 0), 0)
+  for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+    got = np.asarray(got, np.float64)
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+  # 4/6 really changed the operands (vs NVIDIA's scales with the same RHT).
+  y_nv = _fwd_and_grads(x, w, g, jax.random.key(0), recipe.replace(
+      fprop=fp4jax.recipes.nvfp4(rht_on=("fprop",), stochastic_rounding=False, weight_2d=False).fprop))[0]
+  assert np.abs(np.asarray(y_nv) - y_ref).max() > 1e-3 * np.abs(y_ref).max()
