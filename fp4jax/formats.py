@@ -43,6 +43,7 @@ NVFP4_SCALE_RULES = ("nearest", "up", "4over6")
 FOUR_OVER_SIX_SELECT = ("mse", "mae", "absmax")
 FOUR_OVER_SIX_E4M3_BOUND = 256.0
 _HEADROOM = 16.0 / 17.0
+DOUBLE_BLOCK_GROUP = 8  # blocks of 16 per double-block group (1x128)
 
 
 def _f32(v: float) -> float:
@@ -56,6 +57,11 @@ class _Format:
   def scaling_candidates(self, amax_b, amax):
     """Several candidate scalings to choose from per block, or None (the single `scaling_from_amax`)."""
     del amax_b, amax
+    return None
+
+  def group_amax(self, amax_b, block):
+    """The second-level amaxes per group of blocks, or None (one amax for the whole tensor)."""
+    del amax_b, block
     return None
 
   name: str
@@ -112,12 +118,18 @@ class NVFP4(_FP4Format):
   headroom: encode elements at 16/17 of their scale (block max at 6 * 16/17) and undo it in the tensor decode
     scale: E4M3 rounding moves a block scale down by at most a factor 16/17, so no element saturates (the other
     cure for the stochastic-rounding bias; fouroversix's rounding "adjustment factor").
+  double_block: TetraJet-v2's "double-block" scaling (arXiv 2510.27527; thu-ml/TetraJet-v2-NVFP4Training,
+    kernels/baseline_fakequant/nvfp4_quant_fused_kernel.py): the FP32 second-level scale comes from the amax of
+    each 1x128 group (8 blocks along the blocked axis) instead of the whole tensor, so one outlier only coarsens
+    its own group. The QArray then stores one amax per group (float32, the scales' shape with the blocked axis
+    divided by 8, rounded up). 1D blocks only.
   """
 
   block_size: int = 16
   scale_rule: Literal["nearest", "up", "4over6"] = "nearest"
   select: Literal["mse", "mae", "absmax"] = "mse"
   headroom: bool = False
+  double_block: bool = False
   name: str = dataclasses.field(default="nvfp4", init=False)
 
   def __post_init__(self):
@@ -127,8 +139,9 @@ class NVFP4(_FP4Format):
       raise ValueError(f"NVFP4 scale_rule must be one of {NVFP4_SCALE_RULES}; got {self.scale_rule!r}.")
     if self.select not in FOUR_OVER_SIX_SELECT:
       raise ValueError(f"NVFP4 select must be one of {FOUR_OVER_SIX_SELECT}; got {self.select!r}.")
-    if not isinstance(self.headroom, bool):
-      raise ValueError(f"NVFP4 headroom must be True or False; got {self.headroom!r}.")
+    for flag in ("headroom", "double_block"):
+      if not isinstance(getattr(self, flag), bool):
+        raise ValueError(f"NVFP4 {flag} must be True or False; got {getattr(self, flag)!r}.")
 
   scale_max = grids.E4M3_MAX
   scale_dtype = jnp.float8_e4m3fn
@@ -136,7 +149,7 @@ class NVFP4(_FP4Format):
   @property
   def is_default(self) -> bool:
     """NVIDIA's rules (what the fused kernels implement)."""
-    return self.scale_rule == "nearest" and not self.headroom
+    return self.scale_rule == "nearest" and not self.headroom and not self.double_block
 
   @property
   def label(self) -> str:
@@ -145,6 +158,8 @@ class NVFP4(_FP4Format):
       tags[-1] += ":" + self.select
     if self.headroom:
       tags.append("16/17")
+    if self.double_block:
+      tags.append("1x128")
     return self.name + (f"({','.join(tags)})" if tags else "")
 
   @property
@@ -163,13 +178,41 @@ class NVFP4(_FP4Format):
     ts = (grids.E2M1_MAX, 4.0) if self.scale_rule == "4over6" else (grids.E2M1_MAX,)
     return tuple(t * self._factor for t in ts)
 
+  def group_amax(self, amax_b, block):
+    """Double-block: the amax of each group of 8 blocks along the blocked axis (else None: one tensor amax)."""
+    if not self.double_block:
+      return None
+    axes = [i for i, b in enumerate(block) if b > 1]
+    if len(axes) != 1:
+      raise ValueError("NVFP4 double_block scales need 1D blocks (1x16 along one axis); got 2D blocks.")
+    a, n = axes[0], amax_b.shape[axes[0]]
+    groups = -(-n // DOUBLE_BLOCK_GROUP)
+    padded = jnp.pad(amax_b, [(0, groups * DOUBLE_BLOCK_GROUP - n if i == a else 0) for i in range(amax_b.ndim)])
+    split = padded.shape[:a] + (groups, DOUBLE_BLOCK_GROUP) + padded.shape[a + 1:]
+    g = padded.reshape(split)
+    # NaN-propagating max (jnp.max may drop NaN on XLA:CPU, see quantize._int_max).
+    return jnp.where(jnp.any(jnp.isnan(g), axis=a + 1), jnp.float32(jnp.nan), jnp.max(g, axis=a + 1))
+
+  def _per_block(self, amax, scales_shape):
+    """The second-level amax for every block: a scalar, or each 1x128 group's repeated over its 8 blocks."""
+    if jnp.ndim(amax) == 0:
+      return amax
+    for i, (na, ns) in enumerate(zip(amax.shape, scales_shape)):
+      if na != ns:
+        return jnp.repeat(amax, DOUBLE_BLOCK_GROUP, axis=i, total_repeat_length=na * DOUBLE_BLOCK_GROUP)[
+            tuple(slice(0, ns) if j == i else slice(None) for j in range(amax.ndim))]
+    return amax
+
   def _scaling(self, amax_b, amax, target) -> Scaling:
+    amax = self._per_block(amax, amax_b.shape)
     s_b, encode = nvfp4.scales(amax_b, amax, global_range=self.global_range, inv_target=_f32(1.0 / target),
                                round_up=self.scale_rule == "up")
+    t_dec = nvfp4.global_decode_scale(amax, self.global_range)
     # s_b is exactly an E4M3 value: decoding with it equals decoding the stored float8 scale (NaN aside, which the
-    # quantizer maps to a NaN tensor anyway).
-    return Scaling(s_b.astype(jnp.float8_e4m3fn), (encode,), (s_b,),
-                   nvfp4.global_decode_scale(amax, self.global_range))
+    # quantizer maps to a NaN tensor anyway). Per-group decode scales are applied per block, after s_b.
+    if jnp.ndim(amax):
+      return Scaling(s_b.astype(jnp.float8_e4m3fn), (encode,), (s_b, t_dec))
+    return Scaling(s_b.astype(jnp.float8_e4m3fn), (encode,), (s_b,), t_dec)
 
   def scaling_from_amax(self, amax_b, amax) -> Scaling:
     """Scales from block amaxes and the tensor amax (float32); for 4/6, the "6" candidate."""
@@ -182,8 +225,11 @@ class NVFP4(_FP4Format):
     return tuple(self._scaling(amax_b, amax, t) for t in self.targets)
 
   def scaling_from_stored(self, scales, amax) -> Scaling:
-    """Decode scales from stored E4M3 block scales and the stored amax."""
-    return Scaling(scales, (), (scales.astype(jnp.float32),), nvfp4.global_decode_scale(amax, self.global_range))
+    """Decode scales from stored E4M3 block scales and the stored amax (per 1x128 group with double_block)."""
+    t_dec = nvfp4.global_decode_scale(self._per_block(amax, scales.shape), self.global_range)
+    if jnp.ndim(amax):
+      return Scaling(scales, (), (scales.astype(jnp.float32), t_dec))
+    return Scaling(scales, (), (scales.astype(jnp.float32),), t_dec)
 
 
 @dataclasses.dataclass(frozen=True)

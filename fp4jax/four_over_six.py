@@ -66,19 +66,19 @@ def choose(x32, candidates, block, metric, round_fn, decode_fn, expand_fn):
     expand_fn: per-block array -> repeated over each block (x32's shape).
 
   Returns:
-    (element values, chosen stored scales, chosen per-block decode scale, index of the chosen candidate per block).
+    (element values, chosen stored scales, chosen per-block decode factors (a tuple), index of the chosen candidate per block).
   """
   best = None
   for i, sc in enumerate(candidates):
     (encode,) = sc.encode
-    (s_b,) = sc.decode
     values = round_fn(x32 * expand_fn(encode))
     err = block_error(decode_fn(values, sc) - x32, block, metric)
     if best is None:
-      best = (values, sc.stored, s_b, jnp.zeros(err.shape, jnp.int32), err)
+      best = (values, sc.stored, sc.decode, jnp.zeros(err.shape, jnp.int32), err)
       continue
     better = err < best[4]
     wide = expand_fn(better)
-    best = (jnp.where(wide, values, best[0]), jnp.where(better, sc.stored, best[1]), jnp.where(better, s_b, best[2]),
+    decode = tuple(jnp.where(better, new, old) for new, old in zip(sc.decode, best[2]))
+    best = (jnp.where(wide, values, best[0]), jnp.where(better, sc.stored, best[1]), decode,
             jnp.where(better, jnp.int32(i), best[3]), jnp.where(better, err, best[4]))
   return best[:4]

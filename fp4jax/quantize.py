@@ -174,7 +174,9 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False
   check, without the round trip through codes, packing and stored scales.
   """
   amax_b = _block_amax(x32, block)
-  amax = _tensor_amax(amax_b)
+  amax = fmt.group_amax(amax_b, block)  # None: one amax for the whole tensor
+  if amax is None:
+    amax = _tensor_amax(amax_b)
   candidates = fmt.scaling_candidates(amax_b, amax)
   if candidates is not None:
     return _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, amax, values)
@@ -195,8 +197,8 @@ def _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, 
   round_fn = lambda y: rounding_lib.round_e2m1(y, rounding=rounding, key=key, random_bits=random_bits)
   decode_fn = lambda v, sc: _decode(v, sc, block)
   expand_fn = lambda s: _expand_blocks(s, block)
-  elements, stored, s_b, _ = four_over_six.choose(x32, candidates, block, fmt.select, round_fn, decode_fn, expand_fn)
-  scaling = formats.Scaling(stored, (), (s_b,), candidates[0].tensor_decode)
+  elements, stored, dec, _ = four_over_six.choose(x32, candidates, block, fmt.select, round_fn, decode_fn, expand_fn)
+  scaling = formats.Scaling(stored, (), dec, candidates[0].tensor_decode)
   decode = lambda v: _decode(v, scaling, block)
   return (elements if values else grids.e2m1_codes(elements)), stored, amax, decode
 
@@ -253,7 +255,7 @@ def _block_of(q: QArray):
 
 def _finish(values, amax, orig_shape, dtype):
   """Non-finite amax poisons the whole tensor (fail loudly, never plausible numbers); crop padding; cast."""
-  values = jnp.where(jnp.isfinite(amax), values, jnp.nan)
+  values = jnp.where(jnp.all(jnp.isfinite(amax)), values, jnp.nan)
   if values.shape != tuple(orig_shape):
     values = values[tuple(slice(0, n) for n in orig_shape)]
   return values.astype(dtype)

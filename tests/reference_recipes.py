@@ -73,8 +73,18 @@ def block_error(err, block, axis, block_2d, metric):
   return e if block_2d else _unblock_1d(e, axis)
 
 
+def group_amax(amax_b, axis, group=8):
+  """Max over each run of `group` blocks along `axis` (the last run may be shorter), repeated back per block."""
+  a = np.moveaxis(amax_b, axis, -1)
+  n = a.shape[-1]
+  out = np.empty_like(a)
+  for start in range(0, n, group):
+    out[..., start:start + group] = np.max(a[..., start:start + group], axis=-1, keepdims=True)
+  return np.moveaxis(out, -1, axis)
+
+
 def nvfp4_variant(x, *, axis=-1, block_2d=False, four_over_six=False, select="mse", round_up=False,
-                  headroom=False, block=16):
+                  headroom=False, double_block=False, block=16):
   """NVFP4 quantization with the variant rules (round-to-nearest elements). Returns a dict.
 
   Keys: codes (uint8, x's shape), scales (chosen E4M3 block scales), amax, dequant (float32 values),
@@ -87,13 +97,13 @@ def nvfp4_variant(x, *, axis=-1, block_2d=False, four_over_six=False, select="ms
   g_range = f32(6.0 * bound * h)
   targets = (6.0 * h, 4.0 * h) if four_over_six else (6.0 * h,)
   with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-    amax = np.max(np.abs(x))
-    s_enc = 1.0 if amax == 0 else f32(np.minimum(g_range / amax, ref.FLT_MAX))
-    if s_enc == 0:
-      s_enc = 1.0
-    s_dec = f32(1.0 / s_enc)
-    t_dec = f32(amax / g_range)
     amax_b = ref.block_amax(np.abs(x), block, axis, block_2d)
+    # The second-level amax: the tensor's, or (double block) each 1x128 group's, per block.
+    amax = group_amax(amax_b, axis) if double_block else np.full(amax_b.shape, np.max(np.abs(x)))
+    s_enc = np.where(amax == 0, 1.0, f32(np.minimum(g_range / amax, ref.FLT_MAX)))
+    s_enc = np.where(s_enc == 0, 1.0, s_enc)
+    s_dec = f32(1.0 / s_enc)
+    t_dec = ref.expand(f32(amax / g_range), block, axis, block_2d)
     cands = []
     for t in targets:
       v = f32(amax_b * f32(s_enc * f32(1.0 / t)))
@@ -110,8 +120,8 @@ def nvfp4_variant(x, *, axis=-1, block_2d=False, four_over_six=False, select="ms
   wide = ref.expand(choice, block, axis, block_2d).astype(bool)
   pick = lambda i: np.where(wide, cands[1][i], cands[0][i]) if four_over_six else cands[0][i]
   deq = pick(2)
-  if not np.isfinite(amax):
+  if not np.all(np.isfinite(amax)):
     deq = np.full_like(deq, np.nan)
   return {"codes": pick(0), "scales": np.where(choice == 1, cands[1][1], cands[0][1]) if four_over_six else cands[0][1],
-          "amax": float(amax), "dequant": deq, "choice": choice, "scaled": pick(4),
+          "amax": amax if double_block else float(amax.flat[0]), "dequant": deq, "choice": choice, "scaled": pick(4),
           "candidate_scales": [c[1] for c in cands], "candidate_scaled": [c[4] for c in cands]}
