@@ -25,6 +25,7 @@ from fp4jax.qarray import QArray
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Independent randomness per GEMM, derived from the one key the caller passes per layer call.
 _DGRAD_SR, _WGRAD_SR, _RHT_SIGNS = 1, 2, 3
+_DGRAD_W_SR, _WGRAD_X_SR = 4, 5  # SR of the backward's weight / activation operands (TetraJet-v2)
 
 
 # --- operands -----------------------------------------------------------------------------------------------------
@@ -100,18 +101,24 @@ def fprop_operands(x_MxK, w_KxN, recipe, key):
 
 
 def dgrad_weight(w_KxN, wq_fprop, recipe, key, compute_dtype):
-  """Dgrad's weight operand, blocked along N: the Fprop codes when the recipe allows it, else re-quantized."""
+  """Dgrad's weight operand, blocked along N: the Fprop codes when the recipe allows it, else re-quantized
+  (from W, or from the dequantized Fprop W when the operand says `requantize`)."""
   if recipe.dgrad_reuses_weight:
     return wq_fprop
-  return quantize_operand(w_KxN, recipe.dgrad.rhs, axis=1, recipe=recipe, signs=_rht_signs(recipe, key),
-                          compute_dtype=compute_dtype)
+  if recipe.dgrad.rhs.requantize:
+    w_KxN = _values(wq_fprop).astype(w_KxN.dtype)
+  return quantize_operand(w_KxN, recipe.dgrad.rhs, axis=1, recipe=recipe, key=jax.random.fold_in(key, _DGRAD_W_SR),
+                          signs=_rht_signs(recipe, key), compute_dtype=compute_dtype)
 
 
-def wgrad_activations(x_MxK, recipe, key):
-  """Wgrad's activation operand: x padded to the token multiple, RHT and blocks along M (tokens), RNE."""
+def wgrad_activations(x_MxK, recipe, key, xq_fprop=None):
+  """Wgrad's activation operand: x (or the dequantized Fprop x, with `requantize`) padded to the token multiple,
+  RHT and blocks along M (tokens)."""
+  if recipe.wgrad.rhs.requantize:
+    x_MxK = _values(xq_fprop).astype(x_MxK.dtype)
   x_MxK = _pad_tokens(x_MxK, _token_multiple(recipe))
-  return quantize_operand(x_MxK, recipe.wgrad.rhs, axis=0, recipe=recipe, signs=_rht_signs(recipe, key),
-                          compute_dtype=x_MxK.dtype)
+  return quantize_operand(x_MxK, recipe.wgrad.rhs, axis=0, recipe=recipe, key=jax.random.fold_in(key, _WGRAD_X_SR),
+                          signs=_rht_signs(recipe, key), compute_dtype=x_MxK.dtype)
 
 
 def dgrad_gradient(dy_MxN, recipe, key, compute_dtype=None):
@@ -131,7 +138,7 @@ def wgrad_gradient(dy_MxN, recipe, key, compute_dtype=None):
 
 def _fprop(x_MxK, w_KxN, key, recipe):
   xq, wq = fprop_operands(x_MxK, w_KxN, recipe, key)
-  return _gemm(xq, wq, (1, 0), recipe), wq
+  return _gemm(xq, wq, (1, 0), recipe), xq, wq
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -140,10 +147,10 @@ def _qmatmul(x_MxK, w_KxN, key, recipe):
 
 
 def _qmatmul_fwd(x_MxK, w_KxN, key, recipe):
-  y, wq = _fprop(x_MxK, w_KxN, key, recipe)
+  y, xq, wq = _fprop(x_MxK, w_KxN, key, recipe)
   residuals = (
       dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype),
-      wgrad_activations(x_MxK, recipe, key),
+      wgrad_activations(x_MxK, recipe, key, xq),
       key,
       jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_KxN.dtype),  # carry dtypes for the cotangents
   )

@@ -34,6 +34,9 @@ class OperandConfig:
   rounding: Literal["nearest", "stochastic"] = "nearest"
   rht: bool = False
   pad: bool = False  # zero-pad the contraction axis to the block size (FP8's 128-blocks on small layers)
+  # Backward operands only (Dgrad's W, Wgrad's x): quantize the dequantized Fprop operand instead of the
+  # high-precision tensor, so the backward sees the forward's quantized values (TetraJet-v2, Quartet II).
+  requantize: bool = False
 
   @property
   def quantized(self) -> bool:
@@ -47,6 +50,8 @@ class OperandConfig:
     parts = [fmt.label, layout, "SR" if self.rounding == "stochastic" else "RNE"]
     if self.rht:
       parts.append("RHT")
+    if self.requantize:
+      parts.append("of Fprop Q")
     return " ".join(parts)
 
 
@@ -110,6 +115,17 @@ class Recipe:
       cfg = getattr(self, gemm)
       if cfg.lhs.rht != cfg.rhs.rht:
         raise ValueError(f"{gemm}: RHT must apply to both operands (it is only exact when both are transformed).")
+    for gemm, side, fprop_op in (("fprop", "lhs", None), ("fprop", "rhs", None), ("dgrad", "lhs", None),
+                                 ("wgrad", "lhs", None), ("dgrad", "rhs", self.fprop.rhs),
+                                 ("wgrad", "rhs", self.fprop.lhs)):
+      op = getattr(self.gemm(gemm), side)
+      if not op.requantize:
+        continue
+      if fprop_op is None:
+        raise ValueError(f"{gemm}.{side}: requantize applies to Dgrad's W and Wgrad's x only.")
+      if not (op.quantized and fprop_op.quantized) or self.fprop.rht:
+        raise ValueError(f"{gemm}.{side}: requantize needs that operand and its Fprop counterpart quantized, and "
+                         "no RHT on Fprop (the dequantized Fprop operand must be in the original basis).")
 
   def replace(self, **changes) -> "Recipe":
     return dataclasses.replace(self, **changes)
@@ -304,7 +320,28 @@ def fp8(*, block_size: int = 128, scaling: str = "block") -> Recipe:
   return Recipe(name="fp8", fprop=GemmConfig(act, weight), dgrad=GemmConfig(act, weight), wgrad=GemmConfig(act, act))
 
 
-PRESETS = {"bf16": bf16, "nvfp4": nvfp4, "mxfp4": mxfp4, "fp8": fp8, "four_over_six": four_over_six}
+def tetrajet_v2(*, rht_size: int = 16, double_block: bool = True, stochastic_rounding: bool = True,
+                random_bits: int = 32, backend: str = "xla") -> Recipe:
+  """TetraJet-v2 (arXiv 2510.27527; thu-ml/TetraJet-v2-NVFP4Training) without OsciReset / OutControl.
+
+  Every operand is NVFP4 with double-block scales (an FP32 scale per 1x128 group, E4M3 per 1x16), weights in 1x16
+  blocks along the contraction axis. Forward: round to nearest. Backward: both GEMMs see the output gradient and
+  the Fprop operands dequantized, transposed and re-quantized, all with an RHT of size `rht_size` (fresh signs per
+  call) along the contraction axis and stochastic rounding.
+  """
+  fmt = formats.NVFP4(double_block=double_block)
+  sr = "stochastic" if stochastic_rounding else "nearest"
+  fwd = OperandConfig(fmt=fmt)
+  grad = OperandConfig(fmt=fmt, rounding=sr, rht=True)
+  requant = OperandConfig(fmt=fmt, rounding=sr, rht=True, requantize=True)
+  name = "tetrajet_v2" + ("" if double_block else "-double_block") + ("" if stochastic_rounding else "-sr")
+  return Recipe(name=name, fprop=GemmConfig(fwd, fwd), dgrad=GemmConfig(grad, requant),
+                wgrad=GemmConfig(grad, requant), rht_size=rht_size, rht_signs="per_call", random_bits=random_bits,
+                backend=backend)
+
+
+PRESETS = {"bf16": bf16, "nvfp4": nvfp4, "mxfp4": mxfp4, "fp8": fp8, "four_over_six": four_over_six,
+           "tetrajet_v2": tetrajet_v2}
 RECIPE_NAMES = tuple(PRESETS)
 
 

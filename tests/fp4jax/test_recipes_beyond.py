@@ -339,3 +339,40 @@ def test_four_over_six_recipe_gemms_with_rht_everywhere():
   y_nv = _fwd_and_grads(x, w, g, jax.random.key(0), recipe.replace(
       fprop=fp4jax.recipes.nvfp4(rht_on=("fprop",), stochastic_rounding=False, weight_2d=False).fprop))[0]
   assert np.abs(np.asarray(y_nv) - y_ref).max() > 1e-3 * np.abs(y_ref).max()
+
+
+def test_tetrajet_v2_preset_and_requantized_backward():
+  """TetraJet-v2's backward quantizes the dequantized Fprop x and W (RNE and fixed signs here, to compare bits)."""
+  r = fp4jax.recipes.get_recipe("tetrajet_v2")
+  db = fp4jax.NVFP4(double_block=True)
+  assert r.rht_signs == "per_call" and r.needs_key and not r.dgrad_reuses_weight
+  assert r.dgrad.rhs.requantize and r.wgrad.rhs.requantize and r.dgrad.rhs.rounding == "stochastic"
+  assert str(r).count("nvfp4(1x128)") == 6 and "of Fprop Q" in str(r)
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((128, 256)) / 11, jnp.float32)
+  g = jnp.asarray(rng.standard_normal((128, 256)) * 1e-4, jnp.float32)
+  rne = fp4jax.recipes.tetrajet_v2(stochastic_rounding=False).replace(rht_signs="fixed")
+  y, dx, dw = _fwd_and_grads(x, w, g, jax.random.key(0), rne)
+  h = lambda t, axis: fp4jax.random_hadamard(t, size=16, axis=axis)
+  fq = lambda t, axis: fp4jax.fake_quant(t, db, axis=axis)
+  f64 = lambda t: np.asarray(t, np.float64)
+  x_q, w_q = fq(x, 1), fq(w, 0)
+  refs = (f64(x_q) @ f64(w_q), f64(fq(h(g, 1), 1)) @ f64(fq(h(w_q, 1), 1)).T,
+          f64(fq(h(x_q, 0), 0)).T @ f64(fq(h(g, 0), 0)))
+  for got, want in zip((y, dx, dw), refs):
+    assert np.abs(f64(got) - want).max() <= 1e-6 * np.abs(want).max()
+  # Re-quantizing the high-precision W instead gives a different Dgrad (the option really matters).
+  dx_hp = f64(fq(h(g, 1), 1)) @ f64(fq(h(w, 1), 1)).T
+  assert np.abs(dx_hp - refs[1]).max() > 1e-3 * np.abs(refs[1]).max()
+
+
+def test_requantize_validation():
+  fmt = fp4jax.NVFP4()
+  op = fp4jax.recipes.OperandConfig(fmt=fmt, requantize=True)
+  plain = fp4jax.recipes.OperandConfig(fmt=fmt)
+  gemm = fp4jax.recipes.GemmConfig
+  with pytest.raises(ValueError, match="Dgrad's W and Wgrad's x only"):
+    fp4jax.recipes.Recipe(fprop=gemm(op, plain))
+  with pytest.raises(ValueError, match="Fprop counterpart"):
+    fp4jax.recipes.Recipe(dgrad=gemm(plain, op))
