@@ -39,10 +39,12 @@ class Scaling(NamedTuple):
   nan_blocks: Any = None
 
 
-NVFP4_SCALE_RULES = ("nearest", "up", "4over6")
+NVFP4_SCALE_RULES = ("nearest", "up", "4over6", "eden")
 FOUR_OVER_SIX_SELECT = ("mse", "mae", "absmax")
 FOUR_OVER_SIX_E4M3_BOUND = 256.0
 _HEADROOM = 16.0 / 17.0
+EDEN_ELEM_MAX = 6.0 / ((17.0 / 16.0) * 0.93)  # Quartet II's backward: block max -> 6.07, a little saturation
+EDEN_E4M3_BOUND = 255.99
 DOUBLE_BLOCK_GROUP = 8  # blocks of 16 per double-block group (1x128)
 
 
@@ -58,6 +60,8 @@ class _Format:
     """Several candidate scalings to choose from per block, or None (the single `scaling_from_amax`)."""
     del amax_b, amax
     return None
+
+  corrects_scales = False
 
   def group_amax(self, amax_b, block):
     """The second-level amaxes per group of blocks, or None (one amax for the whole tensor)."""
@@ -114,6 +118,10 @@ class NVFP4(_FP4Format):
       an E4M3 bound of 256 instead of 448 (S_enc = 6 * 256 / amax), so the "4" candidate's 1.5x larger block
       scale still fits in E4M3. Ties keep the "6" candidate. With stochastic rounding both candidates use the
       same random bits.
+    "eden": Quartet II's MS-EDEN backward quantizer (arXiv 2601.22813; see eden.py): block max -> 6 / (17/16 *
+      0.93), E4M3 bound 255.99, elements always round to nearest, then each 128-element group's correction
+      sum(y^2) / sum(y q(y)) is multiplied into its block scales, which `rounding="stochastic"` rounds
+      stochastically to a neighbouring E4M3 value ("nearest": to the nearest one). 1D blocks only.
   select: the 4/6 error per block: "mse" (sum of squares), "mae" (sum of magnitudes) or "absmax" (largest).
   headroom: encode elements at 16/17 of their scale (block max at 6 * 16/17) and undo it in the tensor decode
     scale: E4M3 rounding moves a block scale down by at most a factor 16/17, so no element saturates (the other
@@ -147,6 +155,11 @@ class NVFP4(_FP4Format):
   scale_dtype = jnp.float8_e4m3fn
 
   @property
+  def corrects_scales(self) -> bool:
+    """Block scales are corrected after the elements are rounded (MS-EDEN), see eden.py."""
+    return self.scale_rule == "eden"
+
+  @property
   def is_default(self) -> bool:
     """NVIDIA's rules (what the fused kernels implement)."""
     return self.scale_rule == "nearest" and not self.headroom and not self.double_block
@@ -169,13 +182,16 @@ class NVFP4(_FP4Format):
   @property
   def global_range(self) -> float:
     """float32 R with S_enc = R / amax: 6 * E4M3 bound (448, or 256 for 4/6), times 16/17 with headroom."""
+    if self.scale_rule == "eden":
+      return _f32(EDEN_ELEM_MAX * EDEN_E4M3_BOUND * self._factor)
     bound = FOUR_OVER_SIX_E4M3_BOUND if self.scale_rule == "4over6" else grids.E4M3_MAX
     return _f32(grids.E2M1_MAX * bound * self._factor)
 
   @property
   def targets(self) -> tuple[float, ...]:
     """The element value(s) a block max maps to: (6,), or (6, 4) for 4/6 (times 16/17 with headroom)."""
-    ts = (grids.E2M1_MAX, 4.0) if self.scale_rule == "4over6" else (grids.E2M1_MAX,)
+    ts = ((grids.E2M1_MAX, 4.0) if self.scale_rule == "4over6" else
+          (EDEN_ELEM_MAX,) if self.scale_rule == "eden" else (grids.E2M1_MAX,))
     return tuple(t * self._factor for t in ts)
 
   def group_amax(self, amax_b, block):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import formats
+from fp4jax import eden
 from fp4jax import four_over_six
 from fp4jax import grids
 from fp4jax import rounding as rounding_lib
@@ -177,6 +178,8 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False
   amax = fmt.group_amax(amax_b, block)  # None: one amax for the whole tensor
   if amax is None:
     amax = _tensor_amax(amax_b)
+  if fmt.corrects_scales:
+    return _quantize_eden(x32, fmt, block, rounding, key, random_bits, amax_b, amax, values)
   candidates = fmt.scaling_candidates(amax_b, amax)
   if candidates is not None:
     return _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, amax, values)
@@ -201,6 +204,21 @@ def _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, 
   scaling = formats.Scaling(stored, (), dec, candidates[0].tensor_decode)
   decode = lambda v: _decode(v, scaling, block)
   return (elements if values else grids.e2m1_codes(elements)), stored, amax, decode
+
+
+def _quantize_eden(x32, fmt, block, rounding, key, random_bits, amax_b, amax, values):
+  """_quantize_elements for MS-EDEN (eden.py): RTN elements, then corrected, optionally SR'd, block scales."""
+  scaling = fmt.scaling_from_amax(amax_b, amax)
+  y = _scale_blocks(x32, scaling.encode, block)
+  # A block whose scale underflowed to 0 decodes to 0 whatever its elements; its y (x * FLT_MAX) must not enter the
+  # group sums (inf * 0 = NaN), so its elements are 0.
+  y = jnp.where(_expand_blocks(scaling.decode[0] == 0, block), jnp.float32(0.0), y)
+  v = rounding_lib.round_e2m1_nearest(y)
+  s_b = eden.round_scales(scaling.decode[0] * eden.correction(y, v, block), rounding=rounding, key=key,
+                          random_bits=random_bits)
+  scaling = formats.Scaling(s_b.astype(jnp.float8_e4m3fn), (), (s_b,) + scaling.decode[1:], scaling.tensor_decode)
+  decode = lambda e: _decode(e, scaling, block)
+  return (v if values else rounding_lib.e2m1_codes_nearest(y)), scaling.stored, amax, decode
 
 
 # --- quantize -----------------------------------------------------------------------------------------------------

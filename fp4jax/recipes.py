@@ -340,8 +340,28 @@ def tetrajet_v2(*, rht_size: int = 16, double_block: bool = True, stochastic_rou
                 backend=backend)
 
 
+def quartet2(*, four_over_six: bool = False, rht_size: int = 128, stochastic_scales: bool = True,
+             random_bits: int = 32, backend: str = "xla") -> Recipe:
+  """Quartet II (arXiv 2601.22813; IST-DASLab/Quartet-II, schemes/quartet_2.py, kernels/python/quartet2/linear.py).
+
+  Forward: NVFP4 1x16 round-to-nearest on x and W (no Hadamard, no 2D blocks; `four_over_six` as in the released
+  kernel). Backward ("MS-EDEN"): the output gradient and the dequantized Fprop x and W, re-quantized, get an RHT of
+  size `rht_size` with fresh signs per call along each backward GEMM's contraction axis, then NVFP4 with the EDEN
+  group correction and stochastically rounded block scales (`formats.NVFP4` scale_rule "eden").
+  """
+  fwd = OperandConfig(fmt=formats.NVFP4(scale_rule="4over6") if four_over_six else formats.NVFP4())
+  bwd_fmt = formats.NVFP4(scale_rule="eden")
+  sr = "stochastic" if stochastic_scales else "nearest"
+  grad = OperandConfig(fmt=bwd_fmt, rounding=sr, rht=True)
+  requant = OperandConfig(fmt=bwd_fmt, rounding=sr, rht=True, requantize=True)
+  name = "quartet2" + ("+4over6" if four_over_six else "") + ("" if stochastic_scales else "-sr")
+  return Recipe(name=name, fprop=GemmConfig(fwd, fwd), dgrad=GemmConfig(grad, requant),
+                wgrad=GemmConfig(grad, requant), rht_size=rht_size, rht_signs="per_call", random_bits=random_bits,
+                backend=backend)
+
+
 PRESETS = {"bf16": bf16, "nvfp4": nvfp4, "mxfp4": mxfp4, "fp8": fp8, "four_over_six": four_over_six,
-           "tetrajet_v2": tetrajet_v2}
+           "tetrajet_v2": tetrajet_v2, "quartet2": quartet2}
 RECIPE_NAMES = tuple(PRESETS)
 
 

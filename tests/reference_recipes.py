@@ -125,3 +125,44 @@ def nvfp4_variant(x, *, axis=-1, block_2d=False, four_over_six=False, select="ms
   return {"codes": pick(0), "scales": np.where(choice == 1, cands[1][1], cands[0][1]) if four_over_six else cands[0][1],
           "amax": amax if double_block else float(amax.flat[0]), "dequant": deq, "choice": choice, "scaled": pick(4),
           "candidate_scales": [c[1] for c in cands], "candidate_scaled": [c[4] for c in cands]}
+
+
+EDEN_ELEM_MAX = 6.0 / ((17.0 / 16.0) * 0.93)
+
+
+def nvfp4_eden(x, *, axis=-1, block=16, group=8):
+  """Quartet II's MS-EDEN quantizer with the corrected scales rounded to nearest E4M3 (the deterministic part).
+
+  Returns codes, scales (corrected, E4M3), dequant, and pre_round (the corrected float32 scales before rounding).
+  """
+  x = ref.as_f64(x)
+  axis = axis % x.ndim
+  g_range = f32(EDEN_ELEM_MAX * 255.99)
+  with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+    amax = np.max(np.abs(x))
+    s_enc = 1.0 if amax == 0 else f32(min(g_range / amax, ref.FLT_MAX))
+    s_dec = f32(1.0 / s_enc)
+    t_dec = f32(amax / g_range)
+    amax_b = ref.block_amax(np.abs(x), block, axis, False)
+    s_b = ref.e4m3_rne(f32(amax_b * f32(s_enc * f32(1.0 / EDEN_ELEM_MAX))))
+    enc = np.minimum(f32(1.0 / f32(s_b * s_dec)), ref.FLT_MAX)
+    y = f32(x * ref.expand(enc, block, axis, False))
+    y = np.where(ref.expand(s_b, block, axis, False) == 0, 0.0, y)  # zero-scale blocks are zero
+    codes = ref.e2m1_rne(y)
+    v = ref.e2m1_value(codes)
+    per_block = lambda t: np.moveaxis(pairwise(blocks_last(t, block, axis, False), np.add), -1, axis)
+    num_b, den_b = per_block(f32(y * y)), per_block(f32(y * v))
+
+    def group_sum(a):
+      a = np.moveaxis(a, axis, -1)
+      n = a.shape[-1]
+      padded = np.concatenate([a, np.zeros(a.shape[:-1] + (-n % group,))], axis=-1)
+      s = pairwise(padded.reshape(*a.shape[:-1], -1, group), np.add)
+      return np.moveaxis(np.repeat(s, group, axis=-1)[..., :n], -1, axis)
+
+    num, den = group_sum(num_b), group_sum(den_b)
+    corr = np.where(den == 0, 1.0, f32(num / np.where(den == 0, 1.0, den)))
+    pre = f32(s_b * corr)
+    s = ref.e4m3_rne(pre)
+    deq = f32(f32(v * ref.expand(s, block, axis, False)) * t_dec)
+  return {"codes": codes, "scales": s, "dequant": deq, "pre_round": pre, "amax": float(amax)}

@@ -18,7 +18,8 @@ def env(tmp_path_factory):
 
 
 @pytest.mark.parametrize("recipe", ["four_over_six", "nvfp4:unbiased_sr=true",
-                                    "four_over_six:unbiased_sr=headroom,select=mae", "tetrajet_v2"])
+                                    "four_over_six:unbiased_sr=headroom,select=mae", "tetrajet_v2",
+                                    "quartet2:rht_size=32"])  # tiny: K/V projections are 32 wide
 def test_recipe_trains_tiny_model(env, tmp_path, recipe):
   config = TrainConfig(out=str(tmp_path / "run"), model=model_lib.get_model_config("tiny", n_layers=1),
                        data=env["data"], seq_len=32, batch_size=8, steps=STEPS, lr=1e-2, warmup_fraction=0.1,
