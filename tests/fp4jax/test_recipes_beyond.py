@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import fp4jax
+from fp4jax import backends
 import reference as ref
 import reference_recipes as rref
 
@@ -448,3 +449,15 @@ def test_quartet2_preset_and_backward():
   refs = (f64(x_q) @ f64(w_q), fe(h(g, 1), 1) @ fe(h(w_q, 1), 1).T, fe(h(x_q, 0), 0).T @ fe(h(g, 0), 0))
   for got, want in zip((y, dx, dw), refs):
     assert np.abs(f64(got) - want).max() <= 1e-6 * np.abs(want).max()
+
+
+def test_pallas_backend_falls_back_for_other_scale_rules():
+  """The fused kernels implement NVIDIA's rules only: other NVFP4 variants warn and run on the XLA path, same bits."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
+  xla = fp4jax.recipes.four_over_six(stochastic_rounding=False)
+  backends._fallback.cache_clear()  # pylint: disable=protected-access  (each reason warns once)
+  with pytest.warns(UserWarning, match="scale rules"):
+    y = fp4jax.dot_general(x, w, DN, recipe=xla.replace(backend="pallas"))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(fp4jax.dot_general(x, w, DN, recipe=xla)))
