@@ -1,9 +1,13 @@
 """The recipes beyond NVIDIA's train the tiny model from their command-line string form: finite, decreasing loss."""
 
+import json
+
 import numpy as np
 import pytest
 
+import fp4jax.recipes
 from fp4jax.pretrain import data
+from fp4jax.pretrain import policy as policy_lib
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import train as train_lib
 from fp4jax.pretrain.config import TrainConfig
@@ -29,3 +33,11 @@ def test_recipe_trains_tiny_model(env, tmp_path, recipe):
   losses = summary["losses"]
   assert len(losses) == STEPS and all(np.isfinite(losses)), losses
   assert np.mean(losses[-3:]) < losses[0] - 1.5, losses  # measured drops: about 2.4
+
+
+@pytest.mark.parametrize("spec", ["tetrajet_v2", "quartet2:four_over_six=true", "four_over_six:unbiased_sr=headroom"])
+def test_recipes_round_trip_through_the_stored_policy(spec):
+  """Checkpoints store the policy as JSON: the new format fields (scale_rule, double_block, ...) survive."""
+  recipe = fp4jax.recipes.get_recipe(spec)
+  stored = json.loads(json.dumps(policy_lib.PrecisionPolicy(recipe=recipe).to_dict()))
+  assert policy_lib.PrecisionPolicy.from_dict(stored).recipe == recipe
