@@ -137,7 +137,7 @@ def test_double_block_lowers_error_with_outlier_columns():
   got = np.asarray(fp4jax.fake_quant(jnp.asarray(x), fp4jax.NVFP4(double_block=True)), np.float64)[:, 128:]
   tensor = np.asarray(fp4jax.fake_quant(jnp.asarray(x), fp4jax.NVFP4()), np.float64)[:, 128:]
   rel = lambda a: np.linalg.norm(a - x[:, 128:]) / np.linalg.norm(x[:, 128:])
-  # The small groups quantize about as well as they would alone (measured 0.0953 vs 0.0954; 0.128 under one tensor scale).
+  # The small groups quantize about as well as alone (measured 0.0953 vs 0.0954; 0.128 under one tensor scale).
   assert rel(got) == pytest.approx(e_db, rel=0.05)
   assert rel(got) < 0.9 * rel(tensor), (rel(got), rel(tensor))
 
