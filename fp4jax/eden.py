@@ -27,7 +27,7 @@ def _group_sum(per_block, axis):
   pad = [(0, groups * GROUP_BLOCKS - n if i == axis else 0) for i in range(per_block.ndim)]
   t = jnp.moveaxis(jnp.pad(per_block, pad), axis, -1)
   t = t.reshape(t.shape[:-1] + (groups, GROUP_BLOCKS))
-  return jnp.moveaxis(four_over_six._pairwise(t, jnp.add), -1, axis)  # pylint: disable=protected-access
+  return jnp.moveaxis(four_over_six.pairwise(t, jnp.add), -1, axis)
 
 
 def correction(y, v, block):
@@ -36,7 +36,7 @@ def correction(y, v, block):
   if len(axes) != 1:
     raise ValueError("NVFP4 scale_rule='eden' needs 1D blocks (1x16 along one axis); got 2D blocks.")
   axis = axes[0]
-  per_block = lambda t: four_over_six._pairwise(four_over_six._blocks_last(t, block), jnp.add)  # pylint: disable=protected-access
+  per_block = lambda t: four_over_six.pairwise(four_over_six.blocks_last(t, block), jnp.add)
   num, den = _group_sum(per_block(y * y), axis), _group_sum(per_block(y * v), axis)
   s = jnp.where(den == 0, jnp.float32(1.0), num / den)
   n = y.shape[axis] // block[axis]

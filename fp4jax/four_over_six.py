@@ -16,7 +16,7 @@ import jax.numpy as jnp
 SELECT_METRICS = ("mse", "mae", "absmax")
 
 
-def _blocks_last(a, block):
+def blocks_last(a, block):
   """`a` with each block's elements gathered on one trailing axis (row major within a 2D tile): [..blocks.., B]."""
   split, inner = [], []
   for n, b in zip(a.shape, block):
@@ -28,7 +28,7 @@ def _blocks_last(a, block):
   return t.reshape(t.shape[:len(outer)] + (-1,))
 
 
-def _pairwise(t, op):
+def pairwise(t, op):
   """Reduces the trailing axis by halving: t[..., :h] op t[..., h:] until one element is left (length 2^k)."""
   while t.shape[-1] > 1:
     if t.shape[-1] % 2:
@@ -44,11 +44,11 @@ def block_error(err, block, metric: str):
   "mse": sum of squares, "mae": sum of |err|, "absmax": max |err| (NaN-propagating), all float32.
   """
   if metric == "mse":
-    return _pairwise(_blocks_last(err * err, block), jnp.add)
+    return pairwise(blocks_last(err * err, block), jnp.add)
   if metric == "mae":
-    return _pairwise(_blocks_last(jnp.abs(err), block), jnp.add)
+    return pairwise(blocks_last(jnp.abs(err), block), jnp.add)
   if metric == "absmax":
-    return _pairwise(_blocks_last(jnp.abs(err), block), jnp.maximum)
+    return pairwise(blocks_last(jnp.abs(err), block), jnp.maximum)
   raise ValueError(f"select must be one of {SELECT_METRICS}; got {metric!r}.")
 
 
@@ -66,7 +66,7 @@ def choose(x32, candidates, block, metric, round_fn, decode_fn, expand_fn):
     expand_fn: per-block array -> repeated over each block (x32's shape).
 
   Returns:
-    (element values, chosen stored scales, chosen per-block decode factors (a tuple), index of the chosen candidate per block).
+    (element values, chosen stored scales, chosen per-block decode factors (a tuple), chosen candidate per block).
   """
   best = None
   for i, sc in enumerate(candidates):
