@@ -69,6 +69,9 @@ def pallas_quantize(x, cfg, *, axis: int, recipe, key, signs):
   if not isinstance(cfg.fmt, formats.NVFP4):
     _fallback(f"the quantize kernel is NVFP4-only (got {cfg.fmt.name})")
     return None
+  if not cfg.fmt.is_default:
+    _fallback(f"the quantize kernel has NVIDIA's scale rules only (got {cfg.fmt.label})")
+    return None
   return _kernels().quantize_nvfp4(x, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding, key=key,
                                    rht_size=recipe.rht_size if cfg.rht else None, rht_signs=signs,
                                    random_bits=recipe.random_bits, pad=cfg.pad, sr_bits=recipe.sr_bits)
@@ -84,6 +87,10 @@ def pallas_gemm(a, b, contract, *, routes=None):
   dispatch table (`routes`, default GEMM_ROUTES) sends this shape on this GPU to the XLA path."""
   if not (a.fmt.is_fp4 and b.fmt.is_fp4) or a.ndim != 2 or b.ndim != 2:
     _fallback("the GEMM kernel takes 2D NVFP4/MXFP4 operands")
+    return None
+  if not all(getattr(q.fmt, "is_default", True) for q in (a, b)):
+    # The kernel decodes NVFP4 with NVIDIA's tensor scale amax / 2688; other scale rules decode differently.
+    _fallback("the GEMM kernel decodes NVIDIA's NVFP4 scales only")
     return None
   if jax.default_backend() == "gpu":
     if choose_gemm_backend(*gemm_dims(a, b, contract), jax.devices()[0].device_kind, routes) == "xla":

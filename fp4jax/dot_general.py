@@ -8,8 +8,8 @@ The "xla" backend multiplies the operands' values with float32 accumulation, whi
 float32 summation order: either code x block scale in bfloat16 (exact: at most 6 significant bits) with the
 per-tensor scales applied to the float32 output (gemm_mode "bf16", BF16 tensor cores on a GPU), or the fully
 dequantized float32 values at HIGHEST precision (gemm_mode "f32", the reference). Residuals are kept quantized:
-the backward needs Q(W, 2D) and Q(RHT x along M), both computed in the forward pass from high-precision tensors, so
-no full-precision copy of x or W is saved.
+the backward needs Q(W, 2D) and Q(RHT x along M), both computed in the forward pass from high-precision tensors (or,
+for operands marked `requantize`, from the dequantized Fprop operands), so no full-precision copy of x or W is saved.
 
 The rule is built from public pieces, `layer_operands`, `fprop`, `dgrad` and `wgrad`, so that analysis code
 (fp4jax.analysis.probes) runs exactly the rule's GEMMs on tensors of its choice.
@@ -36,6 +36,7 @@ from fp4jax.qarray import QArray
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Independent randomness per GEMM, derived from the one key the caller passes per layer call.
 _DGRAD_SR, _WGRAD_SR, _RHT_SIGNS = 1, 2, 3
+_DGRAD_W_SR, _WGRAD_X_SR = 4, 5  # SR of the backward's weight / activation operands (TetraJet-v2)
 
 
 # --- operands -----------------------------------------------------------------------------------------------------
@@ -78,17 +79,22 @@ def _values(operand):
 def _bf16_values(operand):
   """(bfloat16 values, float32 per-tensor factor) with values * factor == _values(operand), or None if not exact.
 
-  NVFP4: E2M1 code x E4M3 block scale (<= 2 x 4 significant bits) and the factor amax / 2688; MXFP4: code x 2^e and
-  1; FP8 with one tensor scale: the E4M3 code and that scale. FP8's float32 block scales and float32 operands have
-  no exact bfloat16 form. A non-finite amax makes the factor NaN, as dequantize poisons the whole tensor.
+  NVFP4: E2M1 code x E4M3 block scale (<= 2 x 4 significant bits) and the factor amax / R (R = the format's global
+  range, 2688 for NVIDIA's rule); MXFP4: code x 2^e and 1; FP8 with one tensor scale: the E4M3 code and that scale.
+  FP8's float32 block scales, NVFP4's per-group (double_block) second-level scales and float32 operands have no
+  exact bfloat16 form. A non-finite amax makes the factor NaN, as dequantize poisons the whole tensor.
   """
   if not isinstance(operand, QArray):
     return (operand, jnp.float32(1.0)) if operand.dtype == jnp.bfloat16 else None
   poison = lambda f: jnp.where(jnp.isfinite(operand.amax), f, jnp.float32(jnp.nan))
   if isinstance(operand.fmt, formats.NVFP4):
-    # Dequantizing with amax = 2688 multiplies by a global scale of exactly 1 and skips no other step.
-    unit = dataclasses.replace(operand, amax=jnp.full_like(operand.amax, nvfp4.GLOBAL_RANGE))
-    return dequantize(unit, jnp.bfloat16), poison(nvfp4.global_decode_scale(operand.amax))
+    if jnp.ndim(operand.amax):  # double_block: second-level scales per 1x128 group vary along the contraction
+      return None
+    # Dequantizing with amax = the format's global range (2688 for NVIDIA's rule) multiplies by a global scale of
+    # exactly 1 and skips no other step.
+    r = operand.fmt.global_range
+    unit = dataclasses.replace(operand, amax=jnp.full_like(operand.amax, r))
+    return dequantize(unit, jnp.bfloat16), poison(nvfp4.global_decode_scale(operand.amax, r))
   if isinstance(operand.fmt, formats.MXFP4):
     return dequantize(operand, jnp.bfloat16), jnp.float32(1.0)
   if operand.scales.ndim == 0:  # FP8 with per-tensor scaling
@@ -153,19 +159,31 @@ def fprop_operands(x_MxK, w_KxN, recipe, key):
   return xq, wq
 
 
+def _fprop_source(q, fn, arg):
+  if q is None:
+    raise ValueError(f"{fn}: the recipe re-quantizes the Fprop operand (`requantize`); pass {arg}=.")
+  return q
+
+
 def dgrad_weight(w_KxN, wq_fprop, recipe, key, compute_dtype):
-  """Dgrad's weight operand, blocked along N: the Fprop codes when the recipe allows it, else re-quantized."""
+  """Dgrad's weight operand, blocked along N: the Fprop codes when the recipe allows it, else re-quantized
+  (from W, or from the dequantized Fprop W when the operand says `requantize`)."""
   if recipe.dgrad_reuses_weight:
     return wq_fprop
-  return quantize_operand(w_KxN, recipe.dgrad.rhs, axis=1, recipe=recipe, signs=_rht_signs(recipe, key),
-                          compute_dtype=compute_dtype)
+  if recipe.dgrad.rhs.requantize:
+    w_KxN = _values(_fprop_source(wq_fprop, "dgrad_weight", "wq_fprop")).astype(w_KxN.dtype)
+  return quantize_operand(w_KxN, recipe.dgrad.rhs, axis=1, recipe=recipe, key=jax.random.fold_in(key, _DGRAD_W_SR),
+                          signs=_rht_signs(recipe, key), compute_dtype=compute_dtype)
 
 
-def wgrad_activations(x_MxK, recipe, key):
-  """Wgrad's activation operand: x padded to the token multiple, RHT and blocks along M (tokens), RNE."""
+def wgrad_activations(x_MxK, recipe, key, xq_fprop=None):
+  """Wgrad's activation operand: x (or the dequantized Fprop x, with `requantize`) padded to the token multiple,
+  RHT and blocks along M (tokens)."""
+  if recipe.wgrad.rhs.requantize:
+    x_MxK = _values(_fprop_source(xq_fprop, "wgrad_activations", "xq_fprop")).astype(x_MxK.dtype)
   x_MxK = _pad_tokens(x_MxK, _token_multiple(recipe))
-  return quantize_operand(x_MxK, recipe.wgrad.rhs, axis=0, recipe=recipe, signs=_rht_signs(recipe, key),
-                          compute_dtype=x_MxK.dtype)
+  return quantize_operand(x_MxK, recipe.wgrad.rhs, axis=0, recipe=recipe, key=jax.random.fold_in(key, _WGRAD_X_SR),
+                          signs=_rht_signs(recipe, key), compute_dtype=x_MxK.dtype)
 
 
 def dgrad_gradient(dy_MxN, recipe, key, compute_dtype=None):
@@ -201,7 +219,8 @@ def layer_operands(x_MxK, w_KxN, recipe: recipes_lib.Recipe, key, *, backward: b
   xq, wq = fprop_operands(x_MxK, w_KxN, recipe, key)
   if not backward:
     return Operands(xq, wq)
-  return Operands(xq, wq, dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype), wgrad_activations(x_MxK, recipe, key))
+  return Operands(xq, wq, dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype),
+                  wgrad_activations(x_MxK, recipe, key, xq))
 
 
 def fprop(ops: Operands, recipe: recipes_lib.Recipe):

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Literal, NamedTuple, Union
 
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax import fp8
 from fp4jax import grids
@@ -38,8 +39,34 @@ class Scaling(NamedTuple):
   nan_blocks: Any = None
 
 
+NVFP4_SCALE_RULES = ("nearest", "up", "4over6", "eden")
+FOUR_OVER_SIX_SELECT = ("mse", "mae", "absmax")
+FOUR_OVER_SIX_E4M3_BOUND = 256.0
+_HEADROOM = 16.0 / 17.0
+EDEN_ELEM_MAX = 6.0 / ((17.0 / 16.0) * 0.93)  # Quartet II's backward: block max -> 6.07, a little saturation
+EDEN_E4M3_BOUND = 255.99
+DOUBLE_BLOCK_GROUP = 8  # blocks of 16 per double-block group (1x128)
+
+
+def _f32(v: float) -> float:
+  """`v` rounded to the nearest float32 (the constants the float32 arithmetic uses)."""
+  return float(np.float32(v))
+
+
 class _Format:
   """Shared helpers of the format dataclasses."""
+
+  def scaling_candidates(self, amax_b, amax):
+    """Several candidate scalings to choose from per block, or None (the single `scaling_from_amax`)."""
+    del amax_b, amax
+    return None
+
+  corrects_scales = False
+
+  def group_amax(self, amax_b, block):
+    """The second-level amaxes per group of blocks, or None (one amax for the whole tensor)."""
+    del amax_b, block
+    return None
 
   name: str
   block_size: int
@@ -78,28 +105,147 @@ class NVFP4(_FP4Format):
   Two-level scaling (arXiv 2509.25149, Sec. 2 and App. B): the per-tensor encode scale `2688 / amax` maps the
   tensor's largest block to the top of E4M3 x E2M1 (448 * 6), so block scales stay in E4M3's range whatever the
   tensor's magnitude.
+
+  scale_rule:
+    "nearest": NVIDIA's rule, the block scale amax_b * S_enc / 6 rounded to the nearest E4M3 value. When it rounds
+      down (about half the blocks) the block max scales above 6 and saturates, which biases stochastic rounding.
+    "up": that block scale rounded up to the next E4M3 value, so nothing saturates and stochastic rounding is
+      unbiased at the block maxima too (Quartet II, arXiv 2601.22813, makes the same point; fouroversix's
+      "stochastic_unbiased" rounding).
+    "4over6": Four Over Six (arXiv 2512.02010; mit-han-lab/fouroversix,
+      src/fouroversix/quantize/pytorch/reference.py): each block is quantized twice, its max mapped to 6 and to 4,
+      and keeps the candidate whose dequantized values are closer to the input by `select`. The tensor scale uses
+      an E4M3 bound of 256 instead of 448 (S_enc = 6 * 256 / amax), so the "4" candidate's 1.5x larger block
+      scale still fits in E4M3. Ties keep the "6" candidate. With stochastic rounding both candidates use the
+      same random bits.
+    "eden": Quartet II's MS-EDEN backward quantizer (arXiv 2601.22813; see eden.py): block max -> 6 / (17/16 *
+      0.93), E4M3 bound 255.99, elements always round to nearest, then each 128-element group's correction
+      sum(y^2) / sum(y q(y)) is multiplied into its block scales, which `rounding="stochastic"` rounds
+      stochastically to a neighbouring E4M3 value ("nearest": to the nearest one). 1D blocks only.
+  select: the 4/6 error per block: "mse" (sum of squares), "mae" (sum of magnitudes) or "absmax" (largest).
+  headroom: encode elements at 16/17 of their scale (block max at 6 * 16/17) and undo it in the tensor decode
+    scale: E4M3 rounding moves a block scale down by at most a factor 16/17, so no element saturates (the other
+    cure for the stochastic-rounding bias; fouroversix's rounding "adjustment factor").
+  double_block: TetraJet-v2's "double-block" scaling (arXiv 2510.27527; thu-ml/TetraJet-v2-NVFP4Training,
+    kernels/baseline_fakequant/nvfp4_quant_fused_kernel.py): the FP32 second-level scale comes from the amax of
+    each 1x128 group (8 blocks along the blocked axis) instead of the whole tensor, so one outlier only coarsens
+    its own group. The QArray then stores one amax per group (float32, the scales' shape with the blocked axis
+    divided by 8, rounded up). 1D blocks only.
   """
 
   block_size: int = 16
+  scale_rule: Literal["nearest", "up", "4over6"] = "nearest"
+  select: Literal["mse", "mae", "absmax"] = "mse"
+  headroom: bool = False
+  double_block: bool = False
   name: str = dataclasses.field(default="nvfp4", init=False)
 
   def __post_init__(self):
     if self.block_size != 16:
       raise ValueError(f"NVFP4 uses 16-element blocks; got block_size={self.block_size}.")
+    if self.scale_rule not in NVFP4_SCALE_RULES:
+      raise ValueError(f"NVFP4 scale_rule must be one of {NVFP4_SCALE_RULES}; got {self.scale_rule!r}.")
+    if self.select not in FOUR_OVER_SIX_SELECT:
+      raise ValueError(f"NVFP4 select must be one of {FOUR_OVER_SIX_SELECT}; got {self.select!r}.")
+    for flag in ("headroom", "double_block"):
+      if not isinstance(getattr(self, flag), bool):
+        raise ValueError(f"NVFP4 {flag} must be True or False; got {getattr(self, flag)!r}.")
 
   scale_max = grids.E4M3_MAX
   scale_dtype = jnp.float8_e4m3fn
 
-  def scaling_from_amax(self, amax_b, amax) -> Scaling:
-    """Scales from block amaxes and the tensor amax (float32)."""
-    s_b, encode = nvfp4.scales(amax_b, amax)
+  @property
+  def corrects_scales(self) -> bool:
+    """Block scales are corrected after the elements are rounded (MS-EDEN), see eden.py."""
+    return self.scale_rule == "eden"
+
+  @property
+  def is_default(self) -> bool:
+    """NVIDIA's rules (what the fused kernels implement)."""
+    return self.scale_rule == "nearest" and not self.headroom and not self.double_block
+
+  @property
+  def label(self) -> str:
+    tags = [] if self.scale_rule == "nearest" else [self.scale_rule]
+    if self.scale_rule == "4over6" and self.select != "mse":
+      tags[-1] += ":" + self.select
+    if self.headroom:
+      tags.append("16/17")
+    if self.double_block:
+      tags.append("1x128")
+    return self.name + (f"({','.join(tags)})" if tags else "")
+
+  @property
+  def _factor(self) -> float:
+    return _HEADROOM if self.headroom else 1.0
+
+  @property
+  def global_range(self) -> float:
+    """float32 R with S_enc = R / amax: 6 * E4M3 bound (448, or 256 for 4/6), times 16/17 with headroom."""
+    if self.scale_rule == "eden":
+      return _f32(EDEN_ELEM_MAX * EDEN_E4M3_BOUND * self._factor)
+    bound = FOUR_OVER_SIX_E4M3_BOUND if self.scale_rule == "4over6" else grids.E4M3_MAX
+    return _f32(grids.E2M1_MAX * bound * self._factor)
+
+  @property
+  def targets(self) -> tuple[float, ...]:
+    """The element value(s) a block max maps to: (6,), or (6, 4) for 4/6 (times 16/17 with headroom)."""
+    ts = ((grids.E2M1_MAX, 4.0) if self.scale_rule == "4over6" else
+          (EDEN_ELEM_MAX,) if self.scale_rule == "eden" else (grids.E2M1_MAX,))
+    return tuple(t * self._factor for t in ts)
+
+  def group_amax(self, amax_b, block):
+    """Double-block: the amax of each group of 8 blocks along the blocked axis (else None: one tensor amax)."""
+    if not self.double_block:
+      return None
+    axes = [i for i, b in enumerate(block) if b > 1]
+    if len(axes) != 1:
+      raise ValueError("NVFP4 double_block scales need 1D blocks (1x16 along one axis); got 2D blocks.")
+    a, n = axes[0], amax_b.shape[axes[0]]
+    groups = -(-n // DOUBLE_BLOCK_GROUP)
+    padded = jnp.pad(amax_b, [(0, groups * DOUBLE_BLOCK_GROUP - n if i == a else 0) for i in range(amax_b.ndim)])
+    split = padded.shape[:a] + (groups, DOUBLE_BLOCK_GROUP) + padded.shape[a + 1:]
+    g = padded.reshape(split)
+    # NaN-propagating max (jnp.max may drop NaN on XLA:CPU, see quantize._int_max).
+    return jnp.where(jnp.any(jnp.isnan(g), axis=a + 1), jnp.float32(jnp.nan), jnp.max(g, axis=a + 1))
+
+  def _per_block(self, amax, scales_shape):
+    """The second-level amax for every block: a scalar, or each 1x128 group's repeated over its 8 blocks."""
+    if jnp.ndim(amax) == 0:
+      return amax
+    for i, (na, ns) in enumerate(zip(amax.shape, scales_shape)):
+      if na != ns:
+        return jnp.repeat(amax, DOUBLE_BLOCK_GROUP, axis=i, total_repeat_length=na * DOUBLE_BLOCK_GROUP)[
+            tuple(slice(0, ns) if j == i else slice(None) for j in range(amax.ndim))]
+    return amax
+
+  def _scaling(self, amax_b, amax, target) -> Scaling:
+    amax = self._per_block(amax, amax_b.shape)
+    s_b, encode = nvfp4.scales(amax_b, amax, global_range=self.global_range, inv_target=_f32(1.0 / target),
+                               round_up=self.scale_rule == "up")
+    t_dec = nvfp4.global_decode_scale(amax, self.global_range)
     # s_b is exactly an E4M3 value: decoding with it equals decoding the stored float8 scale (NaN aside, which the
-    # quantizer maps to a NaN tensor anyway).
-    return Scaling(s_b.astype(jnp.float8_e4m3fn), (encode,), (s_b,), nvfp4.global_decode_scale(amax))
+    # quantizer maps to a NaN tensor anyway). Per-group decode scales are applied per block, after s_b.
+    if jnp.ndim(amax):
+      return Scaling(s_b.astype(jnp.float8_e4m3fn), (encode,), (s_b, t_dec))
+    return Scaling(s_b.astype(jnp.float8_e4m3fn), (encode,), (s_b,), t_dec)
+
+  def scaling_from_amax(self, amax_b, amax) -> Scaling:
+    """Scales from block amaxes and the tensor amax (float32); for 4/6, the "6" candidate."""
+    return self._scaling(amax_b, amax, self.targets[0])
+
+  def scaling_candidates(self, amax_b, amax):
+    """The candidate scalings a block chooses from by `select` (4/6: max -> 6, max -> 4), or None if just one."""
+    if len(self.targets) == 1:
+      return None
+    return tuple(self._scaling(amax_b, amax, t) for t in self.targets)
 
   def scaling_from_stored(self, scales, amax) -> Scaling:
-    """Decode scales from stored E4M3 block scales and the stored amax."""
-    return Scaling(scales, (), (scales.astype(jnp.float32),), nvfp4.global_decode_scale(amax))
+    """Decode scales from stored E4M3 block scales and the stored amax (per 1x128 group with double_block)."""
+    t_dec = nvfp4.global_decode_scale(self._per_block(amax, scales.shape), self.global_range)
+    if jnp.ndim(amax):
+      return Scaling(scales, (), (scales.astype(jnp.float32), t_dec))
+    return Scaling(scales, (), (scales.astype(jnp.float32),), t_dec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +345,8 @@ Format = Union[NVFP4, MXFP4, FP8]
 
 _NAMED = {
     "nvfp4": NVFP4(),
+    "nvfp4_4over6": NVFP4(scale_rule="4over6"),
+    "nvfp4_up": NVFP4(scale_rule="up"),
     "mxfp4": MXFP4(),
     "mxfp4_ceil": MXFP4(scale_rule="ceil"),
     "fp8": FP8(),

@@ -120,7 +120,13 @@ def check_fields(q: QArray) -> None:
   _check_array("codes", q.codes, codes_dtype, codes_shape, fmt)
   scales_shape = () if per_tensor else tuple(n // fmt.block_size if a in blocked else n for a, n in enumerate(shape))
   _check_array("scales", q.scales, jnp.dtype(fmt.scale_dtype), scales_shape, fmt)
-  _check_array("amax", q.amax, jnp.dtype(jnp.float32), (), fmt)
+  amax_shape = ()
+  if getattr(fmt, "double_block", False):  # NVFP4 double-block: one amax per 1x128 group along the blocked axis
+    if q.block_2d:
+      raise ValueError("a double_block NVFP4 QArray has 1D blocks; got block_2d=True.")
+    group = formats.DOUBLE_BLOCK_GROUP
+    amax_shape = tuple(-(-n // group) if a == q.axis else n for a, n in enumerate(scales_shape))
+  _check_array("amax", q.amax, jnp.dtype(jnp.float32), amax_shape, fmt)
 
 
 def _check_array(field, a, dtype, shape, fmt):

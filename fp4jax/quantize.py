@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import formats
+from fp4jax import eden
+from fp4jax import four_over_six
 from fp4jax import grids
 from fp4jax import keys
 from fp4jax import prng
@@ -179,7 +181,14 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False
   check, without the round trip through codes, packing and stored scales.
   """
   amax_b = _block_amax(x32, block)
-  amax = _tensor_amax(amax_b)
+  amax = fmt.group_amax(amax_b, block)  # None: one amax for the whole tensor
+  if amax is None:
+    amax = _tensor_amax(amax_b)
+  if fmt.corrects_scales:
+    return _quantize_eden(x32, fmt, block, rounding, key, random_bits, amax_b, amax, values, sr_bits)
+  candidates = fmt.scaling_candidates(amax_b, amax)
+  if candidates is not None:
+    return _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, amax, values, sr_bits)
   scaling = fmt.scaling_from_amax(amax_b, amax)
   y = _scale_blocks(x32, scaling.encode, block)
   scales = scaling.stored
@@ -191,6 +200,33 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False
     return rounded, scales, amax, decode
   codes = rounding_lib.e2m1_codes(y, rounding=rounding, key=key, random_bits=random_bits, sr_bits=sr_bits)
   return codes, scales, amax, decode
+
+
+def _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, amax, values, sr_bits):
+  """_quantize_elements for formats that choose per block among candidate scalings (NVFP4 4/6: four_over_six.py)."""
+  round_fn = lambda y: rounding_lib.round_e2m1(y, rounding=rounding, key=key, random_bits=random_bits,
+                                               sr_bits=sr_bits)
+  decode_fn = lambda v, sc: _decode(v, sc, block)
+  expand_fn = lambda s: _expand_blocks(s, block)
+  elements, stored, dec, _ = four_over_six.choose(x32, candidates, block, fmt.select, round_fn, decode_fn, expand_fn)
+  scaling = formats.Scaling(stored, (), dec, candidates[0].tensor_decode)
+  decode = lambda v: _decode(v, scaling, block)
+  return (elements if values else grids.e2m1_codes(elements)), stored, amax, decode
+
+
+def _quantize_eden(x32, fmt, block, rounding, key, random_bits, amax_b, amax, values, sr_bits):
+  """_quantize_elements for MS-EDEN (eden.py): RTN elements, then corrected, optionally SR'd, block scales."""
+  scaling = fmt.scaling_from_amax(amax_b, amax)
+  y = _scale_blocks(x32, scaling.encode, block)
+  # A block whose scale underflowed to 0 decodes to 0 whatever its elements; its y (x * FLT_MAX) must not enter the
+  # group sums (inf * 0 = NaN), so its elements are 0.
+  y = jnp.where(_expand_blocks(scaling.decode[0] == 0, block), jnp.float32(0.0), y)
+  v = rounding_lib.round_e2m1_nearest(y)
+  s_b = eden.round_scales(scaling.decode[0] * eden.correction(y, v, block), rounding=rounding, key=key,
+                          random_bits=random_bits, sr_bits=sr_bits)
+  scaling = formats.Scaling(s_b.astype(jnp.float8_e4m3fn), (), (s_b,) + scaling.decode[1:], scaling.tensor_decode)
+  decode = lambda e: _decode(e, scaling, block)
+  return (v if values else rounding_lib.e2m1_codes_nearest(y)), scaling.stored, amax, decode
 
 
 # --- quantize -----------------------------------------------------------------------------------------------------
@@ -247,7 +283,7 @@ def _block_of(q: QArray):
 
 def _finish(values, amax, orig_shape, dtype):
   """Non-finite amax poisons the whole tensor (fail loudly, never plausible numbers); crop padding; cast."""
-  values = jnp.where(jnp.isfinite(amax), values, jnp.nan)
+  values = jnp.where(jnp.all(jnp.isfinite(amax)), values, jnp.nan)
   if values.shape != tuple(orig_shape):
     values = values[tuple(slice(0, n) for n in orig_shape)]
   return values.astype(dtype)

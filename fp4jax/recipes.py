@@ -20,6 +20,8 @@ from typing import Literal
 from fp4jax import formats
 from fp4jax import prng
 from fp4jax import rht as rht_lib
+# The newer presets (Four Over Six, TetraJet-v2, Quartet II), re-exported: fp4jax.recipes.quartet2() etc.
+from fp4jax.recipes_beyond import four_over_six, quartet2, tetrajet_v2
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 BACKENDS = ("xla", "pallas")
@@ -36,6 +38,9 @@ class OperandConfig:
   rounding: Literal["nearest", "stochastic"] = "nearest"
   rht: bool = False
   pad: bool = False  # zero-pad the contraction axis to the block size (FP8's 128-blocks on small layers)
+  # Backward operands only (Dgrad's W, Wgrad's x): quantize the dequantized Fprop operand instead of the
+  # high-precision tensor, so the backward sees the forward's quantized values (TetraJet-v2, Quartet II).
+  requantize: bool = False
 
   @property
   def quantized(self) -> bool:
@@ -49,6 +54,8 @@ class OperandConfig:
     parts = [fmt.label, layout, "SR" if self.rounding == "stochastic" else "RNE"]
     if self.rht:
       parts.append("RHT")
+    if self.requantize:
+      parts.append("of Fprop Q")
     return " ".join(parts)
 
 
@@ -123,6 +130,17 @@ class Recipe:
       cfg = getattr(self, gemm)
       if cfg.lhs.rht != cfg.rhs.rht:
         raise ValueError(f"{gemm}: RHT must apply to both operands (it is only exact when both are transformed).")
+    for gemm, side, fprop_op in (("fprop", "lhs", None), ("fprop", "rhs", None), ("dgrad", "lhs", None),
+                                 ("wgrad", "lhs", None), ("dgrad", "rhs", self.fprop.rhs),
+                                 ("wgrad", "rhs", self.fprop.lhs)):
+      op = getattr(self.gemm(gemm), side)
+      if not op.requantize:
+        continue
+      if fprop_op is None:
+        raise ValueError(f"{gemm}.{side}: requantize applies to Dgrad's W and Wgrad's x only.")
+      if not (op.quantized and fprop_op.quantized) or self.fprop.rht:
+        raise ValueError(f"{gemm}.{side}: requantize needs that operand and its Fprop counterpart quantized, and "
+                         "no RHT on Fprop (the dequantized Fprop operand must be in the original basis).")
 
   def replace(self, **changes) -> "Recipe":
     return dataclasses.replace(self, **changes)
@@ -162,16 +180,19 @@ class Recipe:
 
   def table(self) -> str:
     """The recipe as a readable table: one row per GEMM."""
-    rows = [f"Recipe {self.name!r} (backend={self.backend}, rht_size={self.rht_size}, rht_signs={self.rht_signs}, "
-            f"random_bits={self.random_bits}, sr_bits={self.sr_bits}, gemm_mode={self.gemm_mode})",
-            f"  {'GEMM':<6} {'lhs':<30} {'rhs':<30}"]
+    cells = []
     for g in GEMMS:
       cfg = self.gemm(g)
       ln, rn = _OPERAND_NAMES[g]
       rhs = cfg.rhs.describe()
       if g == "dgrad" and self.dgrad_reuses_weight:
         rhs += " (Fprop W^T reused)"
-      rows.append(f"  {g:<6} {ln + ': ' + cfg.lhs.describe():<30} {rn + ': ' + rhs:<30}")
+      cells.append((g, ln + ": " + cfg.lhs.describe(), rn + ": " + rhs))
+    w = max(30, *(len(c[1]) + 1 for c in cells))
+    rows = [f"Recipe {self.name!r} (backend={self.backend}, rht_size={self.rht_size}, rht_signs={self.rht_signs}, "
+            f"random_bits={self.random_bits}, sr_bits={self.sr_bits}, gemm_mode={self.gemm_mode})",
+            f"  {'GEMM':<6} {'lhs':<{w}} {'rhs':<30}"]
+    rows += [f"  {g:<6} {lhs:<{w}} {rhs:<30}" for g, lhs, rhs in cells]
     return "\n".join(rows)
 
   def __str__(self) -> str:
@@ -180,13 +201,16 @@ class Recipe:
 
 # --- presets ------------------------------------------------------------------------------------------------------
 
-def bf16() -> Recipe:
-  """No quantization: every GEMM is a plain dot_general in the compute dtype."""
-  return Recipe(name="bf16")
+def bf16(*, sr_bits: str = "hash", gemm_mode: str = "auto") -> Recipe:
+  """No quantization: every GEMM is a plain dot_general in the compute dtype.
+
+  sr_bits, gemm_mode: kept on the Recipe like every preset's (nothing is rounded or quantized, so they change nothing).
+  """
+  return Recipe(name="bf16", sr_bits=sr_bits, gemm_mode=gemm_mode)
 
 
 def _ablation_name(name, *, rht_on, rht_size, default_rht_size, stochastic_rounding, weight_2d, signs,
-                   random_bits, sr_bits="hash", gemm_mode="auto") -> str:
+                   random_bits, sr_bits="hash", gemm_mode="auto", extra_tags="") -> str:
   """'nvfp4' for the paper's recipe, with one tag per switched component, e.g. 'nvfp4-rht-sr'."""
   tags = []
   if not rht_on:
@@ -207,7 +231,7 @@ def _ablation_name(name, *, rht_on, rht_size, default_rht_size, stochastic_round
       tags.append(f"-{sr_bits}")
   if not weight_2d:
     tags.append("-2d")
-  return name + "".join(tags) + _gemm_tag(gemm_mode)
+  return name + "".join(tags) + extra_tags + _gemm_tag(gemm_mode)
 
 
 def _gemm_tag(gemm_mode: str) -> str:
@@ -215,7 +239,7 @@ def _gemm_tag(gemm_mode: str) -> str:
 
 
 def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht_on, random_signs, random_bits,
-                backend, default_rht_size, sr_bits, gemm_mode) -> Recipe:
+                backend, default_rht_size, sr_bits, gemm_mode, sr_fmt=None, extra_tags="") -> Recipe:
   # A CLI typo ("stochastic_rounding=flase") parses to a truthy string: reject it rather than silently enable.
   for flag, value in (("rht", rht), ("stochastic_rounding", stochastic_rounding), ("weight_2d", weight_2d)):
     if not isinstance(value, bool):
@@ -229,7 +253,8 @@ def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht
   grad_rounding = "stochastic" if stochastic_rounding else "nearest"
 
   def op(rounding="nearest", block_2d=False, gemm="fprop"):
-    return OperandConfig(fmt=fmt, block_2d=block_2d, rounding=rounding, rht=gemm in rht_on)
+    op_fmt = sr_fmt if rounding == "stochastic" and sr_fmt is not None else fmt
+    return OperandConfig(fmt=op_fmt, block_2d=block_2d, rounding=rounding, rht=gemm in rht_on)
 
   if random_signs is True:
     signs = "fixed"
@@ -242,7 +267,7 @@ def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht
   return Recipe(
       name=_ablation_name(name, rht_on=rht_on, rht_size=rht_size, default_rht_size=default_rht_size,
                           stochastic_rounding=stochastic_rounding, weight_2d=weight_2d, signs=signs,
-                          random_bits=random_bits, sr_bits=sr_bits, gemm_mode=gemm_mode),
+                          random_bits=random_bits, sr_bits=sr_bits, gemm_mode=gemm_mode, extra_tags=extra_tags),
       fprop=GemmConfig(op(gemm="fprop"), op(block_2d=weight_2d, gemm="fprop")),
       dgrad=GemmConfig(op(grad_rounding, gemm="dgrad"), op(block_2d=weight_2d, gemm="dgrad")),
       wgrad=GemmConfig(op(grad_rounding, gemm="wgrad"), op(gemm="wgrad")),
@@ -250,20 +275,43 @@ def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht
       gemm_mode=gemm_mode)
 
 
+UNBIASED_SR = (False, True, "up", "headroom")
+
+
 def nvfp4(*, rht: bool = True, rht_size: int = 16, stochastic_rounding: bool = True, weight_2d: bool = True,
           rht_on: tuple[str, ...] = ("wgrad",), random_signs=True, random_bits: int = 32,
-          backend: str = "xla", sr_bits: str = "hash", gemm_mode: str = "auto") -> Recipe:
+          backend: str = "xla", four_over_six: bool = False, select: str = "mse", unbiased_sr=False,
+          sr_bits: str = "hash", gemm_mode: str = "auto") -> Recipe:
   """The paper's NVFP4 recipe; each keyword switches one component off or changes it (for ablations).
 
   rht: Random Hadamard Transform on the GEMMs in `rht_on` (paper: Wgrad only), tile size `rht_size`.
   stochastic_rounding: SR on the output-gradient operands of Dgrad and Wgrad (RNE elsewhere).
   weight_2d: 16x16 weight blocks, so Dgrad reuses the Fprop weight exactly (else 1x16 re-quantized per GEMM).
   random_signs: True = fixed random sign vector (paper), False = no signs, "per_call" = fresh signs per call.
+  four_over_six: every operand uses Four Over Six block scales (arXiv 2512.02010; `formats.NVFP4` scale_rule
+    "4over6"), chosen per block by `select` ("mse", "mae" or "absmax").
+  unbiased_sr: the SR operands' block scales: False (NVIDIA: rounded to nearest, ~1 % bias at block maxima),
+    True or "up" (rounded up: unbiased), "headroom" (elements at 16/17 of their scale: unbiased, composes with 4/6).
   sr_bits, gemm_mode: the SR bit generator and the GEMM mode (see Recipe); they change speed, not the recipe.
   """
-  return _fp4_recipe("nvfp4", formats.NVFP4(), rht=rht, rht_size=rht_size, stochastic_rounding=stochastic_rounding,
+  if not isinstance(four_over_six, bool):
+    raise ValueError(f"four_over_six must be True or False; got {four_over_six!r}.")
+  if unbiased_sr not in UNBIASED_SR or (unbiased_sr is not False and not isinstance(unbiased_sr, (bool, str))):
+    raise ValueError(f"unbiased_sr must be one of {UNBIASED_SR}; got {unbiased_sr!r}.")
+  if four_over_six and unbiased_sr in (True, "up"):
+    raise ValueError("four_over_six chooses between two block scales per block; rounding them up is not defined. "
+                     "Use unbiased_sr='headroom' with four_over_six.")
+  fmt = formats.NVFP4(scale_rule="4over6", select=select) if four_over_six else formats.NVFP4()
+  sr_fmt, tags = None, ""
+  if four_over_six:
+    tags += "+4over6" + ("" if select == "mse" else f":{select}")
+  if unbiased_sr is not False and stochastic_rounding:
+    sr_fmt = fmt.replace(headroom=True) if unbiased_sr == "headroom" else fmt.replace(scale_rule="up")
+    tags += "+usr" + (":headroom" if unbiased_sr == "headroom" else "")
+  return _fp4_recipe("nvfp4", fmt, rht=rht, rht_size=rht_size, stochastic_rounding=stochastic_rounding,
                      weight_2d=weight_2d, rht_on=rht_on, random_signs=random_signs, random_bits=random_bits,
-                     backend=backend, default_rht_size=16, sr_bits=sr_bits, gemm_mode=gemm_mode)
+                     backend=backend, default_rht_size=16, sr_bits=sr_bits, gemm_mode=gemm_mode, sr_fmt=sr_fmt,
+                     extra_tags=tags)
 
 
 def mxfp4(*, scale_rule: str = "ceil", rht: bool = True, rht_size: int = 32, stochastic_rounding: bool = True,
@@ -279,7 +327,7 @@ def mxfp4(*, scale_rule: str = "ceil", rht: bool = True, rht_size: int = 32, sto
                      sr_bits=sr_bits, gemm_mode=gemm_mode)
 
 
-def fp8(*, block_size: int = 128, scaling: str = "block", gemm_mode: str = "auto") -> Recipe:
+def fp8(*, block_size: int = 128, scaling: str = "block", sr_bits: str = "hash", gemm_mode: str = "auto") -> Recipe:
   """The paper's FP8 baseline: E4M3 everywhere, 1x128 blocks for activations/gradients, 128x128 for weights, RNE.
 
   Partial blocks at the end of a contraction axis are zero-padded (layers narrower than 128 still work).
@@ -288,10 +336,11 @@ def fp8(*, block_size: int = 128, scaling: str = "block", gemm_mode: str = "auto
   act = OperandConfig(fmt=fmt, pad=True)
   weight = OperandConfig(fmt=fmt, block_2d=True, pad=True)
   return Recipe(name="fp8" + _gemm_tag(gemm_mode), fprop=GemmConfig(act, weight), dgrad=GemmConfig(act, weight),
-                wgrad=GemmConfig(act, act), gemm_mode=gemm_mode)
+                wgrad=GemmConfig(act, act), sr_bits=sr_bits, gemm_mode=gemm_mode)
 
 
-PRESETS = {"bf16": bf16, "nvfp4": nvfp4, "mxfp4": mxfp4, "fp8": fp8}
+PRESETS = {"bf16": bf16, "nvfp4": nvfp4, "mxfp4": mxfp4, "fp8": fp8, "four_over_six": four_over_six,
+           "tetrajet_v2": tetrajet_v2, "quartet2": quartet2}
 RECIPE_NAMES = tuple(PRESETS)
 
 

@@ -200,6 +200,14 @@ def operand_stats(q) -> dict[str, jax.Array]:
 
 # --- the per-layer probe ------------------------------------------------------------------------------------------
 
+def _operands_need_key(recipe) -> bool:
+  """Whether layer_operands depends on the layer key (then each draw rebuilds them, as the rule does per call):
+  per-call RHT signs, or stochastic rounding of Dgrad's W or Wgrad's x (re-quantized Fprop operands)."""
+  sr = lambda op: op.quantized and op.rounding == "stochastic"
+  return (recipe.rht_signs == "per_call" or (sr(recipe.dgrad.rhs) and not recipe.dgrad_reuses_weight)
+          or sr(recipe.wgrad.rhs))
+
+
 def _probe_layer(x_MxK, w_KxN, dy_MxN, key, recipe, num_draws):
   levels = bias_levels(num_draws)
   if not recipe.is_quantized:
@@ -212,11 +220,11 @@ def _probe_layer(x_MxK, w_KxN, dy_MxN, key, recipe, num_draws):
   else:
     ops = quantized_operands(x_MxK, w_KxN, recipe, key)
     y_ref, refs_dx, refs_dw = _references(x_MxK, w_KxN, dy_MxN, recipe, key, ops)
-    per_call = recipe.rht_signs == "per_call"
+    fresh = _operands_need_key(recipe)
     def draw(k):
-      return quantized_gemms(x_MxK, w_KxN, dy_MxN, recipe, k, None if per_call else ops)[1:3]
+      return quantized_gemms(x_MxK, w_KxN, dy_MxN, recipe, k, None if fresh else ops)[1:3]
     y, _, _, dyq, dyq_t = quantized_gemms(x_MxK, w_KxN, dy_MxN, recipe, jax.random.fold_in(key, 0),
-                                          None if per_call else ops)
+                                          None if fresh else ops)
     stats = {"fprop.x": operand_stats(ops.x_fprop), "fprop.W": operand_stats(ops.w_fprop),
              "dgrad.dY": operand_stats(dyq), "dgrad.W": operand_stats(ops.w_dgrad),
              "wgrad.dY": operand_stats(dyq_t), "wgrad.x": operand_stats(ops.x_wgrad)}

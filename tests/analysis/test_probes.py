@@ -105,7 +105,7 @@ def test_2d_weights_keep_the_chain_rule_and_1d_weights_break_it():
   assert probes.bias_floor(one_d["bias"]["dgrad"]["chain"]) > 0.5 * one_d["chain_dgrad"]
 
 
-@pytest.mark.parametrize("spec", ["nvfp4", "mxfp4:weight_2d=false,rht=false"])
+@pytest.mark.parametrize("spec", ["nvfp4", "mxfp4:weight_2d=false,rht=false", "tetrajet_v2", "quartet2:rht_size=16"])
 def test_quantized_gemms_equal_the_custom_vjp_rule(spec):
   recipe = recipes.get_recipe(spec)
   x, w, dy = random_tensors(2)
@@ -124,6 +124,15 @@ def test_quantized_gemms_equal_the_custom_vjp_rule(spec):
   y2, dx2, dw2, _, _ = jax.jit(lambda x, w, dy: probes.quantized_gemms(x, w, dy, recipe, key))(x, w, dy)
   for a, b in ((y, y2), (dx, dx2), (dw, dw2)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))
+
+
+def test_key_dependent_backward_operands_are_rebuilt_per_draw():
+  """Re-quantized Fprop operands with SR (TetraJet-v2, Quartet II) depend on the layer key even with fixed signs."""
+  assert not probes._operands_need_key(recipes.nvfp4())  # pylint: disable=protected-access
+  assert probes._operands_need_key(recipes.nvfp4(random_signs="per_call"))  # pylint: disable=protected-access
+  assert probes._operands_need_key(recipes.tetrajet_v2().replace(rht_signs="fixed"))  # pylint: disable=protected-access
+  assert not probes._operands_need_key(  # pylint: disable=protected-access
+      recipes.tetrajet_v2(stochastic_rounding=False).replace(rht_signs="fixed"))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,71 @@
+"""MS-EDEN scale correction: Quartet II's unbiased backward quantizer (arXiv 2601.22813).
+
+After round-to-nearest, each group of 128 elements along the blocked axis (8 NVFP4 blocks) gets the factor
+S = sum(y^2) / sum(y * q(y)) (y: elements on the E2M1 scale, q(y): their rounded values; 1 when the denominator is 0)
+multiplied into its 8 block scales, which are then rounded stochastically to a neighbouring E4M3 value. Following a
+random rotation (the RHT) this makes the dequantized tensor unbiased in expectation at group level, without
+stochastic rounding of the elements (IST-DASLab/Quartet-II, src/models/quantization/quantizers/nvfp4_triton.py,
+`eden_1x16s_fp4_kernel`). Sums are float32 in a fixed pairwise order (four_over_six.block_error's).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax import four_over_six
+from fp4jax import grids
+from fp4jax import prng
+from fp4jax import rounding as rounding_lib
+
+GROUP_BLOCKS = 8  # 8 blocks of 16: the correction's 128-element groups
+
+
+def _group_sum(per_block, axis):
+  """Sums of GROUP_BLOCKS consecutive per-block values along `axis` (zero-padded), in pairwise order."""
+  n = per_block.shape[axis]
+  groups = -(-n // GROUP_BLOCKS)
+  pad = [(0, groups * GROUP_BLOCKS - n if i == axis else 0) for i in range(per_block.ndim)]
+  t = jnp.moveaxis(jnp.pad(per_block, pad), axis, -1)
+  t = t.reshape(t.shape[:-1] + (groups, GROUP_BLOCKS))
+  return jnp.moveaxis(four_over_six.pairwise(t, jnp.add), -1, axis)
+
+
+def correction(y, v, block):
+  """Per-block factor S of each block's 128-element group: sum(y^2) / sum(y * v) (1 where that sum is 0)."""
+  axes = [i for i, b in enumerate(block) if b > 1]
+  if len(axes) != 1:
+    raise ValueError("NVFP4 scale_rule='eden' needs 1D blocks (1x16 along one axis); got 2D blocks.")
+  axis = axes[0]
+  per_block = lambda t: four_over_six.pairwise(four_over_six.blocks_last(t, block), jnp.add)
+  num, den = _group_sum(per_block(y * y), axis), _group_sum(per_block(y * v), axis)
+  s = jnp.where(den == 0, jnp.float32(1.0), num / den)
+  n = y.shape[axis] // block[axis]
+  return jnp.repeat(s, GROUP_BLOCKS, axis=axis, total_repeat_length=s.shape[axis] * GROUP_BLOCKS)[
+      tuple(slice(0, n) if i == axis else slice(None) for i in range(s.ndim))]
+
+
+def e4m3_neighbours(s):
+  """(lower, upper) E4M3 neighbours of non-negative float32 `s` (equal when `s` is an E4M3 value; 448 above 448)."""
+  r = grids.round_e4m3(s, per_block=True)
+  bits = jax.lax.bitcast_convert_type(r.astype(jnp.float8_e4m3fn), jnp.uint8)
+  step = lambda d: jax.lax.bitcast_convert_type(bits + jnp.uint8(d), jnp.float8_e4m3fn).astype(jnp.float32)
+  # Codes of non-negative E4M3 values order like the values; 0x7F above 448 is NaN, hence the clamp.
+  lo = jnp.where(r > s, step(255), r)  # bits - 1 (uint8 wrap-around never happens: r > s >= 0 means r > 0)
+  hi = jnp.where(r < s, jnp.minimum(jnp.where(r >= grids.E4M3_MAX, r, step(1)), grids.E4M3_MAX), r)
+  return lo, hi
+
+
+def round_scales(s, *, rounding, key, random_bits, sr_bits: str = "hash"):
+  """E4M3 block scales from corrected float32 scales: to nearest, or stochastically between the neighbours.
+
+  The random bits come from fp4jax.prng like the elements' stochastic rounding: `sr_bits` "hash" (counter-based,
+  the default) or "threefry" (jax.random.bits).
+  """
+  if rounding == "nearest":
+    return grids.round_e4m3(s, per_block=True)
+  lo, hi = e4m3_neighbours(s)
+  p = jnp.where(hi > lo, (s - lo) / jnp.where(hi > lo, hi - lo, 1.0), 0.0)
+  u = rounding_lib.uniform_from_bits(prng.random_bits(key, s.shape, sr_bits), random_bits)
+  threshold = p if random_bits == 32 else jnp.floor(p * 256.0)
+  return jnp.where(jnp.isnan(s), s, jnp.where(u < threshold, hi, lo))

@@ -1,0 +1,84 @@
+"""Per-block choice between candidate scalings: Four Over Six (arXiv 2512.02010).
+
+NVFP4's grid is coarse near its top (4 -> 6), so mapping a block's max to 6 can leave the block's other values badly
+rounded; mapping it to 4 instead (a 1.5x larger block scale) gives those values a finer grid at the cost of
+resolution at the top. Four Over Six quantizes each block both ways and keeps the candidate whose dequantized values
+are closer to the input (mit-han-lab/fouroversix, src/fouroversix/quantize/pytorch/reference.py, `select_fouroversix`).
+
+The block error is a float32 reduction in a fixed order (pairwise halving over the block's elements laid out row
+major), so the choice is reproducible bit for bit: XLA does not reassociate float additions.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+SELECT_METRICS = ("mse", "mae", "absmax")
+
+
+def blocks_last(a, block):
+  """`a` with each block's elements gathered on one trailing axis (row major within a 2D tile): [..blocks.., B]."""
+  split, inner = [], []
+  for n, b in zip(a.shape, block):
+    if b > 1:
+      inner.append(len(split) + 1)
+    split.extend((n // b, b) if b > 1 else (n,))
+  outer = [i for i in range(len(split)) if i not in inner]
+  t = jnp.transpose(a.reshape(split), outer + inner)
+  return t.reshape(t.shape[:len(outer)] + (-1,))
+
+
+def pairwise(t, op):
+  """Reduces the trailing axis by halving: t[..., :h] op t[..., h:] until one element is left (length 2^k)."""
+  while t.shape[-1] > 1:
+    if t.shape[-1] % 2:
+      raise ValueError(f"block of {t.shape[-1]} elements: the pairwise reduction needs a power of two.")
+    h = t.shape[-1] // 2
+    t = op(t[..., :h], t[..., h:])
+  return t[..., 0]
+
+
+def block_error(err, block, metric: str):
+  """Per-block error of float32 differences `err` (dequantized - input), with the scales' shape.
+
+  "mse": sum of squares, "mae": sum of |err|, "absmax": max |err| (NaN-propagating), all float32.
+  """
+  if metric == "mse":
+    return pairwise(blocks_last(err * err, block), jnp.add)
+  if metric == "mae":
+    return pairwise(blocks_last(jnp.abs(err), block), jnp.add)
+  if metric == "absmax":
+    return pairwise(blocks_last(jnp.abs(err), block), jnp.maximum)
+  raise ValueError(f"select must be one of {SELECT_METRICS}; got {metric!r}.")
+
+
+def choose(x32, candidates, block, metric, round_fn, decode_fn, expand_fn):
+  """Rounds `x32` under each candidate scaling and keeps, per block, the one with the smallest error.
+
+  Args:
+    x32: the float32 tensor (padded to whole blocks).
+    candidates: formats.Scaling per candidate, in preference order: a later one wins only if strictly better
+      (so ties, and NaN errors, keep the first).
+    block: the block shape.
+    metric: "mse", "mae" or "absmax".
+    round_fn: y -> element values on the E2M1 grid (the operand's rounding, same random bits for every candidate).
+    decode_fn: (values, scaling) -> dequantized float32 values before the tensor's non-finite check.
+    expand_fn: per-block array -> repeated over each block (x32's shape).
+
+  Returns:
+    (element values, chosen stored scales, chosen per-block decode factors (a tuple), chosen candidate per block).
+  """
+  best = None
+  for i, sc in enumerate(candidates):
+    (encode,) = sc.encode
+    values = round_fn(x32 * expand_fn(encode))
+    err = block_error(decode_fn(values, sc) - x32, block, metric)
+    if best is None:
+      best = (values, sc.stored, sc.decode, jnp.zeros(err.shape, jnp.int32), err)
+      continue
+    better = err < best[4]
+    wide = expand_fn(better)
+    decode = tuple(jnp.where(better, new, old) for new, old in zip(sc.decode, best[2]))
+    best = (jnp.where(wide, values, best[0]), jnp.where(better, sc.stored, best[1]), decode,
+            jnp.where(better, jnp.int32(i), best[3]), jnp.where(better, err, best[4]))
+  return best[:4]

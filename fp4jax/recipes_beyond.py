@@ -1,0 +1,85 @@
+"""Presets beyond NVIDIA's recipe: Four Over Six, TetraJet-v2 and Quartet II (re-exported by fp4jax.recipes).
+
+Each accepts `sr_bits=` and `gemm_mode=` like every preset (see fp4jax.recipes.Recipe): they change speed, not the
+recipe, and show in the name as in `nvfp4()` ("-threefry" when something is rounded stochastically, "-gemm:MODE").
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fp4jax import formats
+
+if TYPE_CHECKING:
+  from fp4jax.recipes import Recipe
+
+
+def _recipes():
+  """fp4jax.recipes, imported when a preset is called: it imports this module at load time (no import cycle)."""
+  from fp4jax import recipes  # pylint: disable=g-import-not-at-top
+  return recipes
+
+
+def _speed_tags(stochastic: bool, sr_bits: str, gemm_mode: str) -> str:
+  """Name tags of the SR generator (only when something is rounded stochastically) and the GEMM mode."""
+  gemm_tag = _recipes()._gemm_tag(gemm_mode)  # pylint: disable=protected-access  (one rule for every preset)
+  return (f"-{sr_bits}" if stochastic and sr_bits != "hash" else "") + gemm_tag
+
+
+def four_over_six(*, select: str = "mse", unbiased_sr=False, rht: bool = True, rht_size: int = 16,
+                  stochastic_rounding: bool = True, weight_2d: bool = True, rht_on: tuple[str, ...] = ("wgrad",),
+                  random_signs=True, random_bits: int = 32, backend: str = "xla", sr_bits: str = "hash",
+                  gemm_mode: str = "auto") -> Recipe:
+  """NVIDIA's NVFP4 recipe with Four Over Six block scales on every operand (arXiv 2512.02010; repository
+  mit-han-lab/fouroversix): weights, activations and gradients, SR on the gradients as in NVIDIA's recipe. Unlike
+  TransformerEngine's implementation it composes with the RHT. Same switches as `nvfp4()`."""
+  r = _recipes().nvfp4(rht=rht, rht_size=rht_size, stochastic_rounding=stochastic_rounding, weight_2d=weight_2d,
+            rht_on=rht_on, random_signs=random_signs, random_bits=random_bits, backend=backend,
+            four_over_six=True, select=select, unbiased_sr=unbiased_sr, sr_bits=sr_bits, gemm_mode=gemm_mode)
+  return r.replace(name="four_over_six" + r.name[len("nvfp4"):].replace("+4over6", "", 1))
+
+
+def tetrajet_v2(*, rht_size: int = 16, double_block: bool = True, stochastic_rounding: bool = True,
+                random_bits: int = 32, backend: str = "xla", sr_bits: str = "hash",
+                gemm_mode: str = "auto") -> Recipe:
+  """TetraJet-v2 (arXiv 2510.27527; thu-ml/TetraJet-v2-NVFP4Training) without OsciReset / OutControl.
+
+  Every operand is NVFP4 with double-block scales (an FP32 scale per 1x128 group, E4M3 per 1x16), weights in 1x16
+  blocks along the contraction axis. Forward: round to nearest. Backward: both GEMMs see the output gradient and
+  the Fprop operands dequantized, transposed and re-quantized, all with an RHT of size `rht_size` (fresh signs per
+  call) along the contraction axis and stochastic rounding.
+  """
+  lib = _recipes()
+  fmt = formats.NVFP4(double_block=double_block)
+  sr = "stochastic" if stochastic_rounding else "nearest"
+  fwd = lib.OperandConfig(fmt=fmt)
+  grad = lib.OperandConfig(fmt=fmt, rounding=sr, rht=True)
+  requant = lib.OperandConfig(fmt=fmt, rounding=sr, rht=True, requantize=True)
+  name = ("tetrajet_v2" + ("" if double_block else "-double_block") + ("" if stochastic_rounding else "-sr")
+          + _speed_tags(stochastic_rounding, sr_bits, gemm_mode))
+  return lib.Recipe(name=name, fprop=lib.GemmConfig(fwd, fwd), dgrad=lib.GemmConfig(grad, requant),
+                    wgrad=lib.GemmConfig(grad, requant), rht_size=rht_size, rht_signs="per_call",
+                    random_bits=random_bits, backend=backend, sr_bits=sr_bits, gemm_mode=gemm_mode)
+
+
+def quartet2(*, four_over_six: bool = False, rht_size: int = 128, stochastic_scales: bool = True,
+             random_bits: int = 32, backend: str = "xla", sr_bits: str = "hash", gemm_mode: str = "auto") -> Recipe:
+  """Quartet II (arXiv 2601.22813; IST-DASLab/Quartet-II, schemes/quartet_2.py, kernels/python/quartet2/linear.py).
+
+  Forward: NVFP4 1x16 round-to-nearest on x and W (no Hadamard, no 2D blocks; `four_over_six` as in the released
+  kernel). Backward ("MS-EDEN"): the output gradient and the dequantized Fprop x and W, re-quantized, get an RHT of
+  size `rht_size` with fresh signs per call along each backward GEMM's contraction axis, then NVFP4 with the EDEN
+  group correction and stochastically rounded block scales (`formats.NVFP4` scale_rule "eden"; their random bits
+  come from `sr_bits`'s generator).
+  """
+  lib = _recipes()
+  fwd = lib.OperandConfig(fmt=formats.NVFP4(scale_rule="4over6") if four_over_six else formats.NVFP4())
+  bwd_fmt = formats.NVFP4(scale_rule="eden")
+  sr = "stochastic" if stochastic_scales else "nearest"
+  grad = lib.OperandConfig(fmt=bwd_fmt, rounding=sr, rht=True)
+  requant = lib.OperandConfig(fmt=bwd_fmt, rounding=sr, rht=True, requantize=True)
+  name = ("quartet2" + ("+4over6" if four_over_six else "") + ("" if stochastic_scales else "-sr")
+          + _speed_tags(stochastic_scales, sr_bits, gemm_mode))
+  return lib.Recipe(name=name, fprop=lib.GemmConfig(fwd, fwd), dgrad=lib.GemmConfig(grad, requant),
+                    wgrad=lib.GemmConfig(grad, requant), rht_size=rht_size, rht_signs="per_call",
+                    random_bits=random_bits, backend=backend, sr_bits=sr_bits, gemm_mode=gemm_mode)

@@ -1,0 +1,99 @@
+"""The recipes-beyond numerics (4/6, EDEN, double-block, re-quantized backward operands) with the speed work's
+SR bit generator (`sr_bits`) and GEMM modes (`gemm_mode`)."""
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4jax
+from fp4jax import eden
+from fp4jax import recipes
+from fp4jax import rounding as rounding_lib
+from fp4jax.quantize import dequantize, quantize
+
+dg = importlib.import_module("fp4jax.dot_general")  # the module (fp4jax.dot_general is also the function)
+DN = (((1,), (0,)), ((), ()))
+
+
+@pytest.mark.parametrize("fmt", [fp4jax.NVFP4(scale_rule="4over6"), fp4jax.NVFP4(scale_rule="up"),
+                                 fp4jax.NVFP4(headroom=True), fp4jax.NVFP4(scale_rule="eden")])
+def test_bf16_operand_times_factor_is_the_dequantized_value_for_other_scale_rules(fmt):
+  """The bf16 GEMM mode decodes with the format's own global range: still bit for bit the dequantized values."""
+  x = np.random.default_rng(1).standard_t(3, (64, 64)).astype(np.float32)
+  q = quantize(jnp.asarray(x), fmt, axis=1)
+  values, factor = dg._bf16_values(q)  # pylint: disable=protected-access
+  want = np.asarray(dequantize(q, jnp.float32)).view(np.uint32)
+  np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32) * factor).view(np.uint32), want)
+
+
+def test_double_block_operands_keep_the_f32_gemm():
+  """Per-group second-level scales vary along the contraction: no per-tensor factor, "bf16" runs the reference."""
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((32, 256)).astype(np.float32))
+  q = quantize(x, fp4jax.NVFP4(double_block=True), axis=1)
+  assert dg._bf16_values(q) is None  # pylint: disable=protected-access
+  np.testing.assert_array_equal(np.asarray(dequantize(q)), np.asarray(fp4jax.fake_quant(x, q.fmt, axis=1)))
+
+
+@functools.partial(jax.jit, static_argnames="recipe")
+def _fwd_and_grads(x, w, g, key, recipe):
+  y, vjp = jax.vjp(lambda x, w: fp4jax.dot_general(x, w, DN, recipe=recipe, key=key), x, w)
+  return (y,) + vjp(g)
+
+
+@pytest.mark.parametrize("name", ["four_over_six", "quartet2:rht_size=16", "tetrajet_v2"])
+def test_new_presets_agree_across_gemm_modes(name):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((64, 128)).astype(np.float32))
+  w = jnp.asarray((rng.standard_normal((128, 64)) / np.sqrt(128)).astype(np.float32))
+  g = jnp.asarray((rng.standard_normal((64, 64)) * 1e-3).astype(np.float32))
+  base, key = recipes.get_recipe(name), jax.random.key(4)
+  ref = _fwd_and_grads(x, w, g, key, base.replace(gemm_mode="f32"))
+  got = _fwd_and_grads(x, w, g, key, base.replace(gemm_mode="bf16"))
+  for a, b in zip(ref, got):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a))
+
+
+@pytest.mark.parametrize("preset", sorted(recipes.PRESETS))
+def test_every_preset_takes_sr_bits_and_gemm_mode(preset):
+  r = recipes.get_recipe(f"{preset}:sr_bits=threefry,gemm_mode=bf16")
+  assert (r.sr_bits, r.gemm_mode) == ("threefry", "bf16")
+  assert "sr_bits=threefry, gemm_mode=bf16" in r.table()
+  assert recipes.PRESETS[preset]().sr_bits == "hash"
+
+
+def test_new_preset_names_carry_the_speed_tags():
+  assert recipes.quartet2(sr_bits="threefry", gemm_mode="bf16").name == "quartet2-threefry-gemm:bf16"
+  assert recipes.tetrajet_v2(stochastic_rounding=False, sr_bits="threefry").name == "tetrajet_v2-sr"
+  assert recipes.four_over_six(sr_bits="threefry").name == "four_over_six-threefry"
+  assert recipes.get_recipe("nvfp4:four_over_six=true,gemm_mode=f32").name == "nvfp4+4over6-gemm:f32"
+  assert recipes.four_over_six is fp4jax.recipes_beyond.four_over_six
+
+
+def test_eden_stochastic_scales_draw_bits_from_the_recipe_generator():
+  """"threefry": jax.random.bits, as before sr_bits existed; "hash": fp4jax.prng's counter-based bits."""
+  s = jnp.asarray(np.random.default_rng(3).uniform(0.01, 400.0, (8, 64)).astype(np.float32))
+  key = jax.random.key(7)
+  lo, hi = eden.e4m3_neighbours(s)
+  p = jnp.where(hi > lo, (s - lo) / jnp.where(hi > lo, hi - lo, 1.0), 0.0)
+  for sr_bits, bits in (("threefry", jax.random.bits(key, s.shape, jnp.uint32)),
+                        ("hash", fp4jax.prng.random_bits(key, s.shape, "hash"))):
+    want = jnp.where(rounding_lib.uniform_from_bits(bits, 32) < p, hi, lo)
+    got = eden.round_scales(s, rounding="stochastic", key=key, random_bits=32, sr_bits=sr_bits)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("name", ["quartet2:rht_size=16", "four_over_six"])
+def test_quantize_of_new_formats_follows_sr_bits(name):
+  """The 4/6 elements' and EDEN scales' SR: "threefry" and "hash" give different draws, each reproducible."""
+  op = recipes.get_recipe(name).wgrad.lhs
+  g = jnp.asarray(np.random.default_rng(4).standard_normal((128, 64)).astype(np.float32))
+  key = jax.random.key(1)
+  q = {b: quantize(g, op.fmt, axis=0, rounding="stochastic", key=key, sr_bits=b) for b in ("hash", "threefry")}
+  again = quantize(g, op.fmt, axis=0, rounding="stochastic", key=key, sr_bits="threefry")
+  np.testing.assert_array_equal(np.asarray(again.codes), np.asarray(q["threefry"].codes))
+  assert not np.array_equal(np.asarray(dequantize(q["hash"])), np.asarray(dequantize(q["threefry"])))
