@@ -38,7 +38,7 @@ def get_config(preset: str) -> sweep.Sweep:
           sweep.Run("quartet2", {"recipe": q2}, "Quartet II"),
           sweep.Run("quartet2-4over6", {"recipe": q2 + ",four_over_six=true"}, "Quartet II + 4/6")]
   if preset == "smoke":
-    runs = [r for r in runs if r.name in ("bf16", "nvidia", "nvidia-4over6", "quartet2")]
+    runs = [r for r in runs if r.name in ("bf16", "nvidia-4over6", "quartet2")]
   return sweep.Sweep(experiment="recipes", preset=preset, runs=tuple(runs), base=base, seeds=SEEDS[preset],
                      reference="bf16", command=f"python -m experiments.recipes --preset {preset} "
                                                f"--out runs/recipes_{preset}",

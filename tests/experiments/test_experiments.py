@@ -15,7 +15,7 @@ from experiments import sweep as sweep_lib
 from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 
-EXPERIMENTS = ("formats", "rht_size", "high_precision_layers", "components", "precision_switch")
+EXPERIMENTS = ("formats", "rht_size", "high_precision_layers", "components", "precision_switch", "recipes")
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -259,3 +259,16 @@ def test_committed_results_tables_are_what_the_report_writes(name):
   folder = REPO / "experiments" / "results" / name
   meta, rows, _ = report.read_results(folder)
   assert report.markdown_table(meta, rows) == (folder / report.RESULTS_MD).read_text(encoding="utf-8")
+
+
+def test_recipes_experiment_reaches_each_recipe(tmp_path):
+  sweep = _module("recipes").get_config("cpu")
+  assert sweep.seeds >= 5
+  recipes = {r.name: sweep.config(r, 0, tmp_path).policy.recipe for r in sweep.runs}
+  assert recipes["nvidia"].fprop.lhs.fmt.scale_rule == "nearest"
+  assert recipes["nvidia-4over6"].fprop.lhs.fmt.scale_rule == "4over6"
+  assert recipes["nvidia-unbiased-sr"].dgrad.lhs.fmt.scale_rule == "up"
+  assert recipes["nvidia-unbiased-sr"].fprop.lhs.fmt.scale_rule == "nearest"
+  assert recipes["tetrajet-v2"].fprop.lhs.fmt.double_block
+  assert recipes["quartet2"].rht_size == 32 and recipes["quartet2-4over6"].fprop.lhs.fmt.scale_rule == "4over6"
+  assert _module("recipes").get_config("gpu").runs[5].overrides["recipe"] == "quartet2:rht_size=128"
