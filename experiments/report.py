@@ -9,7 +9,8 @@ and writes into OUT:
   loss_gap.png                 relative loss gap to the reference over tokens, as in the paper's figures
 The gap of a run is computed per seed against the reference run with the same seed (same initialisation and data
 order), then averaged: (loss - loss_ref) / loss_ref * 100. `read_results(dir)` reads the written files back (a
-copied results folder needs only results.jsonl, curves.csv and sweep.json).
+copied results folder needs only results.jsonl, curves.csv and sweep.json; `python -m experiments.report` redraws
+such a folder, e.g. experiments/results/formats_cpu, from them).
 """
 
 from __future__ import annotations
@@ -338,9 +339,16 @@ def loss_gap_figure(meta, rows, curves, reference: str, window: int | None = Non
 
 def write_report(folder: str | pathlib.Path, *, reference: str | None = None, window: int | None = None
                  ) -> list[pathlib.Path]:
-  """Collects the runs under `folder` and writes the tables and plots there; returns the written paths."""
+  """Collects the runs under `folder` and writes the tables and plots there; returns the written paths.
+
+  A folder without run folders but with written results (a copied results folder such as experiments/results/*)
+  is redrawn from its results.jsonl and curves.csv.
+  """
   folder = pathlib.Path(folder)
-  meta, rows, curves = collect(folder)
+  if not any(folder.glob("*/seed*/summary.json")) and (folder / RESULTS_JSONL).is_file():
+    meta, rows, curves = read_results(folder)
+  else:
+    meta, rows, curves = collect(folder)
   if reference is not None:
     if reference not in {r["run"] for r in rows}:
       raise ValueError(f"Reference run {reference!r} has no finished seeds under {folder}; runs: "

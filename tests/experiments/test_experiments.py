@@ -272,3 +272,14 @@ def test_recipes_experiment_reaches_each_recipe(tmp_path):
   assert recipes["tetrajet-v2"].fprop.lhs.fmt.double_block
   assert recipes["quartet2"].rht_size == 32 and recipes["quartet2-4over6"].fprop.lhs.fmt.scale_rule == "4over6"
   assert _module("recipes").get_config("gpu").runs[5].overrides["recipe"] == "quartet2:rht_size=128"
+
+
+def test_report_redraws_a_copied_results_folder(tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  folder = tmp_path / "formats_cpu"
+  shutil.copytree(REPO / "experiments" / "results" / "formats_cpu", folder)
+  (folder / report.LOSS_PNG).unlink(missing_ok=True)
+  before = (folder / report.RESULTS_MD).read_text(encoding="utf-8")
+  written = report.write_report(folder)
+  assert (folder / report.RESULTS_MD).read_text(encoding="utf-8") == before
+  assert folder / report.LOSS_PNG in written and (folder / report.LOSS_PNG).read_bytes()[:8] == PNG_MAGIC
