@@ -40,9 +40,13 @@ HLO findings (XLA:CPU, jax 0.10.2, AVX-512 host; `--hlo` prints the kernels of t
   kinds. Stochastic rounding used to be bound by generating 32 random bits per element (threefry: ~17 ns per
   element on this CPU; an "rbg" key, XLA's RngBitGenerator, was no faster). The default generator now hashes
   (seed, element index) inside the elementwise loop (fp4jax.prng: an iota and two multiply/xor-shift rounds, no
-  random tensor in memory): SR q+dq still makes 2 passes and runs ~10x faster than with threefry. The RHT is a
-  [.., 16] x [16, 16] float32 dot (HIGHEST precision) with its own full read and write; an add/subtract
-  (Walsh-Hadamard) form was slower, as XLA:CPU wrote every butterfly stage to memory.
+  random tensor in memory): SR q+dq still makes 2 passes and runs ~10x faster than with threefry. The 16-point
+  RHT was a [.., 16] x [16, 16] float32 dot (HIGHEST precision, a YNNPACK call) with its own full read and write;
+  an add/subtract (Walsh-Hadamard) form was slower, as XLA:CPU wrote every butterfly stage to memory. It is now 16
+  broadcast multiply-adds per element (fp4jax.rht._mix, summed in the dot's order: the same bits), one vectorised
+  loop fusion with the cast to the output dtype. XLA still writes its result out (it does not duplicate a 16-term
+  expression into both quantizer passes), and a bfloat16 input is first converted to a float32 copy: RNE+RHT makes
+  3 passes (4 for bfloat16) against q+dq's 2, and its 16 multiply-adds per element keep it compute-bound here.
 """
 
 from __future__ import annotations

@@ -187,3 +187,64 @@ def test_in_place_tile_axis_is_bit_identical_to_moving_the_axis_last(dtype, size
     np.testing.assert_allclose(got, ref.rht_apply(np.asarray(x, np.float64), size, fp4jax.rht.default_signs(size),
                                                   axis=axis, inverse=inverse),
                                rtol=2**-7 if dtype == jnp.bfloat16 else 1e-5, atol=1e-5)
+
+
+def _numpy_mix16(x, signs, axis, inverse):
+  """float32 NumPy form of the fused 16-point transform: exact products t_j * H[j, i], summed as four partial sums
+  over j = 0..3 mod 4 combined as (p0 + p1) + (p2 + p3), then cast to x's dtype (bfloat16 via float32)."""
+  h = np.float32(ref.rht_matrix(16, signs))
+  h = h.T if inverse else h
+  t = np.moveaxis(np.asarray(x, np.float32), axis, -1)
+  t = t.reshape(*t.shape[:-1], t.shape[-1] // 16, 16)
+  terms = [t[..., j:j + 1] * h[j] for j in range(16)]
+  parts = []
+  for k in range(4):
+    acc = terms[k]
+    for j in range(k + 4, 16, 4):
+      acc = acc + terms[j]
+    parts.append(acc)
+  y = ((parts[0] + parts[1]) + (parts[2] + parts[3])).reshape(*t.shape[:-2], -1)
+  return np.moveaxis(y, -1, axis)
+
+
+def _dot_form_rht(x, signs, axis, inverse):
+  """The transform as a [.., 16] x [16, 16] float32 dot at HIGHEST precision (the form before it was fused)."""
+  h = fp4jax.hadamard_matrix(16, signs)
+  xm = jnp.moveaxis(x, axis, -1)
+  tiles = xm.reshape(*xm.shape[:-1], xm.shape[-1] // 16, 16).astype(jnp.float32)
+  y = jnp.einsum("...j,ij->...i" if inverse else "...j,ji->...i", tiles, h, precision=jax.lax.Precision.HIGHEST)
+  return jnp.moveaxis(y.reshape(xm.shape).astype(x.dtype), -1, axis)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape,axis", [((64, 512), -1), ((512, 96), 0), ((4, 32, 48), 1)])
+@pytest.mark.parametrize("signs", ["default", "key"])
+def test_fused_16_point_transform_is_bit_identical_to_the_dot_form(dtype, shape, axis, signs):
+  """d = 16 runs as 16 fused multiply-adds: the same bits as a float32 NumPy sum in the documented order and, on
+  XLA:CPU, as the dot form it replaced (whose float32 sum order it reproduces), for inputs spanning ~40 binades
+  (inexact sums, so the order matters: a sequential sum differs from the dot in most elements)."""
+  rng = np.random.default_rng(len(shape) + axis)
+  x64 = rng.standard_normal(shape) * np.exp(3 * rng.standard_normal(shape))
+  x = jnp.asarray(x64, dtype)
+  sign_arg = jax.random.key(7) if signs == "key" else None
+  s = _signs_of(fp4jax.hadamard_matrix(16, signs=sign_arg))
+  for inverse in (False, True):
+    got = np.asarray(jax.jit(functools.partial(fp4jax.random_hadamard, axis=axis, signs=sign_arg,
+                                               inverse=inverse))(x), np.float32)
+    want = _numpy_mix16(np.asarray(x, np.float32), s, axis, inverse)
+    if dtype == jnp.bfloat16:
+      want = np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    if jax.default_backend() == "cpu":
+      dot = np.asarray(jax.jit(_dot_form_rht, static_argnums=(2, 3))(x, sign_arg, axis, inverse), np.float32)
+      np.testing.assert_array_equal(got.view(np.uint32), dot.view(np.uint32))
+  # The order matters for these inputs: a plain sequential float32 sum gives other bits in many elements.
+  h = np.float32(ref.rht_matrix(16, s))
+  t = np.moveaxis(np.asarray(x, np.float32), axis, -1)
+  t = t.reshape(*t.shape[:-1], t.shape[-1] // 16, 16)
+  seq = t[..., 0:1] * h[0]
+  for j in range(1, 16):
+    seq = seq + t[..., j:j + 1] * h[j]
+  seq = np.moveaxis(seq.reshape(*t.shape[:-2], -1), -1, axis)
+  if dtype == jnp.float32:
+    assert np.mean(seq != _numpy_mix16(np.asarray(x, np.float32), s, axis, False)) > 0.1
