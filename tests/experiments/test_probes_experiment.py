@@ -95,6 +95,8 @@ def test_smoke_preset_reproduces_the_stored_results(tmp_path):
   # A second run reuses the base checkpoint; --report-only redraws from results.json.
   assert run.main(["--preset", "smoke", "--out", str(tmp_path), "--report-only"]) == 0
   assert (tmp_path / "continuation.png").is_file()
+
+
 def test_list_prints_the_preset_and_runs_nothing(tmp_path, capsys):
   from experiments.probes import run as probes_run  # pylint: disable=g-import-not-at-top
   assert probes_run.main(["--preset", "cpu", "--out", str(tmp_path / "p"), "--list"]) == 0
