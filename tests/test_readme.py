@@ -2,7 +2,7 @@
 
 Python blocks run as written, each in a fresh interpreter; when a bare ``` block follows one, it is the block's
 printed output and must match. Bash blocks run as one script each in a scratch folder, with the few changes that keep
-them small, listed in `_shrink`: long runs get 3 steps, `--preset cpu|gpu` sweeps only `--list` their runs, installs
+them small, listed in `_shrink`: long runs get 3 steps, the `small` model becomes `tiny`, `--preset cpu|gpu` sweeps only `--list` their runs, installs
 and the test command itself are skipped, and `fp4jax` is `python -m fp4jax` (this checkout, installed or not).
 """
 
@@ -50,6 +50,7 @@ def _shrink(line: str) -> str | None:
   if not line or line.startswith("#") or line.startswith("pip install") or "-m pytest" in line:
     return None
   line = re.sub(r"(^|\s)fp4jax (train|eval)\b", r"\1python -m fp4jax \2", line)
+  line = line.replace("--model small", "--model tiny")
   if re.search(r"--preset (cpu|gpu)\b", line):
     line = re.sub(r"\s+#.*$", "", line) + " --list"
   if " --resume" in line:
@@ -77,6 +78,7 @@ def test_shrink_rules():
   assert _shrink('pip install -e ".[test]" && python -m pytest -q -n 2') is None
   assert _shrink("fp4jax train --model tiny --steps 200 --out runs/x   # c") == (
       "python -m fp4jax train --model tiny --steps 3 --out runs/x   # c")
+  assert _shrink("fp4jax train --model small --out runs/y") == "python -m fp4jax train --model tiny --out runs/y"
   assert _shrink("fp4jax train --out runs/x --resume --steps 400") == "python -m fp4jax train --out runs/x --resume --steps 5"
   assert _shrink("python -m experiments.rht_size --preset cpu --out runs/r   # sizes") == (
       "python -m experiments.rht_size --preset cpu --out runs/r --list")
