@@ -61,12 +61,13 @@ PRESETS: dict[str, RecipeProbePreset] = {
         base=ProbePreset(model="tiny", model_overrides=(("n_layers", 1), ("d_ff", 64), ("n_kv_heads", 4)),
                          base_steps=8, batch_size=4, seq_len=32, lr=1e-2, eval_batches=1, probe_batches=1),
         layers=("blocks.0.mlp.up",), num_draws=16),
-    # The sweeps' CPU model (tiny, 4 blocks), 300 BF16 steps as the probes' cpu base; 16 x 64 = 1024 probe tokens;
-    # three layers of three shapes from blocks 0-2; 128 draws (K up to 64).
+    # The sweeps' CPU model (tiny, 4 blocks, same batch and learning rate), 200 BF16 steps; 16 x 64 = 1024 probe
+    # tokens; three layers from blocks 0-2 in two shapes (one compilation per shape and recipe: most of the time);
+    # 128 draws (K up to 64).
     "cpu": RecipeProbePreset(
-        base=ProbePreset(model="tiny", model_overrides=(("n_layers", 4),), base_steps=300, batch_size=16, seq_len=64,
+        base=ProbePreset(model="tiny", model_overrides=(("n_layers", 4),), base_steps=200, batch_size=16, seq_len=64,
                          lr=1e-2, eval_batches=4, probe_batches=1),
-        layers=("blocks.0.attn.q", "blocks.1.mlp.down", "blocks.2.attn.v"), num_draws=128),
+        layers=("blocks.0.attn.q", "blocks.1.attn.o", "blocks.2.mlp.down"), num_draws=128),
 }
 
 
