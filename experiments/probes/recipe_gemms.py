@@ -10,7 +10,7 @@ gradient), the chain-rule gap and the stochastic-rounding bias at block maxima. 
 OUT/report.md (tables), OUT/results.csv (one row per run, layer and GEMM), OUT/bias_vs_k.png.
 
     python -m experiments.probes recipes --preset smoke --out runs/recipe_probes_smoke   # under a minute
-    python -m experiments.probes recipes --preset cpu --out runs/recipe_probes_cpu       # ~4 min on 2 CPU cores
+    python -m experiments.probes recipes --preset cpu --out runs/recipe_probes_cpu       # ~3 min on 2 CPU cores
     python -m experiments.probes recipes --report-only --out runs/recipe_probes_cpu      # redraw from results.json
 """
 
@@ -61,13 +61,14 @@ PRESETS: dict[str, RecipeProbePreset] = {
         base=ProbePreset(model="tiny", model_overrides=(("n_layers", 1), ("d_ff", 64), ("n_kv_heads", 4)),
                          base_steps=8, batch_size=4, seq_len=32, lr=1e-2, eval_batches=1, probe_batches=1),
         layers=("blocks.0.mlp.up",), num_draws=16),
-    # The sweeps' CPU model (tiny, 4 blocks, same batch and learning rate), 200 BF16 steps; 16 x 64 = 1024 probe
-    # tokens; three layers from blocks 0-2 in two shapes (one compilation per shape and recipe: most of the time);
-    # 128 draws (K up to 64).
+    # ~3 min on a shared 2-core CPU. The sweeps' CPU model (tiny, 4 blocks), batch and learning rate (300 steps of
+    # 16 x 64 tokens at lr 1e-2, constant after warmup); 16 x 64 = 1024 probe tokens; five layers from blocks 0-2
+    # in two shapes (one compilation per shape and recipe: most of the time); 128 draws (K up to 64).
     "cpu": RecipeProbePreset(
-        base=ProbePreset(model="tiny", model_overrides=(("n_layers", 4),), base_steps=200, batch_size=16, seq_len=64,
+        base=ProbePreset(model="tiny", model_overrides=(("n_layers", 4),), base_steps=300, batch_size=16, seq_len=64,
                          lr=1e-2, eval_batches=4, probe_batches=1),
-        layers=("blocks.0.attn.q", "blocks.1.attn.o", "blocks.2.mlp.down"), num_draws=128),
+        layers=("blocks.0.attn.q", "blocks.0.mlp.down", "blocks.1.attn.o", "blocks.2.attn.q", "blocks.2.mlp.down"),
+        num_draws=128),
 }
 
 

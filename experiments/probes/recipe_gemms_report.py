@@ -90,7 +90,7 @@ def write_markdown(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Pa
            f"{len(results['layers'])} linear layers ({', '.join(results['layers'])}; [K, N] "
            f"{', '.join(str(tuple(v)) for v in results['shapes'].values())}) captured once from a BF16 model "
            f"({results['model_name']}, step {results['step']}, {results['tokens']} tokens, loss "
-           f"{results['bf16_loss']:.4f}); {results['num_draws']} draws (layer keys) per recipe and layer; GEMMs in "
+           f"{results['bf16_loss']:.4f}; layers of blocks the FP4 runs quantize); {results['num_draws']} draws (layer keys) per recipe and layer; GEMMs in "
            "float32 from the dequantized operands. Values are means over the probed layers.", ""]
   lines += ["## Error and bias against the exact product", "",
             "err: ||out - exact|| / ||exact|| for one draw (mean over draws); exact = the float64 product of the "
@@ -108,9 +108,9 @@ def write_markdown(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Pa
             "Reference: dY Q(W)^T (Dgrad) and Q(x)^T dY (Wgrad), Q the Fprop operands (straight-through gradient of "
             "the forward the model computes). slope: of log bias vs log K (-0.5: the backward is an unbiased "
             "estimate of that gradient; towards 0: a bias). chain gap: the backward with its dY left unrounded vs "
-            "that gradient (its other operand's distance from Fprop's; mean over draws). maxima: mean signed "
-            "relative error (q - v) / v of the stochastically rounded dY operand at its block maxima (± SE over "
-            "draws; 0 for unbiased scales).", ""]
+            "that gradient (its other operand's distance from Fprop's; mean over draws). maxima: signed relative "
+            "error of the stochastically rounded dY operand at its block maxima v, sum sign(v) (q - v) / sum |v| "
+            "(± SE over draws; negative: they shrink; 0 for unbiased scales).", ""]
   rows = []
   for run, r in s.items():
     rows.append([run, fmt(r["dgrad_qfwd_Kmax"], r["dgrad_qfwd_Kmax_se"]), _slope(r["dgrad_qfwd_slope"]),
@@ -208,7 +208,7 @@ def plot_bias(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Path:
   ax.set_xticks(x)
   ax.set_xticklabels(runs, rotation=30, ha="right", fontsize=7)
   ax.axhline(0, color="k", lw=0.6)
-  ax.set_ylabel("mean (q - v) / v at block maxima (%)")
+  ax.set_ylabel("sum sign(v)(q - v) / sum |v| at block maxima (%)")
   ax.set_title("SR bias at block maxima", fontsize=10)
   ax.legend(fontsize=7)
   ax.grid(alpha=0.3, axis="y")
