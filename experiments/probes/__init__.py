@@ -16,11 +16,14 @@ gradients (captured from a BF16 forward/backward on fixed validation batches), s
     python -m experiments.probes --preset cpu --out runs/probes_cpu         # ~15 min on 2 CPU cores
     python -m experiments.probes --preset gpu --out runs/probes_gpu         # the paper's 1.2B model (GPU)
     python -m experiments.probes --report-only --out runs/probes_cpu        # redraw tables and plots
+    python -m experiments.probes recipes --preset cpu --out runs/recipe_probes_cpu  # experiments.recipes' recipes
 
 The checkpoint is a BF16 run of the preset's model (constant learning rate after warmup, so it stops in the stable
 phase, as the paper's ablations resumed mid-run), trained with fp4jax's trainer into OUT/base and reused when
 present; --checkpoint RUN_DIR probes another run instead. Outputs: OUT/results.json, OUT/report.md, OUT/*.png.
 
 Modules: presets (what each preset measures), training (base run, checkpoint, continuations: the only user of the
-trainer), run (orchestration and the command line), summary (paired effects), report (report.md), plots (PNGs).
+trainer), run (orchestration and the command line), summary (paired effects), report (report.md), plots (PNGs);
+recipe_gemms and recipe_gemms_report: `probes recipes`, every recipe of experiments.recipes on the same captured
+GEMM tensors (error and bias vs the exact product, bias vs the quantized forward's gradient, chain-rule gap).
 """

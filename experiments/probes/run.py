@@ -133,7 +133,12 @@ def run(preset_name: str, out: str | pathlib.Path, *, checkpoint: str | None = N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """`python -m experiments.probes`; returns the exit code."""
+  """`python -m experiments.probes`; returns the exit code. `python -m experiments.probes recipes ...` runs the
+  recipes comparison's GEMM probes (experiments.probes.recipe_gemms)."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv and argv[0] == "recipes":
+    from experiments.probes import recipe_gemms  # pylint: disable=g-import-not-at-top
+    return recipe_gemms.main(argv[1:])
   parser = argparse.ArgumentParser(prog="python -m experiments.probes", description=experiments.probes.__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--preset", choices=sorted(presets.PRESETS), default="smoke")
