@@ -57,15 +57,7 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
   Returns a QArray, or `x` cast to `compute_dtype` (if given) when the operand stays in high precision. With
   `with_mask`, (that, the clip mask of `quantize_with_clip_mask` or None when the operand is not quantized).
   """
-  if with_mask:
-    if not cfg.quantized:
-      return quantize_operand(x, cfg, axis=axis, recipe=recipe, compute_dtype=compute_dtype), None
-    if cfg.rht:
-      x = rht_lib.random_hadamard(x, size=recipe.rht_size, axis=axis, signs=signs)
-    return quantize_with_clip_mask(x, cfg.fmt, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding,
-                                   key=key if cfg.rounding == "stochastic" else None,
-                                   random_bits=recipe.random_bits, pad=cfg.pad, sr_bits=recipe.sr_bits)
-  if recipe.backend == "pallas" and cfg.quantized:
+  if recipe.backend == "pallas" and cfg.quantized and not with_mask:
     from fp4jax import backends  # pylint: disable=g-import-not-at-top
     q = backends.pallas_quantize(x, cfg, axis=axis, recipe=recipe, key=key, signs=signs)
     if q is not None:
@@ -73,10 +65,12 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
   if cfg.rht:
     x = rht_lib.random_hadamard(x, size=recipe.rht_size, axis=axis, signs=signs)
   if not cfg.quantized:
-    return x.astype(compute_dtype) if compute_dtype is not None else x
-  return quantize(x, cfg.fmt, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding,
-                               key=key if cfg.rounding == "stochastic" else None, random_bits=recipe.random_bits,
-                               pad=cfg.pad, sr_bits=recipe.sr_bits)
+    x = x.astype(compute_dtype) if compute_dtype is not None else x
+    return (x, None) if with_mask else x
+  return (quantize_with_clip_mask if with_mask else quantize)(
+      x, cfg.fmt, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding,
+      key=key if cfg.rounding == "stochastic" else None, random_bits=recipe.random_bits, pad=cfg.pad,
+      sr_bits=recipe.sr_bits)
 
 
 def _values(operand):

@@ -196,6 +196,9 @@ class Recipe:
     changes = {}
     if forward:
       changes["fprop"] = HIGH_PRECISION_GEMM
+      # Backward operands re-quantized from the Fprop operands now start from the high-precision tensors.
+      plain = lambda g: GemmConfig(g.lhs, dataclasses.replace(g.rhs, requantize=False))
+      changes["dgrad"], changes["wgrad"] = plain(self.dgrad), plain(self.wgrad)
     if backward:
       changes["dgrad"] = changes["wgrad"] = HIGH_PRECISION_GEMM
     suffix = "+bf16" + ("fwd" if forward and not backward else "bwd" if backward and not forward else "")

@@ -245,6 +245,30 @@ def test_gradients_are_masked_before_the_inverse_hadamard():
   assert rel(np.asarray(y, np.float64), qx["dequant"] @ qw["dequant"]) < 1e-5
 
 
+def test_bf16_switches_keep_the_mask_and_drop_requantization():
+  """A BF16 backward still masks the clipped Fprop elements (carried to the Hadamard basis and back); a BF16
+  forward re-quantizes the backward operands from the high-precision tensors."""
+  rng = np.random.default_rng(14)
+  x = rng.standard_normal((32, 64)).astype(np.float32)
+  x[:, 3] *= 30
+  w = (rng.standard_normal((64, 32)) / 8).astype(np.float32)
+  g = rng.standard_normal((32, 32)).astype(np.float32)
+  bwd = fp4jax.recipes.quartet(gemm_mode="f32").with_bf16(forward=False)
+  _, vjp = jax.vjp(lambda a, b: fp4jax.dot_general(a, b, DN, recipe=bwd, key=jax.random.key(0)), jnp.asarray(x),
+                   jnp.asarray(w))
+  dx, _ = vjp(jnp.asarray(g))
+  mask = rref.mxfp4_quest(np.asarray(fp4jax.random_hadamard(jnp.asarray(x), size=32, signs=np.ones(32))))["mask"]
+  want = ref.rht_apply(mask * ref.rht_apply(g.astype(np.float64) @ w.T, 32, np.ones(32)), 32, np.ones(32),
+                       inverse=True)
+  assert not mask.all()
+  np.testing.assert_allclose(np.asarray(dx), want, rtol=1e-4, atol=1e-4)
+  fwd = fp4jax.recipes.quartet().with_bf16(backward=False)
+  assert not fwd.fprop.quantized and not fwd.dgrad.rhs.requantize and fwd.dgrad.rhs.fmt == TSENG
+  _, vjp = jax.vjp(lambda a, b: fp4jax.dot_general(a, b, DN, recipe=fwd, key=jax.random.key(0)), jnp.asarray(x),
+                   jnp.asarray(w))
+  assert all(np.isfinite(np.asarray(t)).all() for t in vjp(jnp.asarray(g)))
+
+
 def test_bf16_gemm_mode_matches_f32_up_to_rounding():
   rng = np.random.default_rng(12)
   x = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
