@@ -11,6 +11,10 @@ dequantized float32 values at HIGHEST precision (gemm_mode "f32", the reference)
 the backward needs Q(W, 2D) and Q(RHT x along M), both computed in the forward pass from high-precision tensors (or,
 for operands marked `requantize`, from the dequantized Fprop operands), so no full-precision copy of x or W is saved.
 
+With an RHT on Fprop and `requantize`d backward operands (Quartet), Dgrad and Wgrad run in Fprop's transformed
+basis along K; their outputs get the Fprop operands' clip masks (QuEST's straight-through estimator) and then the
+inverse transform (`to_input_basis`).
+
 The rule is built from public pieces, `layer_operands`, `fprop`, `dgrad` and `wgrad`, so that analysis code
 (fp4jax.analysis.probes) runs exactly the rule's GEMMs on tensors of its choice.
 """
