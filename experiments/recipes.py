@@ -3,10 +3,12 @@
 BF16 (reference), NVIDIA's NVFP4 recipe (arXiv 2509.25149), NVIDIA + Four Over Six block scales (arXiv 2512.02010),
 NVIDIA + unbiased SR (block scales of the SR operands rounded up), TetraJet-v2 (arXiv 2510.27527: double-block
 scales, re-quantized transposed operands, RHT-16 + SR in the backward; without OsciReset/OutControl), Quartet II
-(arXiv 2601.22813: MS-EDEN backward) and Quartet II + 4/6. Every FP4 run keeps the same last block(s) in BF16.
+(arXiv 2601.22813: MS-EDEN backward), Quartet II + 4/6 and Quartet (arXiv 2505.14669: MXFP4, fixed Hadamard-32 +
+QuEST forward with clip-masked gradients, RHT-32 + SR backward; not in the smoke preset). Every FP4 run keeps the
+same last block(s) in BF16.
 The published same-harness comparison (200M params, ~20B tokens, loss gap to BF16): NVIDIA +0.062, + 4/6 +0.060,
-TetraJet-v2 +0.055, Quartet II +0.051, Quartet II + 4/6 +0.045. At CPU scale the seed-to-seed spread is of the same
-size as these gaps: read the table with its standard deviations.
+TetraJet-v2 +0.055, Quartet II +0.051, Quartet II + 4/6 +0.045 (Quartet is not in it). At CPU scale the
+seed-to-seed spread is of the same size as these gaps: read the table with its standard deviations.
 
 Quartet II's backward RHT runs along each backward GEMM's inner dimension; the tiny model's K/V projections are 32
 wide, so the smoke and cpu presets use RHT-32 for it (128, as published, in the gpu preset).
@@ -36,7 +38,8 @@ def get_config(preset: str) -> sweep.Sweep:
           sweep.Run("nvidia-unbiased-sr", {"recipe": "nvfp4:unbiased_sr=true"}, "NVIDIA + unbiased SR (scales up)"),
           sweep.Run("tetrajet-v2", {"recipe": "tetrajet_v2"}, "TetraJet-v2"),
           sweep.Run("quartet2", {"recipe": q2}, "Quartet II"),
-          sweep.Run("quartet2-4over6", {"recipe": q2 + ",four_over_six=true"}, "Quartet II + 4/6")]
+          sweep.Run("quartet2-4over6", {"recipe": q2 + ",four_over_six=true"}, "Quartet II + 4/6"),
+          sweep.Run("quartet", {"recipe": "quartet"}, "Quartet")]
   if preset == "smoke":
     runs = [r for r in runs if r.name in ("bf16", "nvidia-4over6", "quartet2")]
   return sweep.Sweep(experiment="recipes", preset=preset, runs=tuple(runs), base=base, seeds=SEEDS[preset],

@@ -14,7 +14,8 @@ from fp4jax.dot_general import dot_general, quantized_dot_general
 from fp4jax.model_quantize import quantize_model  # Flax-free: Flax loads when a model is passed
 from fp4jax.formats import FORMAT_NAMES, FP8, MXFP4, NVFP4, Format, get_format
 from fp4jax.qarray import QArray
-from fp4jax.quantize import dequantize, fake_quant, num_blocks, pad_to_blocks, quantization_error, quantize
+from fp4jax.quantize import (dequantize, fake_quant, num_blocks, pad_to_blocks, quantization_error, quantize,
+                             quantize_with_clip_mask)
 from fp4jax.recipes import Recipe
 from fp4jax.rht import hadamard_matrix, random_hadamard
 
@@ -25,7 +26,7 @@ _LAZY_SUBMODULES = ("nn", "linen")  # Flax layers: imported on first attribute a
 __all__ = [
     "FORMAT_NAMES", "FP8", "MXFP4", "NVFP4", "Format", "QArray", "Recipe", "dequantize", "dot_general",
     "fake_quant", "get_format", "hadamard_matrix", "linen", "nn", "num_blocks", "pad_to_blocks",
-    "quantization_error", "quantize", "quantize_model", "quantized_dot_general", "random_hadamard", "recipes",
+    "quantization_error", "quantize", "quantize_model", "quantize_with_clip_mask", "quantized_dot_general", "random_hadamard", "recipes",
 ]
 
 

@@ -11,6 +11,10 @@ dequantized float32 values at HIGHEST precision (gemm_mode "f32", the reference)
 the backward needs Q(W, 2D) and Q(RHT x along M), both computed in the forward pass from high-precision tensors (or,
 for operands marked `requantize`, from the dequantized Fprop operands), so no full-precision copy of x or W is saved.
 
+With an RHT on Fprop and `requantize`d backward operands (Quartet), Dgrad and Wgrad run in Fprop's transformed
+basis along K; their outputs get the Fprop operands' clip masks (QuEST's straight-through estimator) and then the
+inverse transform (`to_input_basis`).
+
 The rule is built from public pieces, `layer_operands`, `fprop`, `dgrad` and `wgrad`, so that analysis code
 (fp4jax.analysis.probes) runs exactly the rule's GEMMs on tensors of its choice.
 """
@@ -27,7 +31,7 @@ import jax.numpy as jnp
 
 from fp4jax import formats
 from fp4jax import nvfp4
-from fp4jax.quantize import dequantize, quantize
+from fp4jax.quantize import dequantize, quantize, quantize_with_clip_mask
 from fp4jax import keys
 from fp4jax import recipes as recipes_lib
 from fp4jax import rht as rht_lib
@@ -41,21 +45,23 @@ _DGRAD_W_SR, _WGRAD_X_SR = 4, 5  # SR of the backward's weight / activation oper
 
 # --- operands -----------------------------------------------------------------------------------------------------
 
-def _rht_signs(recipe: recipes_lib.Recipe, key):
-  if recipe.rht_signs == "none":
+def _rht_signs(recipe: recipes_lib.Recipe, key, gemm: str = "backward"):
+  mode = recipe.signs_of(gemm)
+  if mode == "none":
     return jnp.ones((recipe.rht_size,), jnp.float32)
-  if recipe.rht_signs == "per_call":
+  if mode == "per_call":
     return jax.random.fold_in(key, _RHT_SIGNS)
   return None  # the fixed default vector
 
 
 def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: recipes_lib.Recipe, key=None,
-                     signs=None, compute_dtype=None):
+                     signs=None, compute_dtype=None, with_mask: bool = False):
   """One GEMM operand as the recipe says: RHT along `axis` (if on), then quantize with blocks along `axis`.
 
-  Returns a QArray, or `x` cast to `compute_dtype` (if given) when the operand stays in high precision.
+  Returns a QArray, or `x` cast to `compute_dtype` (if given) when the operand stays in high precision. With
+  `with_mask`, (that, the clip mask of `quantize_with_clip_mask` or None when the operand is not quantized).
   """
-  if recipe.backend == "pallas" and cfg.quantized:
+  if recipe.backend == "pallas" and cfg.quantized and not with_mask:
     from fp4jax import backends  # pylint: disable=g-import-not-at-top
     q = backends.pallas_quantize(x, cfg, axis=axis, recipe=recipe, key=key, signs=signs)
     if q is not None:
@@ -63,10 +69,12 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
   if cfg.rht:
     x = rht_lib.random_hadamard(x, size=recipe.rht_size, axis=axis, signs=signs)
   if not cfg.quantized:
-    return x.astype(compute_dtype) if compute_dtype is not None else x
-  return quantize(x, cfg.fmt, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding,
-                               key=key if cfg.rounding == "stochastic" else None, random_bits=recipe.random_bits,
-                               pad=cfg.pad, sr_bits=recipe.sr_bits)
+    x = x.astype(compute_dtype) if compute_dtype is not None else x
+    return (x, None) if with_mask else x
+  return (quantize_with_clip_mask if with_mask else quantize)(
+      x, cfg.fmt, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding,
+      key=key if cfg.rounding == "stochastic" else None, random_bits=recipe.random_bits, pad=cfg.pad,
+      sr_bits=recipe.sr_bits)
 
 
 def _values(operand):
@@ -95,8 +103,9 @@ def _bf16_values(operand):
     r = operand.fmt.global_range
     unit = dataclasses.replace(operand, amax=jnp.full_like(operand.amax, r))
     return dequantize(unit, jnp.bfloat16), poison(nvfp4.global_decode_scale(operand.amax, r))
-  if isinstance(operand.fmt, formats.MXFP4):
-    return dequantize(operand, jnp.bfloat16), jnp.float32(1.0)
+  if isinstance(operand.fmt, formats.MXFP4):  # code x 2^e, and Tseng's 4/3 ("tseng") as the per-tensor factor
+    unit = dataclasses.replace(operand, fmt=formats.MXFP4())  # every rule stores the same E8M0 scales
+    return dequantize(unit, jnp.bfloat16), jnp.float32(operand.fmt.tensor_factor)
   if operand.scales.ndim == 0:  # FP8 with per-tensor scaling
     unit = dataclasses.replace(operand, scales=jnp.ones_like(operand.scales))
     return dequantize(unit, jnp.bfloat16), poison(operand.scales.astype(jnp.float32))
@@ -148,10 +157,44 @@ def _pad_tokens(x_MxD, multiple):
 
 def fprop_operands(x_MxK, w_KxN, recipe, key):
   """Fprop's quantized operands: x with blocks along K, W with blocks along K (2D per the recipe)."""
-  signs = _rht_signs(recipe, key)
-  xq = quantize_operand(x_MxK, recipe.fprop.lhs, axis=1, recipe=recipe, signs=signs)
-  wq = quantize_operand(w_KxN, recipe.fprop.rhs, axis=0, recipe=recipe, signs=signs, compute_dtype=x_MxK.dtype)
-  return xq, wq
+  return _fprop_operands_and_masks(x_MxK, w_KxN, recipe, key)[:2]
+
+
+def _fprop_operands_and_masks(x_MxK, w_KxN, recipe, key):
+  """(x, W, x's clip mask, W's clip mask): the masks None unless the operand asks for one (`clip_mask`)."""
+  signs = _rht_signs(recipe, key, "fprop")
+  lhs, rhs = recipe.fprop.lhs, recipe.fprop.rhs
+  x = quantize_operand(x_MxK, lhs, axis=1, recipe=recipe, signs=signs, with_mask=lhs.clip_mask)
+  w = quantize_operand(w_KxN, rhs, axis=0, recipe=recipe, signs=signs, compute_dtype=x_MxK.dtype,
+                       with_mask=rhs.clip_mask)
+  xq, x_mask = x if lhs.clip_mask else (x, None)
+  wq, w_mask = w if rhs.clip_mask else (w, None)
+  return xq, wq, x_mask, w_mask
+
+
+def to_input_basis(g, mask, recipe, key, *, axis, in_fprop_basis, what="x"):
+  """The gradient of an Fprop input (dx: axis 1, dW: axis 0) from a backward GEMM's output `g`.
+
+  A backward GEMM on re-quantized Fprop operands (`in_fprop_basis`) returns the gradient in Fprop's RHT basis along
+  K: the operand's clip mask applies there (QuEST's straight-through estimator), then the inverse RHT. A GEMM on
+  the original tensors returns it in the original basis: with a mask and an Fprop RHT, it is carried to that basis
+  and back, so the mask always zeroes the elements the Fprop quantizer saturated.
+  """
+  clip = recipe.fprop.lhs.clip_mask if axis == 1 else recipe.fprop.rhs.clip_mask
+  if clip and mask is None:
+    raise ValueError(f"recipe {recipe.name!r} masks the gradient of the Fprop {what} where it was clipped: pass "
+                     f"{what}_mask= (Operands.{what}_mask from layer_operands).")
+  rht = recipe.fprop.rht and (in_fprop_basis or clip)
+  if not rht and not clip:
+    return g
+  signs = _rht_signs(recipe, key, "fprop")
+  if rht and not in_fprop_basis:
+    g = rht_lib.random_hadamard(g, size=recipe.rht_size, axis=axis, signs=signs)
+  if clip:
+    g = jnp.where(mask, g, jnp.zeros_like(g))
+  if rht:
+    g = rht_lib.random_hadamard(g, size=recipe.rht_size, axis=axis, signs=signs, inverse=True)
+  return g
 
 
 def _fprop_source(q, fn, arg):
@@ -201,21 +244,24 @@ class Operands(NamedTuple):
 
   x_fprop [M, K] and w_fprop [K, N] feed Fprop; w_dgrad (Dgrad's weight, blocked along N) and x_wgrad ([M', K],
   tokens padded to Wgrad's multiple) are the backward's residuals. None where `layer_operands(backward=False)`.
+  x_mask [M, K] and w_mask [K, N] (bool): the Fprop operands' clip masks, for operands with `clip_mask`, else None.
   """
 
   x_fprop: Any
   w_fprop: Any
   w_dgrad: Any = None
   x_wgrad: Any = None
+  x_mask: Any = None
+  w_mask: Any = None
 
 
 def layer_operands(x_MxK, w_KxN, recipe: recipes_lib.Recipe, key, *, backward: bool = True) -> Operands:
   """Quantizes x and W for Fprop and, if `backward`, for Dgrad and Wgrad, as the custom_vjp rule does."""
-  xq, wq = fprop_operands(x_MxK, w_KxN, recipe, key)
+  xq, wq, x_mask, w_mask = _fprop_operands_and_masks(x_MxK, w_KxN, recipe, key)
   if not backward:
     return Operands(xq, wq)
   return Operands(xq, wq, dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype),
-                  wgrad_activations(x_MxK, recipe, key, xq))
+                  wgrad_activations(x_MxK, recipe, key, xq), x_mask, w_mask)
 
 
 def fprop(ops: Operands, recipe: recipes_lib.Recipe):
@@ -223,16 +269,22 @@ def fprop(ops: Operands, recipe: recipes_lib.Recipe):
   return _gemm(ops.x_fprop, ops.w_fprop, (1, 0), recipe)
 
 
-def dgrad(dy_MxN, w_dgrad, recipe: recipes_lib.Recipe, key, compute_dtype):
-  """Dgrad: (dx [M, K] float32, the quantized dY operand) from the output gradient and Dgrad's weight operand."""
+def dgrad(dy_MxN, w_dgrad, recipe: recipes_lib.Recipe, key, compute_dtype, x_mask=None):
+  """Dgrad: (dx [M, K] float32, the quantized dY operand) from the output gradient and Dgrad's weight operand
+  (and Fprop x's clip mask, `Operands.x_mask`, when the recipe masks it)."""
   dyq = dgrad_gradient(dy_MxN, recipe, key, compute_dtype)
-  return _gemm(dyq, w_dgrad, (1, 1), recipe)[:dy_MxN.shape[0]], dyq
+  dx = _gemm(dyq, w_dgrad, (1, 1), recipe)[:dy_MxN.shape[0]]
+  return to_input_basis(dx, x_mask, recipe, key, axis=1, in_fprop_basis=recipe.dgrad.rhs.requantize,
+                         what="x"), dyq
 
 
-def wgrad(dy_MxN, x_wgrad, recipe: recipes_lib.Recipe, key, compute_dtype):
-  """Wgrad: (dW [K, N] float32, the quantized dY operand) from the output gradient and Wgrad's activation operand."""
+def wgrad(dy_MxN, x_wgrad, recipe: recipes_lib.Recipe, key, compute_dtype, w_mask=None):
+  """Wgrad: (dW [K, N] float32, the quantized dY operand) from the output gradient and Wgrad's activation operand
+  (and Fprop W's clip mask, `Operands.w_mask`, when the recipe masks it)."""
   dyq_t = wgrad_gradient(dy_MxN, recipe, key, compute_dtype)
-  return _gemm(x_wgrad, dyq_t, (0, 0), recipe), dyq_t
+  dw = _gemm(x_wgrad, dyq_t, (0, 0), recipe)
+  return to_input_basis(dw, w_mask, recipe, key, axis=0, in_fprop_basis=recipe.wgrad.rhs.requantize,
+                         what="w"), dyq_t
 
 
 # --- the custom_vjp rule on canonical [M, K] x [K, N] ------------------------------------------------------------
@@ -245,16 +297,16 @@ def _qmatmul(x_MxK, w_KxN, key, recipe):
 def _qmatmul_fwd(x_MxK, w_KxN, key, recipe):
   ops = layer_operands(x_MxK, w_KxN, recipe, key)
   residuals = (
-      ops.w_dgrad, ops.x_wgrad, key,
+      ops.w_dgrad, ops.x_wgrad, ops.x_mask, ops.w_mask, key,
       jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_KxN.dtype),  # carry dtypes for the cotangents
   )
   return fprop(ops, recipe), residuals
 
 
 def _qmatmul_bwd(recipe, residuals, dy_MxN):
-  w_dgrad, x_wgrad, key, x_proto, w_proto = residuals
-  dx_MxK, _ = dgrad(dy_MxN, w_dgrad, recipe, key, x_proto.dtype)
-  dw_KxN, _ = wgrad(dy_MxN, x_wgrad, recipe, key, x_proto.dtype)
+  w_dgrad, x_wgrad, x_mask, w_mask, key, x_proto, w_proto = residuals
+  dx_MxK, _ = dgrad(dy_MxN, w_dgrad, recipe, key, x_proto.dtype, x_mask)
+  dw_KxN, _ = wgrad(dy_MxN, x_wgrad, recipe, key, x_proto.dtype, w_mask)
   return dx_MxK.astype(x_proto.dtype), dw_KxN.astype(w_proto.dtype), None
 
 

@@ -62,6 +62,7 @@ class _Format:
     return None
 
   corrects_scales = False
+  uses_std = False  # block scales from the blocks' standard deviations (MXFP4 "quest"), see quantize.py
 
   def group_amax(self, amax_b, block):
     """The second-level amaxes per group of blocks, or None (one amax for the whole tensor)."""
@@ -248,6 +249,9 @@ class NVFP4(_FP4Format):
     return Scaling(scales, (), (scales.astype(jnp.float32),), t_dec)
 
 
+MXFP4_SCALE_RULES = ("floor", "ceil", "quest", "tseng")
+
+
 @dataclasses.dataclass(frozen=True)
 class MXFP4(_FP4Format):
   """OCP MXFP4: E2M1 elements, one power-of-two E8M0 scale per 32 elements, no per-tensor scale.
@@ -256,15 +260,23 @@ class MXFP4(_FP4Format):
     "floor": OCP rule, scale = 2^(floor(log2 amax_b) - 2); the block max may saturate to 6.
     "ceil":  the paper's rule (arXiv 2509.25149, Sec. 2 and App. B.4), scale = 2^ceil(log2(amax_b / 6)); never
              saturates.
+    "quest": QuEST's rule as Quartet's forward pass uses it (arXiv 2505.14669; IST-DASLab/Quartet,
+             src/models/quantization/quantizers/mxfp4_triton.py): scale = 2^floor(log2(sigma * 2.92247856 / 6 +
+             1e-8)), sigma the block's population standard deviation (mean-centred, ddof 0). Elements beyond 6
+             times the scale saturate: `quantize_with_clip_mask` returns which did (the gradient mask). The repo's
+             kernel rounds ties toward zero; here ties round to even, as every fp4jax rule.
+    "tseng": Tseng et al.'s backward rule (arXiv 2502.20586; Quartet's AlbertTsengQuantizer): the "floor" scale,
+             elements encoded at 3/4 of it (block max in [3, 6): no saturation, so stochastic rounding is
+             unbiased) and decoded with a per-tensor factor 4/3.
   """
 
-  scale_rule: Literal["floor", "ceil"] = "floor"
+  scale_rule: Literal["floor", "ceil", "quest", "tseng"] = "floor"
   block_size: int = 32
   name: str = dataclasses.field(default="mxfp4", init=False)
 
   def __post_init__(self):
-    if self.scale_rule not in ("floor", "ceil"):
-      raise ValueError(f"MXFP4 scale_rule must be 'floor' or 'ceil'; got {self.scale_rule!r}.")
+    if self.scale_rule not in MXFP4_SCALE_RULES:
+      raise ValueError(f"MXFP4 scale_rule must be one of {MXFP4_SCALE_RULES}; got {self.scale_rule!r}.")
     if self.block_size != 32:
       raise ValueError(f"MXFP4 uses 32-element blocks; got block_size={self.block_size}.")
 
@@ -274,18 +286,50 @@ class MXFP4(_FP4Format):
   def label(self) -> str:
     return f"{self.name}({self.scale_rule})"
 
+  @property
+  def is_default(self) -> bool:
+    """Decodes as OCP MXFP4 (code x 2^e), as the Pallas GEMM kernel does: every rule but "tseng"."""
+    return self.scale_rule != "tseng"
+
+  @property
+  def uses_std(self) -> bool:
+    """Block scales follow from each block's standard deviation (QuEST), not its amax."""
+    return self.scale_rule == "quest"
+
+  @property
+  def tensor_factor(self) -> float:
+    """The per-tensor decode factor after code x 2^e: 4/3 for "tseng", else 1."""
+    return mxfp4.TSENG_DECODE if self.scale_rule == "tseng" else 1.0
+
+  @property
+  def _tensor_decode(self):
+    return jnp.float32(self.tensor_factor) if self.scale_rule == "tseng" else None
+
   def scaling_from_amax(self, amax_b, amax) -> Scaling:
     """Scales from block amaxes (the tensor amax is not used: MXFP4 has no per-tensor scale)."""
     del amax
-    e = mxfp4.scale_exponent(amax_b, self.scale_rule)
-    return Scaling(mxfp4.encode_scales(e, amax_b), mxfp4.pow2_factors(-e), mxfp4.pow2_factors(e),
+    if self.uses_std:
+      raise ValueError("MXFP4 scale_rule 'quest' needs the blocks' standard deviations: use scaling_from_std.")
+    rule = "floor" if self.scale_rule == "tseng" else self.scale_rule
+    e = mxfp4.scale_exponent(amax_b, rule)
+    encode = mxfp4.pow2_factors(-e)
+    if self.scale_rule == "tseng":
+      encode = encode + (jnp.float32(mxfp4.TSENG_ENCODE),)
+    return Scaling(mxfp4.encode_scales(e, amax_b), encode, mxfp4.pow2_factors(e), self._tensor_decode,
                    nan_blocks=jnp.isnan(amax_b))
+
+  def scaling_from_std(self, sigma_b, amax_b) -> Scaling:
+    """QuEST scales from the blocks' standard deviations; blocks holding NaN or inf store the E8M0 NaN."""
+    bad = ~jnp.isfinite(amax_b) | jnp.isnan(sigma_b)
+    e = jnp.where(bad, 0, mxfp4.quest_exponent(sigma_b))  # a definite exponent for the (NaN-decoding) block
+    return Scaling(mxfp4.encode_scales(e, jnp.where(bad, jnp.nan, amax_b)), mxfp4.pow2_factors(-e),
+                   mxfp4.pow2_factors(e), nan_blocks=bad)
 
   def scaling_from_stored(self, scales, amax) -> Scaling:
     """Decode scales from stored E8M0 block scales."""
     del amax
     e, is_nan = mxfp4.decode_exponents(scales)
-    return Scaling(scales, (), mxfp4.pow2_factors(e), nan_blocks=is_nan)
+    return Scaling(scales, (), mxfp4.pow2_factors(e), self._tensor_decode, nan_blocks=is_nan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,6 +393,8 @@ _NAMED = {
     "nvfp4_up": NVFP4(scale_rule="up"),
     "mxfp4": MXFP4(),
     "mxfp4_ceil": MXFP4(scale_rule="ceil"),
+    "mxfp4_quest": MXFP4(scale_rule="quest"),
+    "mxfp4_tseng": MXFP4(scale_rule="tseng"),
     "fp8": FP8(),
     "fp8_tensor": FP8(scaling="tensor"),
 }

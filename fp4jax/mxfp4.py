@@ -58,3 +58,25 @@ def decode_exponents(scales):
   """Exponents e (int32) of stored E8M0 scales, and a mask of NaN scales."""
   bits = jax.lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
   return bits - E8M0_BIAS, bits == 0xFF
+
+
+# QuEST (arXiv 2502.05003) as Quartet uses it (arXiv 2505.14669; IST-DASLab/Quartet,
+# src/models/quantization/quantizers/mxfp4.py, QuestMXFP4Quantizer): the scale is the power of two at or below
+# sigma * 2.92247856 / 6 + 1e-8, where 2.92247856 sigma is the MSE-optimal clipping range of E2M1 for Gaussian data
+# and 1e-8 keeps an all-zero group's scale finite.
+QUEST_SCALE = 2.92247856 / 6.0
+QUEST_EPS = 1e-8
+# Tseng et al. (arXiv 2502.20586; amazon-science/mxfp4-llm): elements encoded at 3/4 of the OCP floor scale, so the
+# block max lands in [3, 6) and never saturates (stochastic rounding stays unbiased); the GEMM output is scaled back.
+TSENG_ENCODE = 0.75
+TSENG_DECODE = 4.0 / 3.0
+
+
+def quest_exponent(sigma_b):
+  """Integer exponent e of QuEST's block scale 2^e: floor(log2(sigma * QUEST_SCALE + QUEST_EPS)), in float32.
+
+  t >= 1e-8 is a normal float32, so frexp gives floor(log2 t) exactly (an all-zero group: e = -27).
+  """
+  t = sigma_b * jnp.float32(QUEST_SCALE) + jnp.float32(QUEST_EPS)
+  _, e_frexp = jnp.frexp(t)
+  return jnp.clip(e_frexp - 1, E8M0_MIN_EXPONENT, E8M0_MAX_EXPONENT)

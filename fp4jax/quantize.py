@@ -17,6 +17,7 @@ from fp4jax import eden
 from fp4jax import four_over_six
 from fp4jax import grids
 from fp4jax import keys
+from fp4jax import mxfp4
 from fp4jax import prng
 from fp4jax import rounding as rounding_lib
 from fp4jax import qarray as qarray_lib
@@ -144,6 +145,29 @@ def _tensor_amax(amax_b):
   return jnp.where(jnp.any(jnp.isnan(amax_b)), jnp.float32(jnp.nan), jnp.max(amax_b))
 
 
+def _block_std(x32, block, amax_b):
+  """Population standard deviation (mean-centred, ddof 0) of each block, float32, with the scales' shape.
+
+  Each block is first scaled by a power of two to |x| < 1 (exact), so squares neither overflow nor underflow,
+  and shifted by its first element, so a constant block has exactly zero deviation; then two passes (mean, then
+  the mean squared deviation from it), which stay accurate where E[x^2] - E[x]^2 would cancel. Non-finite blocks
+  give NaN.
+  """
+  finite = jnp.isfinite(amax_b)
+  _, k = jnp.frexp(jnp.where(finite, amax_b, jnp.float32(1.0)))  # amax_b < 2^k
+  y = _scale_blocks(x32, mxfp4.pow2_factors(-k), block)
+  split, axes = _split_blocks(x32.shape, block)
+  y = y.reshape(split)
+  first = y
+  for a in axes:
+    first = jax.lax.slice_in_dim(first, 0, 1, axis=a)
+  d = y - first
+  n = jnp.float32(math.prod(block))
+  mean = jnp.sum(d, axis=axes, keepdims=True) / n
+  var = jnp.sum(jnp.square(d - mean), axis=axes) / n
+  return jnp.where(finite, mxfp4.scale_by_pow2(jnp.sqrt(var), k), jnp.float32(jnp.nan))
+
+
 def _expand_blocks(s, block):
   """Repeats each per-block value over its block: [S0/B0, S1/B1, ...] -> [S0, S1, ...]."""
   interleaved = [d for n, b in zip(s.shape, block) for d in ((n, 1) if b > 1 else (n,))]
@@ -172,25 +196,39 @@ def _scale_shape(shape, block):
   return tuple(s // b for s, b in zip(shape, block))
 
 
-def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False, sr_bits="hash"):
+def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False, sr_bits="hash", clip_mask=False):
   """The quantizer proper on the (padded) float32 tensor.
 
   Returns (elements, scales, amax, decode): `elements` has x32's shape: E2M1 codes (int32 0..15) for FP4, or with
   `values=True` the E2M1 values those codes stand for (float32); E4M3 values (float32) for FP8. `scales` are the
   stored block scales. With `values=True`, `decode(elements)` is what `dequantize` returns before the non-finite
-  check, without the round trip through codes, packing and stored scales.
+  check, without the round trip through codes, packing and stored scales. With `clip_mask=True` a fifth output:
+  True where the scaled element lies strictly inside the element range (|x / s| < max; False for NaN).
   """
   amax_b = _block_amax(x32, block)
   amax = fmt.group_amax(amax_b, block)  # None: one amax for the whole tensor
   if amax is None:
     amax = _tensor_amax(amax_b)
+  if clip_mask and (fmt.corrects_scales or fmt.scaling_candidates(amax_b, amax) is not None):
+    raise ValueError(f"a clip mask needs one scaling per block; {fmt.label} chooses or corrects its block scales.")
   if fmt.corrects_scales:
     return _quantize_eden(x32, fmt, block, rounding, key, random_bits, amax_b, amax, values, sr_bits)
   candidates = fmt.scaling_candidates(amax_b, amax)
   if candidates is not None:
     return _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, amax, values, sr_bits)
-  scaling = fmt.scaling_from_amax(amax_b, amax)
+  if fmt.uses_std:
+    scaling = fmt.scaling_from_std(_block_std(x32, block, amax_b), amax_b)
+  else:
+    scaling = fmt.scaling_from_amax(amax_b, amax)
   y = _scale_blocks(x32, scaling.encode, block)
+  if clip_mask:
+    mask = jnp.abs(y) < jnp.float32(fmt.elem_max)
+    return _quantize_elements_of(y, fmt, scaling, block, rounding, key, random_bits, values, sr_bits, amax) + (mask,)
+  return _quantize_elements_of(y, fmt, scaling, block, rounding, key, random_bits, values, sr_bits, amax)
+
+
+def _quantize_elements_of(y, fmt, scaling, block, rounding, key, random_bits, values, sr_bits, amax):
+  """_quantize_elements' rounding step on the scaled tensor y."""
   scales = scaling.stored
   decode = lambda v: _decode(v, scaling, block)
   if not fmt.is_fp4:  # E4M3 elements (FP8): round-to-nearest-even only
@@ -261,16 +299,33 @@ def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = 
   Returns:
     A QArray. NaN anywhere makes amax NaN; NaN or inf anywhere makes the whole dequantized tensor non-finite.
   """
+  return _quantize(x, fmt, axis, block_2d, rounding, key, random_bits, pad, sr_bits, clip_mask=False)[0]
+
+
+def quantize_with_clip_mask(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
+                            random_bits: int = 32, pad: bool = False, sr_bits: str = "hash"):
+  """(quantize(x, fmt, ...), mask): mask (bool, x's shape) is True where |x / block scale| < the element max.
+
+  QuEST's straight-through gradient is this mask (arXiv 2502.05003; Quartet, arXiv 2505.14669): elements that
+  saturated get no gradient. False for NaN. Formats that choose or correct block scales (4/6, EDEN) are refused.
+  """
+  return _quantize(x, fmt, axis, block_2d, rounding, key, random_bits, pad, sr_bits, clip_mask=True)
+
+
+def _quantize(x, fmt, axis, block_2d, rounding, key, random_bits, pad, sr_bits, clip_mask):
   fmt = formats.get_format(fmt)
   x = jnp.asarray(x)
   axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
   x32, shape, block = _prepare(x, fmt, axis, block_2d, pad)
-  elements, scales, amax, _ = _quantize_elements(x32, fmt, block, rounding, key, random_bits, sr_bits=sr_bits)
+  out = _quantize_elements(x32, fmt, block, rounding, key, random_bits, sr_bits=sr_bits, clip_mask=clip_mask)
+  elements, scales, amax = out[:3]
   codes = fmt.pack(elements, axis)
   per_tensor = not _blocked_axes(fmt, x.ndim, axis, block_2d)
   scales = scales.reshape(() if per_tensor else _scale_shape(shape, block))
-  return QArray(codes, scales, amax, fmt=fmt, shape=shape,
-                orig_shape=tuple(x.shape), axis=axis, block_2d=block_2d, dtype=x.dtype)
+  q = QArray(codes, scales, amax, fmt=fmt, shape=shape,
+             orig_shape=tuple(x.shape), axis=axis, block_2d=block_2d, dtype=x.dtype)
+  mask = out[4][tuple(slice(0, n) for n in x.shape)] if clip_mask else None
+  return q, mask
 
 
 # --- dequantize ---------------------------------------------------------------------------------------------------

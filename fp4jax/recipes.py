@@ -20,8 +20,8 @@ from typing import Literal
 from fp4jax import formats
 from fp4jax import prng
 from fp4jax import rht as rht_lib
-# The newer presets (Four Over Six, TetraJet-v2, Quartet II), re-exported: fp4jax.recipes.quartet2() etc.
-from fp4jax.recipes_beyond import four_over_six, quartet2, tetrajet_v2
+# The newer presets (Four Over Six, TetraJet-v2, Quartet II, Quartet), re-exported: fp4jax.recipes.quartet2() etc.
+from fp4jax.recipes_beyond import four_over_six, quartet, quartet2, tetrajet_v2
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 BACKENDS = ("xla", "pallas")
@@ -41,6 +41,9 @@ class OperandConfig:
   # Backward operands only (Dgrad's W, Wgrad's x): quantize the dequantized Fprop operand instead of the
   # high-precision tensor, so the backward sees the forward's quantized values (TetraJet-v2, Quartet II).
   requantize: bool = False
+  # Fprop operands only: the straight-through gradient of this operand is zeroed where its quantizer saturated
+  # (|x / s| >= the element max), in the basis the quantizer saw (before the inverse Fprop RHT): QuEST's mask.
+  clip_mask: bool = False
 
   @property
   def quantized(self) -> bool:
@@ -56,6 +59,8 @@ class OperandConfig:
       parts.append("RHT")
     if self.requantize:
       parts.append("of Fprop Q")
+    if self.clip_mask:
+      parts.append("clip-masked grad")
     return " ".join(parts)
 
 
@@ -92,6 +97,8 @@ class Recipe:
     rht_size: Hadamard tile size d (power of two, 2..256).
     rht_signs: "fixed" (one sign vector for the whole run, the paper's default), "none" (plain Hadamard, an
       ablation) or "per_call" (fresh signs from the layer's key at every call).
+    fprop_rht_signs: Fprop's own sign mode, or None for `rht_signs` (Quartet: a fixed Hadamard forward, "none",
+      with per-call signs in the backward).
     random_bits: 32 (full-width uniforms) or 8 (hardware-style) for stochastic rounding.
     reuse_fprop_weight: Dgrad uses the transposed Fprop weight codes (needs the same 2D quantization in both).
     backend: "xla" (dequantize + matmul emulation) or "pallas" (pallas_kernels).
@@ -109,6 +116,7 @@ class Recipe:
   wgrad: GemmConfig = HIGH_PRECISION_GEMM
   rht_size: int = 16
   rht_signs: Literal["fixed", "none", "per_call"] = "fixed"
+  fprop_rht_signs: Literal["fixed", "none", "per_call"] | None = None
   random_bits: int = 32
   reuse_fprop_weight: bool = True
   backend: Literal["xla", "pallas"] = "xla"
@@ -119,6 +127,8 @@ class Recipe:
     rht_lib.check_size(self.rht_size)
     if self.rht_signs not in RHT_SIGNS:
       raise ValueError(f"rht_signs must be one of {RHT_SIGNS}; got {self.rht_signs!r}.")
+    if self.fprop_rht_signs is not None and self.fprop_rht_signs not in RHT_SIGNS:
+      raise ValueError(f"fprop_rht_signs must be None or one of {RHT_SIGNS}; got {self.fprop_rht_signs!r}.")
     if self.backend not in BACKENDS:
       raise ValueError(f"backend must be one of {BACKENDS}; got {self.backend!r}.")
     if self.random_bits not in (8, 32):
@@ -138,9 +148,18 @@ class Recipe:
         continue
       if fprop_op is None:
         raise ValueError(f"{gemm}.{side}: requantize applies to Dgrad's W and Wgrad's x only.")
-      if not (op.quantized and fprop_op.quantized) or self.fprop.rht:
-        raise ValueError(f"{gemm}.{side}: requantize needs that operand and its Fprop counterpart quantized, and "
-                         "no RHT on Fprop (the dequantized Fprop operand must be in the original basis).")
+      if not (op.quantized and fprop_op.quantized):
+        raise ValueError(f"{gemm}.{side}: requantize needs that operand and its Fprop counterpart quantized.")
+    for gemm, side in (("dgrad", "lhs"), ("dgrad", "rhs"), ("wgrad", "lhs"), ("wgrad", "rhs")):
+      if getattr(self.gemm(gemm), side).clip_mask:
+        raise ValueError(f"{gemm}.{side}: clip_mask applies to Fprop operands only.")
+    for op in (self.fprop.lhs, self.fprop.rhs):
+      if op.clip_mask and not op.quantized:
+        raise ValueError("clip_mask needs a quantized Fprop operand.")
+    ops = [op for g in GEMMS for op in (self.gemm(g).lhs, self.gemm(g).rhs)]
+    if self.backend == "pallas" and any(op.clip_mask or op.fmt == formats.MXFP4(scale_rule="tseng") for op in ops):
+      raise ValueError("backend='pallas': the Pallas kernels have no clip mask and decode OCP MXFP4 scales only "
+                       "(QuEST masks, Tseng's 4/3 decode); use backend='xla'.")
 
   def replace(self, **changes) -> "Recipe":
     return dataclasses.replace(self, **changes)
@@ -152,11 +171,17 @@ class Recipe:
   def is_quantized(self) -> bool:
     return any(self.gemm(g).quantized for g in GEMMS)
 
+  def signs_of(self, gemm: str) -> str:
+    """The RHT sign mode of `gemm`: Fprop's own (`fprop_rht_signs`) if set, else `rht_signs`."""
+    if gemm == "fprop" and self.fprop_rht_signs is not None:
+      return self.fprop_rht_signs
+    return self.rht_signs
+
   @property
   def needs_key(self) -> bool:
     """Whether a PRNG key is needed: stochastic rounding or per-call random RHT signs."""
     sr = any(op.rounding == "stochastic" and op.quantized for g in GEMMS for op in (self.gemm(g).lhs, self.gemm(g).rhs))
-    signs = self.rht_signs == "per_call" and any(self.gemm(g).rht for g in GEMMS)
+    signs = any(self.signs_of(g) == "per_call" and self.gemm(g).rht for g in GEMMS)
     return sr or signs
 
   @property
@@ -171,6 +196,9 @@ class Recipe:
     changes = {}
     if forward:
       changes["fprop"] = HIGH_PRECISION_GEMM
+      # Backward operands re-quantized from the Fprop operands now start from the high-precision tensors.
+      plain = lambda g: GemmConfig(g.lhs, dataclasses.replace(g.rhs, requantize=False))
+      changes["dgrad"], changes["wgrad"] = plain(self.dgrad), plain(self.wgrad)
     if backward:
       changes["dgrad"] = changes["wgrad"] = HIGH_PRECISION_GEMM
     suffix = "+bf16" + ("fwd" if forward and not backward else "bwd" if backward and not forward else "")
@@ -189,8 +217,9 @@ class Recipe:
         rhs += " (Fprop W^T reused)"
       cells.append((g, ln + ": " + cfg.lhs.describe(), rn + ": " + rhs))
     w = max(30, *(len(c[1]) + 1 for c in cells))
-    rows = [f"Recipe {self.name!r} (backend={self.backend}, rht_size={self.rht_size}, rht_signs={self.rht_signs}, "
-            f"random_bits={self.random_bits}, sr_bits={self.sr_bits}, gemm_mode={self.gemm_mode})",
+    fprop_signs = "" if self.fprop_rht_signs is None else f", fprop_rht_signs={self.fprop_rht_signs}"
+    rows = [f"Recipe {self.name!r} (backend={self.backend}, rht_size={self.rht_size}, rht_signs={self.rht_signs}"
+            f"{fprop_signs}, random_bits={self.random_bits}, sr_bits={self.sr_bits}, gemm_mode={self.gemm_mode})",
             f"  {'GEMM':<6} {'lhs':<{w}} {'rhs':<30}"]
     rows += [f"  {g:<6} {lhs:<{w}} {rhs:<30}" for g, lhs, rhs in cells]
     return "\n".join(rows)
@@ -340,7 +369,7 @@ def fp8(*, block_size: int = 128, scaling: str = "block", sr_bits: str = "hash",
 
 
 PRESETS = {"bf16": bf16, "nvfp4": nvfp4, "mxfp4": mxfp4, "fp8": fp8, "four_over_six": four_over_six,
-           "tetrajet_v2": tetrajet_v2, "quartet2": quartet2}
+           "tetrajet_v2": tetrajet_v2, "quartet2": quartet2, "quartet": quartet}
 RECIPE_NAMES = tuple(PRESETS)
 
 

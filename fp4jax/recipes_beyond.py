@@ -1,4 +1,4 @@
-"""Presets beyond NVIDIA's recipe: Four Over Six, TetraJet-v2 and Quartet II (re-exported by fp4jax.recipes).
+"""Presets beyond NVIDIA's recipe: Four Over Six, TetraJet-v2, Quartet II and Quartet (re-exported by fp4jax.recipes).
 
 Each accepts `sr_bits=` and `gemm_mode=` like every preset (see fp4jax.recipes.Recipe): they change speed, not the
 recipe, and show in the name as in `nvfp4()` ("-threefry" when something is rounded stochastically, "-gemm:MODE").
@@ -83,3 +83,34 @@ def quartet2(*, four_over_six: bool = False, rht_size: int = 128, stochastic_sca
   return lib.Recipe(name=name, fprop=lib.GemmConfig(fwd, fwd), dgrad=lib.GemmConfig(grad, requant),
                     wgrad=lib.GemmConfig(grad, requant), rht_size=rht_size, rht_signs="per_call",
                     random_bits=random_bits, backend=backend, sr_bits=sr_bits, gemm_mode=gemm_mode)
+
+
+def quartet(*, rht_size: int = 32, stochastic_rounding: bool = True, random_bits: int = 32, backend: str = "xla",
+            sr_bits: str = "hash", gemm_mode: str = "auto") -> Recipe:
+  """Quartet (arXiv 2505.14669; IST-DASLab/Quartet: src/models/quantization/quantizers/mxfp4.py and mxfp4_triton.py,
+  the backward scheme "Q(E)Q(Wt)t_Q(Et)Q(Xt)t" of sweep_tokens_backward.sh, quartet_qat/.../module/linear_fns.py).
+
+  MXFP4 in all three GEMMs. Forward: a fixed Hadamard of size `rht_size` (no signs) on x and W along K, then QuEST
+  (`formats.MXFP4` scale_rule "quest": power-of-two scale from each 32-group's standard deviation), round to
+  nearest; each operand's gradient is zeroed where QuEST saturated it, before the inverse Hadamard. Backward: the
+  output gradient and the dequantized Fprop x and W (still in the Hadamard basis) are re-quantized after an RHT of
+  size `rht_size` with fresh signs per call along each backward GEMM's inner dimension, as MXFP4 with Tseng et al.'s
+  3/4 scale (scale_rule "tseng": never saturates) and stochastic rounding; Dgrad's and Wgrad's outputs, in the
+  Fprop basis along K, are masked and transformed back. The released CUDA kernels round the backward to nearest
+  (`stochastic_rounding=False`).
+  """
+  if backend == "pallas":
+    raise ValueError("quartet: the Pallas kernels have neither QuEST's clip mask nor Tseng's 4/3 decode; use "
+                     "backend='xla'.")
+  lib = _recipes()
+  fwd = lib.OperandConfig(fmt=formats.MXFP4(scale_rule="quest"), rht=True, clip_mask=True)
+  bwd_fmt = formats.MXFP4(scale_rule="tseng")
+  sr = "stochastic" if stochastic_rounding else "nearest"
+  grad = lib.OperandConfig(fmt=bwd_fmt, rounding=sr, rht=True)
+  requant = lib.OperandConfig(fmt=bwd_fmt, rounding=sr, rht=True, requantize=True)
+  name = ("quartet" + ("" if rht_size == 32 else f"-rht{rht_size}") + ("" if stochastic_rounding else "-sr")
+          + _speed_tags(stochastic_rounding, sr_bits, gemm_mode))
+  return lib.Recipe(name=name, fprop=lib.GemmConfig(fwd, fwd), dgrad=lib.GemmConfig(grad, requant),
+                    wgrad=lib.GemmConfig(grad, requant), rht_size=rht_size, rht_signs="per_call",
+                    fprop_rht_signs="none", random_bits=random_bits, backend=backend, sr_bits=sr_bits,
+                    gemm_mode=gemm_mode)

@@ -166,3 +166,61 @@ def nvfp4_eden(x, *, axis=-1, block=16, group=8):
     s = ref.e4m3_rne(pre)
     deq = f32(f32(v * ref.expand(s, block, axis, False)) * t_dec)
   return {"codes": codes, "scales": s, "dequant": deq, "pre_round": pre, "amax": float(amax)}
+
+
+# ---------------------------------------------------------------- Quartet (arXiv 2505.14669): QuEST forward, Tseng
+# backward, both MXFP4 (32-element blocks, power-of-two scales).
+
+QUEST_SCALE = 2.92247856 / 6.0  # the MSE-optimal E2M1 clipping range for Gaussian data, 2.92 sigma, over 6
+QUEST_EPS = 1e-8
+
+
+def _mxfp4_finish(x, codes, e, axis, block, factor=1.0):
+  """Dequantized values (NaN everywhere if x holds NaN or inf), scales and amax of MXFP4 codes and exponents."""
+  amax = float(np.max(np.abs(x))) if x.size else 0.0
+  with np.errstate(over="ignore", invalid="ignore"):
+    deq = f32(ref.e2m1_value(codes) * np.ldexp(1.0, ref.expand(e, block, axis, False)) * f32(factor))
+  if not np.isfinite(amax):
+    deq = np.full_like(deq, np.nan)
+  return deq, amax
+
+
+def mxfp4_quest(x, *, axis=-1, block=32):
+  """QuEST's MXFP4 quantizer: codes, scales (NaN for a block holding NaN or inf), mask, dequant, amax.
+
+  sigma: each block's population standard deviation (float64, mean-centred, ddof 0). Scale 2^e with
+  e = floor(log2(sigma * 2.92247856 / 6 + 1e-8)), clamped to E8M0's [-127, 127]; elements x / 2^e rounded to
+  nearest even on E2M1, saturating at 6; mask: |x / 2^e| < 6 (the elements whose gradient passes).
+  """
+  x = ref.as_f64(x)
+  axis = axis % x.ndim
+  t = blocks_last(x, block, axis, False)
+  finite = np.all(np.isfinite(t), axis=-1)
+  with np.errstate(invalid="ignore", over="ignore"):
+    sigma = np.std(np.where(finite[..., None], t, 0.0), axis=-1)
+  e = np.clip(np.floor(np.log2(sigma * QUEST_SCALE + QUEST_EPS)), -127, 127).astype(np.int64)
+  e = np.where(finite, e, 0)  # a block holding NaN or inf: exponent 0 (its scale is stored as NaN)
+  e = _unblock_1d(e, axis)
+  with np.errstate(over="ignore", invalid="ignore"):
+    scaled = f32(x * np.ldexp(1.0, -ref.expand(e, block, axis, False)))
+  codes = ref.e2m1_rne(scaled)
+  deq, amax = _mxfp4_finish(x, codes, e, axis, block)
+  scales = np.where(_unblock_1d(finite, axis), np.ldexp(1.0, e), np.nan)
+  return {"codes": codes, "scales": scales, "mask": np.abs(scaled) < 6.0, "dequant": deq, "amax": amax,
+          "scaled": scaled, "exponents": e}
+
+
+def mxfp4_tseng(x, *, axis=-1, block=32):
+  """Tseng et al.'s MXFP4 rule (arXiv 2502.20586), Quartet's backward quantizer, rounded to nearest.
+
+  e = floor(log2 amax_b) - 2 (the OCP scale), elements x * 3/4 / 2^e (block max in [3, 6): never saturates),
+  values decoded as code * 2^e * 4/3 (4/3 as a float32 constant).
+  """
+  x = ref.as_f64(x)
+  axis = axis % x.ndim
+  e = ref.mxfp4_exponent(ref.block_amax(np.abs(x), block, axis, False), "floor")
+  with np.errstate(over="ignore", invalid="ignore"):
+    scaled = f32(x * np.ldexp(1.0, -ref.expand(e, block, axis, False)) * 0.75)
+  codes = ref.e2m1_rne(scaled)
+  deq, amax = _mxfp4_finish(x, codes, e, axis, block, 4.0 / 3.0)
+  return {"codes": codes, "scales": np.ldexp(1.0, e), "dequant": deq, "amax": amax, "scaled": scaled}

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp4jax.recipes as recipes_lib
-from fp4jax.dot_general import Operands, dgrad, fprop, layer_operands, wgrad, wgrad_gradient
+from fp4jax.dot_general import (Operands, dgrad, dgrad_gradient, fprop, layer_operands, to_input_basis, wgrad,
+                                wgrad_gradient)
 from fp4jax import formats
 from fp4jax.qarray import QArray
 from fp4jax.quantize import dequantize
@@ -137,8 +138,8 @@ def quantized_gemms(x_MxK, w_KxN, dy_MxN, recipe: recipes_lib.Recipe, key, opera
   ops = quantized_operands(x_MxK, w_KxN, recipe, key) if operands is None else operands
   dy = dy_MxN.astype(jnp.float32)  # the rule receives the float32 cotangent of its float32 output
   y = fprop(ops, recipe).astype(x_MxK.dtype).astype(jnp.float32)
-  dx, dyq = dgrad(dy, ops.w_dgrad, recipe, key, x_MxK.dtype)
-  dw, dyq_t = wgrad(dy, ops.x_wgrad, recipe, key, x_MxK.dtype)
+  dx, dyq = dgrad(dy, ops.w_dgrad, recipe, key, x_MxK.dtype, ops.x_mask)
+  dw, dyq_t = wgrad(dy, ops.x_wgrad, recipe, key, x_MxK.dtype, ops.w_mask)
   return (y, dx.astype(x_MxK.dtype).astype(jnp.float32), dw.astype(w_KxN.dtype).astype(jnp.float32), dyq,
           dyq_t)
 
@@ -159,10 +160,16 @@ def _references(x_MxK, w_KxN, dy_MxN, recipe, key, ops: Operands):
   exact = exact_gradient_recipe(recipe)
   # Pad dY as Wgrad pads x (the exact-gradient recipe may need a smaller token multiple).
   dy_pad = jnp.pad(dy, ((0, ops.x_wgrad.shape[0] - m), (0, 0)))
-  dx_exact = _mm(dy, ops.w_dgrad, (1, 1))
-  dw_exact = _mm(ops.x_wgrad, wgrad_gradient(dy_pad, exact, key, jnp.float32), (0, 0))
-  dx_chain = _mm(dy, ops.w_fprop, (1, 1))
-  dw_chain = _mm(ops.x_fprop, dy, (0, 0))
+  # Gradients of the Fprop inputs come back from the Fprop RHT basis and get their clip masks as the rule's do.
+  dx_basis = lambda g, fprop_basis: to_input_basis(g, ops.x_mask, recipe, key, axis=1, in_fprop_basis=fprop_basis)
+  dw_basis = lambda g, fprop_basis: to_input_basis(g, ops.w_mask, recipe, key, axis=0, in_fprop_basis=fprop_basis,
+                                                   what="w")
+  dx_exact = dx_basis(_mm(dgrad_gradient(dy, exact, key, jnp.float32), ops.w_dgrad, (1, 1))[:m],
+                      recipe.dgrad.rhs.requantize)
+  dw_exact = dw_basis(_mm(ops.x_wgrad, wgrad_gradient(dy_pad, exact, key, jnp.float32), (0, 0)),
+                      recipe.wgrad.rhs.requantize)
+  dx_chain = dx_basis(_mm(dy, ops.w_fprop, (1, 1)), True)
+  dw_chain = dw_basis(_mm(ops.x_fprop, dy, (0, 0)), True)
   refs_dx = {"bf16": dx_ref, "exact_grad": dx_exact, "chain": dx_chain}
   refs_dw = {"bf16": dw_ref, "exact_grad": dw_exact, "chain": dw_chain}
   return y_ref, refs_dx, refs_dw

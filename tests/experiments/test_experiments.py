@@ -272,6 +272,9 @@ def test_recipes_experiment_reaches_each_recipe(tmp_path):
   assert recipes["tetrajet-v2"].fprop.lhs.fmt.double_block
   assert recipes["quartet2"].rht_size == 32 and recipes["quartet2-4over6"].fprop.lhs.fmt.scale_rule == "4over6"
   assert _module("recipes").get_config("gpu").runs[5].overrides["recipe"] == "quartet2:rht_size=128"
+  assert recipes["quartet"].fprop.lhs.fmt.scale_rule == "quest" and recipes["quartet"].fprop.lhs.clip_mask
+  assert "quartet" in [r.name for r in _module("recipes").get_config("gpu").runs]
+  assert "quartet" not in [r.name for r in _module("recipes").get_config("smoke").runs]
 
 
 def test_report_redraws_a_copied_results_folder(tmp_path):
