@@ -1,8 +1,9 @@
 """The pure step functions: TrainState, the loss, train/eval step builders, and a cache of their compiled forms.
 
 A step is a pure function of (state, batch, key) with state = TrainState(params, opt_state, step, osci): float32
-master weights and optimizer state, bf16 compute inside the model, and OsciReset's statistics when it is on. The model's structure and its layers' recipes are the
-static `graphdef`, so each precision phase has its own graphdef and its own compiled step.
+master weights and optimizer state, bf16 compute inside the model, and OsciReset's statistics when it is on. The
+model's structure and its layers' recipes are the static `graphdef`, so each precision phase has its own graphdef
+and its own compiled step.
 """
 
 from __future__ import annotations

@@ -107,6 +107,16 @@ def test_resume_with_osci_reset_is_bit_identical(env, straight):
   assert tree_equal(resumed["params"], summary["params"])
 
 
+def test_resume_with_osci_reset_switched_off_is_a_clear_error(env, straight):
+  """The statistics are part of the checkpoint: resuming without the option names them, and moves nothing aside."""
+  out, _ = straight
+  with pytest.raises(ckpt.CheckpointError, match="unexpected osci"):
+    run(env, make_config(env, out, resume=True))
+  manager = ckpt.open_manager(out, create=False)
+  assert STEPS in ckpt.available_steps(manager)
+  manager.close()
+
+
 @pytest.mark.slow
 def test_off_or_not_yet_started_changes_nothing(env, tmp_path):
   """Off (the default) and on-but-starting-after-the-run give bit-identical losses and params; off stores no
