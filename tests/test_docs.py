@@ -9,7 +9,8 @@ import subprocess
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Spelled in two pieces so that this file does not match itself.
 UNSHIPPED = ("NVFP4" + "_SPEC.md", "RECIPES" + "_SPEC.md")
-NUMERICS_SECTIONS = ("Formats", "Quantization", "Stochastic rounding", "Random Hadamard transform", "Recipe")
+NUMERICS_SECTIONS = ("Formats", "Quantization", "Stochastic rounding", "Random Hadamard transform", "Recipe",
+                     "Recipes beyond NVIDIA's")
 
 
 def _tracked_files(root):

@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -79,8 +78,7 @@ def restore_run(run_dir: str | pathlib.Path, step: int | None = None):
     config = TrainConfig.from_dict(meta["config"])
     model = trainer.build_model(config, trainer.run_keys(config.seed)["init"])
     params = nnx.state(model, nnx.Param)
-    target = steps_lib.TrainState(params=params, opt_state=optimizer_lib.make_optimizer(
-        config.optimizer, config.steps).init(params), step=jnp.asarray(0, jnp.int32))
+    target = trainer.initial_state(config, params, optimizer_lib.make_optimizer(config.optimizer, config.steps).init)
     step, restored, _ = ckpt.restore(manager, target._asdict(), step)
   finally:
     manager.close()

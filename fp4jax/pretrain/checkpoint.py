@@ -61,7 +61,9 @@ def save(manager: ocp.CheckpointManager, step: int, state: dict[str, Any], meta:
   """Saves `state` (a pytree of arrays) and `meta` (JSON-able) at `step`; returns whether a save happened.
 
   Without `force`, the manager's save interval decides. The caller must never pass a non-finite state.
+  Top-level None entries (TrainState.osci when OsciReset is off) are not stored.
   """
+  state = {k: v for k, v in state.items() if v is not None}
   args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
   return manager.save(int(step), args=args, force=force)
 
@@ -129,9 +131,12 @@ def restore(manager: ocp.CheckpointManager, target: dict[str, Any], step: int | 
   """(step, state, meta) from the checkpoint at `step` (default: latest).
 
   `target` is a state pytree of the same structure (arrays or jax.ShapeDtypeStruct) giving shapes, dtypes and
-  shardings; a checkpoint whose structure, shapes or dtypes differ raises CheckpointError.
+  shardings; a checkpoint whose structure, shapes or dtypes differ raises CheckpointError. Top-level None entries
+  of `target` (not stored, see `save`) come back as None.
   """
   step = _pick_step(manager, step)
+  absent = [k for k, v in target.items() if v is None]
+  target = {k: v for k, v in target.items() if v is not None}
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
   _check_compatible(manager, step, abstract)
   args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
@@ -151,4 +156,4 @@ def restore(manager: ocp.CheckpointManager, target: dict[str, Any], step: int | 
     if a.shape != b.shape or a.dtype != b.dtype:
       raise CheckpointError(f"Checkpoint {step} in {manager.directory} holds an array {b.shape} {b.dtype} where "
                             f"this run expects {a.shape} {a.dtype} (model config changed?).")
-  return step, state, meta
+  return step, {**state, **dict.fromkeys(absent)}, meta

@@ -3,7 +3,8 @@
 Groups: `model` (ModelConfig, a preset name plus `--model.FIELD VALUE`), `data` (DataConfig, `--data.FIELD VALUE`,
 `--corpus`), `policy` (PrecisionPolicy: `--recipe`, `--bf16-first`, `--bf16-last`, `--bf16-blocks`,
 `--bf16-pattern`, `--switch-at`, `--switch`), `optimizer` (OptimizerConfig: `--lr`, `--b1`, ...), `evaluation`,
-`logging` and `checkpointing`; the run's own fields (`--out`, `--steps`, `--batch-size`, `--seq-len`, `--seed`,
+`osci_reset` (OsciResetConfig: TetraJet-v2's OsciReset, `--osci-reset-start`, ...), `logging` and
+`checkpointing`; the run's own fields (`--out`, `--steps`, `--batch-size`, `--seq-len`, `--seed`,
 `--mesh`) sit at the top. Every group field has one flat option name (its flag), used on the command line, in sweep
 overrides and by `TrainConfig.replace(lr=1e-3, bf16_last=2)`; fields that do not change a run's result carry
 `result_free` in their metadata (see fp4jax.pretrain.options).
@@ -20,10 +21,12 @@ from typing import Any
 
 import fp4jax.recipes
 from fp4jax import cli_values
+from fp4jax import osci_reset as osci_reset_lib
 from fp4jax.pretrain import data as data_lib
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import policy as policy_lib
 from fp4jax.pretrain.optimizer import OptimizerConfig
+from fp4jax.pretrain.osci import OsciResetConfig
 from fp4jax.pretrain.options import default_of, flat_key, is_result_free, option
 from fp4jax.pretrain.policy import PrecisionPolicy
 
@@ -105,6 +108,7 @@ class TrainConfig:
   seq_len: int | None = option(None, "tokens per sequence; None = the model's max_seq_len")
   seed: int = option(0, "seeds init, data order and stochastic rounding")
   evaluation: EvalConfig = option(help="validation and statistics", factory=EvalConfig)
+  osci_reset: OsciResetConfig = option(help="TetraJet-v2's OsciReset", factory=OsciResetConfig)
   logging: LogConfig = option(help="metrics log", factory=LogConfig)
   checkpointing: CheckpointConfig = option(help="checkpoints and resumption", factory=CheckpointConfig)
   # Different meshes sum in different orders: losses agree to ~1e-5, not bit for bit, so a mesh is a result.
@@ -128,6 +132,11 @@ class TrainConfig:
     # The policy against this model and run length: BF16 blocks in range, a switch the run reaches.
     self.policy.bf16_blocks(self.model.n_layers)
     self.policy.switch_step(self.steps)
+    if self.osci_reset.enabled:
+      if not self.policy.recipe.is_quantized:
+        raise ValueError(f"OsciReset (osci_reset_start={self.osci_reset.start}) needs a quantized --recipe; got "
+                         f"{self.policy.recipe.name!r}.")
+      osci_reset_lib.check_recipe(self.policy.recipe)
 
   @property
   def train_seq_len(self) -> int:
@@ -206,10 +215,11 @@ class TrainConfig:
 
 
 _NESTED_TYPES = {"model": model_lib.ModelConfig, "data": data_lib.DataConfig, "policy": PrecisionPolicy,
-                 "optimizer": OptimizerConfig, "evaluation": EvalConfig, "logging": LogConfig,
+                 "optimizer": OptimizerConfig, "evaluation": EvalConfig, "osci_reset": OsciResetConfig,
+                 "logging": LogConfig,
                  "checkpointing": CheckpointConfig}
 # Groups whose fields are options under their flat names (model and data fields are dotted: --model.d_model).
-GROUPS = ("policy", "optimizer", "evaluation", "logging", "checkpointing")
+GROUPS = ("policy", "optimizer", "evaluation", "osci_reset", "logging", "checkpointing")
 _TOP_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
 
@@ -314,7 +324,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     if f.name not in _NESTED_TYPES:
       _add_options_one(run, f)
   titles = {"policy": "precision policy (PrecisionPolicy)", "optimizer": "optimizer (OptimizerConfig)",
-            "evaluation": "evaluation (EvalConfig)", "logging": "logging (LogConfig)",
+            "evaluation": "evaluation (EvalConfig)", "osci_reset": "TetraJet-v2 OsciReset (OsciResetConfig)",
+            "logging": "logging (LogConfig)",
             "checkpointing": "checkpointing (CheckpointConfig)"}
   for group in GROUPS:
     _add_options(parser.add_argument_group(titles[group]), _NESTED_TYPES[group], flat_key)

@@ -1,8 +1,9 @@
 """The pure step functions: TrainState, the loss, train/eval step builders, and a cache of their compiled forms.
 
-A step is a pure function of (state, batch, key) with state = TrainState(params, opt_state, step): float32 master
-weights and optimizer state, bf16 compute inside the model. The model's structure and its layers' recipes are the
-static `graphdef`, so each precision phase has its own graphdef and its own compiled step.
+A step is a pure function of (state, batch, key) with state = TrainState(params, opt_state, step, osci): float32
+master weights and optimizer state, bf16 compute inside the model, and OsciReset's statistics when it is on. The
+model's structure and its layers' recipes are the static `graphdef`, so each precision phase has its own graphdef
+and its own compiled step.
 """
 
 from __future__ import annotations
@@ -17,16 +18,19 @@ import optax
 from flax import nnx
 
 from fp4jax.pretrain import metrics as metrics_lib
+from fp4jax.pretrain import osci as osci_lib
 from fp4jax.pretrain.config import TrainConfig
 from fp4jax.pretrain.sharding import Placement
 
 
 class TrainState(NamedTuple):
-  """Everything a step updates: float32 params (nnx.State), optax state, and the number of steps taken."""
+  """Everything a step updates: float32 params (nnx.State), optax state, the number of steps taken, and
+  OsciReset's statistics (an osci.OsciState; None when OsciReset is off)."""
 
   params: Any
   opt_state: Any
   step: jax.Array
+  osci: Any = None  # None is not stored in checkpoints (fp4jax.pretrain.checkpoint), so they stay as before
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
@@ -53,22 +57,33 @@ def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation) -> Callable:
+def make_train_step(graphdef, optimizer: optax.GradientTransformation,
+                    osci: osci_lib.OsciResetConfig | None = None) -> Callable:
   """step(state, batch, key) -> (new_state, metrics): one AdamW update; apply jax.jit (and shardings) yourself.
 
   metrics: loss (of the params before the update), grad_norm (before clipping), and `finite`: whether loss, grads
   and new params are all finite. The caller must discard new_state when `finite` is false.
+  osci: an enabled OsciResetConfig runs osci.update on the updated params (state.osci must hold its statistics)
+  and adds metrics["osci_reset"], the number of elements reset by this step.
   """
   loss_fn = make_loss_fn(graphdef)
+  osci = osci if osci is not None and osci.enabled else None
 
   def step(state: TrainState, batch, key):
     loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key)
     grad_norm = global_norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
-    new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1)
-    return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+    metrics = {"loss": loss, "grad_norm": grad_norm}
+    osci_state = state.osci
+    if osci is not None:
+      if osci_state is None:
+        raise ValueError("OsciReset is on but TrainState.osci is None: build it with osci.init_state.")
+      recipes = {name: layer.recipe for name, layer in nnx.merge(graphdef, params).linear_layers().items()}
+      params, osci_state, metrics["osci_reset"] = osci_lib.update(params, osci_state, state.step, recipes, osci)
+    metrics["finite"] = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
+    new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1, osci=osci_state)
+    return new_state, metrics
 
   return step
 
@@ -108,7 +123,7 @@ class Phases:
     self._model = model
     self._model_phase = 0  # the model comes built with the step-0 recipes
     self._graphdefs = {}
-    self._optimizer_key = (config.optimizer, config.steps)
+    self._optimizer_key = (config.optimizer, config.steps, config.osci_reset)
 
   def phase(self, step: int) -> int:
     return self.policy.phase(step, self.config.steps)
@@ -132,7 +147,7 @@ class Phases:
     graphdef = self.graphdef(step)
     pl = self.placement
     return self.cache.get(("train", graphdef, self._optimizer_key, pl.key),
-                          lambda: jax.jit(make_train_step(graphdef, self.optimizer),
+                          lambda: jax.jit(make_train_step(graphdef, self.optimizer, self.config.osci_reset),
                                           in_shardings=(pl.state, pl.batch, pl.replicated),
                                           out_shardings=(pl.state, pl.replicated)))
 

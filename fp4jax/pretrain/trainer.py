@@ -39,6 +39,7 @@ from fp4jax.pretrain import distributed
 from fp4jax.pretrain import metrics as metrics_lib
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
+from fp4jax.pretrain import osci as osci_lib
 from fp4jax.pretrain import resume as resume_lib
 from fp4jax.pretrain import runfolder
 from fp4jax.pretrain.config import TrainConfig
@@ -161,6 +162,12 @@ def _check_corpus_size(dataset: data_lib.TokenDataset, config: TrainConfig) -> N
       + (", or --eval-batches 0 to skip validation." if config.evaluation.batches else "."))
 
 
+def initial_state(config: TrainConfig, params, optimizer_init: Callable) -> TrainState:
+  """The step-0 TrainState for `params`: optimizer_init(params), and zero OsciReset statistics when it is on."""
+  return TrainState(params=params, opt_state=optimizer_init(params), step=jnp.asarray(0, jnp.int32),
+                    osci=osci_lib.initial_state(config, params))
+
+
 def _placement(config: TrainConfig, state: TrainState) -> Placement:
   return Placement.for_mesh(config.mesh, state, recipe=config.policy.recipe,
                             batch_size=config.batch_size, seq_len=config.train_seq_len)
@@ -232,8 +239,7 @@ def _train_locked(config, hooks, log, compile_cache, out) -> dict[str, Any]:
   keys = run_keys(config.seed)
   model = build_model(config, keys["init"])
   optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
-  params = nnx.state(model, nnx.Param)
-  state = TrainState(params=params, opt_state=jax.jit(optimizer.init)(params), step=jnp.asarray(0, jnp.int32))
+  state = initial_state(config, nnx.state(model, nnx.Param), jax.jit(optimizer.init))
   placement = _placement(config, state)
   dataset, val = load_data(config, *placement.batch_block())
   phases = Phases(config, model, optimizer, compile_cache, placement)
@@ -353,6 +359,8 @@ class _Loop:
         step_time = time.perf_counter() - t0
         info.record.update(loss=loss, lr=float(schedule(step)), grad_norm=grad_norm, step_time=step_time,
                            tokens_per_s=tokens_per_step / step_time)
+        if osci_lib.kind(step, config.osci_reset) == "reset":  # fetched only on reset steps
+          info.record["osci_reset"] = int(m["osci_reset"])
         if not finite:
           info.record["diverged"] = True
           metrics_log.write(info.record)
@@ -407,8 +415,7 @@ def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: 
     keys = run_keys(config.seed)
     model = build_model(config, keys["init"])
     optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
-    params = nnx.state(model, nnx.Param)
-    target = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.asarray(0, jnp.int32))
+    target = initial_state(config, nnx.state(model, nnx.Param), optimizer.init)
     step, restored, _ = ckpt.restore(manager, target._asdict(), step)
     phases = Phases(config, model, optimizer)
     at = min(step, config.steps - 1)
