@@ -112,15 +112,16 @@ def _bf16_values(operand):
   return None
 
 
-def resolve_gemm_mode(recipe: recipes_lib.Recipe) -> str:
-  """The recipe's GEMM mode, with "auto" resolved.
+def resolve_gemm_mode(recipe: recipes_lib.Recipe, platform: str | None = None) -> str:
+  """The recipe's GEMM mode, with "auto" resolved for `platform` (default: jax.default_backend()).
 
-  "auto" is "bf16" everywhere: GPUs and TPUs multiply bf16 on tensor cores / the MXU, many times their float32 rate,
-  and on XLA:CPU bf16 is also faster (~15% per quantized layer, jax 0.10.2). Its products are exact, so it differs
-  from the float32 reference ("f32") only in summation order; pass gemm_mode="f32" for runs that must reproduce
-  float32-GEMM results bit for bit.
+  GPUs and TPUs multiply bf16 on tensor cores / the MXU, many times their float32 rate: "bf16". On XLA:CPU "bf16"
+  is also faster (~15% per quantized layer, jax 0.10.2), but "auto" keeps the reference "f32" there, so that CPU
+  runs stay bit-identical to earlier ones (golden losses): pass gemm_mode="bf16" for speed.
   """
-  return "bf16" if recipe.gemm_mode == "auto" else recipe.gemm_mode
+  if recipe.gemm_mode != "auto":
+    return recipe.gemm_mode
+  return "f32" if (platform or jax.default_backend()) == "cpu" else "bf16"
 
 
 def _gemm(a, b, contract, recipe):

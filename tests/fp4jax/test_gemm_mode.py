@@ -108,12 +108,13 @@ def test_fp8_block_scales_are_not_exact_in_bf16_so_the_gemm_stays_f32():
     np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
-def test_auto_mode_resolves_to_bf16_and_explicit_modes_stay():
+def test_auto_mode_per_platform():
   r = recipes.nvfp4()
   assert r.gemm_mode == "auto"
-  assert dg.resolve_gemm_mode(r) == "bf16"
-  assert dg.resolve_gemm_mode(r.replace(gemm_mode="f32")) == "f32"
-  assert dg.resolve_gemm_mode(r.replace(gemm_mode="bf16")) == "bf16"
+  assert dg.resolve_gemm_mode(r, "cpu") == "f32"
+  assert dg.resolve_gemm_mode(r, "gpu") == "bf16" and dg.resolve_gemm_mode(r, "tpu") == "bf16"
+  assert dg.resolve_gemm_mode(r.replace(gemm_mode="f32"), "gpu") == "f32"
+  assert dg.resolve_gemm_mode(r.replace(gemm_mode="bf16"), "cpu") == "bf16"
 
 
 def test_recipe_fields_in_cli_strings_names_and_table():
