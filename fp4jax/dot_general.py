@@ -116,8 +116,10 @@ def resolve_gemm_mode(recipe: recipes_lib.Recipe, platform: str | None = None) -
   """The recipe's GEMM mode, with "auto" resolved for `platform` (default: jax.default_backend()).
 
   GPUs and TPUs multiply bf16 on tensor cores / the MXU, many times their float32 rate: "bf16". On XLA:CPU "bf16"
-  is also faster (~15% per quantized layer, jax 0.10.2), but "auto" keeps the reference "f32" there, so that CPU
-  runs stay bit-identical to earlier ones (golden losses): pass gemm_mode="bf16" for speed.
+  is faster where XLA hands the dot to XNNPACK (~15% per quantized layer, jax 0.10.2), but XLA:CPU's fallback dot
+  has no bf16 x bf16 -> f32 kernel: some layouts (e.g. a vmapped Wgrad) fail at run time with "Unsupported element
+  type for DotThunk". So "auto" keeps the reference "f32" on CPU; pass gemm_mode="bf16" there for speed where the
+  training step compiles and runs with it (the models' train steps do).
   """
   if recipe.gemm_mode != "auto":
     return recipe.gemm_mode
