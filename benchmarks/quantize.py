@@ -30,23 +30,37 @@ HLO findings (XLA:CPU, jax 0.10.2, AVX-512 host; `--hlo` prints the kernels of t
   patterns (NaN-propagating, vectorised by XLA itself, a standard reduction that partitions under sharding);
   (2) one elementwise loop fusion that reads x and writes the result in place: scale, RNE onto E2M1 (exponent-bit
   arithmetic, no frexp), times block and global scale: 47 instructions per 16-element block (AVX-512VL, ymm).
-  In between, 3-4 small kernels on 1/16 of the data (global amax = max of block amaxes, block scales, encode
-  scales). quantize() adds integer-compare codes and a uint16 pack (no stride-2 reads); dequantize() decodes
-  arithmetically, and alone it writes a fresh output buffer, whose page faults dominate its time here.
+  In between, small kernels on 1/16 of the data (block scales, encode scales; the global amax is one unsigned
+  integer max over the block amaxes' bits, which XLA emits itself: the float max it replaced went to YNNPACK, which
+  drops NaN, and needed a NaN-check kernel and a reduction of its own). quantize() adds integer-compare codes and a
+  uint16 pack (no stride-2 reads); dequantize() decodes arithmetically, and alone it writes a fresh output buffer,
+  whose page faults dominate its time here.
   Pitfalls found on the way: XLA duplicates cheap per-block producers into their broadcasting consumer (the E4M3
   rounding of each block scale ran once per element) but not a divide, so per-block scales end in an exact
   division; XLA merges reduce(reduce(x)) with one computation into a full-size reduction and splits reductions over
   more than 32 elements into a tree with |x| materialised, so long and 2D blocks reduce in two stages of different
-  kinds. Stochastic rounding used to be bound by generating 32 random bits per element (threefry: ~17 ns per
-  element on this CPU; an "rbg" key, XLA's RngBitGenerator, was no faster). The default generator now hashes
-  (seed, element index) inside the elementwise loop (fp4jax.prng: an iota and two multiply/xor-shift rounds, no
-  random tensor in memory): SR q+dq still makes 2 passes and runs ~10x faster than with threefry. The 16-point
-  RHT was a [.., 16] x [16, 16] float32 dot (HIGHEST precision, a YNNPACK call) with its own full read and write;
-  an add/subtract (Walsh-Hadamard) form was slower, as XLA:CPU wrote every butterfly stage to memory. It is now 16
-  broadcast multiply-adds per element (fp4jax.rht._mix, summed in the dot's order: the same bits), one vectorised
-  loop fusion with the cast to the output dtype. XLA still writes its result out (it does not duplicate a 16-term
-  expression into both quantizer passes), and a bfloat16 input is first converted to a float32 copy: RNE+RHT makes
-  3 passes (4 for bfloat16) against q+dq's 2, and its 16 multiply-adds per element keep it compute-bound here.
+  kinds; the SPMD partitioner rejects reductions with a custom computation, so every reduction is a plain max.
+  Stochastic rounding used to be bound by generating 32 random bits per element (threefry: ~17 ns per element on
+  this CPU; an "rbg" key, XLA's RngBitGenerator, was no faster). The default generator hashes (seed, element index)
+  inside the elementwise loop (fp4jax.prng: an iota and two multiply/xor-shift rounds, ~20 vector instructions per
+  8 elements, no random tensor in memory), and the round-up probability is the fractional part of |y| / step
+  (grids.e2m1_floor_fraction: the gap to the upper neighbour always equals the step of |y|'s binade), so the SR
+  loop is 78 LLVM IR instructions per 8 elements (85 with the gap lookup), against RNE's ~45.
+  Where the time goes (LLVM IR of the kernels, AVX-512 host, XLA vectorises 8-wide): the block amax along the
+  minor axis is ~3.4 instructions per element (XLA vectorises across blocks, so each block's 16 elements are
+  gathered by scalar loads); the RNE loop ~5.7, the SR loop ~9.8. Both passes are compute-bound, not memory-bound.
+  RHT: the 16-point RHT is 16 broadcast multiply-adds per element (fp4jax.rht._mix, summed in the dot's order: the
+  same bits), ~7.8 instructions per element in its own loop, whose result XLA writes out and the quantizer's two
+  passes read: RNE+RHT makes 3 passes against q+dq's 2, and ~17 instructions per element in all. A bfloat16 input
+  used to be converted into a float32 copy first (a fourth pass: XLA fuses a producer into at most 15 differently
+  indexed users, and the convert had 16 slices); it is now widened inside the RHT loop. Recomputing the RHT inside
+  both quantizer passes instead of writing it out (tried: two optimization-barrier copies of x, so that CSE keeps
+  both) fuses as intended, but is slower on this CPU: along the token axis the two passes run the 16 multiply-adds
+  twice (~1.35x the CPU time of writing and reading the result), and along the minor axis the rounding pass's
+  output is the flat [M, N] array, so XLA indexes the 16-tiles through a reshape and LLVM no longer vectorises the
+  loop (scalar code, ~2.7x slower). The 0.3 target for RNE+RHT is out of reach for XLA:CPU's loop emitter here:
+  ~17 instructions per element are ~270M per 16M elements, >= 15 ms on two cores even at 3 per cycle and 3 GHz,
+  against ~3 ms for the memory-bound copy: <= 0.2.
 """
 
 from __future__ import annotations

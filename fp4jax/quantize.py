@@ -140,9 +140,15 @@ def _block_amax(x, block):
 
 
 def _tensor_amax(amax_b):
-  """max over all blocks' amax (== max|x|, NaN-propagating): a pass over 1/block_size of the data, not over x."""
-  # A float max with a separate NaN check, as in _block_amax's second stage.
-  return jnp.where(jnp.any(jnp.isnan(amax_b)), jnp.float32(jnp.nan), jnp.max(amax_b))
+  """max over all blocks' amax (== max|x|, NaN-propagating): a pass over 1/block_size of the data, not over x.
+
+  An unsigned max of the bit patterns (non-negative floats order like their bits, NaNs above +inf): a standard
+  reduction (it partitions under sharding) that XLA:CPU emits itself. Unsigned, not _int_max's signed max: XLA would
+  merge two reductions with one computation into a slow pass over x. (jnp.max's float max goes to YNNPACK, which
+  drops NaN, so it needed a separate NaN check: two more kernels over the block amaxes and a YNNPACK call.)
+  """
+  m = jnp.max(jax.lax.bitcast_convert_type(amax_b, jnp.uint32))
+  return jnp.where(m > jnp.uint32(0x7F800000), jnp.float32(jnp.nan), jax.lax.bitcast_convert_type(m, jnp.float32))
 
 
 def _block_std(x32, block, amax_b):

@@ -97,22 +97,28 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
   # float16 would overflow (an RHT sum can exceed 65504): its output stays float32.
   out_dtype = jnp.float32 if x.dtype == jnp.float16 else x.dtype
   if axis == x.ndim - 1:
-    tiles = x.reshape(*x.shape[:-1], n // size, size).astype(jnp.float32)
+    tiles = x.reshape(*x.shape[:-1], n // size, size)
     if size == FUSED_SIZE:
       y = _mix(tiles, h, tiles.ndim - 1)
     else:
-      y = jnp.einsum("...j,ji->...i", tiles, h, precision=jax.lax.Precision.HIGHEST)
+      y = jnp.einsum("...j,ji->...i", tiles.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST)
     return y.reshape(x.shape).astype(out_dtype)
   # Another axis (Wgrad's token axis): H^T applied to [P, size, Q] tiles in place. Moving the axis last instead costs
   # two full transposes (~3x slower on XLA:CPU); both forms add the same products in the same order (bit-identical
   # on XLA:CPU, tested against the moved-axis form).
   p = math.prod(x.shape[:axis]) * (n // size)
-  tiles = x.reshape(p, size, -1).astype(jnp.float32)
+  tiles = x.reshape(p, size, -1)
   if size == FUSED_SIZE:
     y = _mix(tiles, h, 1)
   else:
-    y = jnp.einsum("ji,ajk->aik", h, tiles, precision=jax.lax.Precision.HIGHEST)
+    y = jnp.einsum("ji,ajk->aik", h, tiles.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   return y.reshape(x.shape).astype(out_dtype)
+
+
+def _bf16_bits_to_f32(t):
+  """float32 values of bfloat16 `t`, exactly, from the bits (a bfloat16 is the top half of a float32)."""
+  bits = jax.lax.bitcast_convert_type(t, jnp.uint16).astype(jnp.uint32)
+  return jax.lax.bitcast_convert_type(jax.lax.shift_left(bits, jnp.uint32(16)), jnp.float32)
 
 
 def _mix(tiles, h, j_axis):
@@ -124,9 +130,19 @@ def _mix(tiles, h, j_axis):
   order XLA:CPU's float32 dot uses for a 16-long contraction: four partial sums over j = 0, 1, 2, 3 mod 4, combined
   as (p0 + p1) + (p2 + p3). So the result is bit-identical to the dot form on XLA:CPU (tested, float32 and bfloat16
   inputs); other sizes keep the dot, whose order differs per size.
+
+  Narrower tiles are widened inside the loop: a float32 copy read by 16 slices would be written out as its own pass,
+  because XLA:CPU fuses a producer into at most 15 differently-indexed users (its code-duplication limit). So 15
+  terms slice the converted tiles and the last widens its own slice (bfloat16 from the bits, which XLA does not fold
+  back into the shared convert; it keeps that one 1/16-size slice in memory).
   """
+  wide = tiles.astype(jnp.float32)
+
   def term(j):
-    t_j = jax.lax.slice_in_dim(tiles, j, j + 1, axis=j_axis)
+    if j == FUSED_SIZE - 1 and tiles.dtype == jnp.bfloat16:
+      t_j = _bf16_bits_to_f32(jax.lax.slice_in_dim(tiles, j, j + 1, axis=j_axis))
+    else:
+      t_j = jax.lax.slice_in_dim(wide, j, j + 1, axis=j_axis)
     row = h[j].reshape([-1 if a == j_axis else 1 for a in range(tiles.ndim)])
     return t_j * row
   partial = []

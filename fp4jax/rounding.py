@@ -37,10 +37,8 @@ def round_e2m1_nearest(y):
   return grids.with_sign_of(grids.round_e2m1_magnitude(jnp.abs(y)), y)
 
 
-def _round_up(a, lo, key, shape, random_bits, sr_bits):
-  """The stochastic decision: True where a (in [lo, next grid value]) rounds up. False for NaN."""
-  inv_gap = jnp.where(lo >= 4.0, jnp.float32(0.5), jnp.where(lo >= 2.0, jnp.float32(1.0), jnp.float32(2.0)))
-  p = (a - lo) * inv_gap  # exact, the same as dividing by the gap: the gap is a power of two
+def _round_up(p, key, shape, random_bits, sr_bits):
+  """The stochastic decision: True where the round-up probability `p` (in [0, 1)) beats the uniform. False for NaN."""
   u = uniform_from_bits(prng.random_bits(key, shape, sr_bits), random_bits)
   threshold = p if random_bits == 32 else jnp.floor(p * 256.0)
   return u < threshold
@@ -49,8 +47,8 @@ def _round_up(a, lo, key, shape, random_bits, sr_bits):
 def round_e2m1_stochastic(y, key, random_bits: int = 32, sr_bits: str = "hash"):
   """Signed E2M1 values: |y| (saturated at 6) rounded down or up at random, unbiased; deterministic given `key`."""
   a = jnp.minimum(jnp.abs(y), grids.E2M1_MAX)
-  lo, gap = grids.e2m1_floor_magnitude(a)
-  r = jnp.where(_round_up(a, lo, key, y.shape, random_bits, sr_bits), lo + gap, lo)
+  f, step, p = grids.e2m1_floor_fraction(a)
+  r = jnp.where(_round_up(p, key, y.shape, random_bits, sr_bits), f + 1.0, f) * step
   return grids.with_sign_of(jnp.where(jnp.isnan(a), a, r), y)
 
 
@@ -66,7 +64,7 @@ def e2m1_codes_stochastic(y, key, random_bits: int = 32, sr_bits: str = "hash"):
   """
   a = jnp.minimum(jnp.abs(y), grids.E2M1_MAX)
   lo_code = grids.e2m1_floor_code(a)
-  up = _round_up(a, grids.e2m1_decode(lo_code), key, y.shape, random_bits, sr_bits)  # a NaN keeps only its sign
+  up = _round_up(grids.e2m1_floor_fraction(a)[2], key, y.shape, random_bits, sr_bits)  # a NaN keeps only its sign
   return (lo_code + up.astype(jnp.int32)) | (grids.sign_bit(y) * grids.E2M1_SIGN_BIT)
 
 
