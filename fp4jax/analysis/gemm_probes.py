@@ -34,15 +34,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import fp4jax.recipes as recipes_lib
-from fp4jax.dot_general import Operands, dgrad, fprop, layer_operands, wgrad
-from fp4jax import rht as rht_lib
+from fp4jax.dot_general import Operands, dgrad, fprop, layer_operands, to_input_basis, wgrad
 from fp4jax.analysis import probes
 from fp4jax.analysis.probes import LayerTensors, rel_error
 from fp4jax.qarray import QArray
@@ -53,8 +50,6 @@ REFERENCES = ("exact", "qfwd")
 # (gemm, reference) of each bias series, in the order of the raw table's first axis.
 SERIES = (("fprop", "exact"), ("dgrad", "exact"), ("wgrad", "exact"), ("dgrad", "qfwd"), ("wgrad", "qfwd"))
 _HIGHEST = jax.lax.Precision.HIGHEST
-# The module (`fp4jax.dot_general` the attribute is the function).
-_rule = importlib.import_module("fp4jax.dot_general")
 
 
 def exact_products(tensors: LayerTensors) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -78,43 +73,23 @@ def _mm(a, b, contract) -> jax.Array:
   return jax.lax.dot_general(_values(a), _values(b), dims, precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _fprop_signs(recipe: recipes_lib.Recipe) -> str:
-  """Fprop's RHT sign mode (recipes with `signs_of` may give Fprop its own)."""
-  signs_of = getattr(recipe, "signs_of", None)
-  return signs_of("fprop") if signs_of is not None else recipe.rht_signs
-
-
 def forward_is_random(recipe: recipes_lib.Recipe) -> bool:
   """Whether Fprop's operands depend on the layer key (per-call RHT signs or stochastic rounding in Fprop)."""
   ops = (recipe.fprop.lhs, recipe.fprop.rhs)
-  return (recipe.fprop.rht and _fprop_signs(recipe) == "per_call") or any(
+  return (recipe.fprop.rht and recipe.signs_of("fprop") == "per_call") or any(
       op.quantized and op.rounding == "stochastic" for op in ops)
-
-
-def _backward_masks(ops: Operands) -> tuple[tuple, tuple]:
-  """Extra (x_mask,) / (w_mask,) arguments of dgrad / wgrad for rules whose Fprop operands carry clip masks."""
-  x_mask, w_mask = getattr(ops, "x_mask", None), getattr(ops, "w_mask", None)
-  return (() if x_mask is None else (x_mask,)), (() if w_mask is None else (w_mask,))
 
 
 def qfwd_gradients(dy_MxN, ops: Operands, recipe: recipes_lib.Recipe, key):
   """(dx, dW) float32: the straight-through gradient of the quantized forward y = Q(x) Q(W) for output gradient dY.
 
-  With an Fprop RHT, Q(x) and Q(W) live in the rotated basis along K; the gradients are rotated back (by the rule's
-  own `to_input_basis` where it has one, which also applies clip masks as the rule's backward does).
+  With an Fprop RHT, Q(x) and Q(W) live in the rotated basis along K: the rule's own `to_input_basis` rotates the
+  gradients back and applies the Fprop operands' clip masks, as the rule's backward does.
   """
   dx = _mm(dy_MxN, ops.w_fprop, (1, 1))
   dw = _mm(ops.x_fprop, dy_MxN, (0, 0))
-  to_input_basis = getattr(_rule, "to_input_basis", None)
-  if to_input_basis is not None:
-    x_mask, w_mask = getattr(ops, "x_mask", None), getattr(ops, "w_mask", None)
-    return (to_input_basis(dx, x_mask, recipe, key, axis=1, in_fprop_basis=True),
-            to_input_basis(dw, w_mask, recipe, key, axis=0, in_fprop_basis=True, what="w"))
-  if recipe.fprop.rht:
-    signs = _rule._rht_signs(recipe, key)  # pylint: disable=protected-access  (the forward's signs for this key)
-    dx = rht_lib.random_hadamard(dx, size=recipe.rht_size, axis=1, signs=signs, inverse=True)
-    dw = rht_lib.random_hadamard(dw, size=recipe.rht_size, axis=0, signs=signs, inverse=True)
-  return dx, dw
+  return (to_input_basis(dx, ops.x_mask, recipe, key, axis=1, in_fprop_basis=True),
+          to_input_basis(dw, ops.w_mask, recipe, key, axis=0, in_fprop_basis=True, what="w"))
 
 
 def _maxima_bias(q, v, axis: int) -> jax.Array:
@@ -147,14 +122,13 @@ def _draw(x_MxK, w_KxN, dy_MxN, recipe, key, qfwd_ref):
   dy = dy_MxN.astype(jnp.float32)  # the rule receives the float32 cotangent of its float32 output
   ops = layer_operands(x_MxK, w_KxN, recipe, key)
   y = fprop(ops, recipe)
-  x_mask, w_mask = _backward_masks(ops)
-  dx, dyq = dgrad(dy, ops.w_dgrad, recipe, key, x_MxK.dtype, *x_mask)
-  dw, dyq_t = wgrad(dy, ops.x_wgrad, recipe, key, x_MxK.dtype, *w_mask)
+  dx, dyq = dgrad(dy, ops.w_dgrad, recipe, key, x_MxK.dtype, ops.x_mask)
+  dw, dyq_t = wgrad(dy, ops.x_wgrad, recipe, key, x_MxK.dtype, ops.w_mask)
   unrounded = probes.exact_gradient_recipe(recipe)
-  dx_u, dy_v = dgrad(dy, ops.w_dgrad, unrounded, key, jnp.float32, *x_mask)
+  dx_u, dy_v = dgrad(dy, ops.w_dgrad, unrounded, key, jnp.float32, ops.x_mask)
   # dY padded as Wgrad pads x (the unrounded recipe may need a smaller token multiple).
   dy_pad = jnp.pad(dy, ((0, ops.x_wgrad.shape[0] - dy.shape[0]), (0, 0)))
-  dw_u, dy_v_t = wgrad(dy_pad, ops.x_wgrad, unrounded, key, jnp.float32, *w_mask)
+  dw_u, dy_v_t = wgrad(dy_pad, ops.x_wgrad, unrounded, key, jnp.float32, ops.w_mask)
   dx_c, dw_c = qfwd_ref if qfwd_ref is not None else qfwd_gradients(dy, ops, recipe, key)
   chain = jnp.stack([rel_error(dx_u, dx_c), rel_error(dw_u, dw_c)])
   maxima = jnp.stack([_maxima_bias(dyq, dy_v, 1) if _sr_operand(recipe.dgrad.lhs) else nan,
