@@ -31,16 +31,20 @@ def blocks_last(a, block):
 def pairwise(t, op):
   """Reduces the trailing axis by halving: t[..., :h] op t[..., h:] until one element is left (length 2^k).
 
-  Each halving is a reduction over an axis of two (`op` in {jnp.add, jnp.maximum}: commutative, so the same bits as
-  t[..., :h] op t[..., h:]). Written with slices, XLA:CPU fused the whole tree into every per-element consumer and
-  recomputed each block's sum once per element (4/6 quantization ~10x slower than plain NVFP4); reductions stay
-  separate fusions.
+  The last halving is a reduction over an axis of two (`op` in {jnp.add, jnp.maximum}; the same bits as l op r,
+  since l op r == r op l and the operands are never -0 or below -inf's identity). Written with slices only, XLA:CPU
+  fused the whole tree into every per-element consumer and recomputed each block's sum once per element (4/6 ~5x
+  slower than plain NVFP4); a reduction stays its own fusion. Only one: XLA merges consecutive reductions into one,
+  whose summation order is its own.
   """
   reduce = {jnp.add: jnp.sum, jnp.maximum: jnp.max}[op]
-  while t.shape[-1] > 1:
+  while t.shape[-1] > 2:
     if t.shape[-1] % 2:
       raise ValueError(f"block of {t.shape[-1]} elements: the pairwise reduction needs a power of two.")
-    t = reduce(t.reshape(t.shape[:-1] + (2, t.shape[-1] // 2)), axis=-2)
+    h = t.shape[-1] // 2
+    t = op(t[..., :h], t[..., h:])
+  if t.shape[-1] == 2:
+    t = reduce(t, axis=-1, keepdims=True)
   return t[..., 0]
 
 
