@@ -6,11 +6,16 @@ resolution at the top. Four Over Six quantizes each block both ways and keeps th
 are closer to the input (mit-han-lab/fouroversix, src/fouroversix/quantize/pytorch/reference.py, `select_fouroversix`).
 
 The block error is a float32 reduction in a fixed order (pairwise halving over the block's elements laid out row
-major), so the choice is reproducible bit for bit: XLA does not reassociate float additions.
+major), so the choice is reproducible bit for bit: XLA does not reassociate float additions. It does contract a
+multiply feeding an add into one fused multiply-add (XLA:CPU on FMA hardware, and GPUs) once both sit in one fusion,
+which skips the product's rounding: under an outer jit, deq - x and the first sum of squares came out rounded once
+instead of twice, breaking the frequent exact ties between the candidates (both map the block max to the same
+value) the other way than eagerly. `_rounded` puts an integer operation between each product and its sum.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 SELECT_METRICS = ("mse", "mae", "absmax")
@@ -48,13 +53,26 @@ def pairwise(t, op):
   return t[..., 0]
 
 
-def block_error(err, block, metric: str):
+def _rounded(v, zero):
+  """float32 `v` unchanged, its bits OR'd with the uint32 `zero` (a runtime 0 no compiler can prove is 0).
+
+  An optimization barrier does not help (XLA:CPU drops it before fusion) nor does reduce_precision(v, 8, 23) (a
+  no-op, removed); integer bit operations are opaque to both XLA's simplifier and LLVM, so the product is rounded
+  to float32 before the addition that consumes it.
+  """
+  bits = jax.lax.bitcast_convert_type(v, jnp.uint32) | zero
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def block_error(err, block, metric: str, zero=None):
   """Per-block error of float32 differences `err` (dequantized - input), with the scales' shape.
 
-  "mse": sum of squares, "mae": sum of |err|, "absmax": max |err| (NaN-propagating), all float32.
+  "mse": sum of squares, "mae": sum of |err|, "absmax": max |err| (NaN-propagating), all float32. With `zero` (a
+  runtime uint32 0, see `_rounded`) the squares are rounded before they are summed, under any jit.
   """
   if metric == "mse":
-    return pairwise(blocks_last(err * err, block), jnp.add)
+    sq = err * err
+    return pairwise(blocks_last(sq if zero is None else _rounded(sq, zero), block), jnp.add)
   if metric == "mae":
     return pairwise(blocks_last(jnp.abs(err), block), jnp.add)
   if metric == "absmax":
@@ -78,11 +96,13 @@ def choose(x32, candidates, block, metric, round_fn, decode_fn, expand_fn):
   Returns:
     (element values, chosen stored scales, chosen per-block decode factors (a tuple), chosen candidate per block).
   """
+  # Block decode scales are never negative (NaN < 0 is False), which XLA cannot know: a runtime 0 for `_rounded`.
+  zero = jnp.any(candidates[0].decode[0] < 0).astype(jnp.uint32)
   best = None
   for i, sc in enumerate(candidates):
     (encode,) = sc.encode
     values = round_fn(x32 * expand_fn(encode))
-    err = block_error(decode_fn(values, sc) - x32, block, metric)
+    err = block_error(_rounded(decode_fn(values, sc), zero) - x32, block, metric, zero)
     if best is None:
       best = (values, sc.stored, sc.decode, jnp.zeros(err.shape, jnp.int32), err)
       continue
