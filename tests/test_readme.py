@@ -116,6 +116,8 @@ def test_bash_block_runs(index, tmp_path):
   if "experiments.report runs/formats_cpu" in script:  # redraws the committed cpu results
     shutil.copytree(REPO / "experiments" / "results" / "formats_cpu", tmp_path / "runs" / "formats_cpu")
   devices = 8 if "--mesh" in script and "FP4JAX_NUM_PROCESSES" not in script else 2
-  res = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=_env(devices), capture_output=True, text=True,
-                       timeout=900)
+  # One persistent compilation cache per block: its later commands (resume, eval) reuse the first run's executables.
+  env = {**_env(devices), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  res = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
   assert res.returncode == 0, f"README bash block {index} failed:\n{script}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
