@@ -2,8 +2,10 @@
 
 Python blocks run as written, each in a fresh interpreter; when a bare ``` block follows one, it is the block's
 printed output and must match. Bash blocks run as one script each in a scratch folder, with the few changes that keep
-them small, listed in `_shrink`: long runs get 3 steps, the `small` model becomes `tiny`, `--preset cpu|gpu` sweeps only `--list` their runs, installs
-and the test command itself are skipped, and `fp4jax` is `python -m fp4jax` (this checkout, installed or not).
+them small, listed in `_shrink`: training runs get 3 steps (also those that rely on the 200-step default), the `small`
+model becomes `tiny`, `--preset cpu|gpu` sweeps only `--list` their runs, `--preset smoke` sweeps run their bf16 and nvfp4
+runs (tests/experiments/test_experiments.py runs every smoke run in full), installs and the test command itself are
+skipped, and `fp4jax` is `python -m fp4jax` (this checkout, installed or not).
 """
 
 import os
@@ -53,6 +55,10 @@ def _shrink(line: str) -> str | None:
   line = line.replace("--model small", "--model tiny")
   if re.search(r"--preset (cpu|gpu)\b", line):
     line = re.sub(r"\s+#.*$", "", line) + " --list"
+  if re.search(r"--preset smoke\b", line) and "--runs" not in line:
+    line = re.sub(r"\s+#.*$", "", line) + " --runs bf16,nvfp4"
+  if re.search(r"\bfp4jax train\b", line) and " --resume" not in line and "--help" not in line and "--steps" not in line:
+    line = re.sub(r"\bfp4jax train\b", "fp4jax train --steps 3", line, count=1)
   if " --resume" in line:
     line = re.sub(r"--steps \d+", "--steps 5", line)
   else:
@@ -70,15 +76,22 @@ def test_readme_has_the_blocks_we_expect():
   assert len(PYTHON) >= 4 and len(BASH) >= 3
   first = _script(BASH[0])
   assert "python -m experiments.formats --preset smoke" in first and "pytest" not in first
+  # Every training run is shrunk: none falls back to the 200-step default.
+  for block in BASH:
+    for line in _script(block).splitlines():
+      if "fp4jax train" in line and "--help" not in line:
+        assert "--steps" in line or " --resume" in line, line
 
 
 def test_shrink_rules():
   assert _shrink("pip install -e . && python -m experiments.formats --preset smoke --out runs/f") == (
-      "python -m experiments.formats --preset smoke --out runs/f")
+      "python -m experiments.formats --preset smoke --out runs/f --runs bf16,nvfp4")
   assert _shrink('pip install -e ".[test]" && python -m pytest -q -n 2') is None
   assert _shrink("fp4jax train --model tiny --steps 200 --out runs/x   # c") == (
       "python -m fp4jax train --model tiny --steps 3 --out runs/x   # c")
-  assert _shrink("fp4jax train --model small --out runs/y") == "python -m fp4jax train --model tiny --out runs/y"
+  assert _shrink("fp4jax train --model small --out runs/y") == (
+      "python -m fp4jax train --steps 3 --model tiny --out runs/y")
+  assert _shrink("fp4jax train --help") == "python -m fp4jax train --help"
   assert _shrink("fp4jax train --out runs/x --resume --steps 400") == "python -m fp4jax train --out runs/x --resume --steps 5"
   assert _shrink("python -m experiments.rht_size --preset cpu --out runs/r   # sizes") == (
       "python -m experiments.rht_size --preset cpu --out runs/r --list")
@@ -103,6 +116,8 @@ def test_bash_block_runs(index, tmp_path):
   if "experiments.report runs/formats_cpu" in script:  # redraws the committed cpu results
     shutil.copytree(REPO / "experiments" / "results" / "formats_cpu", tmp_path / "runs" / "formats_cpu")
   devices = 8 if "--mesh" in script and "FP4JAX_NUM_PROCESSES" not in script else 2
-  res = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=_env(devices), capture_output=True, text=True,
-                       timeout=900)
+  # One persistent compilation cache per block: its later commands (resume, eval) reuse the first run's executables.
+  env = {**_env(devices), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  res = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
   assert res.returncode == 0, f"README bash block {index} failed:\n{script}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
