@@ -2,7 +2,6 @@
 (fast), and the smoke preset end to end, which must reproduce that stored results.json (slow)."""
 
 import json
-import math
 import pathlib
 import shutil
 
@@ -11,6 +10,7 @@ import pytest
 
 from experiments.probes import presets, report, run, summary
 from fp4jax.pretrain import model as model_lib
+from stored_results import assert_close
 
 # `python -m experiments.probes --preset smoke` on CPU (checkpoint path and run time blanked).
 STORED = pathlib.Path(__file__).parent / "data" / "probes_smoke_results.json"
@@ -67,22 +67,6 @@ def test_report_of_the_stored_smoke_results(tmp_path):
   assert bf16_row.count("0.0000") >= 5  # BF16 against itself: exactly zero errors
 
 
-def _assert_close(got, want, path="results"):
-  if isinstance(want, dict):
-    assert set(got) == set(want), path
-    for k in want:
-      _assert_close(got[k], want[k], f"{path}.{k}")
-  elif isinstance(want, list):
-    assert len(got) == len(want), path
-    for i, (g, w) in enumerate(zip(got, want)):
-      _assert_close(g, w, f"{path}[{i}]")
-  elif isinstance(want, float) and math.isfinite(want):
-    # Same seeds, same code: equal up to float32 summation order on another CPU or JAX version.
-    assert got == pytest.approx(want, rel=1e-3, abs=1e-6), path
-  else:
-    assert got == want, path
-
-
 @pytest.mark.slow
 def test_smoke_preset_reproduces_the_stored_results(tmp_path):
   assert run.main(["--preset", "smoke", "--out", str(tmp_path)]) == 0
@@ -90,7 +74,7 @@ def test_smoke_preset_reproduces_the_stored_results(tmp_path):
   want = json.loads(STORED.read_text())
   for d in (results, want):
     d.pop("checkpoint"), d.pop("seconds")
-  _assert_close(results, want)
+  assert_close(results, want)
   assert set(results["layers"]["layers"]) == {f"blocks.0.{s}" for s in model_lib.SUBLAYERS}
   # A second run reuses the base checkpoint; --report-only redraws from results.json.
   assert run.main(["--preset", "smoke", "--out", str(tmp_path), "--report-only"]) == 0

@@ -15,6 +15,7 @@ from experiments import sweep
 from experiments.probes import recipe_gemms
 from experiments.probes import recipe_gemms_report as report
 from experiments.probes import run as probes_run
+from stored_results import assert_close
 
 # `python -m experiments.probes recipes --preset smoke` on CPU (checkpoint path and run time blanked).
 STORED = pathlib.Path(__file__).parent / "data" / "recipe_probes_smoke_results.json"
@@ -95,22 +96,6 @@ def test_report_of_the_stored_smoke_results(tmp_path):
   check_claims(results)
 
 
-def _assert_close(got, want, path="results"):
-  if isinstance(want, dict):
-    assert set(got) == set(want), path
-    for k in want:
-      _assert_close(got[k], want[k], f"{path}.{k}")
-  elif isinstance(want, list):
-    assert len(got) == len(want), path
-    for i, (g, w) in enumerate(zip(got, want)):
-      _assert_close(g, w, f"{path}[{i}]")
-  elif isinstance(want, float) and math.isfinite(want):
-    # Same keys, same code: equal up to float32 summation order on another CPU or JAX version.
-    assert got == pytest.approx(want, rel=1e-3, abs=1e-6), path
-  else:
-    assert got == want, path
-
-
 @pytest.mark.slow
 def test_smoke_preset_reproduces_the_stored_results(tmp_path):
   want = json.loads(STORED.read_text())
@@ -120,6 +105,6 @@ def test_smoke_preset_reproduces_the_stored_results(tmp_path):
   check_claims(results)
   for d in (results, want):
     d.pop("checkpoint"), d.pop("seconds")
-  _assert_close(results, want)
+  assert_close(results, want)
   assert np.isfinite(results["bf16_loss"])
   assert recipe_gemms.main(["--report-only", "--out", str(tmp_path)]) == 0

@@ -3,7 +3,6 @@ previous one and loses nothing (the resumed run equals the uninterrupted one bit
 renamed); --resume-step N works with later (corrupt) checkpoints; a new --steps is reported as the new schedule it
 is, and --keep-schedule keeps the stored warmup/decay lengths exactly."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +10,6 @@ from flax import nnx
 
 from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import cli
-from fp4jax.pretrain import data
 from fp4jax.pretrain import metrics
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
@@ -19,12 +17,7 @@ from fp4jax.pretrain import resume as resume_lib
 from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-  return {"data": data.DataConfig(cache_dir=str(tmp_path_factory.mktemp("data_cache"))),
-          "cache": steps_lib.CompileCache()}
+from train_helpers import tree_equal
 
 
 def make_config(env, out, **changes) -> TrainConfig:
@@ -33,11 +26,6 @@ def make_config(env, out, **changes) -> TrainConfig:
               eval_every=0, eval_batches=0, checkpoint_every=4, progress=False)
   base.update(changes)
   return TrainConfig.from_options(**base)
-
-
-def tree_equal(a, b) -> bool:
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
 def snapshot(folder):

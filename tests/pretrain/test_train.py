@@ -23,16 +23,10 @@ from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
+from train_helpers import run, tree_equal
 
 STEPS = 16
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-  """Data cache folder and a compile cache shared by every run in this module."""
-  return {"data": data.DataConfig(cache_dir=str(tmp_path_factory.mktemp("data_cache"))),
-          "cache": steps_lib.CompileCache()}
 
 
 def make_config(env, out, **changes) -> TrainConfig:
@@ -42,15 +36,6 @@ def make_config(env, out, **changes) -> TrainConfig:
               eval_batches=1, checkpoint_every=4, progress=False)
   base.update(changes)
   return TrainConfig.from_options(**base)
-
-
-def run(env, config, hooks=()):
-  return trainer.train(config, hooks, log=None, compile_cache=env["cache"])
-
-
-def tree_equal(a, b) -> bool:
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
 # --- training --------------------------------------------------------------------------------------------------

@@ -7,23 +7,15 @@ import pytest
 
 from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import cli
-from fp4jax.pretrain import data
 from fp4jax.pretrain import metrics
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import osci
-from fp4jax.pretrain import steps as steps_lib
-from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
+from train_helpers import run, tree_equal
 
 STEPS = 12
 # Cycles at steps 0, 4, 8: snapshot, 2 tracked steps, reset at 3, 7, 11.
 OSCI = dict(osci_reset_start=0, osci_reset_every=4, osci_reset_window=2)
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-  return {"data": data.DataConfig(cache_dir=str(tmp_path_factory.mktemp("data_cache"))),
-          "cache": steps_lib.CompileCache()}
 
 
 def make_config(env, out, **changes) -> TrainConfig:
@@ -32,15 +24,6 @@ def make_config(env, out, **changes) -> TrainConfig:
               eval_batches=0, checkpoint_every=3, progress=False, recipe="tetrajet_v2")
   base.update(changes)
   return TrainConfig.from_options(**base)
-
-
-def run(env, config, hooks=()):
-  return trainer.train(config, hooks, log=None, compile_cache=env["cache"])
-
-
-def tree_equal(a, b) -> bool:
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
 def stored_keys(out, step):
