@@ -12,7 +12,7 @@ import importlib
 from fp4jax import recipes
 from fp4jax.dot_general import dot_general, quantized_dot_general
 from fp4jax.model_quantize import quantize_model  # Flax-free: Flax loads when a model is passed
-from fp4jax.formats import FORMAT_NAMES, FP8, MXFP4, NVFP4, Format, get_format
+from fp4jax.formats import FORMAT_NAMES, FP8, MXFP4, MXFP8, NVFP4, Format, get_format
 from fp4jax.qarray import QArray
 from fp4jax.quantize import (dequantize, fake_quant, num_blocks, pad_to_blocks, quantization_error, quantize,
                              quantize_with_clip_mask)
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 _LAZY_SUBMODULES = ("nn", "linen")  # Flax layers: imported on first attribute access, so numerics stay Flax-free.
 
 __all__ = [
-    "FORMAT_NAMES", "FP8", "MXFP4", "NVFP4", "Format", "QArray", "Recipe", "dequantize", "dot_general",
+    "FORMAT_NAMES", "FP8", "MXFP4", "MXFP8", "NVFP4", "Format", "QArray", "Recipe", "dequantize", "dot_general",
     "fake_quant", "get_format", "hadamard_matrix", "linen", "nn", "num_blocks", "pad_to_blocks",
     "quantization_error", "quantize", "quantize_model", "quantize_with_clip_mask", "quantized_dot_general", "random_hadamard", "recipes",
 ]

@@ -385,7 +385,42 @@ class FP8(_Format):
     return stored.astype(jnp.float32)
 
 
-Format = Union[NVFP4, MXFP4, FP8]
+@dataclasses.dataclass(frozen=True)
+class MXFP8(_Format):
+  """OCP MXFP8 (E4M3): E4M3 elements, one power-of-two E8M0 scale per 32 elements, no per-tensor scale.
+
+  The scale is 2^ceil(log2(amax_b / 448)), the smallest power of two that keeps the block max within E4M3's 448
+  (TetraJet-v2's kernels round amax_b / 448 up to E8M0: thu-ml/TetraJet-v2-NVFP4Training, kernels/csrc/quant_fp8.cu
+  and utils.hpp); elements round to nearest even. OutControl (fp4jax.outcontrol) runs outlier channels in it.
+  """
+
+  block_size: int = 32
+  name: str = dataclasses.field(default="mxfp8", init=False)
+
+  def __post_init__(self):
+    if self.block_size != 32:
+      raise ValueError(f"MXFP8 uses 32-element blocks; got block_size={self.block_size}.")
+
+  elem_max = grids.E4M3_MAX
+  scale_dtype = jnp.float8_e8m0fnu
+
+  def scaling_from_amax(self, amax_b, amax) -> Scaling:
+    """Scales from block amaxes; blocks holding NaN store the E8M0 NaN."""
+    del amax
+    e = mxfp4.e4m3_scale_exponent(amax_b)
+    return Scaling(mxfp4.encode_scales(e, amax_b), mxfp4.pow2_factors(-e), mxfp4.pow2_factors(e),
+                   nan_blocks=jnp.isnan(amax_b))
+
+  def scaling_from_stored(self, scales, amax) -> Scaling:
+    del amax
+    e, is_nan = mxfp4.decode_exponents(scales)
+    return Scaling(scales, (), mxfp4.pow2_factors(e), nan_blocks=is_nan)
+
+  pack = FP8.pack
+  unpack = FP8.unpack
+
+
+Format = Union[NVFP4, MXFP4, MXFP8, FP8]
 
 _NAMED = {
     "nvfp4": NVFP4(),
@@ -395,6 +430,7 @@ _NAMED = {
     "mxfp4_ceil": MXFP4(scale_rule="ceil"),
     "mxfp4_quest": MXFP4(scale_rule="quest"),
     "mxfp4_tseng": MXFP4(scale_rule="tseng"),
+    "mxfp8": MXFP8(),
     "fp8": FP8(),
     "fp8_tensor": FP8(scaling="tensor"),
 }
@@ -406,7 +442,7 @@ def get_format(fmt: str | Format) -> Format:
     return fmt
   if isinstance(fmt, str) and fmt.lower() in _NAMED:
     return _NAMED[fmt.lower()]
-  raise ValueError(f"Unknown format {fmt!r}; expected one of {sorted(_NAMED)} or an NVFP4/MXFP4/FP8 instance.")
+  raise ValueError(f"Unknown format {fmt!r}; expected one of {sorted(_NAMED)} or an NVFP4/MXFP4/MXFP8/FP8 instance.")
 
 
 FORMAT_NAMES = tuple(sorted(_NAMED))

@@ -30,6 +30,15 @@ def scale_exponent(amax_b, scale_rule: str):
   return jnp.clip(e, E8M0_MIN_EXPONENT, E8M0_MAX_EXPONENT)
 
 
+def e4m3_scale_exponent(amax_b):
+  """Exponent e of MXFP8's (E4M3 elements) block scale 2^e: the smallest e with 448 * 2^e >= amax_b, so nothing
+  saturates. With amax_b = m * 2^E (m in [0.5, 1)) and 448 = 0.875 * 2^9: e = E - 9, plus 1 when m > 0.875."""
+  mantissa, e_frexp = jnp.frexp(amax_b)
+  e = e_frexp - 9 + (mantissa > 0.875).astype(e_frexp.dtype)
+  e = jnp.where(amax_b > 0, e, E8M0_MIN_EXPONENT)
+  return jnp.clip(e, E8M0_MIN_EXPONENT, E8M0_MAX_EXPONENT)
+
+
 def scale_by_pow2(x, e):
   """x * 2^e exactly for e in [-252, 254], in two steps so each factor stays a normal float32."""
   half = jnp.floor_divide(e, 2)

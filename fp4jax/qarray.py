@@ -90,8 +90,8 @@ def check_fields(q: QArray) -> None:
   """Raises ValueError naming the first field of `q` that disagrees with its format and shape (a hand-built or
   edited QArray), so `dequantize` never decodes garbage or fails deep inside."""
   fmt = q.fmt
-  if not isinstance(fmt, (formats.NVFP4, formats.MXFP4, formats.FP8)):
-    raise ValueError(f"QArray.fmt must be an NVFP4, MXFP4 or FP8 format; got {fmt!r}.")
+  if not isinstance(fmt, (formats.NVFP4, formats.MXFP4, formats.MXFP8, formats.FP8)):
+    raise ValueError(f"QArray.fmt must be an NVFP4, MXFP4, MXFP8 or FP8 format; got {fmt!r}.")
   shape, orig = tuple(q.shape), tuple(q.orig_shape)
   if not shape or not all(isinstance(n, int) and n > 0 for n in shape):
     raise ValueError(f"QArray.shape must be a non-empty tuple of positive ints; got {q.shape!r}.")
