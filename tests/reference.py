@@ -190,6 +190,25 @@ def mxfp4_quantize(x, axis=-1, block_2d=False, rule="floor", block=32):
   }
 
 
+def mxfp8_quantize(x, axis=-1, block=32):
+  """Reference MXFP8 (OCP MX, E4M3 elements): scale 2^e per `block` elements along `axis` with e = ceil(log2(amax_b
+  / 448)) (nothing saturates), clamped to [-127, 127] (-127 for all-zero blocks); elements e4m3_rne(x * 2^-e).
+  The axis is zero-padded to whole blocks and cropped again. Returns dict(values (dequantized), exponents)."""
+  x = as_f64(x)
+  axis = axis % x.ndim
+  n = x.shape[axis]
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, -n % block)
+  xp = np.pad(x, pad)
+  amax_b = block_amax(np.abs(xp), block, axis, False)
+  with np.errstate(divide="ignore"):
+    e = np.ceil(np.log2(amax_b / E4M3_MAX))
+  e = np.where(amax_b == 0, -127.0, np.clip(e, -127, 127)).astype(np.int64)
+  scale = np.ldexp(1.0, expand(e, block, axis, False))
+  values = f32(e4m3_rne(f32(xp / scale)) * scale)
+  return {"values": np.take(values, np.arange(n), axis=axis), "exponents": e}
+
+
 # ---------------------------------------------------------------- FP8
 
 
