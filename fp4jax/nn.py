@@ -14,6 +14,7 @@ from flax import nnx
 from fp4jax.dot_general import dot_general
 from fp4jax import contraction
 from fp4jax import model_quantize
+from fp4jax import outcontrol
 from fp4jax import recipes as recipes_lib
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -25,6 +26,9 @@ class Linear(nnx.Module):
   `recipe` is a plain (static) attribute: assign a new one to switch this layer's precision; a jitted model then
   recompiles once per distinct recipe. Randomness for stochastic rounding comes from the `key` argument, or else
   from the "quant" stream of the `rngs` the layer was built with.
+  OutControl (fp4jax.outcontrol; set by the training step): `outliers` (int array [k] or None) are input channels
+  run in MXFP8; with `record_inputs` each call sows its input's per-channel sum of squares as the nnx.Intermediate
+  "x_sq_norms".
   """
 
   def __init__(self, in_features: int, out_features: int, *, recipe: recipes_lib.Recipe | str | None = None,
@@ -37,6 +41,8 @@ class Linear(nnx.Module):
     self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else nnx.data(None)
     # Only an explicit "quant" stream: nnx.Rngs falls back to its default stream for unknown names.
     self.quant_rngs = rngs["quant"].fork() if "quant" in rngs else nnx.data(None)
+    self.outliers = nnx.data(None)
+    self.record_inputs = False
 
   def __call__(self, x_xK, *, key=None):
     if x_xK.shape[-1] != self.in_features:
@@ -48,10 +54,17 @@ class Linear(nnx.Module):
                          f"nnx.Rngs(params=..., quant=...).")
       key = self.quant_rngs()
     x_xK = x_xK.astype(self.dtype)
+    if self.record_inputs:
+      self.sow(nnx.Intermediate, "x_sq_norms", outcontrol.channel_sq_norms(x_xK))
     # Quantized recipes quantize the float32 master weight directly, so the weight gradient stays float32.
     kernel = self.kernel[...] if recipe.is_quantized else self.kernel[...].astype(self.dtype)
-    y = dot_general(x_xK, kernel, (((x_xK.ndim - 1,), (0,)), ((), ())), recipe=recipe, key=key,
-                                    preferred_element_type=jnp.float32).astype(self.dtype)
+    dims = (((x_xK.ndim - 1,), (0,)), ((), ()))
+    if self.outliers is not None:
+      y = outcontrol.dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=jnp.float32,
+                                 outliers=self.outliers)
+    else:
+      y = dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=jnp.float32)
+    y = y.astype(self.dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return y

@@ -3,7 +3,8 @@
 Groups: `model` (ModelConfig, a preset name plus `--model.FIELD VALUE`), `data` (DataConfig, `--data.FIELD VALUE`,
 `--corpus`), `policy` (PrecisionPolicy: `--recipe`, `--bf16-first`, `--bf16-last`, `--bf16-blocks`,
 `--bf16-pattern`, `--switch-at`, `--switch`), `optimizer` (OptimizerConfig: `--lr`, `--b1`, ...), `evaluation`,
-`osci_reset` (OsciResetConfig: TetraJet-v2's OsciReset, `--osci-reset-start`, ...), `logging` and
+`osci_reset` (OsciResetConfig: TetraJet-v2's OsciReset, `--osci-reset-start`, ...), `outcontrol` (OutControlConfig:
+TetraJet-v2's OutControl, `--outcontrol-fraction`, `--outcontrol-start`, `--outcontrol-window`), `logging` and
 `checkpointing`; the run's own fields (`--out`, `--steps`, `--batch-size`, `--seq-len`, `--seed`,
 `--mesh`) sit at the top. Every group field has one flat option name (its flag), used on the command line, in sweep
 overrides and by `TrainConfig.replace(lr=1e-3, bf16_last=2)`; fields that do not change a run's result carry
@@ -27,6 +28,7 @@ from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import policy as policy_lib
 from fp4jax.pretrain.optimizer import OptimizerConfig
 from fp4jax.pretrain.osci import OsciResetConfig
+from fp4jax.pretrain.outcontrol import OutControlConfig
 from fp4jax.pretrain.options import default_of, flat_key, is_result_free, option
 from fp4jax.pretrain.policy import PrecisionPolicy
 
@@ -109,6 +111,7 @@ class TrainConfig:
   seed: int = option(0, "seeds init, data order and stochastic rounding")
   evaluation: EvalConfig = option(help="validation and statistics", factory=EvalConfig)
   osci_reset: OsciResetConfig = option(help="TetraJet-v2's OsciReset", factory=OsciResetConfig)
+  outcontrol: OutControlConfig = option(help="TetraJet-v2's OutControl", factory=OutControlConfig)
   logging: LogConfig = option(help="metrics log", factory=LogConfig)
   checkpointing: CheckpointConfig = option(help="checkpoints and resumption", factory=CheckpointConfig)
   # Different meshes sum in different orders: losses agree to ~1e-5, not bit for bit, so a mesh is a result.
@@ -137,6 +140,14 @@ class TrainConfig:
         raise ValueError(f"OsciReset (osci_reset_start={self.osci_reset.start}) needs a quantized --recipe; got "
                          f"{self.policy.recipe.name!r}.")
       osci_reset_lib.check_recipe(self.policy.recipe)
+    if self.outcontrol.enabled:
+      if not self.policy.recipe.is_quantized:
+        raise ValueError(f"OutControl (outcontrol_fraction={self.outcontrol.fraction}) needs a quantized --recipe; "
+                         f"got {self.policy.recipe.name!r}.")
+      if self.outcontrol.select_step >= self.steps:
+        raise ValueError(f"OutControl: calibration ends after step {self.outcontrol.select_step} (start "
+                         f"{self.outcontrol.start} + window {self.outcontrol.window} - 1), beyond this {self.steps}-step "
+                         "run; use a smaller --outcontrol-start / --outcontrol-window.")
 
   @property
   def train_seq_len(self) -> int:
@@ -216,10 +227,10 @@ class TrainConfig:
 
 _NESTED_TYPES = {"model": model_lib.ModelConfig, "data": data_lib.DataConfig, "policy": PrecisionPolicy,
                  "optimizer": OptimizerConfig, "evaluation": EvalConfig, "osci_reset": OsciResetConfig,
-                 "logging": LogConfig,
+                 "outcontrol": OutControlConfig, "logging": LogConfig,
                  "checkpointing": CheckpointConfig}
 # Groups whose fields are options under their flat names (model and data fields are dotted: --model.d_model).
-GROUPS = ("policy", "optimizer", "evaluation", "osci_reset", "logging", "checkpointing")
+GROUPS = ("policy", "optimizer", "evaluation", "osci_reset", "outcontrol", "logging", "checkpointing")
 _TOP_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
 
@@ -325,6 +336,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
       _add_options_one(run, f)
   titles = {"policy": "precision policy (PrecisionPolicy)", "optimizer": "optimizer (OptimizerConfig)",
             "evaluation": "evaluation (EvalConfig)", "osci_reset": "TetraJet-v2 OsciReset (OsciResetConfig)",
+            "outcontrol": "TetraJet-v2 OutControl (OutControlConfig)",
             "logging": "logging (LogConfig)",
             "checkpointing": "checkpointing (CheckpointConfig)"}
   for group in GROUPS:

@@ -1,9 +1,9 @@
 """The pure step functions: TrainState, the loss, train/eval step builders, and a cache of their compiled forms.
 
-A step is a pure function of (state, batch, key) with state = TrainState(params, opt_state, step, osci): float32
-master weights and optimizer state, bf16 compute inside the model, and OsciReset's statistics when it is on. The
-model's structure and its layers' recipes are the static `graphdef`, so each precision phase has its own graphdef
-and its own compiled step.
+A step is a pure function of (state, batch, key) with state = TrainState(params, opt_state, step, osci, outcontrol):
+float32 master weights and optimizer state, bf16 compute inside the model, and OsciReset's / OutControl's
+statistics when they are on. The model's structure and its layers' recipes are the static `graphdef`, so each
+precision phase (and each OutControl phase) has its own graphdef and its own compiled step.
 """
 
 from __future__ import annotations
@@ -19,18 +19,21 @@ from flax import nnx
 
 from fp4jax.pretrain import metrics as metrics_lib
 from fp4jax.pretrain import osci as osci_lib
+from fp4jax.pretrain import outcontrol as outcontrol_lib
 from fp4jax.pretrain.config import TrainConfig
-from fp4jax.pretrain.sharding import Placement
+from fp4jax.pretrain.sharding import Placement, path_str
 
 
 class TrainState(NamedTuple):
-  """Everything a step updates: float32 params (nnx.State), optax state, the number of steps taken, and
-  OsciReset's statistics (an osci.OsciState; None when OsciReset is off)."""
+  """Everything a step updates: float32 params (nnx.State), optax state, the number of steps taken, OsciReset's
+  statistics (an osci.OsciState) and OutControl's norms and channels (an outcontrol.OutControlState); each None
+  when its option is off."""
 
   params: Any
   opt_state: Any
   step: jax.Array
   osci: Any = None  # None is not stored in checkpoints (fp4jax.pretrain.checkpoint), so they stay as before
+  outcontrol: Any = None
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
@@ -48,6 +51,32 @@ def make_loss_fn(graphdef) -> Callable:
   return loss_fn
 
 
+def _outcontrol_loss_fn(graphdef, oc_phase: str) -> Callable:
+  """loss(params, batch, key, oc_state) -> (loss, {layer: summed x^2 per input channel}) with OutControl's
+  `oc_phase`: "record" sows the tracked layers' input statistics, "on" runs their outlier channels in MXFP8."""
+
+  def loss_fn(params, batch, key, oc_state):
+    model = nnx.merge(graphdef, params)
+    layers = model.linear_layers()
+    tracked = outcontrol_lib.flat(oc_state.idx)
+    for name, idx in tracked.items():
+      if oc_phase == "record":
+        layers[name].record_inputs = True
+      else:
+        layers[name].outliers = nnx.data(idx)
+    loss = cross_entropy(model(batch["inputs"], key=key), batch["targets"])
+    sq_norms = {}
+    if oc_phase == "record":
+      sown = {path_str(p): v for p, v in
+              jax.tree_util.tree_flatten_with_path(nnx.pop(model, nnx.Intermediate))[0]}
+      for name in tracked:
+        calls = [v for p, v in sown.items() if p.startswith(f"{name}.x_sq_norms")]
+        sq_norms[name] = sum(calls)  # a layer called more than once in a step adds up its calls
+    return loss, sq_norms
+
+  return loss_fn
+
+
 def global_norm(tree) -> jax.Array:
   """sqrt of the sum of squares of all leaves, in float32 (what clip_by_global_norm clips)."""
   return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
@@ -58,19 +87,31 @@ def _all_finite(tree) -> jax.Array:
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation,
-                    osci: osci_lib.OsciResetConfig | None = None) -> Callable:
+                    osci: osci_lib.OsciResetConfig | None = None,
+                    outcontrol: outcontrol_lib.OutControlConfig | None = None, oc_phase: str = "off") -> Callable:
   """step(state, batch, key) -> (new_state, metrics): one AdamW update; apply jax.jit (and shardings) yourself.
 
   metrics: loss (of the params before the update), grad_norm (before clipping), and `finite`: whether loss, grads
   and new params are all finite. The caller must discard new_state when `finite` is false.
   osci: an enabled OsciResetConfig runs osci.update on the updated params (state.osci must hold its statistics)
   and adds metrics["osci_reset"], the number of elements reset by this step.
+  outcontrol, oc_phase: an enabled OutControlConfig and the OutControl phase of the steps this function runs
+  ("off", "record" or "on", see outcontrol.phase); state.outcontrol must hold its state.
   """
-  loss_fn = make_loss_fn(graphdef)
+  if oc_phase not in outcontrol_lib.PHASES:
+    raise ValueError(f"oc_phase must be one of {outcontrol_lib.PHASES}; got {oc_phase!r}.")
+  oc_phase = oc_phase if outcontrol is not None and outcontrol.enabled else "off"
   osci = osci if osci is not None and osci.enabled else None
+  if oc_phase == "off":
+    plain = make_loss_fn(graphdef)
+    loss_fn = lambda params, batch, key, oc_state: (plain(params, batch, key), {})
+  else:
+    loss_fn = _outcontrol_loss_fn(graphdef, oc_phase)
 
   def step(state: TrainState, batch, key):
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key)
+    if oc_phase != "off" and state.outcontrol is None:
+      raise ValueError("OutControl is on but TrainState.outcontrol is None: build it with outcontrol.initial_state.")
+    (loss, sq_norms), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, key, state.outcontrol)
     grad_norm = global_norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -81,16 +122,24 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
         raise ValueError("OsciReset is on but TrainState.osci is None: build it with osci.init_state.")
       recipes = {name: layer.recipe for name, layer in nnx.merge(graphdef, params).linear_layers().items()}
       params, osci_state, metrics["osci_reset"] = osci_lib.update(params, osci_state, state.step, recipes, osci)
+    oc_state = state.outcontrol
+    if oc_phase == "record":
+      oc_state = outcontrol_lib.update(oc_state, sq_norms, state.step, outcontrol)
     metrics["finite"] = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
-    new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1, osci=osci_state)
+    new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1, osci=osci_state,
+                           outcontrol=oc_state)
     return new_state, metrics
 
   return step
 
 
-def make_eval_step(graphdef) -> Callable:
-  """eval(params, batch, key) -> mean cross-entropy of the batch."""
-  return make_loss_fn(graphdef)
+def make_eval_step(graphdef, outcontrol: bool = False) -> Callable:
+  """eval(params, batch, key) -> mean cross-entropy of the batch; with `outcontrol`, eval(params, batch, key,
+  oc_state) with the OutControl outlier channels of oc_state (an outcontrol.OutControlState) in MXFP8."""
+  if not outcontrol:
+    return make_loss_fn(graphdef)
+  loss_fn = _outcontrol_loss_fn(graphdef, "on")
+  return lambda params, batch, key, oc_state: loss_fn(params, batch, key, oc_state)[0]
 
 
 class CompileCache:
@@ -123,7 +172,7 @@ class Phases:
     self._model = model
     self._model_phase = 0  # the model comes built with the step-0 recipes
     self._graphdefs = {}
-    self._optimizer_key = (config.optimizer, config.steps, config.osci_reset)
+    self._optimizer_key = (config.optimizer, config.steps, config.osci_reset, config.outcontrol)
 
   def phase(self, step: int) -> int:
     return self.policy.phase(step, self.config.steps)
@@ -146,14 +195,20 @@ class Phases:
   def train_step(self, step: int):
     graphdef = self.graphdef(step)
     pl = self.placement
-    return self.cache.get(("train", graphdef, self._optimizer_key, pl.key),
-                          lambda: jax.jit(make_train_step(graphdef, self.optimizer, self.config.osci_reset),
+    oc_phase = outcontrol_lib.phase(step, self.config.outcontrol)
+    return self.cache.get(("train", graphdef, self._optimizer_key, oc_phase, pl.key),
+                          lambda: jax.jit(make_train_step(graphdef, self.optimizer, self.config.osci_reset,
+                                                          self.config.outcontrol, oc_phase),
                                           in_shardings=(pl.state, pl.batch, pl.replicated),
                                           out_shardings=(pl.state, pl.replicated)))
 
-  def eval_step(self, step: int):
+  def eval_step(self, step: int, outcontrol: bool = False):
     graphdef = self.graphdef(step)
     pl = self.placement
+    if outcontrol:  # the OutControl state is replicated: its leaves are small vectors
+      return self.cache.get(("eval_oc", graphdef, pl.key), lambda: jax.jit(
+          make_eval_step(graphdef, True), in_shardings=(pl.params, pl.batch, pl.replicated, pl.replicated),
+          out_shardings=pl.replicated))
     return self.cache.get(("eval", graphdef, pl.key), lambda: jax.jit(
         make_eval_step(graphdef), in_shardings=(pl.params, pl.batch, pl.replicated), out_shardings=pl.replicated))
 
@@ -162,7 +217,13 @@ class Phases:
     return self.cache.get(("stats", graphdef, fmt), lambda: jax.jit(
         lambda params, tokens, key: metrics_lib.quant_stats(graphdef, params, tokens, key, fmt)))
 
-  def val_loss(self, params, val: list[dict[str, np.ndarray]], key: jax.Array, step: int) -> float:
-    """Mean validation loss over the fixed batches, with the layer recipes in force at `step`."""
+  def val_loss(self, params, val: list[dict[str, np.ndarray]], key: jax.Array, step: int,
+               outcontrol=None) -> float:
+    """Mean validation loss over the fixed batches, with the layer recipes in force at `step` (and OutControl's
+    outlier channels from `outcontrol`, the train state's OutControlState, once they are selected)."""
+    if outcontrol is not None and outcontrol_lib.phase(step, self.config.outcontrol) == "on":
+      eval_step = self.eval_step(step, outcontrol=True)
+      return float(np.mean([float(eval_step(params, self.placement.put_batch(batch), key, outcontrol))
+                            for batch in val]))
     eval_step = self.eval_step(step)
     return float(np.mean([float(eval_step(params, self.placement.put_batch(batch), key)) for batch in val]))

@@ -40,6 +40,7 @@ from fp4jax.pretrain import metrics as metrics_lib
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain import osci as osci_lib
+from fp4jax.pretrain import outcontrol as outcontrol_lib
 from fp4jax.pretrain import resume as resume_lib
 from fp4jax.pretrain import runfolder
 from fp4jax.pretrain.config import TrainConfig
@@ -163,9 +164,10 @@ def _check_corpus_size(dataset: data_lib.TokenDataset, config: TrainConfig) -> N
 
 
 def initial_state(config: TrainConfig, params, optimizer_init: Callable) -> TrainState:
-  """The step-0 TrainState for `params`: optimizer_init(params), and zero OsciReset statistics when it is on."""
+  """The step-0 TrainState for `params`: optimizer_init(params), and zero OsciReset / OutControl statistics when
+  they are on."""
   return TrainState(params=params, opt_state=optimizer_init(params), step=jnp.asarray(0, jnp.int32),
-                    osci=osci_lib.initial_state(config, params))
+                    osci=osci_lib.initial_state(config, params), outcontrol=outcontrol_lib.initial_state(config))
 
 
 def _placement(config: TrainConfig, state: TrainState) -> Placement:
@@ -298,7 +300,7 @@ class _Loop:
   def _validate(self, info: StepInfo):
     at = min(info.step, self.config.steps - 1)
     info.record["val_loss"] = self.val_losses[info.step] = self.phases.val_loss(
-        info.state.params, self.val, self.keys["eval"], at)
+        info.state.params, self.val, self.keys["eval"], at, info.state.outcontrol)
 
   def _stats(self, info: StepInfo):
     at = min(info.step, self.config.steps - 1)
@@ -419,7 +421,7 @@ def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: 
     step, restored, _ = ckpt.restore(manager, target._asdict(), step)
     phases = Phases(config, model, optimizer)
     at = min(step, config.steps - 1)
-    val_loss = phases.val_loss(restored["params"], val, keys["eval"], at)
+    val_loss = phases.val_loss(restored["params"], val, keys["eval"], at, restored.get("outcontrol"))
     return {"step": step, "val_loss": val_loss, "phase": phases.phase(at), "eval_batches": config.evaluation.batches}
   finally:
     manager.close()
