@@ -51,6 +51,16 @@ def make_loss_fn(graphdef) -> Callable:
   return loss_fn
 
 
+def _capture_intermediates(model, tokens, key):
+  """(logits, {path: value} of the values the model's layers sow as nnx.Intermediate)."""
+  if hasattr(nnx, "capture"):  # Flax >= 0.12.x: sowing outside nnx.capture is deprecated
+    logits, state = nnx.capture(lambda m, t, k: m(t, key=k), nnx.Intermediate)(model, tokens, key)
+  else:
+    logits = model(tokens, key=key)
+    state = nnx.pop(model, nnx.Intermediate)
+  return logits, {path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
 def _outcontrol_loss_fn(graphdef, oc_phase: str) -> Callable:
   """loss(params, batch, key, oc_state) -> (loss, {layer: summed x^2 per input channel}) with OutControl's
   `oc_phase`: "record" sows the tracked layers' input statistics, "on" runs their outlier channels in MXFP8."""
@@ -64,14 +74,16 @@ def _outcontrol_loss_fn(graphdef, oc_phase: str) -> Callable:
         layers[name].record_inputs = True
       else:
         layers[name].outliers = nnx.data(idx)
-    loss = cross_entropy(model(batch["inputs"], key=key), batch["targets"])
+    if oc_phase != "record":
+      return cross_entropy(model(batch["inputs"], key=key), batch["targets"]), {}
+    logits, sown = _capture_intermediates(model, batch["inputs"], key)
+    loss = cross_entropy(logits, batch["targets"])
     sq_norms = {}
-    if oc_phase == "record":
-      sown = {path_str(p): v for p, v in
-              jax.tree_util.tree_flatten_with_path(nnx.pop(model, nnx.Intermediate))[0]}
-      for name in tracked:
-        calls = [v for p, v in sown.items() if p.startswith(f"{name}.x_sq_norms")]
-        sq_norms[name] = sum(calls)  # a layer called more than once in a step adds up its calls
+    for name in tracked:
+      calls = [v for p, v in sown.items() if p.startswith(f"{name}.x_sq_norms")]
+      if not calls:
+        raise ValueError(f"OutControl: layer {name!r} recorded no inputs (found {sorted(sown)[:3]}).")
+      sq_norms[name] = sum(calls)  # a layer called more than once in a step adds up its calls
     return loss, sq_norms
 
   return loss_fn
@@ -172,7 +184,7 @@ class Phases:
     self._model = model
     self._model_phase = 0  # the model comes built with the step-0 recipes
     self._graphdefs = {}
-    self._optimizer_key = (config.optimizer, config.steps, config.osci_reset, config.outcontrol)
+    self._optimizer_key = (config.optimizer, config.steps, config.osci_reset)
 
   def phase(self, step: int) -> int:
     return self.policy.phase(step, self.config.steps)
@@ -196,7 +208,8 @@ class Phases:
     graphdef = self.graphdef(step)
     pl = self.placement
     oc_phase = outcontrol_lib.phase(step, self.config.outcontrol)
-    return self.cache.get(("train", graphdef, self._optimizer_key, oc_phase, pl.key),
+    oc_key = (oc_phase, self.config.outcontrol) if oc_phase != "off" else None  # "off" is the plain step
+    return self.cache.get(("train", graphdef, self._optimizer_key, oc_key, pl.key),
                           lambda: jax.jit(make_train_step(graphdef, self.optimizer, self.config.osci_reset,
                                                           self.config.outcontrol, oc_phase),
                                           in_shardings=(pl.state, pl.batch, pl.replicated),

@@ -1,0 +1,142 @@
+"""OutControl as a training option: config and CLI, the calibration schedule and selection inside the compiled
+step, off changes nothing, the split GEMMs change training after calibration, exact resume mid-calibration."""
+
+import jax
+import numpy as np
+import pytest
+
+from fp4jax import outcontrol as outcontrol_numerics
+from fp4jax.pretrain import checkpoint as ckpt
+from fp4jax.pretrain import cli
+from fp4jax.pretrain import model as model_lib
+from fp4jax.pretrain import outcontrol
+from fp4jax.pretrain import trainer
+from fp4jax.pretrain.config import TrainConfig
+from train_helpers import run, tree_equal
+
+STEPS = 7
+# Steps 0-3 record (the checkpoint at 3 is mid-calibration), channels selected after step 3, MXFP8 from step 4.
+OC = dict(outcontrol_fraction=0.05, outcontrol_start=0, outcontrol_window=4)
+
+
+def make_config(env, out, **changes) -> TrainConfig:
+  base = dict(out=str(out), model=model_lib.get_model_config("tiny", n_layers=1), data=env["data"], seq_len=32,
+              batch_size=4, steps=STEPS, lr=1e-2, warmup_fraction=0.1, decay_fraction=0.25, eval_every=0,
+              eval_batches=0, checkpoint_every=3, progress=False, recipe="nvfp4")
+  base.update(changes)
+  return TrainConfig.from_options(**base)
+
+
+def run_recording(env, config):
+  """(summary, {step: OutControlState after that step, as NumPy})."""
+  states = {}
+  hook = trainer.Hook(lambda info: states.__setitem__(info.step, jax.tree.map(np.asarray, info.state.outcontrol)))
+  return run(env, config, [hook]), states
+
+
+# --- config and command line ---------------------------------------------------------------------------------------
+
+def test_off_by_default_and_flags_build_the_group():
+  assert not TrainConfig().outcontrol.enabled
+  config = TrainConfig.from_options(recipe="nvfp4", outcontrol_fraction=0.05, outcontrol_start=100)
+  assert config.outcontrol == outcontrol.OutControlConfig(fraction=0.05, start=100, window=20)
+  assert TrainConfig.from_dict(config.to_dict()) == config
+  assert TrainConfig.from_dict({k: v for k, v in config.to_dict().items() if k != "outcontrol"}).outcontrol == \
+      outcontrol.OutControlConfig()  # configs stored before the option existed
+  built = cli.config_from_args(["--out", "x", "--recipe", "tetrajet_v2", "--outcontrol-fraction", "0.1",
+                                "--outcontrol-start", "5", "--outcontrol-window", "7"])
+  assert built.outcontrol == outcontrol.OutControlConfig(fraction=0.1, start=5, window=7)
+  assert [outcontrol.phase(s, built.outcontrol) for s in (0, 4, 5, 11, 12)] == ["off", "off", "record", "record", "on"]
+  assert outcontrol.phase(10**6, TrainConfig().outcontrol) == "off"
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(outcontrol_fraction=1.0), "fraction"),
+    (dict(outcontrol_fraction=0.05, outcontrol_window=0), "window must be"),
+    (dict(outcontrol_fraction=0.05, outcontrol_start=-1), "start must be"),
+    (dict(recipe="bf16", outcontrol_fraction=0.05), "needs a quantized"),
+    (dict(outcontrol_fraction=0.05, outcontrol_start=190), "beyond this 200-step run"),
+])
+def test_bad_outcontrol_config_is_rejected(changes, match):
+  with pytest.raises(ValueError, match=match):
+    TrainConfig.from_options(**{"recipe": "nvfp4", **changes})
+
+
+def test_tracked_layers_skip_bf16_layers_and_count_channels():
+  config = TrainConfig.from_options(recipe="nvfp4", outcontrol_fraction=0.05, bf16_last=1)
+  layers = outcontrol.tracked_layers(config)
+  assert not any(name.startswith("blocks.1.") for name in layers)  # the tiny model's last block stays in BF16
+  assert layers["blocks.0.attn.q"] == (64, 4) and layers["blocks.0.mlp.down"] == (192, 10)  # ceil(0.05 K)
+
+
+# --- training --------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def straight(env, tmp_path_factory):
+  """The reference run with OutControl on (checkpoints every 3 steps) and the OutControl state after each step."""
+  out = tmp_path_factory.mktemp("runs") / "oc"
+  return (out,) + run_recording(env, make_config(env, out, **OC))
+
+
+def test_calibration_selects_the_top_channels_of_the_recorded_norms(straight):
+  out, summary, states = straight
+  assert len(summary["losses"]) == STEPS and all(np.isfinite(summary["losses"]))
+  flat = {s: (outcontrol.flat(st.norms), outcontrol.flat(st.idx)) for s, st in states.items()}
+  layers = sorted(flat[0][0])
+  assert len(layers) == 7  # every linear layer of the one block
+  for name in layers:
+    norms = {s: flat[s][0][name] for s in flat}
+    idx = {s: flat[s][1][name] for s in flat}
+    assert not idx[2].any()  # nothing selected before the last recorded step
+    assert (norms[0] > 0).all() and all((norms[s] > norms[s - 1]).all() for s in (1, 2, 3))  # each step adds in
+    for s in range(3, STEPS):
+      np.testing.assert_array_equal(norms[s], norms[3])  # frozen after the window
+      np.testing.assert_array_equal(idx[s], idx[3])
+    k = outcontrol_numerics.outlier_count(norms[3].shape[0], 0.05)
+    np.testing.assert_array_equal(idx[3], np.argsort(-norms[3].astype(np.float64), kind="stable")[:k])
+  manager = ckpt.open_manager(out, create=False)
+  try:
+    assert "outcontrol" in set(manager.item_metadata(STEPS)["state"].keys())
+  finally:
+    manager.close()
+
+
+def test_off_is_the_plain_recipe_and_outcontrol_changes_training_after_calibration(env, straight, tmp_path):
+  """Off: no state, nothing stored. Until calibration ends the runs agree (recording changes no arithmetic); once
+  the outlier channels run in MXFP8 the losses differ."""
+  _, summary, _ = straight
+  off, states = run_recording(env, make_config(env, tmp_path / "off"))
+  assert all(st is None for st in states.values())
+  np.testing.assert_allclose(summary["losses"][:4], off["losses"][:4], rtol=1e-6)
+  diff = np.abs(np.subtract(summary["losses"][4:], off["losses"][4:]))
+  assert (diff > 1e-5).all(), (summary["losses"], off["losses"])
+  manager = ckpt.open_manager(tmp_path / "off", create=False)
+  try:
+    assert "outcontrol" not in set(manager.item_metadata(STEPS)["state"].keys())
+  finally:
+    manager.close()
+
+
+def test_resume_mid_calibration_is_bit_identical(env, straight):
+  """Resuming from step 3 (steps 0-2 recorded, selection still to come) reproduces the uninterrupted run."""
+  out, summary, states = straight
+  resumed, resumed_states = run_recording(env, make_config(env, out, **OC, resume=True, resume_step=3))
+  assert resumed["start_step"] == 3
+  assert resumed["losses"] == summary["losses"][3:]  # exact float equality
+  assert tree_equal(resumed["params"], summary["params"])
+  assert tree_equal(resumed_states[STEPS - 1], states[STEPS - 1])
+
+
+@pytest.mark.slow
+def test_outcontrol_on_a_mesh_selects_as_one_device(env, tmp_path):
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 simulated devices (tests/conftest.py)")
+  model = model_lib.get_model_config("tiny", d_model=128, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=256, n_layers=1)
+  changes = dict(model=model, steps=4, batch_size=8, outcontrol_fraction=0.05,
+                 outcontrol_start=0, outcontrol_window=2)
+  one, one_states = run_recording(env, make_config(env, tmp_path / "one", **changes))
+  mesh, mesh_states = run_recording(env, make_config(env, tmp_path / "mesh", mesh="data=2,fsdp=2,tensor=2",
+                                                     **changes))
+  np.testing.assert_allclose(mesh["losses"], one["losses"], rtol=1e-4)
+  for a, b in zip(jax.tree.leaves(mesh_states[3].idx), jax.tree.leaves(one_states[3].idx)):
+    np.testing.assert_array_equal(a, b)
