@@ -1,6 +1,7 @@
 """MS-EDEN scale correction: Quartet II's unbiased backward quantizer (arXiv 2601.22813).
 
-After round-to-nearest, each group of 128 elements along the blocked axis (8 NVFP4 blocks) gets the factor
+After round-to-nearest, each group of 128 elements along the blocked axis (8 NVFP4 blocks; `formats.NVFP4.eden_group`,
+Quartet II's Hadamard size) gets the factor
 S = sum(y^2) / sum(y * q(y)) (y: elements on the E2M1 scale, q(y): their rounded values; 1 when the denominator is 0)
 multiplied into its 8 block scales, which are then rounded stochastically to a neighbouring E4M3 value. Following a
 random rotation (the RHT) this makes the dequantized tensor unbiased in expectation at group level, without
@@ -18,30 +19,31 @@ from fp4jax import grids
 from fp4jax import prng
 from fp4jax import rounding as rounding_lib
 
-GROUP_BLOCKS = 8  # 8 blocks of 16: the correction's 128-element groups
+GROUP_BLOCKS = 8  # default: 8 blocks of 16, the correction's 128-element groups
 
 
-def _group_sum(per_block, axis):
-  """Sums of GROUP_BLOCKS consecutive per-block values along `axis` (zero-padded), in pairwise order."""
+def _group_sum(per_block, axis, group_blocks):
+  """Sums of `group_blocks` consecutive per-block values along `axis` (zero-padded), in pairwise order."""
   n = per_block.shape[axis]
-  groups = -(-n // GROUP_BLOCKS)
-  pad = [(0, groups * GROUP_BLOCKS - n if i == axis else 0) for i in range(per_block.ndim)]
+  groups = -(-n // group_blocks)
+  pad = [(0, groups * group_blocks - n if i == axis else 0) for i in range(per_block.ndim)]
   t = jnp.moveaxis(jnp.pad(per_block, pad), axis, -1)
-  t = t.reshape(t.shape[:-1] + (groups, GROUP_BLOCKS))
+  t = t.reshape(t.shape[:-1] + (groups, group_blocks))
   return jnp.moveaxis(four_over_six.pairwise(t, jnp.add), -1, axis)
 
 
-def correction(y, v, block):
-  """Per-block factor S of each block's 128-element group: sum(y^2) / sum(y * v) (1 where that sum is 0)."""
+def correction(y, v, block, group_blocks: int = GROUP_BLOCKS):
+  """Per-block factor S of each block's group of `group_blocks` blocks: sum(y^2) / sum(y * v) (1 where that sum
+  is 0)."""
   axes = [i for i, b in enumerate(block) if b > 1]
   if len(axes) != 1:
     raise ValueError("NVFP4 scale_rule='eden' needs 1D blocks (1x16 along one axis); got 2D blocks.")
   axis = axes[0]
   per_block = lambda t: four_over_six.pairwise(four_over_six.blocks_last(t, block), jnp.add)
-  num, den = _group_sum(per_block(y * y), axis), _group_sum(per_block(y * v), axis)
+  num, den = _group_sum(per_block(y * y), axis, group_blocks), _group_sum(per_block(y * v), axis, group_blocks)
   s = jnp.where(den == 0, jnp.float32(1.0), num / den)
   n = y.shape[axis] // block[axis]
-  return jnp.repeat(s, GROUP_BLOCKS, axis=axis, total_repeat_length=s.shape[axis] * GROUP_BLOCKS)[
+  return jnp.repeat(s, group_blocks, axis=axis, total_repeat_length=s.shape[axis] * group_blocks)[
       tuple(slice(0, n) if i == axis else slice(None) for i in range(s.ndim))]
 
 

@@ -120,8 +120,8 @@ class NVFP4(_FP4Format):
       scale still fits in E4M3. Ties keep the "6" candidate. With stochastic rounding both candidates use the
       same random bits.
     "eden": Quartet II's MS-EDEN backward quantizer (arXiv 2601.22813; see eden.py): block max -> 6 / (17/16 *
-      0.93), E4M3 bound 255.99, elements always round to nearest, then each 128-element group's correction
-      sum(y^2) / sum(y q(y)) is multiplied into its block scales, which `rounding="stochastic"` rounds
+      0.93), E4M3 bound 255.99, elements always round to nearest, then each `eden_group`-element group's
+      correction sum(y^2) / sum(y q(y)) is multiplied into its block scales, which `rounding="stochastic"` rounds
       stochastically to a neighbouring E4M3 value ("nearest": to the nearest one). 1D blocks only.
   select: the 4/6 error per block: "mse" (sum of squares), "mae" (sum of magnitudes) or "absmax" (largest).
   headroom: encode elements at 16/17 of their scale (block max at 6 * 16/17) and undo it in the tensor decode
@@ -132,6 +132,9 @@ class NVFP4(_FP4Format):
     each 1x128 group (8 blocks along the blocked axis) instead of the whole tensor, so one outlier only coarsens
     its own group. The QArray then stores one amax per group (float32, the scales' shape with the blocked axis
     divided by 8, rounded up). 1D blocks only.
+  eden_group: elements per MS-EDEN correction group (a multiple of 16; "eden" only). Quartet II corrects over each
+    Hadamard tile (IST-DASLab/Quartet-II, schemes/quartet_2.py, `eden_1x16s_fp4_kernel`), so a recipe's RHT size
+    must equal it (checked by fp4jax.Recipe); 128 is the paper's.
   """
 
   block_size: int = 16
@@ -139,6 +142,7 @@ class NVFP4(_FP4Format):
   select: Literal["mse", "mae", "absmax"] = "mse"
   headroom: bool = False
   double_block: bool = False
+  eden_group: int = 128
   name: str = dataclasses.field(default="nvfp4", init=False)
 
   def __post_init__(self):
@@ -151,6 +155,12 @@ class NVFP4(_FP4Format):
     for flag in ("headroom", "double_block"):
       if not isinstance(getattr(self, flag), bool):
         raise ValueError(f"NVFP4 {flag} must be True or False; got {getattr(self, flag)!r}.")
+    g = self.eden_group
+    if not isinstance(g, int) or isinstance(g, bool) or g < 16 or g % 16:
+      raise ValueError(f"NVFP4 eden_group must be a positive multiple of 16; got {g!r}.")
+    if g != 128 and self.scale_rule != "eden":
+      raise ValueError(f"NVFP4 eden_group applies to scale_rule='eden' only; got eden_group={g} with "
+                       f"scale_rule={self.scale_rule!r}.")
 
   scale_max = grids.E4M3_MAX
   scale_dtype = jnp.float8_e4m3fn
@@ -174,6 +184,8 @@ class NVFP4(_FP4Format):
       tags.append("16/17")
     if self.double_block:
       tags.append("1x128")
+    if self.eden_group != 128:
+      tags.append(f"group{self.eden_group}")
     return self.name + (f"({','.join(tags)})" if tags else "")
 
   @property

@@ -266,7 +266,7 @@ def _quantize_eden(x32, fmt, block, rounding, key, random_bits, amax_b, amax, va
   # group sums (inf * 0 = NaN), so its elements are 0.
   y = jnp.where(_expand_blocks(scaling.decode[0] == 0, block), jnp.float32(0.0), y)
   v = rounding_lib.round_e2m1_nearest(y)
-  s_b = eden.round_scales(scaling.decode[0] * eden.correction(y, v, block), rounding=rounding, key=key,
+  s_b = eden.round_scales(scaling.decode[0] * eden.correction(y, v, block, fmt.eden_group // fmt.block_size), rounding=rounding, key=key,
                           random_bits=random_bits, sr_bits=sr_bits)
   scaling = formats.Scaling(s_b.astype(jnp.float8_e4m3fn), (), (s_b,) + scaling.decode[1:], scaling.tensor_decode)
   decode = lambda e: _decode(e, scaling, block)
@@ -288,7 +288,7 @@ def _prepare(x, fmt, axis, block_2d, pad):
 
 def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
              random_bits: int = 32, pad: bool = False, sr_bits: str = "hash") -> QArray:
-  """Quantizes `x` to `fmt` (NVFP4, MXFP4, FP8 or a name from fp4jax.FORMAT_NAMES).
+  """Quantizes `x` to `fmt` (NVFP4, MXFP4, MXFP8, FP8 or a name from fp4jax.FORMAT_NAMES).
 
   Args:
     x: float32, bfloat16 or float16 array; the arithmetic is float32.

@@ -140,6 +140,12 @@ class Recipe:
       cfg = getattr(self, gemm)
       if cfg.lhs.rht != cfg.rhs.rht:
         raise ValueError(f"{gemm}: RHT must apply to both operands (it is only exact when both are transformed).")
+      for op in (cfg.lhs, cfg.rhs):  # MS-EDEN's correction groups are Quartet II's Hadamard tiles
+        if cfg.rht and op.quantized and getattr(op.fmt, "scale_rule", None) == "eden" and \
+            op.fmt.eden_group != self.rht_size:
+          raise ValueError(f"{gemm}: NVFP4 scale_rule='eden' corrects groups of eden_group={op.fmt.eden_group} "
+                           f"elements but the RHT size is {self.rht_size}; set eden_group={self.rht_size} (Quartet "
+                           "II corrects over each Hadamard tile) or rht_size to the group.")
     for gemm, side, fprop_op in (("fprop", "lhs", None), ("fprop", "rhs", None), ("dgrad", "lhs", None),
                                  ("wgrad", "lhs", None), ("dgrad", "rhs", self.fprop.rhs),
                                  ("wgrad", "rhs", self.fprop.lhs)):

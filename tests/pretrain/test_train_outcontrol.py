@@ -137,6 +137,10 @@ def test_outcontrol_on_a_mesh_selects_as_one_device(env, tmp_path):
   one, one_states = run_recording(env, make_config(env, tmp_path / "one", **changes))
   mesh, mesh_states = run_recording(env, make_config(env, tmp_path / "mesh", mesh="data=2,fsdp=2,tensor=2",
                                                      **changes))
-  np.testing.assert_allclose(mesh["losses"], one["losses"], rtol=1e-4)
+  # Meshes sum in other orders (as in test_train_mesh.py): equal first losses, then FP4 rounding flips compound.
+  np.testing.assert_allclose(mesh["losses"][0], one["losses"][0], rtol=1e-5)
+  np.testing.assert_allclose(mesh["losses"], one["losses"], rtol=2e-2)
+  for a, b in zip(jax.tree.leaves(mesh_states[3].norms), jax.tree.leaves(one_states[3].norms)):
+    np.testing.assert_allclose(a, b, rtol=1e-3)
   for a, b in zip(jax.tree.leaves(mesh_states[3].idx), jax.tree.leaves(one_states[3].idx)):
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, b)  # the norms are over the global batch: the same channels
