@@ -64,6 +64,9 @@ def _rounded(v, zero):
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+rounded = _rounded  # shared with eden.py
+
+
 def block_error(err, block, metric: str, zero=None):
   """Per-block error of float32 differences `err` (dequantized - input), with the scales' shape.
 

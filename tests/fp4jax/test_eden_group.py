@@ -1,11 +1,16 @@
 """MS-EDEN's correction group as a parameter: Quartet II corrects over each Hadamard tile, so NVFP4(eden_group=g)
-matches the NumPy reference with g-element groups, and a recipe whose RHT size differs from the group is refused."""
+matches the NumPy reference with g-element groups, and a recipe whose RHT size differs from the group is refused.
+The correction's products are rounded under jit as eagerly (no fused multiply-adds)."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import fp4jax
+from fp4jax import eden
 import recipes_beyond_helpers as helpers
+import reference as ref
 import reference_recipes as rref
 
 
@@ -51,3 +56,35 @@ def test_eden_group_survives_the_recipe_json_round_trip():
   from fp4jax.pretrain import policy  # pylint: disable=g-import-not-at-top
   r = fp4jax.recipes.quartet2(rht_size=64)
   assert policy.recipe_from_json(policy.recipe_to_json(r)) == r
+
+
+def _reference_correction(y, v, axis, group_blocks):
+  """sum(y^2) / sum(y v) per group of `group_blocks` 16-element blocks, each product and partial sum rounded to
+  float32 in the pairwise order (reference_recipes.nvfp4_eden's arithmetic), repeated per block."""
+  per_block = lambda t: np.moveaxis(rref.pairwise(rref.blocks_last(t, 16, axis, False), np.add), -1, axis)
+
+  def group_sum(a):
+    a = np.moveaxis(a, axis, -1)
+    n = a.shape[-1]
+    padded = np.concatenate([a, np.zeros(a.shape[:-1] + (-n % group_blocks,))], axis=-1)
+    s = rref.pairwise(padded.reshape(*a.shape[:-1], -1, group_blocks), np.add)
+    return np.moveaxis(np.repeat(s, group_blocks, axis=-1)[..., :n], -1, axis)
+
+  num, den = group_sum(per_block(ref.f32(y * y))), group_sum(per_block(ref.f32(y * v)))
+  return np.where(den == 0, 1.0, ref.f32(num / np.where(den == 0, 1.0, den)))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_eden_correction_is_the_same_under_jit(axis):
+  """Under jit XLA fused y*y and y*v into FMAs with their sums (an ulp off for ~10% of groups on this data);
+  eden.correction rounds the products, so jit, eager and the float32 reference agree bit for bit."""
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((128, 256)) * np.exp(2 * rng.standard_normal((128, 256)))
+  y = (x / np.max(np.abs(x)) * 6 * 1.0001).astype(np.float32)  # element-scale values in [-6.0006, 6.0006]
+  v = ref.e2m1_value(ref.e2m1_rne(y)).astype(np.float32)
+  block = (1, 16) if axis == 1 else (16, 1)
+  want = _reference_correction(np.asarray(y, np.float64), np.asarray(v, np.float64), axis, 4)
+  eager = eden.correction(jnp.asarray(y), jnp.asarray(v), block, 4)
+  jitted = jax.jit(lambda y, v: eden.correction(y, v, block, 4))(jnp.asarray(y), jnp.asarray(v))
+  np.testing.assert_array_equal(np.asarray(eager, np.float64), want)
+  np.testing.assert_array_equal(np.asarray(jitted, np.float64), want)
