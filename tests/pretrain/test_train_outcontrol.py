@@ -141,6 +141,6 @@ def test_outcontrol_on_a_mesh_selects_as_one_device(env, tmp_path):
   np.testing.assert_allclose(mesh["losses"][0], one["losses"][0], rtol=1e-5)
   np.testing.assert_allclose(mesh["losses"], one["losses"], rtol=2e-2)
   for a, b in zip(jax.tree.leaves(mesh_states[3].norms), jax.tree.leaves(one_states[3].norms)):
-    np.testing.assert_allclose(a, b, rtol=1e-3)
+    np.testing.assert_allclose(a, b, rtol=1e-2)  # norms of bfloat16 inputs: an ulp is 4e-3
   for a, b in zip(jax.tree.leaves(mesh_states[3].idx), jax.tree.leaves(one_states[3].idx)):
     np.testing.assert_array_equal(a, b)  # the norms are over the global batch: the same channels
