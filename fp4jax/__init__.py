@@ -1,7 +1,8 @@
 """fp4jax: NVFP4 pretraining (arXiv 2509.25149) in JAX.
 
 Numerics (no Flax needed): `quantize`, `dequantize`, `fake_quant`, `random_hadamard` over the formats `NVFP4`,
-`MXFP4`, `FP8`; the recipe table `recipes` / `Recipe`; the quantized GEMM `dot_general` (a `jax.custom_vjp`).
+`MXFP4`, `MXFP8`, `FP8`; the recipe table `recipes` / `Recipe`; the quantized GEMM `dot_general` (a `jax.custom_vjp`;
+`fp4jax.outcontrol.dot_general` runs chosen input channels in MXFP8, TetraJet-v2's OutControl).
 Flax layers load on first use: `fp4jax.nn` (NNX) and `fp4jax.linen`; `quantize_model` quantizes a Flax model's
 linear layers by path rules.
 Built on top, never imported by the library: `fp4jax.pretrain` (training) and `fp4jax.analysis` (probes).
