@@ -113,17 +113,16 @@ def _bf16_values(operand):
 
 
 def resolve_gemm_mode(recipe: recipes_lib.Recipe, platform: str | None = None) -> str:
-  """The recipe's GEMM mode, with "auto" resolved for `platform` (default: jax.default_backend()).
+  """The recipe's GEMM mode, with "auto" resolved: "bf16" on every platform (`platform` changes nothing now).
 
-  GPUs and TPUs multiply bf16 on tensor cores / the MXU, many times their float32 rate: "bf16". On XLA:CPU "bf16"
-  is faster where XLA hands the dot to XNNPACK (~15% per quantized layer, jax 0.10.2), but XLA:CPU's fallback dot
-  has no bf16 x bf16 -> f32 kernel: some layouts (e.g. a vmapped Wgrad) fail at run time with "Unsupported element
-  type for DotThunk". So "auto" keeps the reference "f32" on CPU; pass gemm_mode="bf16" there for speed where the
-  training step compiles and runs with it (the models' train steps do).
+  GPUs and TPUs multiply bf16 on tensor cores / the MXU, many times their float32 rate. On XLA:CPU "bf16" is faster
+  too (~15% per quantized layer, jax 0.10.2: XLA hands bf16 dots to XNNPACK), and `_gemm` widens the one layout
+  XLA:CPU cannot multiply in bf16 (see there). Its products are exact, so "bf16" differs from the float32 reference
+  ("f32") only in float32 summation order; pass gemm_mode="f32" for runs that must reproduce float32-GEMM results
+  bit for bit (golden losses, stored results).
   """
-  if recipe.gemm_mode != "auto":
-    return recipe.gemm_mode
-  return "f32" if (platform or jax.default_backend()) == "cpu" else "bf16"
+  del platform  # every platform measured is faster in bf16
+  return "bf16" if recipe.gemm_mode == "auto" else recipe.gemm_mode
 
 
 def _gemm(a, b, contract, recipe):
@@ -137,7 +136,14 @@ def _gemm(a, b, contract, recipe):
   if resolve_gemm_mode(recipe) == "bf16":
     av, bv = _bf16_values(a), _bf16_values(b)
     if av is not None and bv is not None:
-      out = jax.lax.dot_general(av[0], bv[0], dims, preferred_element_type=jnp.float32)
+      if contract[0] != av[0].ndim - 1 and jax.default_backend() == "cpu":
+        # XLA:CPU has no bf16 x bf16 -> f32 kernel for an lhs contracted on its first axis once vmap gives the rhs
+        # a second free axis (Wgrad under vmap): that fails at run time ("Unsupported element type for DotThunk").
+        # Unbatched, XLA:CPU widens this form to float32 itself; widening here (exact) does it in every case.
+        out = jax.lax.dot_general(av[0].astype(jnp.float32), bv[0].astype(jnp.float32), dims, precision=_HIGHEST,
+                                  preferred_element_type=jnp.float32)
+      else:
+        out = jax.lax.dot_general(av[0], bv[0], dims, preferred_element_type=jnp.float32)
       return (out * av[1]) * bv[1]  # two products, not one: a * b of two tiny or huge factors may over/underflow
   return jax.lax.dot_general(_values(a), _values(b), dims, precision=_HIGHEST, preferred_element_type=jnp.float32)
 

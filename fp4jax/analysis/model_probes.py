@@ -18,7 +18,7 @@ from flax import nnx
 
 import fp4jax.recipes as recipes_lib
 from fp4jax.analysis import taps
-from fp4jax.analysis.probes import LayerTensors, cosine, rel_error, standard_error
+from fp4jax.analysis.probes import LayerTensors, as_probed, cosine, rel_error, standard_error
 
 
 # --- capture: per-layer x, W, dY from a BF16 forward/backward ----------------------------------------------------
@@ -27,6 +27,7 @@ def with_recipes(model: nnx.Module, recipes) -> nnx.Module:
   """A copy of `model` (its own modules and variables; arrays shared) whose linear layers run `recipes`.
 
   recipes: one Recipe (or recipe string) for every layer, or {layer name: Recipe} naming every linear layer.
+  gemm_mode "auto" runs as "f32" (probes.as_probed): reproducible bit for bit across platforms.
   """
   graphdef, state = nnx.split(model)
   copy = nnx.merge(graphdef, state, copy=True)
@@ -36,9 +37,9 @@ def with_recipes(model: nnx.Module, recipes) -> nnx.Module:
     if missing or unknown:
       raise ValueError(f"recipes must name every linear layer exactly; missing {missing[:3]}, unknown {unknown[:3]}.")
     for name, layer in layers.items():
-      layer.recipe = recipes_lib.get_recipe(recipes[name])
+      layer.recipe = as_probed(recipes[name])
   else:
-    recipe = recipes_lib.get_recipe(recipes)
+    recipe = as_probed(recipes)
     for layer in layers.values():
       layer.recipe = recipe
   return copy

@@ -46,6 +46,16 @@ OPERANDS = ("fprop.x", "fprop.W", "dgrad.dY", "dgrad.W", "wgrad.dY", "wgrad.x")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def as_probed(recipe) -> recipes_lib.Recipe:
+  """A Recipe or recipe string, with gemm_mode "auto" pinned to "f32" (the float32 reference GEMMs).
+
+  "auto" is "bf16" on every platform, equal to "f32" only up to float32 summation order; probing in "f32" keeps
+  probe results reproducible bit for bit across platforms and from earlier runs. An explicit mode is kept.
+  """
+  recipe = recipes_lib.get_recipe(recipe)
+  return recipe.replace(gemm_mode="f32") if recipe.gemm_mode == "auto" else recipe
+
+
 def recipe_variants() -> dict[str, recipes_lib.Recipe]:
   """The recipes the probes compare by default: BF16, the paper's NVFP4, NVFP4 minus one component, MXFP4."""
   return {
@@ -307,9 +317,10 @@ def probe_layer(tensors: LayerTensors, recipe, key, *, num_draws: int = 8) -> di
 
   Returns numpy values: fprop_err, fprop_cos (floats); dgrad_err, dgrad_cos, wgrad_err, wgrad_cos ([num_draws]
   per draw, vs BF16); bias {gemm: {reference: {"K", "mean", "se", "groups"}}}; chain_dgrad, chain_wgrad,
-  weight_mismatch (floats); stats {operand: {statistic: float}} for the quantized operands.
+  weight_mismatch (floats); stats {operand: {statistic: float}} for the quantized operands. GEMMs run in
+  gemm_mode "f32" unless the recipe names a mode (`as_probed`).
   """
-  recipe = recipes_lib.get_recipe(recipe)
+  recipe = as_probed(recipe)
   x, w, dy = tensors
   if x.ndim != 2 or w.ndim != 2 or dy.ndim != 2 or x.shape[1] != w.shape[0] or dy.shape != (x.shape[0], w.shape[1]):
     raise ValueError(f"probe_layer needs x [M, K], W [K, N], dY [M, N]; got {x.shape}, {w.shape}, {dy.shape}.")

@@ -180,3 +180,10 @@ def test_bad_inputs_raise():
     model_probes.with_recipes(model, {"blocks.0.attn.q": recipes.nvfp4()})
   with pytest.raises(ValueError, match="batch"):
     model_probes.capture_layer_tensors(model, {"inputs": np.zeros((2, 8), np.int32)})
+
+
+def test_probes_pin_auto_gemm_mode_to_the_float32_reference():
+  """"auto" is bf16 (summation order differs from f32): probes run f32 so stored results reproduce bit for bit."""
+  assert probes.as_probed("nvfp4").gemm_mode == "f32"
+  assert probes.as_probed(recipes.nvfp4(gemm_mode="bf16")).gemm_mode == "bf16"
+  assert probes.as_probed("nvfp4").replace(gemm_mode="auto") == recipes.nvfp4()
