@@ -5,8 +5,9 @@ Tests mirror the packages (tests/fp4jax, tests/pretrain, tests/analysis, tests/p
 
 Nearly all of the suite's time is XLA compilation, and many tests (and the subprocesses they launch: README blocks,
 `python -m fp4jax`, benchmark dry runs, notebooks) compile the same graphs. One persistent compilation cache per
-session, in a fresh temporary folder made by the first process (shared by xdist workers and subprocesses), compiles each graph
-once; it is deleted when the session ends, so no run ever reads another run's executables.
+session, in a fresh temporary folder made by the first process (inherited by xdist workers and subprocesses),
+compiles each graph once; it is deleted when the session ends, so no run reads another run's executables. An entry
+that cannot be read (another worker still writing it) is a cache miss: JAX warns and compiles.
 """
 
 import os
