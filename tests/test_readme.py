@@ -116,8 +116,9 @@ def test_bash_block_runs(index, tmp_path):
   if "experiments.report runs/formats_cpu" in script:  # redraws the committed cpu results
     shutil.copytree(REPO / "experiments" / "results" / "formats_cpu", tmp_path / "runs" / "formats_cpu")
   devices = 8 if "--mesh" in script and "FP4JAX_NUM_PROCESSES" not in script else 2
-  # One persistent compilation cache per block: its later commands (resume, eval) reuse the first run's executables.
-  env = {**_env(devices), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  # The session's persistent compilation cache (tests/conftest.py): a block's later commands (resume, eval) and
+  # other blocks training the same model reuse earlier executables.
+  env = {**_env(devices), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  assert env.get("JAX_COMPILATION_CACHE_DIR"), "tests/conftest.py sets the session's compilation cache"
   res = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
   assert res.returncode == 0, f"README bash block {index} failed:\n{script}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
