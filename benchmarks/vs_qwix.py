@@ -107,14 +107,17 @@ def _mlp_run(name: str, width: int, batch: int):
 
 # --- the small Transformer ------------------------------------------------------------------------------------------
 
-def _small_run(name: str, batch: int):
+def _small_run(name: str, batch: int, model_name: str = "small"):
+  """(step(state, key) -> (state, loss), state) of the pretraining Transformer `model_name` under recipe `name`."""
   from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import train as train_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import steps as steps_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
   recipe = "bf16" if name.startswith("qwix:") or name == "unquantized" else name
-  config = TrainConfig(model="small", recipe=recipe, batch_size=batch, steps=1000, progress=False)
-  keys = train_lib.run_keys(0)
-  model = train_lib.build_model(config, keys["init"])
+  config = TrainConfig.from_options(model=model_name, recipe=recipe, batch_size=batch, steps=1000, progress=False)
+  keys = trainer.run_keys(0)
+  model = trainer.build_model(config, keys["init"])
   dataset = data.load_dataset(data.DataConfig())
   batches = [data.get_batch(dataset, "train", i, batch_size=batch, seq_len=config.train_seq_len, seed=0)
              for i in range(4)]
@@ -123,10 +126,10 @@ def _small_run(name: str, batch: int):
     inputs = jnp.asarray(batches[0]["inputs"]) if isinstance(batches[0], dict) else batches[0][0]
     model = qwix.quantize_model(model, qwix_provider(name), inputs)
   graphdef = nnx.graphdef(model)
-  optimizer = train_lib.make_optimizer(config)
+  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
   params = nnx.state(model, nnx.Param)
-  state = train_lib.TrainState(params, jax.jit(optimizer.init)(params), jnp.asarray(0, jnp.int32))
-  train_step = jax.jit(train_lib.make_train_step(graphdef, optimizer))
+  state = steps_lib.TrainState(params, jax.jit(optimizer.init)(params), jnp.asarray(0, jnp.int32))
+  train_step = jax.jit(steps_lib.make_train_step(graphdef, optimizer))
   counter = {"i": 0}
 
   def step(state, key):

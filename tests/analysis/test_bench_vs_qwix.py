@@ -21,6 +21,17 @@ def test_mlp_rows_print_ratios_and_losses(capsys):
     assert 0 < minimum <= median and ms > 0 and 0 < loss < 10
 
 
+def test_transformer_part_trains_a_step():
+  """The `small` part's setup (the tiny preset here): builds the pretraining model and its step, and the loss drops."""
+  step, state = vs_qwix._small_run("nvfp4", 2, model_name="tiny")  # pylint: disable=protected-access
+  import jax  # pylint: disable=g-import-not-at-top
+  losses = []
+  for i in range(3):
+    state, loss = step(state, jax.random.key(i))
+    losses.append(float(loss))
+  assert all(0 < v < 20 for v in losses) and int(state.step) == 3
+
+
 def test_unknown_qwix_row_is_rejected():
   with pytest.raises(SystemExit):
     vs_qwix.main(["--qwix", "qwix:int3"])
