@@ -11,21 +11,18 @@ from flax import nnx
 from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import cli
 from fp4jax.pretrain import metrics
-from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain import resume as resume_lib
 from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
-from train_helpers import tree_equal
+from train_helpers import tiny_config, tree_equal
 
 
 def make_config(env, out, **changes) -> TrainConfig:
-  base = dict(out=str(out), model=model_lib.get_model_config("tiny", n_layers=1), data=env["data"], seq_len=32,
-              batch_size=4, steps=12, recipe="bf16", lr=1e-2, warmup_fraction=0.25, decay_fraction=0.25,
-              eval_every=0, eval_batches=0, checkpoint_every=4, progress=False)
-  base.update(changes)
-  return TrainConfig.from_options(**base)
+  run = dict(batch_size=4, steps=12, recipe="bf16", lr=1e-2, warmup_fraction=0.25, decay_fraction=0.25,
+             checkpoint_every=4)
+  return tiny_config(env, out, **{**run, **changes})
 
 
 def snapshot(folder):

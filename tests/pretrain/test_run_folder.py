@@ -15,19 +15,17 @@ from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import cli
 from fp4jax.pretrain import data
 from fp4jax.pretrain import metrics
-from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import runfolder
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
+from train_helpers import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def make_config(env, out, **changes) -> TrainConfig:
-  base = dict(out=str(out), model=model_lib.get_model_config("tiny", n_layers=1), data=env["data"], seq_len=32,
-              batch_size=4, steps=4, recipe="bf16", eval_every=0, eval_batches=0, checkpoint_every=2, progress=False)
-  base.update(changes)
-  return TrainConfig.from_options(**base)
+  run = dict(batch_size=4, steps=4, recipe="bf16", checkpoint_every=2)
+  return tiny_config(env, out, **{**run, **changes})
 
 
 def hold_lock_in_subprocess(folder):

@@ -23,7 +23,7 @@ from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
-from train_helpers import run, tree_equal
+from train_helpers import tiny_config, run, tree_equal
 
 STEPS = 16
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,11 +31,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def make_config(env, out, **changes) -> TrainConfig:
   """One block of settings for every test run: a 1-block tiny model, 16 steps of batch 8 x 32 tokens."""
-  base = dict(out=str(out), model=model_lib.get_model_config("tiny", n_layers=1), data=env["data"], seq_len=32,
-              batch_size=8, steps=STEPS, lr=1e-2, warmup_fraction=0.1, decay_fraction=0.25, eval_every=0,
-              eval_batches=1, checkpoint_every=4, progress=False)
-  base.update(changes)
-  return TrainConfig.from_options(**base)
+  run = dict(batch_size=8, steps=STEPS, lr=1e-2, warmup_fraction=0.1, decay_fraction=0.25, eval_batches=1,
+             checkpoint_every=4)
+  return tiny_config(env, out, **{**run, **changes})
 
 
 # --- training --------------------------------------------------------------------------------------------------

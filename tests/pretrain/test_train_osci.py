@@ -11,7 +11,7 @@ from fp4jax.pretrain import metrics
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import osci
 from fp4jax.pretrain.config import TrainConfig
-from train_helpers import run, tree_equal
+from train_helpers import tiny_config, run, tree_equal
 
 STEPS = 12
 # Cycles at steps 0, 4, 8: snapshot, 2 tracked steps, reset at 3, 7, 11.
@@ -19,11 +19,9 @@ OSCI = dict(osci_reset_start=0, osci_reset_every=4, osci_reset_window=2)
 
 
 def make_config(env, out, **changes) -> TrainConfig:
-  base = dict(out=str(out), model=model_lib.get_model_config("tiny", n_layers=1), data=env["data"], seq_len=32,
-              batch_size=8, steps=STEPS, lr=1e-2, warmup_fraction=0.1, decay_fraction=0.25, eval_every=0,
-              eval_batches=0, checkpoint_every=3, progress=False, recipe="tetrajet_v2")
-  base.update(changes)
-  return TrainConfig.from_options(**base)
+  run = dict(batch_size=8, steps=STEPS, lr=1e-2, warmup_fraction=0.1, decay_fraction=0.25, checkpoint_every=3,
+             recipe="tetrajet_v2")
+  return tiny_config(env, out, **{**run, **changes})
 
 
 def stored_keys(out, step):

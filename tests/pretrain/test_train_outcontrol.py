@@ -12,7 +12,7 @@ from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import outcontrol
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
-from train_helpers import run, tree_equal
+from train_helpers import tiny_config, run, tree_equal
 
 STEPS = 7
 # Steps 0-3 record (the checkpoint at 3 is mid-calibration), channels selected after step 3, MXFP8 from step 4.
@@ -20,11 +20,9 @@ OC = dict(outcontrol_fraction=0.05, outcontrol_start=0, outcontrol_window=4)
 
 
 def make_config(env, out, **changes) -> TrainConfig:
-  base = dict(out=str(out), model=model_lib.get_model_config("tiny", n_layers=1), data=env["data"], seq_len=32,
-              batch_size=4, steps=STEPS, lr=1e-2, warmup_fraction=0.1, decay_fraction=0.25, eval_every=0,
-              eval_batches=0, checkpoint_every=3, progress=False, recipe="nvfp4")
-  base.update(changes)
-  return TrainConfig.from_options(**base)
+  run = dict(batch_size=4, steps=STEPS, lr=1e-2, warmup_fraction=0.1, decay_fraction=0.25, checkpoint_every=3,
+             recipe="nvfp4")
+  return tiny_config(env, out, **{**run, **changes})
 
 
 def run_recording(env, config):

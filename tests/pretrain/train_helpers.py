@@ -3,7 +3,18 @@
 import jax
 import numpy as np
 
+from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import trainer
+from fp4jax.pretrain.config import TrainConfig
+
+
+def tiny_config(env, out, **options) -> TrainConfig:
+  """A run of the 1-block tiny model on the env's corpus, 32-token sequences, no eval and no progress bar;
+  `options` (TrainConfig.from_options names) add to or override these."""
+  base = dict(out=str(out), model=model_lib.get_model_config("tiny", n_layers=1), data=env["data"], seq_len=32,
+              eval_every=0, eval_batches=0, progress=False)
+  base.update(options)
+  return TrainConfig.from_options(**base)
 
 
 def run(env, config, hooks=()):
