@@ -71,6 +71,19 @@ def time_jitted(fn: Callable, args: Sequence, *, name: str, group: str = "", ele
   return Timing(name, group, elements, statistics.median(runs), min(runs), max(runs))
 
 
+def interleaved_medians(runs: dict[str, tuple[Callable, Sequence]], *, steps: int, warmup: int) -> dict[str, float]:
+  """Median seconds per call of each `fn(*args)` in `runs`, the calls interleaved run by run (one call of each per
+  round) so that load changes on a shared machine hit every run alike; the first `warmup` rounds are not timed."""
+  times = {name: [] for name in runs}
+  for i in range(warmup + steps):
+    for name, (fn, args) in runs.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      if i >= warmup:
+        times[name].append(time.perf_counter() - t0)
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence], align: str | None = None) -> str:
   """Plain-text table with aligned columns; `align` is one of 'l'/'r' per column (default: first left, rest right)."""
   cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]

@@ -15,16 +15,15 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top,wrong-import-position
+from benchmarks import common  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax.pretrain import data  # pylint: disable=wrong-import-position
 from fp4jax.pretrain import optimizer as optimizer_lib  # pylint: disable=wrong-import-position
 from fp4jax.pretrain import steps as steps_lib  # pylint: disable=wrong-import-position
 from fp4jax.pretrain import trainer  # pylint: disable=wrong-import-position
@@ -56,14 +55,9 @@ def benchmark(model: str, recipe: str, *, steps: int, warmup: int, batch_size: i
   runs = {"off": (off_step, off_state)}
   for name, counter in COUNTERS.items():
     runs[name] = (on_step, on_state._replace(step=jnp.asarray(counter, jnp.int32)))
-  times = {name: [] for name in runs}
-  for i in range(warmup + steps):
-    for name, (fn, state) in runs.items():  # the same state every call: each run stays on its branch
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(state, batch, key))
-      if i >= warmup:
-        times[name].append(time.perf_counter() - t0)
-  med = {name: float(np.median(t)) for name, t in times.items()}
+  # The same state every call: each run stays on its branch.
+  med = common.interleaved_medians({name: (fn, (state, batch, key)) for name, (fn, state) in runs.items()},
+                                   steps=steps, warmup=warmup)
   return {"model": model, "recipe": recipe, "steps": steps, "median_s": med,
           "ratio": {name: med[name] / med["off"] for name in runs},
           "state_mb": {"off": off_bytes / 2**20, "on": on_bytes / 2**20}}

@@ -16,16 +16,15 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top,wrong-import-position
+from benchmarks import common  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fp4jax.pretrain import data  # pylint: disable=wrong-import-position
 from fp4jax.pretrain import optimizer as optimizer_lib  # pylint: disable=wrong-import-position
 from fp4jax.pretrain import outcontrol  # pylint: disable=wrong-import-position
 from fp4jax.pretrain import steps as steps_lib  # pylint: disable=wrong-import-position
@@ -50,14 +49,8 @@ def benchmark(model: str, recipe: str, fraction: float, *, steps: int, warmup: i
   for phase in outcontrol.PHASES:
     fn = jax.jit(steps_lib.make_train_step(graphdef, optimizer, None, config.outcontrol, phase))
     runs[phase] = fn.lower(state, batch, key).compile()
-  times = {name: [] for name in runs}
-  for i in range(warmup + steps):
-    for name, fn in runs.items():  # the same state every call
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(state, batch, key))
-      if i >= warmup:
-        times[name].append(time.perf_counter() - t0)
-  med = {name: float(np.median(t)) for name, t in times.items()}
+  med = common.interleaved_medians({name: (fn, (state, batch, key)) for name, fn in runs.items()}, steps=steps,
+                                   warmup=warmup)  # the same state every call
   return {"model": model, "recipe": recipe, "fraction": fraction, "steps": steps, "median_s": med,
           "ratio": {name: med[name] / med["off"] for name in runs}}
 
