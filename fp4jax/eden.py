@@ -32,9 +32,9 @@ def _group_sum(per_block, axis, group_blocks):
   return jnp.moveaxis(four_over_six.pairwise(t, jnp.add), -1, axis)
 
 
-def correction(y, v, block, group_blocks: int = GROUP_BLOCKS):
+def correction(y, v, block, group_blocks: int = GROUP_BLOCKS, zero=None):
   """Per-block factor S of each block's group of `group_blocks` blocks: sum(y^2) / sum(y * v) (1 where that sum
-  is 0)."""
+  is 0). `zero`: a runtime uint32 0 (four_over_six.rounded); by default derived from v, a pass over the elements."""
   axes = [i for i, b in enumerate(block) if b > 1]
   if len(axes) != 1:
     raise ValueError("NVFP4 scale_rule='eden' needs 1D blocks (1x16 along one axis); got 2D blocks.")
@@ -42,8 +42,9 @@ def correction(y, v, block, group_blocks: int = GROUP_BLOCKS):
   per_block = lambda t: four_over_six.pairwise(four_over_six.blocks_last(t, block), jnp.add)
   # Under jit XLA contracts each product with the first addition of its sum into an FMA (one rounding instead of
   # two: ~10% of the corrections moved by an ulp on heavy-tailed data); rounding the products explicitly keeps jit,
-  # eager and the float32 reference bit-identical (four_over_six._rounded; |v| <= 6, so `zero` is a runtime 0).
-  zero = jnp.any(jnp.abs(v) > 6.0).astype(jnp.uint32)
+  # eager and the float32 reference bit-identical (four_over_six.rounded; |v| <= 6, so `zero` is a runtime 0).
+  if zero is None:
+    zero = jnp.any(jnp.abs(v) > 6.0).astype(jnp.uint32)
   num = _group_sum(per_block(four_over_six.rounded(y * y, zero)), axis, group_blocks)
   den = _group_sum(per_block(four_over_six.rounded(y * v, zero)), axis, group_blocks)
   s = jnp.where(den == 0, jnp.float32(1.0), num / den)

@@ -10,7 +10,7 @@ major), so the choice is reproducible bit for bit: XLA does not reassociate floa
 multiply feeding an add into one fused multiply-add (XLA:CPU on FMA hardware, and GPUs) once both sit in one fusion,
 which skips the product's rounding: under an outer jit, deq - x and the first sum of squares came out rounded once
 instead of twice, breaking the frequent exact ties between the candidates (both map the block max to the same
-value) the other way than eagerly. `_rounded` puts an integer operation between each product and its sum.
+value) the other way than eagerly. `rounded` puts an integer operation between each product and its sum.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def pairwise(t, op):
   return t[..., 0]
 
 
-def _rounded(v, zero):
+def rounded(v, zero):
   """float32 `v` unchanged, its bits OR'd with the uint32 `zero` (a runtime 0 no compiler can prove is 0).
 
   An optimization barrier does not help (XLA:CPU drops it before fusion) nor does reduce_precision(v, 8, 23) (a
@@ -64,18 +64,15 @@ def _rounded(v, zero):
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-rounded = _rounded  # shared with eden.py
-
-
 def block_error(err, block, metric: str, zero=None):
   """Per-block error of float32 differences `err` (dequantized - input), with the scales' shape.
 
   "mse": sum of squares, "mae": sum of |err|, "absmax": max |err| (NaN-propagating), all float32. With `zero` (a
-  runtime uint32 0, see `_rounded`) the squares are rounded before they are summed, under any jit.
+  runtime uint32 0, see `rounded`) the squares are rounded before they are summed, under any jit.
   """
   if metric == "mse":
     sq = err * err
-    return pairwise(blocks_last(sq if zero is None else _rounded(sq, zero), block), jnp.add)
+    return pairwise(blocks_last(sq if zero is None else rounded(sq, zero), block), jnp.add)
   if metric == "mae":
     return pairwise(blocks_last(jnp.abs(err), block), jnp.add)
   if metric == "absmax":
@@ -99,13 +96,13 @@ def choose(x32, candidates, block, metric, round_fn, decode_fn, expand_fn):
   Returns:
     (element values, chosen stored scales, chosen per-block decode factors (a tuple), chosen candidate per block).
   """
-  # Block decode scales are never negative (NaN < 0 is False), which XLA cannot know: a runtime 0 for `_rounded`.
+  # Block decode scales are never negative (NaN < 0 is False), which XLA cannot know: a runtime 0 for `rounded`.
   zero = jnp.any(candidates[0].decode[0] < 0).astype(jnp.uint32)
   best = None
   for i, sc in enumerate(candidates):
     (encode,) = sc.encode
     values = round_fn(x32 * expand_fn(encode))
-    err = block_error(_rounded(decode_fn(values, sc), zero) - x32, block, metric, zero)
+    err = block_error(rounded(decode_fn(values, sc), zero) - x32, block, metric, zero)
     if best is None:
       best = (values, sc.stored, sc.decode, jnp.zeros(err.shape, jnp.int32), err)
       continue

@@ -79,14 +79,13 @@ def select_channels(scores_K: jax.Array, k: int) -> jax.Array:
 class SplitOperands(NamedTuple):
   """Operands of a split layer: `rest` (dot_general.Operands of x and W with the outlier channels zeroed), the
   MXFP8 operands x8 [M, k] and w8 [k, N] (blocks along k) for Fprop, w8_dgrad [k, N] (blocks along N) and x8_wgrad
-  [M, k] (blocks along M) for the backward (None without `backward`), and keep [K] (False at the outliers)."""
+  [M, k] (blocks along M) for the backward (None without `backward`)."""
 
   rest: Operands
   x8: Any
   w8: Any
   w8_dgrad: Any = None
   x8_wgrad: Any = None
-  keep: Any = None
 
 
 def _check_idx(idx, k_features):
@@ -116,10 +115,10 @@ def split_operands(x_MxK, w_KxN, idx_k, recipe: recipes_lib.Recipe, key, *, back
   x8 = _mxfp8(jnp.take(x_MxK, idx_k, axis=1), axis=1)
   w8 = _mxfp8(jnp.take(w_KxN, idx_k, axis=0), axis=0)
   if not backward:
-    return SplitOperands(rest, x8, w8, keep=keep)
+    return SplitOperands(rest, x8, w8)
   w8_dgrad = _mxfp8(_values(w8), axis=1)
   x8_wgrad = _mxfp8(_values(x8), axis=0)
-  return SplitOperands(rest, x8, w8, w8_dgrad, x8_wgrad, keep)
+  return SplitOperands(rest, x8, w8, w8_dgrad, x8_wgrad)
 
 
 def split_fprop(ops: SplitOperands, recipe: recipes_lib.Recipe):
@@ -131,14 +130,14 @@ def split_dgrad(dy_MxN, ops: SplitOperands, idx_k, recipe: recipes_lib.Recipe, k
   """dx [M, K] float32: the recipe's Dgrad on the rest channels, the MXFP8 Dgrad on the outlier columns."""
   dx_rest, _ = dgrad(dy_MxN, ops.rest.w_dgrad, recipe, key, compute_dtype, ops.rest.x_mask)
   dx8 = _gemm8(_mxfp8(dy_MxN, axis=1), ops.w8_dgrad, (1, 1))
-  return jnp.where(ops.keep[None, :], dx_rest, 0.0).at[:, idx_k].set(dx8)
+  return dx_rest.at[:, idx_k].set(dx8)  # the outlier columns come from the MXFP8 GEMM alone
 
 
 def split_wgrad(dy_MxN, ops: SplitOperands, idx_k, recipe: recipes_lib.Recipe, key, compute_dtype):
   """dW [K, N] float32: the recipe's Wgrad on the rest rows, the MXFP8 Wgrad on the outlier rows."""
   dw_rest, _ = wgrad(dy_MxN, ops.rest.x_wgrad, recipe, key, compute_dtype, ops.rest.w_mask)
   dw8 = _gemm8(ops.x8_wgrad, _mxfp8(dy_MxN, axis=0), (0, 0))
-  return jnp.where(ops.keep[:, None], dw_rest, 0.0).at[idx_k, :].set(dw8)
+  return dw_rest.at[idx_k, :].set(dw8)  # the outlier rows come from the MXFP8 GEMM alone
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -69,8 +69,8 @@ def quartet2(*, four_over_six: bool = False, rht_size: int = 128, stochastic_sca
   Forward: NVFP4 1x16 round-to-nearest on x and W (no Hadamard, no 2D blocks; `four_over_six` as in the released
   kernel). Backward ("MS-EDEN"): the output gradient and the dequantized Fprop x and W, re-quantized, get an RHT of
   size `rht_size` with fresh signs per call along each backward GEMM's contraction axis, then NVFP4 with the EDEN
-  correction over each Hadamard tile (eden_group = rht_size) and stochastically rounded block scales (`formats.NVFP4` scale_rule "eden"; their random bits
-  come from `sr_bits`'s generator).
+  correction over each Hadamard tile (eden_group = rht_size) and stochastically rounded block scales
+  (`formats.NVFP4` scale_rule "eden"; their random bits come from `sr_bits`'s generator).
   """
   lib = _recipes()
   fwd = lib.OperandConfig(fmt=formats.NVFP4(scale_rule="4over6") if four_over_six else formats.NVFP4())

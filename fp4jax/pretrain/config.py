@@ -146,8 +146,8 @@ class TrainConfig:
                          f"got {self.policy.recipe.name!r}.")
       if self.outcontrol.select_step >= self.steps:
         raise ValueError(f"OutControl: calibration ends after step {self.outcontrol.select_step} (start "
-                         f"{self.outcontrol.start} + window {self.outcontrol.window} - 1), beyond this {self.steps}-step "
-                         "run; use a smaller --outcontrol-start / --outcontrol-window.")
+                         f"{self.outcontrol.start} + window {self.outcontrol.window} - 1), beyond this "
+                         f"{self.steps}-step run; use a smaller --outcontrol-start / --outcontrol-window.")
 
   @property
   def train_seq_len(self) -> int:
