@@ -7,9 +7,10 @@ For y = x W with x [..., K] (tokens M = product of leading dims) and W [K, N] (o
 The "xla" backend multiplies the operands' values with float32 accumulation, which equals a real FP4 GEMM up to
 float32 summation order: either code x block scale in bfloat16 (exact: at most 6 significant bits) with the
 per-tensor scales applied to the float32 output (gemm_mode "bf16", BF16 tensor cores on a GPU), or the fully
-dequantized float32 values at HIGHEST precision (gemm_mode "f32", the reference). Residuals are kept quantized:
-the backward needs Q(W, 2D) and Q(RHT x along M), both computed in the forward pass from high-precision tensors (or,
-for operands marked `requantize`, from the dequantized Fprop operands), so no full-precision copy of x or W is saved.
+dequantized float32 values at HIGHEST precision (gemm_mode "f32", the reference); see fp4jax.gemm.
+Residuals are kept quantized: the backward needs Q(W, 2D) and Q(RHT x along M), both computed in the forward pass
+from high-precision tensors (or, for operands marked `requantize`, from the dequantized Fprop operands), so no
+full-precision copy of x or W is saved.
 
 With an RHT on Fprop and `requantize`d backward operands (Quartet), Dgrad and Wgrad run in Fprop's transformed
 basis along K; their outputs get the Fprop operands' clip masks (QuEST's straight-through estimator) and then the
@@ -21,7 +22,6 @@ The rule is built from public pieces, `layer_operands`, `fprop`, `dgrad` and `wg
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple
@@ -29,15 +29,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp4jax import formats
-from fp4jax import nvfp4
-from fp4jax.quantize import dequantize, quantize, quantize_with_clip_mask
+from fp4jax import gemm as gemm_lib
 from fp4jax import keys
 from fp4jax import recipes as recipes_lib
 from fp4jax import rht as rht_lib
-from fp4jax.qarray import QArray
+from fp4jax.gemm import resolve_gemm_mode  # pylint: disable=unused-import  (re-exported)
+from fp4jax.quantize import quantize, quantize_with_clip_mask
 
-_HIGHEST = jax.lax.Precision.HIGHEST
 # Independent randomness per GEMM, derived from the one key the caller passes per layer call.
 _DGRAD_SR, _WGRAD_SR, _RHT_SIGNS = 1, 2, 3
 _DGRAD_W_SR, _WGRAD_X_SR = 4, 5  # SR of the backward's weight / activation operands (TetraJet-v2)
@@ -75,77 +73,6 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
       x, cfg.fmt, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding,
       key=key if cfg.rounding == "stochastic" else None, random_bits=recipe.random_bits, pad=cfg.pad,
       sr_bits=recipe.sr_bits)
-
-
-def _values(operand):
-  """float32 values of an operand (dequantized if quantized)."""
-  if isinstance(operand, QArray):
-    return dequantize(operand, jnp.float32)
-  return operand.astype(jnp.float32)
-
-
-def _bf16_values(operand):
-  """(bfloat16 values, float32 per-tensor factor) with values * factor == _values(operand), or None if not exact.
-
-  NVFP4: E2M1 code x E4M3 block scale (<= 2 x 4 significant bits) and the factor amax / R (R = the format's global
-  range, 2688 for NVIDIA's rule); MXFP4: code x 2^e and 1; FP8 with one tensor scale: the E4M3 code and that scale.
-  FP8's float32 block scales, NVFP4's per-group (double_block) second-level scales and float32 operands have no
-  exact bfloat16 form. A non-finite amax makes the factor NaN, as dequantize poisons the whole tensor.
-  """
-  if not isinstance(operand, QArray):
-    return (operand, jnp.float32(1.0)) if operand.dtype == jnp.bfloat16 else None
-  poison = lambda f: jnp.where(jnp.isfinite(operand.amax), f, jnp.float32(jnp.nan))
-  if isinstance(operand.fmt, formats.NVFP4):
-    if jnp.ndim(operand.amax):  # double_block: second-level scales per 1x128 group vary along the contraction
-      return None
-    # Dequantizing with amax = the format's global range (2688 for NVIDIA's rule) multiplies by a global scale of
-    # exactly 1 and skips no other step.
-    r = operand.fmt.global_range
-    unit = dataclasses.replace(operand, amax=jnp.full_like(operand.amax, r))
-    return dequantize(unit, jnp.bfloat16), poison(nvfp4.global_decode_scale(operand.amax, r))
-  if isinstance(operand.fmt, formats.MXFP4):  # code x 2^e, and Tseng's 4/3 ("tseng") as the per-tensor factor
-    unit = dataclasses.replace(operand, fmt=formats.MXFP4())  # every rule stores the same E8M0 scales
-    return dequantize(unit, jnp.bfloat16), jnp.float32(operand.fmt.tensor_factor)
-  if operand.scales.ndim == 0:  # FP8 with per-tensor scaling
-    unit = dataclasses.replace(operand, scales=jnp.ones_like(operand.scales))
-    return dequantize(unit, jnp.bfloat16), poison(operand.scales.astype(jnp.float32))
-  return None
-
-
-def resolve_gemm_mode(recipe: recipes_lib.Recipe, platform: str | None = None) -> str:
-  """The recipe's GEMM mode, with "auto" resolved: "bf16" on every platform (`platform` changes nothing now).
-
-  GPUs and TPUs multiply bf16 on tensor cores / the MXU, many times their float32 rate. On XLA:CPU "bf16" is faster
-  too (~15% per quantized layer, jax 0.10.2: XLA hands bf16 dots to XNNPACK), and `_gemm` widens the one layout
-  XLA:CPU cannot multiply in bf16 (see there). Its products are exact, so "bf16" differs from the float32 reference
-  ("f32") only in float32 summation order; pass gemm_mode="f32" for runs that must reproduce float32-GEMM results
-  bit for bit (golden losses, stored results).
-  """
-  del platform  # every platform measured is faster in bf16
-  return "bf16" if recipe.gemm_mode == "auto" else recipe.gemm_mode
-
-
-def _gemm(a, b, contract, recipe):
-  """a . b contracting axes `contract` = (a_axis, b_axis), float32 accumulation, in the recipe's GEMM mode."""
-  if recipe.backend == "pallas" and isinstance(a, QArray) and isinstance(b, QArray):
-    from fp4jax import backends  # pylint: disable=g-import-not-at-top
-    out = backends.pallas_gemm(a, b, contract)
-    if out is not None:
-      return out
-  dims = (((contract[0],), (contract[1],)), ((), ()))
-  if resolve_gemm_mode(recipe) == "bf16":
-    av, bv = _bf16_values(a), _bf16_values(b)
-    if av is not None and bv is not None:
-      if contract[0] != av[0].ndim - 1 and jax.default_backend() == "cpu":
-        # XLA:CPU has no bf16 x bf16 -> f32 kernel for an lhs contracted on its first axis once vmap gives the rhs
-        # a second free axis (Wgrad under vmap): that fails at run time ("Unsupported element type for DotThunk").
-        # Unbatched, XLA:CPU widens this form to float32 itself; widening here (exact) does it in every case.
-        out = jax.lax.dot_general(av[0].astype(jnp.float32), bv[0].astype(jnp.float32), dims, precision=_HIGHEST,
-                                  preferred_element_type=jnp.float32)
-      else:
-        out = jax.lax.dot_general(av[0], bv[0], dims, preferred_element_type=jnp.float32)
-      return (out * av[1]) * bv[1]  # two products, not one: a * b of two tiny or huge factors may over/underflow
-  return jax.lax.dot_general(_values(a), _values(b), dims, precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
 def _token_multiple(recipe: recipes_lib.Recipe) -> int:
@@ -218,7 +145,7 @@ def dgrad_weight(w_KxN, wq_fprop, recipe, key, compute_dtype):
   if recipe.dgrad_reuses_weight:
     return wq_fprop
   if recipe.dgrad.rhs.requantize:
-    w_KxN = _values(_fprop_source(wq_fprop, "dgrad_weight", "wq_fprop")).astype(w_KxN.dtype)
+    w_KxN = gemm_lib.f32_values(_fprop_source(wq_fprop, "dgrad_weight", "wq_fprop")).astype(w_KxN.dtype)
   return quantize_operand(w_KxN, recipe.dgrad.rhs, axis=1, recipe=recipe, key=jax.random.fold_in(key, _DGRAD_W_SR),
                           signs=_rht_signs(recipe, key), compute_dtype=compute_dtype)
 
@@ -227,7 +154,7 @@ def wgrad_activations(x_MxK, recipe, key, xq_fprop=None):
   """Wgrad's activation operand: x (or the dequantized Fprop x, with `requantize`) padded to the token multiple,
   RHT and blocks along M (tokens)."""
   if recipe.wgrad.rhs.requantize:
-    x_MxK = _values(_fprop_source(xq_fprop, "wgrad_activations", "xq_fprop")).astype(x_MxK.dtype)
+    x_MxK = gemm_lib.f32_values(_fprop_source(xq_fprop, "wgrad_activations", "xq_fprop")).astype(x_MxK.dtype)
   x_MxK = _pad_tokens(x_MxK, _token_multiple(recipe))
   return quantize_operand(x_MxK, recipe.wgrad.rhs, axis=0, recipe=recipe, key=jax.random.fold_in(key, _WGRAD_X_SR),
                           signs=_rht_signs(recipe, key), compute_dtype=x_MxK.dtype)
@@ -275,14 +202,14 @@ def layer_operands(x_MxK, w_KxN, recipe: recipes_lib.Recipe, key, *, backward: b
 
 def fprop(ops: Operands, recipe: recipes_lib.Recipe):
   """Fprop y [M, N] = x_fprop @ w_fprop, float32."""
-  return _gemm(ops.x_fprop, ops.w_fprop, (1, 0), recipe)
+  return gemm_lib.gemm(ops.x_fprop, ops.w_fprop, (1, 0), recipe)
 
 
 def dgrad(dy_MxN, w_dgrad, recipe: recipes_lib.Recipe, key, compute_dtype, x_mask=None):
   """Dgrad: (dx [M, K] float32, the quantized dY operand) from the output gradient and Dgrad's weight operand
   (and Fprop x's clip mask, `Operands.x_mask`, when the recipe masks it)."""
   dyq = dgrad_gradient(dy_MxN, recipe, key, compute_dtype)
-  dx = _gemm(dyq, w_dgrad, (1, 1), recipe)[:dy_MxN.shape[0]]
+  dx = gemm_lib.gemm(dyq, w_dgrad, (1, 1), recipe)[:dy_MxN.shape[0]]
   return to_input_basis(dx, x_mask, recipe, key, axis=1, in_fprop_basis=recipe.dgrad.rhs.requantize,
                          what="x"), dyq
 
@@ -291,7 +218,7 @@ def wgrad(dy_MxN, x_wgrad, recipe: recipes_lib.Recipe, key, compute_dtype, w_mas
   """Wgrad: (dW [K, N] float32, the quantized dY operand) from the output gradient and Wgrad's activation operand
   (and Fprop W's clip mask, `Operands.w_mask`, when the recipe masks it)."""
   dyq_t = wgrad_gradient(dy_MxN, recipe, key, compute_dtype)
-  dw = _gemm(x_wgrad, dyq_t, (0, 0), recipe)
+  dw = gemm_lib.gemm(x_wgrad, dyq_t, (0, 0), recipe)
   return to_input_basis(dw, w_mask, recipe, key, axis=0, in_fprop_basis=recipe.wgrad.rhs.requantize,
                          what="w"), dyq_t
 

@@ -6,37 +6,24 @@ Change a field with `fmt.replace(...)`, e.g. `MXFP4().replace(scale_rule="ceil")
 Each format owns its rules: how block scales follow from block and tensor amaxes (`scaling_from_amax`), how
 stored scales decode (`scaling_from_stored`), how element values are stored (`pack` / `unpack`), whether it has one
 scale per tensor (`per_tensor`). `quantize.py` only calls these; the arithmetic lives in nvfp4.py, mxfp4.py, fp8.py.
+
+This module holds the FP4 formats (NVFP4, MXFP4) and the registry of named formats (`get_format`); FP8 and MXFP8
+live in formats_fp8.py, the shared `Scaling` and base class in formats_base.py (all re-exported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, NamedTuple, Union
+from typing import Literal, Union
 
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax import fp8
 from fp4jax import grids
 from fp4jax import mxfp4
 from fp4jax import nvfp4
-
-
-class Scaling(NamedTuple):
-  """A tensor's scales in the form the quantizer applies them; per-block arrays have the scales' shape.
-
-  stored: the block scales as a QArray stores them.
-  encode: float32 per-block factors, applied left to right: x * encode[0] * encode[1] ... is on the element scale.
-  decode: float32 per-block factors taking element values back, applied left to right (then `tensor_decode`).
-  tensor_decode: float32 scalar applied after `decode` (NVFP4's amax / 2688), or None.
-  nan_blocks: bool per block, blocks that decode to NaN whatever their elements (MXFP4's E8M0 NaN), or None.
-  """
-
-  stored: Any
-  encode: tuple[Any, ...]
-  decode: tuple[Any, ...]
-  tensor_decode: Any = None
-  nan_blocks: Any = None
+from fp4jax.formats_base import FormatBase, Scaling  # Scaling re-exported: formats.Scaling
+from fp4jax.formats_fp8 import FP8, MXFP8  # re-exported: formats.FP8, formats.MXFP8
 
 
 NVFP4_SCALE_RULES = ("nearest", "up", "4over6", "eden")
@@ -53,38 +40,7 @@ def _f32(v: float) -> float:
   return float(np.float32(v))
 
 
-class _Format:
-  """Shared helpers of the format dataclasses."""
-
-  def scaling_candidates(self, amax_b, amax):
-    """Several candidate scalings to choose from per block, or None (the single `scaling_from_amax`)."""
-    del amax_b, amax
-    return None
-
-  corrects_scales = False
-  uses_std = False  # block scales from the blocks' standard deviations (MXFP4 "quest"), see quantize.py
-
-  def group_amax(self, amax_b, block):
-    """The second-level amaxes per group of blocks, or None (one amax for the whole tensor)."""
-    del amax_b, block
-    return None
-
-  name: str
-  block_size: int
-  is_fp4 = False
-  per_tensor = False  # one scale for the whole tensor instead of one per block
-
-  def replace(self, **changes):
-    """Returns a copy with `changes` applied (validated)."""
-    return dataclasses.replace(self, **changes)
-
-  @property
-  def label(self) -> str:
-    """Short name with the options that change the bits, e.g. 'mxfp4(ceil)'."""
-    return self.name
-
-
-class _FP4Format(_Format):
+class _FP4Format(FormatBase):
   """E2M1 elements: 4-bit codes, packed two per byte along the quantized axis."""
 
   is_fp4 = True
@@ -344,94 +300,6 @@ class MXFP4(_FP4Format):
     return Scaling(scales, (), mxfp4.pow2_factors(e), self._tensor_decode, nan_blocks=is_nan)
 
 
-@dataclasses.dataclass(frozen=True)
-class FP8(_Format):
-  """FP8 E4M3 with current (just-in-time) scaling: the paper's FP8 baseline (arXiv 2509.25149, App. A.1).
-
-  scaling:
-    "tensor": one float32 scale for the whole tensor (classic per-tensor current scaling).
-    "block":  one float32 scale per `block_size` elements along the quantized axis (1x128 for activations and
-              gradients), or per block_size x block_size tile with `block_2d=True` (128x128 for weights).
-  Scale = amax / 448; elements = E4M3(x * (448 / amax)), round-to-nearest-even, saturating at +-448.
-  """
-
-  scaling: Literal["tensor", "block"] = "block"
-  block_size: int = 128
-  name: str = dataclasses.field(default="fp8", init=False)
-
-  def __post_init__(self):
-    if self.scaling not in ("tensor", "block"):
-      raise ValueError(f"FP8 scaling must be 'tensor' or 'block'; got {self.scaling!r}.")
-    if self.block_size < 1:
-      raise ValueError(f"FP8 block_size must be positive; got {self.block_size}.")
-
-  elem_max = grids.E4M3_MAX
-  scale_dtype = jnp.float32
-
-  @property
-  def per_tensor(self) -> bool:
-    return self.scaling == "tensor"
-
-  @property
-  def label(self) -> str:
-    return f"{self.name}({self.scaling})"
-
-  def scaling_from_amax(self, amax_b, amax) -> Scaling:
-    """Scales from block amaxes (current scaling: amax / 448 per block, or per tensor)."""
-    del amax
-    decode, encode = fp8.scales(amax_b)
-    return Scaling(decode, (encode,), (decode,))
-
-  def scaling_from_stored(self, scales, amax) -> Scaling:
-    """Decode scales from stored float32 block scales."""
-    del amax
-    return Scaling(scales, (), (scales.astype(jnp.float32),))
-
-  def pack(self, values, axis: int):
-    """Storage of E4M3 values (float32, already on the grid): float8_e4m3fn, unpacked."""
-    del axis
-    return values.astype(jnp.float8_e4m3fn)
-
-  def unpack(self, stored, axis: int):
-    del axis
-    return stored.astype(jnp.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class MXFP8(_Format):
-  """OCP MXFP8 (E4M3): E4M3 elements, one power-of-two E8M0 scale per 32 elements, no per-tensor scale.
-
-  The scale is 2^ceil(log2(amax_b / 448)), the smallest power of two that keeps the block max within E4M3's 448
-  (TetraJet-v2's kernels round amax_b / 448 up to E8M0: thu-ml/TetraJet-v2-NVFP4Training, kernels/csrc/quant_fp8.cu
-  and utils.hpp); elements round to nearest even. OutControl (fp4jax.outcontrol) runs outlier channels in it.
-  """
-
-  block_size: int = 32
-  name: str = dataclasses.field(default="mxfp8", init=False)
-
-  def __post_init__(self):
-    if self.block_size != 32:
-      raise ValueError(f"MXFP8 uses 32-element blocks; got block_size={self.block_size}.")
-
-  elem_max = grids.E4M3_MAX
-  scale_dtype = jnp.float8_e8m0fnu
-
-  def scaling_from_amax(self, amax_b, amax) -> Scaling:
-    """Scales from block amaxes; blocks holding NaN store the E8M0 NaN."""
-    del amax
-    e = mxfp4.e4m3_scale_exponent(amax_b)
-    return Scaling(mxfp4.encode_scales(e, amax_b), mxfp4.pow2_factors(-e), mxfp4.pow2_factors(e),
-                   nan_blocks=jnp.isnan(amax_b))
-
-  def scaling_from_stored(self, scales, amax) -> Scaling:
-    del amax
-    e, is_nan = mxfp4.decode_exponents(scales)
-    return Scaling(scales, (), mxfp4.pow2_factors(e), nan_blocks=is_nan)
-
-  pack = FP8.pack
-  unpack = FP8.unpack
-
-
 Format = Union[NVFP4, MXFP4, MXFP8, FP8]
 
 _NAMED = {
@@ -450,7 +318,7 @@ _NAMED = {
 
 def get_format(fmt: str | Format) -> Format:
   """Returns the format named `fmt` (one of FORMAT_NAMES), or `fmt` itself if it already is a format."""
-  if isinstance(fmt, _Format):
+  if isinstance(fmt, FormatBase):
     return fmt
   if isinstance(fmt, str) and fmt.lower() in _NAMED:
     return _NAMED[fmt.lower()]

@@ -35,9 +35,10 @@ import jax.numpy as jnp
 from fp4jax import formats
 from fp4jax import keys
 from fp4jax import recipes as recipes_lib
-from fp4jax.dot_general import (Operands, _canonical_weight_axes, _check_block_divisibility, _values, dgrad, fprop,
+from fp4jax.dot_general import (Operands, _canonical_weight_axes, _check_block_divisibility, dgrad, fprop,
                                 layer_operands, wgrad)
 from fp4jax.dot_general import dot_general as plain_dot_general
+from fp4jax.gemm import f32_values as _values
 from fp4jax.quantize import quantize
 
 MXFP8 = formats.MXFP8()

@@ -19,6 +19,7 @@ from typing import Literal
 
 from fp4jax import formats
 from fp4jax import prng
+from fp4jax import recipe_names
 from fp4jax import rht as rht_lib
 # The newer presets (Four Over Six, TetraJet-v2, Quartet II, Quartet), re-exported: fp4jax.recipes.quartet2() etc.
 from fp4jax.recipes_beyond import four_over_six, quartet, quartet2, tetrajet_v2
@@ -107,7 +108,7 @@ class Recipe:
     gemm_mode: how the xla backend multiplies quantized operands: "f32" (dequantized float32 values at HIGHEST
       precision, the reference), "bf16" (code x block scale, exact in bf16, with float32 accumulation and the
       per-tensor scales applied to the output: equal to "f32" up to summation order) or "auto" (bf16: faster on
-      every platform measured, CPU included; see fp4jax.dot_general.resolve_gemm_mode).
+      every platform measured, CPU included; see fp4jax.gemm.resolve_gemm_mode).
   """
 
   name: str = "bf16"
@@ -244,35 +245,6 @@ def bf16(*, sr_bits: str = "hash", gemm_mode: str = "auto") -> Recipe:
   return Recipe(name="bf16", sr_bits=sr_bits, gemm_mode=gemm_mode)
 
 
-def _ablation_name(name, *, rht_on, rht_size, default_rht_size, stochastic_rounding, weight_2d, signs,
-                   random_bits, sr_bits="hash", gemm_mode="auto", extra_tags="") -> str:
-  """'nvfp4' for the paper's recipe, with one tag per switched component, e.g. 'nvfp4-rht-sr'."""
-  tags = []
-  if not rht_on:
-    tags.append("-rht")
-  else:
-    if tuple(rht_on) != ("wgrad",):
-      tags.append("-rht@" + "+".join(rht_on))
-    if rht_size != default_rht_size:
-      tags.append(f"-rht{rht_size}")
-    if signs != "fixed":
-      tags.append(f"-signs:{signs}")
-  if not stochastic_rounding:
-    tags.append("-sr")
-  else:
-    if random_bits != 32:
-      tags.append(f"-sr{random_bits}bit")
-    if sr_bits != "hash":
-      tags.append(f"-{sr_bits}")
-  if not weight_2d:
-    tags.append("-2d")
-  return name + "".join(tags) + extra_tags + _gemm_tag(gemm_mode)
-
-
-def _gemm_tag(gemm_mode: str) -> str:
-  return "" if gemm_mode == "auto" else f"-gemm:{gemm_mode}"
-
-
 def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht_on, random_signs, random_bits,
                 backend, default_rht_size, sr_bits, gemm_mode, sr_fmt=None, extra_tags="") -> Recipe:
   # A CLI typo ("stochastic_rounding=flase") parses to a truthy string: reject it rather than silently enable.
@@ -300,9 +272,10 @@ def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht
   else:
     raise ValueError(f"random_signs must be True, False or one of {RHT_SIGNS}; got {random_signs!r}.")
   return Recipe(
-      name=_ablation_name(name, rht_on=rht_on, rht_size=rht_size, default_rht_size=default_rht_size,
-                          stochastic_rounding=stochastic_rounding, weight_2d=weight_2d, signs=signs,
-                          random_bits=random_bits, sr_bits=sr_bits, gemm_mode=gemm_mode, extra_tags=extra_tags),
+      name=recipe_names.ablation_name(name, rht_on=rht_on, rht_size=rht_size, default_rht_size=default_rht_size,
+                                      stochastic_rounding=stochastic_rounding, weight_2d=weight_2d, signs=signs,
+                                      random_bits=random_bits, sr_bits=sr_bits, gemm_mode=gemm_mode,
+                                      extra_tags=extra_tags),
       fprop=GemmConfig(op(gemm="fprop"), op(block_2d=weight_2d, gemm="fprop")),
       dgrad=GemmConfig(op(grad_rounding, gemm="dgrad"), op(block_2d=weight_2d, gemm="dgrad")),
       wgrad=GemmConfig(op(grad_rounding, gemm="wgrad"), op(gemm="wgrad")),
@@ -370,18 +343,13 @@ def fp8(*, block_size: int = 128, scaling: str = "block", sr_bits: str = "hash",
   fmt = formats.FP8(scaling=scaling, block_size=block_size)
   act = OperandConfig(fmt=fmt, pad=True)
   weight = OperandConfig(fmt=fmt, block_2d=True, pad=True)
-  return Recipe(name="fp8" + _gemm_tag(gemm_mode), fprop=GemmConfig(act, weight), dgrad=GemmConfig(act, weight),
-                wgrad=GemmConfig(act, act), sr_bits=sr_bits, gemm_mode=gemm_mode)
+  return Recipe(name="fp8" + recipe_names.gemm_tag(gemm_mode), fprop=GemmConfig(act, weight),
+                dgrad=GemmConfig(act, weight), wgrad=GemmConfig(act, act), sr_bits=sr_bits, gemm_mode=gemm_mode)
 
 
 PRESETS = {"bf16": bf16, "nvfp4": nvfp4, "mxfp4": mxfp4, "fp8": fp8, "four_over_six": four_over_six,
            "tetrajet_v2": tetrajet_v2, "quartet2": quartet2, "quartet": quartet}
 RECIPE_NAMES = tuple(PRESETS)
-
-
-def _parse_value(text: str):
-  from fp4jax import cli_values  # pylint: disable=g-import-not-at-top
-  return cli_values.parse_scalar(text)
 
 
 def get_recipe(spec: str | Recipe) -> Recipe:
@@ -391,21 +359,5 @@ def get_recipe(spec: str | Recipe) -> Recipe:
   """
   if isinstance(spec, Recipe):
     return spec
-  name, _, args = str(spec).partition(":")
-  name = name.strip().lower()
-  if name not in PRESETS:
-    raise ValueError(f"Unknown recipe {name!r}; expected one of {list(RECIPE_NAMES)}.")
-  kwargs = {}
-  for item in filter(None, (a.strip() for a in args.split(","))):
-    key, eq, value = item.partition("=")
-    if not eq:
-      raise ValueError(f"Recipe override {item!r} is not of the form key=value.")
-    kwargs[key.strip()] = _parse_value(value)
-  import inspect  # pylint: disable=g-import-not-at-top
-  valid = list(inspect.signature(PRESETS[name]).parameters)
-  unknown = [k for k in kwargs if k not in valid]
-  if unknown:
-    raise ValueError(f"Unknown option(s) {unknown} for recipe {name!r}; valid: {valid}.")
-  if isinstance(kwargs.get("rht_on"), str):
-    kwargs["rht_on"] = (kwargs["rht_on"],)
+  name, kwargs = recipe_names.parse_spec(spec, PRESETS)
   return PRESETS[name](**kwargs)

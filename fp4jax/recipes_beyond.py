@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fp4jax import formats
+from fp4jax import recipe_names
 
 if TYPE_CHECKING:
   from fp4jax.recipes import Recipe
@@ -22,8 +23,7 @@ def _recipes():
 
 def _speed_tags(stochastic: bool, sr_bits: str, gemm_mode: str) -> str:
   """Name tags of the SR generator (only when something is rounded stochastically) and the GEMM mode."""
-  gemm_tag = _recipes()._gemm_tag(gemm_mode)  # pylint: disable=protected-access  (one rule for every preset)
-  return (f"-{sr_bits}" if stochastic and sr_bits != "hash" else "") + gemm_tag
+  return (f"-{sr_bits}" if stochastic and sr_bits != "hash" else "") + recipe_names.gemm_tag(gemm_mode)
 
 
 def four_over_six(*, select: str = "mse", unbiased_sr=False, rht: bool = True, rht_size: int = 16,

@@ -46,9 +46,13 @@ class Gemm:
     self.a = [qa(x) for x in self.x]
     self.b = [qb(w) for w in self.w]
     self.recipe = fp4jax.recipes.nvfp4()
-    # The library's own xla-path GEMM (it honours the recipe's GEMM mode); a local float32 HIGHEST emulation of it
-    # if this fp4jax has renamed it (then no bf16-operand row can be measured).
-    self.xla_gemm = getattr(importlib.import_module("fp4jax.dot_general"), "_gemm", None)
+    # The library's own xla-path GEMM (it honours the recipe's GEMM mode): fp4jax.gemm.gemm, or
+    # fp4jax.dot_general._gemm in versions before the split; a local float32 HIGHEST emulation of it if this fp4jax
+    # has neither (then no bf16-operand row can be measured).
+    try:
+      self.xla_gemm = importlib.import_module("fp4jax.gemm").gemm
+    except (ImportError, AttributeError):
+      self.xla_gemm = getattr(importlib.import_module("fp4jax.dot_general"), "_gemm", None)
     self.library_gemm = self.xla_gemm is not None
     if not self.library_gemm:
       dims = (((1,), (0,)), ((), ()))
@@ -89,7 +93,7 @@ def bench_size(sec: report.Section, g: Gemm) -> dict:
   paths = [("xla f32 HIGHEST (reference)", lambda a, b: g.xla_gemm(a, b, (1, 0), g.recipe))]
   bf16_recipe, how = report.with_bf16_gemm(g.recipe)
   if not g.library_gemm:
-    bf16_recipe, how = None, "fp4jax.dot_general._gemm not found: the xla rows use a local float32 emulation"
+    bf16_recipe, how = None, "fp4jax.gemm.gemm not found: the xla rows use a local float32 emulation"
   if bf16_recipe is not None:
     paths.append((f"xla bf16-operand ({how})", lambda a, b: g.xla_gemm(a, b, (1, 0), bf16_recipe)))
   else:

@@ -1,10 +1,11 @@
-"""Data pipeline: corpus files -> cached token stream -> deterministic batches.
+"""Data pipeline: corpus files -> cached token stream -> deterministic batches (batches.py, re-exported here).
 
 The token stream is built once per (corpus content, tokenizer config) and cached as a zarr array through
 tensorstore; batches are a pure function of (seed, split, step), so a resumed or multi-process run sees exactly
 the batches a single uninterrupted run would.
 
-Kept free of the rest of fp4jax (numpy, tensorstore, tqdm only) so it can be used and tested on its own.
+Kept free of the rest of fp4jax (numpy, tensorstore, tqdm and batches.py only) so it can be used and tested on its
+own.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import numpy as np
 import tensorstore as ts
 import tqdm
 
+# Batching lives in batches.py; re-exported here (data.get_batch, data.val_batches, data.SPLITS).
+from fp4jax.pretrain.batches import SPLITS, get_batch, val_batches  # pylint: disable=unused-import
+
 BUILTIN_CORPUS = "shakespeare"
 TEXT_SUFFIXES = (".txt", ".md")
-SPLITS = {"train": 0, "val": 1}
 # Bumped whenever the on-disk layout or the tokenization scheme changes, so stale caches are never reused.
 _CACHE_FORMAT = 1
 # Files are joined with a blank line so the last line of one document does not run into the next.
@@ -328,81 +331,3 @@ def load_dataset(config: DataConfig) -> TokenDataset:
       tokenizer=config.tokenizer,
       tokenizer_file=tokenizer_file,
   )
-
-
-# ---------------------------------------------------------------------------------------------- batches
-
-
-def _split_tokens(dataset: TokenDataset, split: str) -> np.ndarray:
-  if split not in SPLITS:
-    raise ValueError(f"split must be one of {tuple(SPLITS)}, got {split!r}.")
-  return dataset.train if split == "train" else dataset.val
-
-
-def _check_batch_args(tokens, split, batch_size, seq_len, process_index, process_count) -> int:
-  """Validates shapes and the process layout; returns rows per process."""
-  if batch_size < 1 or seq_len < 1:
-    raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}.")
-  if process_count < 1 or not 0 <= process_index < process_count:
-    raise ValueError(f"Need 0 <= process_index < process_count, got {process_index} and {process_count}.")
-  if batch_size % process_count:
-    raise ValueError(f"batch_size={batch_size} must be divisible by process_count={process_count}.")
-  if seq_len + 1 > tokens.size:
-    raise ValueError(f"seq_len+1={seq_len + 1} tokens per window exceeds the {split} split length {tokens.size}.")
-  return batch_size // process_count
-
-
-def _windows(tokens: np.ndarray, starts_B: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
-  """Gathers seq_len+1 tokens per start; targets are the inputs shifted left by one."""
-  idx_BxT1 = starts_B[:, None] + np.arange(seq_len + 1)[None, :]
-  w_BxT1 = tokens[idx_BxT1].astype(np.int32)
-  return {"inputs": w_BxT1[:, :-1], "targets": w_BxT1[:, 1:]}
-
-
-def get_batch(
-    dataset: TokenDataset,
-    split: str,
-    step: int,
-    *,
-    batch_size: int,
-    seq_len: int,
-    seed: int,
-    process_index: int = 0,
-    process_count: int = 1,
-) -> dict[str, np.ndarray]:
-  """Random windows for one step: int32 inputs/targets [batch_size // process_count, seq_len].
-
-  Window starts for the global batch depend only on (seed, split, step); process p takes rows
-  [p * B_local, (p + 1) * B_local), so the processes' slices concatenate to the single-process batch.
-  """
-  tokens = _split_tokens(dataset, split)
-  b_local = _check_batch_args(tokens, split, batch_size, seq_len, process_index, process_count)
-  if seed < 0 or step < 0:
-    raise ValueError(f"seed and step must be >= 0, got seed={seed}, step={step}.")
-  rng = np.random.default_rng([seed, SPLITS[split], step])
-  starts_B = rng.integers(0, tokens.size - seq_len, size=batch_size)
-  lo = process_index * b_local
-  return _windows(tokens, starts_B[lo: lo + b_local], seq_len)
-
-
-def val_batches(
-    dataset: TokenDataset,
-    *,
-    batch_size: int,
-    seq_len: int,
-    num_batches: int,
-    process_index: int = 0,
-    process_count: int = 1,
-) -> list[dict[str, np.ndarray]]:
-  """Fixed, evenly spaced validation windows (no randomness), so val loss is comparable across runs.
-
-  Windows overlap when the val split is shorter than num_batches * batch_size * (seq_len + 1).
-  """
-  if num_batches < 1:
-    raise ValueError(f"num_batches must be >= 1, got {num_batches}.")
-  tokens = dataset.val
-  b_local = _check_batch_args(tokens, "val", batch_size, seq_len, process_index, process_count)
-  starts = np.linspace(0, tokens.size - seq_len - 1, num_batches * batch_size).round().astype(np.int64)
-  starts_NxB = starts.reshape(num_batches, batch_size)
-  lo = process_index * b_local
-  return [_windows(tokens, starts_NxB[i, lo: lo + b_local], seq_len) for i in range(num_batches)]

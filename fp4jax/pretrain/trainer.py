@@ -1,9 +1,10 @@
 """The training loop: `train(config)` and `evaluate(out)`.
 
 The loop runs the compiled step of the current precision phase; everything periodic (validation, quantization
-statistics, checkpoints, the metrics log, the caller's hooks) is a `Hook(fn, every=N)`. Batches are a pure function
-of (seed, step) and the step key is fold_in(run key, step), so a run resumed from a checkpoint reproduces an
-uninterrupted one bit for bit, stochastic rounding included.
+statistics, checkpoints, the metrics log, the caller's hooks) is a `Hook(fn, every=N)` (hooks.py); the model,
+data and step-0 state come from run_setup.py. Batches are a pure function of (seed, step) and the step key is
+fold_in(run key, step), so a run resumed from a checkpoint reproduces an uninterrupted one bit for bit, stochastic
+rounding included.
 
 Multi-process runs (fp4jax.pretrain.distributed.init_distributed first): every process runs this same loop on its
 own rows of each batch; process 0 alone writes metrics.jsonl and the log (each checkpoint holds the config),
@@ -15,8 +16,6 @@ same step. Unreadable checkpoints are not skipped in multi-process runs (see fp4
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import pathlib
 import signal
 import threading
@@ -37,20 +36,19 @@ from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import data as data_lib
 from fp4jax.pretrain import distributed
 from fp4jax.pretrain import metrics as metrics_lib
-from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain import osci as osci_lib
-from fp4jax.pretrain import outcontrol as outcontrol_lib
 from fp4jax.pretrain import resume as resume_lib
 from fp4jax.pretrain import runfolder
 from fp4jax.pretrain.config import TrainConfig
+# Re-exported: trainer.Hook, trainer.build_model, ... (their homes are hooks.py and run_setup.py).
+from fp4jax.pretrain.hooks import Hook, StepInfo, record_hook
+from fp4jax.pretrain.run_setup import build_model, initial_state, load_data, run_keys
 from fp4jax.pretrain.sharding import Placement
 from fp4jax.pretrain.steps import CompileCache, Phases, TrainState
 
 # What processes other than process 0 write metrics to.
 _NO_METRICS = types.SimpleNamespace(write=lambda record: None)
-# Independent streams derived from the run key.
-_INIT_STREAM, _STEP_STREAM, _EVAL_STREAM, _STATS_STREAM = 0, 1, 2, 3
 
 
 class TrainingDiverged(RuntimeError):
@@ -63,111 +61,6 @@ class TrainingDiverged(RuntimeError):
     super().__init__(f"Training diverged at step {step}: loss={loss}, grad_norm={grad_norm} (non-finite). "
                      f"The diverged state was not saved; {kept}. Try a lower --lr, more BF16 layers "
                      "(--bf16-last), or another --recipe.")
-
-
-@dataclasses.dataclass
-class StepInfo:
-  """What a hook sees: the step index, the train state, and the step's metrics record (hooks may add to it).
-
-  Hooks before the update see `state` before step `step`; hooks after it see the updated state and the step's loss.
-  `final` marks the one extra call after the last step (step == config.steps).
-  """
-
-  step: int
-  state: TrainState
-  record: dict[str, Any]
-  final: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Hook:
-  """Periodic work: `fn(info)` at steps that are multiples of `every` (0: never), and at the final call."""
-
-  fn: Callable[[StepInfo], None]
-  every: int = 1
-
-  def __call__(self, info: StepInfo) -> None:
-    if info.final or (self.every > 0 and info.step % self.every == 0):
-      self.fn(info)
-
-
-def record_hook(fn: Callable[[int, dict[str, Any]], None], every: int = 1) -> Hook:
-  """A Hook from a callable (step, record) -> None, called after each step and once more at the end."""
-  return Hook(lambda info: fn(info.step, info.record), every)
-
-
-# --- setup --------------------------------------------------------------------------------------------------------
-
-def run_keys(seed: int) -> dict[str, jax.Array]:
-  """The run's PRNG streams: init, step (fold in the step index), eval, stats."""
-  base = jax.random.key(seed)
-  return {name: jax.random.fold_in(base, stream) for name, stream in
-          (("init", _INIT_STREAM), ("step", _STEP_STREAM), ("eval", _EVAL_STREAM), ("stats", _STATS_STREAM))}
-
-
-def build_model(config: TrainConfig, key: jax.Array) -> model_lib.Transformer:
-  """The model with freshly initialised float32 params, built with the policy's per-layer recipes of step 0."""
-  names = model_lib.layer_names(config.model)
-  recipes = config.policy.layer_recipes(names, config.model.n_layers, 0, config.steps)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda k: _make_model(config.model, recipes, k), key))
-  return nnx.merge(graphdef, _init_state(config.model, key))
-
-
-def _make_model(model_config, recipe, key):
-  return model_lib.Transformer(model_config, recipe=recipe, rngs=nnx.Rngs(params=key))
-
-
-# Initialised under jit: one compile per model config instead of one per eager initializer op. Recipes are static
-# layer settings that initialisation never reads, so the params come from a BF16 model of the same shapes.
-@functools.partial(jax.jit, static_argnums=0)
-def _init_state(model_config, key):
-  return nnx.state(_make_model(model_config, None, key))
-
-
-def load_data(config: TrainConfig, process_index: int = 0, process_count: int = 1
-              ) -> tuple[data_lib.TokenDataset, list[dict[str, np.ndarray]]]:
-  """The dataset and the fixed validation batches (row block `process_index` of `process_count`); checks the
-  vocabulary fits the model."""
-  dataset = data_lib.load_dataset(config.data)
-  if dataset.vocab_size > config.model.vocab_size:
-    raise ValueError(f"The tokenizer has {dataset.vocab_size} tokens but the model's vocab_size is "
-                     f"{config.model.vocab_size}: pass --model.vocab_size {dataset.vocab_size}.")
-  _check_corpus_size(dataset, config)
-  if not config.evaluation.batches:
-    return dataset, []
-  val = data_lib.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
-                             num_batches=config.evaluation.batches, process_index=process_index,
-                             process_count=process_count)
-  return dataset, val
-
-
-def _check_corpus_size(dataset: data_lib.TokenDataset, config: TrainConfig) -> None:
-  """Every window takes seq_len+1 tokens from one split; says how to fix a corpus too small for that."""
-  window, frac = config.train_seq_len + 1, config.data.val_fraction
-  n_train, n_val = dataset.train.size, dataset.val.size if config.evaluation.batches else window
-  if n_train >= window and n_val >= window:
-    return
-  if config.evaluation.batches and frac <= 0:
-    raise ValueError(f"data.val_fraction=0 leaves no validation split, but eval_batches={config.evaluation.batches}: "
-                     "pass --eval-batches 0 or a --data.val_fraction > 0.")
-  n = n_train + dataset.val.size
-  need = int(np.ceil(window / frac)) if config.evaluation.batches else window
-  while need - int(np.ceil(need * frac)) < window:  # the smallest corpus whose splits both hold a window
-    need += 1
-  fits = min(n_train, n_val) - 1
-  raise ValueError(
-      f"The corpus is too small: it has {n} tokens (train split {n_train}, validation split {dataset.val.size} at "
-      f"val_fraction={frac}), but every window needs seq_len+1={window} tokens from one split, so it needs at "
-      f"least {need} tokens. Use a larger --corpus"
-      + (f", a --seq-len of at most {fits}" if fits >= 1 else "")
-      + (", or --eval-batches 0 to skip validation." if config.evaluation.batches else "."))
-
-
-def initial_state(config: TrainConfig, params, optimizer_init: Callable) -> TrainState:
-  """The step-0 TrainState for `params`: optimizer_init(params), and zero OsciReset / OutControl statistics when
-  they are on."""
-  return TrainState(params=params, opt_state=optimizer_init(params), step=jnp.asarray(0, jnp.int32),
-                    osci=osci_lib.initial_state(config, params), outcontrol=outcontrol_lib.initial_state(config))
 
 
 def _placement(config: TrainConfig, state: TrainState) -> Placement:

@@ -11,6 +11,7 @@ import pytest
 
 import fp4jax
 from fp4jax import eden
+from fp4jax import gemm
 from fp4jax import recipes
 from fp4jax import rounding as rounding_lib
 from fp4jax.quantize import dequantize, quantize
@@ -25,7 +26,7 @@ def test_bf16_operand_times_factor_is_the_dequantized_value_for_other_scale_rule
   """The bf16 GEMM mode decodes with the format's own global range: still bit for bit the dequantized values."""
   x = np.random.default_rng(1).standard_t(3, (64, 64)).astype(np.float32)
   q = quantize(jnp.asarray(x), fmt, axis=1)
-  values, factor = dg._bf16_values(q)  # pylint: disable=protected-access
+  values, factor = gemm.bf16_values(q)
   want = np.asarray(dequantize(q, jnp.float32)).view(np.uint32)
   np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32) * factor).view(np.uint32), want)
 
@@ -34,7 +35,7 @@ def test_double_block_operands_keep_the_f32_gemm():
   """Per-group second-level scales vary along the contraction: no per-tensor factor, "bf16" runs the reference."""
   x = jnp.asarray(np.random.default_rng(2).standard_normal((32, 256)).astype(np.float32))
   q = quantize(x, fp4jax.NVFP4(double_block=True), axis=1)
-  assert dg._bf16_values(q) is None  # pylint: disable=protected-access
+  assert gemm.bf16_values(q) is None
   np.testing.assert_array_equal(np.asarray(dequantize(q)), np.asarray(fp4jax.fake_quant(x, q.fmt, axis=1)))
 
 

@@ -1,0 +1,93 @@
+"""How the xla backend multiplies two GEMM operands: the GEMM mode ("auto", "bf16", "f32") and the GEMM itself.
+
+"f32" multiplies the fully dequantized float32 values at HIGHEST precision (the reference). "bf16" multiplies code x
+block scale in bfloat16, exact for FP4 (at most 6 significant bits), with float32 accumulation and the per-tensor
+scales applied to the float32 output: the same products, so the two differ only in float32 summation order.
+Operands with no exact bfloat16 form (FP8 block scales, NVFP4 per-group scales, float32 arrays) take the "f32" path.
+The custom_vjp rule (fp4jax.dot_general) runs its three GEMMs through `gemm`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax import formats
+from fp4jax import nvfp4
+from fp4jax import recipes as recipes_lib
+from fp4jax.qarray import QArray
+from fp4jax.quantize import dequantize
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def f32_values(operand):
+  """float32 values of an operand (dequantized if quantized)."""
+  if isinstance(operand, QArray):
+    return dequantize(operand, jnp.float32)
+  return operand.astype(jnp.float32)
+
+
+def bf16_values(operand):
+  """(bfloat16 values, float32 per-tensor factor) with values * factor == f32_values(operand), or None if not exact.
+
+  NVFP4: E2M1 code x E4M3 block scale (<= 2 x 4 significant bits) and the factor amax / R (R = the format's global
+  range, 2688 for NVIDIA's rule); MXFP4: code x 2^e and 1; FP8 with one tensor scale: the E4M3 code and that scale.
+  FP8's float32 block scales, NVFP4's per-group (double_block) second-level scales and float32 operands have no
+  exact bfloat16 form. A non-finite amax makes the factor NaN, as dequantize poisons the whole tensor.
+  """
+  if not isinstance(operand, QArray):
+    return (operand, jnp.float32(1.0)) if operand.dtype == jnp.bfloat16 else None
+  poison = lambda f: jnp.where(jnp.isfinite(operand.amax), f, jnp.float32(jnp.nan))
+  if isinstance(operand.fmt, formats.NVFP4):
+    if jnp.ndim(operand.amax):  # double_block: second-level scales per 1x128 group vary along the contraction
+      return None
+    # Dequantizing with amax = the format's global range (2688 for NVIDIA's rule) multiplies by a global scale of
+    # exactly 1 and skips no other step.
+    r = operand.fmt.global_range
+    unit = dataclasses.replace(operand, amax=jnp.full_like(operand.amax, r))
+    return dequantize(unit, jnp.bfloat16), poison(nvfp4.global_decode_scale(operand.amax, r))
+  if isinstance(operand.fmt, formats.MXFP4):  # code x 2^e, and Tseng's 4/3 ("tseng") as the per-tensor factor
+    unit = dataclasses.replace(operand, fmt=formats.MXFP4())  # every rule stores the same E8M0 scales
+    return dequantize(unit, jnp.bfloat16), jnp.float32(operand.fmt.tensor_factor)
+  if operand.scales.ndim == 0:  # FP8 with per-tensor scaling
+    unit = dataclasses.replace(operand, scales=jnp.ones_like(operand.scales))
+    return dequantize(unit, jnp.bfloat16), poison(operand.scales.astype(jnp.float32))
+  return None
+
+
+def resolve_gemm_mode(recipe: recipes_lib.Recipe) -> str:
+  """The recipe's GEMM mode, with "auto" resolved: "bf16" on every platform.
+
+  GPUs and TPUs multiply bf16 on tensor cores / the MXU, many times their float32 rate. On XLA:CPU "bf16" is faster
+  too (~15% per quantized layer, jax 0.10.2: XLA hands bf16 dots to XNNPACK), and `gemm` widens the one layout
+  XLA:CPU cannot multiply in bf16 (see there). Its products are exact, so "bf16" differs from the float32 reference
+  ("f32") only in float32 summation order; pass gemm_mode="f32" for runs that must reproduce float32-GEMM results
+  bit for bit (golden losses, stored results).
+  """
+  return "bf16" if recipe.gemm_mode == "auto" else recipe.gemm_mode
+
+
+def gemm(a, b, contract, recipe):
+  """a . b contracting axes `contract` = (a_axis, b_axis), float32 accumulation, in the recipe's GEMM mode."""
+  if recipe.backend == "pallas" and isinstance(a, QArray) and isinstance(b, QArray):
+    from fp4jax import backends  # pylint: disable=g-import-not-at-top
+    out = backends.pallas_gemm(a, b, contract)
+    if out is not None:
+      return out
+  dims = (((contract[0],), (contract[1],)), ((), ()))
+  if resolve_gemm_mode(recipe) == "bf16":
+    av, bv = bf16_values(a), bf16_values(b)
+    if av is not None and bv is not None:
+      if contract[0] != av[0].ndim - 1 and jax.default_backend() == "cpu":
+        # XLA:CPU has no bf16 x bf16 -> f32 kernel for an lhs contracted on its first axis once vmap gives the rhs
+        # a second free axis (Wgrad under vmap): that fails at run time ("Unsupported element type for DotThunk").
+        # Unbatched, XLA:CPU widens this form to float32 itself; widening here (exact) does it in every case.
+        out = jax.lax.dot_general(av[0].astype(jnp.float32), bv[0].astype(jnp.float32), dims, precision=_HIGHEST,
+                                  preferred_element_type=jnp.float32)
+      else:
+        out = jax.lax.dot_general(av[0], bv[0], dims, preferred_element_type=jnp.float32)
+      return (out * av[1]) * bv[1]  # two products, not one: a * b of two tiny or huge factors may over/underflow
+  return jax.lax.dot_general(f32_values(a), f32_values(b), dims, precision=_HIGHEST, preferred_element_type=jnp.float32)

@@ -1,0 +1,44 @@
+"""What the training loop calls around each step: `Hook(fn, every=N)` and the `StepInfo` a hook sees.
+
+fp4jax.pretrain.trainer runs its own periodic work (validation, quantization statistics, checkpoints, the metrics
+log) as hooks too, and re-exports these names (trainer.Hook, trainer.StepInfo, trainer.record_hook).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from fp4jax.pretrain.steps import TrainState
+
+
+@dataclasses.dataclass
+class StepInfo:
+  """What a hook sees: the step index, the train state, and the step's metrics record (hooks may add to it).
+
+  Hooks before the update see `state` before step `step`; hooks after it see the updated state and the step's loss.
+  `final` marks the one extra call after the last step (step == config.steps).
+  """
+
+  step: int
+  state: TrainState
+  record: dict[str, Any]
+  final: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+  """Periodic work: `fn(info)` at steps that are multiples of `every` (0: never), and at the final call."""
+
+  fn: Callable[[StepInfo], None]
+  every: int = 1
+
+  def __call__(self, info: StepInfo) -> None:
+    if info.final or (self.every > 0 and info.step % self.every == 0):
+      self.fn(info)
+
+
+def record_hook(fn: Callable[[int, dict[str, Any]], None], every: int = 1) -> Hook:
+  """A Hook from a callable (step, record) -> None, called after each step and once more at the end."""
+  return Hook(lambda info: fn(info.step, info.record), every)

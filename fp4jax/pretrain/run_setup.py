@@ -1,0 +1,97 @@
+"""What a run is built from before its first step: PRNG streams, the model, the data and the step-0 train state.
+
+Shared by `trainer.train` and `trainer.evaluate` (which rebuilds a run from its checkpointed config) and by the
+benchmarks and experiments that set up a model the way training does; trainer re-exports the public names.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fp4jax.pretrain import data as data_lib
+from fp4jax.pretrain import model as model_lib
+from fp4jax.pretrain import osci as osci_lib
+from fp4jax.pretrain import outcontrol as outcontrol_lib
+from fp4jax.pretrain.config import TrainConfig
+from fp4jax.pretrain.steps import TrainState
+
+# Independent streams derived from the run key.
+_INIT_STREAM, _STEP_STREAM, _EVAL_STREAM, _STATS_STREAM = 0, 1, 2, 3
+
+
+def run_keys(seed: int) -> dict[str, jax.Array]:
+  """The run's PRNG streams: init, step (fold in the step index), eval, stats."""
+  base = jax.random.key(seed)
+  return {name: jax.random.fold_in(base, stream) for name, stream in
+          (("init", _INIT_STREAM), ("step", _STEP_STREAM), ("eval", _EVAL_STREAM), ("stats", _STATS_STREAM))}
+
+
+def build_model(config: TrainConfig, key: jax.Array) -> model_lib.Transformer:
+  """The model with freshly initialised float32 params, built with the policy's per-layer recipes of step 0."""
+  names = model_lib.layer_names(config.model)
+  recipes = config.policy.layer_recipes(names, config.model.n_layers, 0, config.steps)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda k: _make_model(config.model, recipes, k), key))
+  return nnx.merge(graphdef, _init_state(config.model, key))
+
+
+def _make_model(model_config, recipe, key):
+  return model_lib.Transformer(model_config, recipe=recipe, rngs=nnx.Rngs(params=key))
+
+
+# Initialised under jit: one compile per model config instead of one per eager initializer op. Recipes are static
+# layer settings that initialisation never reads, so the params come from a BF16 model of the same shapes.
+@functools.partial(jax.jit, static_argnums=0)
+def _init_state(model_config, key):
+  return nnx.state(_make_model(model_config, None, key))
+
+
+def load_data(config: TrainConfig, process_index: int = 0, process_count: int = 1
+              ) -> tuple[data_lib.TokenDataset, list[dict[str, np.ndarray]]]:
+  """The dataset and the fixed validation batches (row block `process_index` of `process_count`); checks the
+  vocabulary fits the model."""
+  dataset = data_lib.load_dataset(config.data)
+  if dataset.vocab_size > config.model.vocab_size:
+    raise ValueError(f"The tokenizer has {dataset.vocab_size} tokens but the model's vocab_size is "
+                     f"{config.model.vocab_size}: pass --model.vocab_size {dataset.vocab_size}.")
+  _check_corpus_size(dataset, config)
+  if not config.evaluation.batches:
+    return dataset, []
+  val = data_lib.val_batches(dataset, batch_size=config.batch_size, seq_len=config.train_seq_len,
+                             num_batches=config.evaluation.batches, process_index=process_index,
+                             process_count=process_count)
+  return dataset, val
+
+
+def _check_corpus_size(dataset: data_lib.TokenDataset, config: TrainConfig) -> None:
+  """Every window takes seq_len+1 tokens from one split; says how to fix a corpus too small for that."""
+  window, frac = config.train_seq_len + 1, config.data.val_fraction
+  n_train, n_val = dataset.train.size, dataset.val.size if config.evaluation.batches else window
+  if n_train >= window and n_val >= window:
+    return
+  if config.evaluation.batches and frac <= 0:
+    raise ValueError(f"data.val_fraction=0 leaves no validation split, but eval_batches={config.evaluation.batches}: "
+                     "pass --eval-batches 0 or a --data.val_fraction > 0.")
+  n = n_train + dataset.val.size
+  need = int(np.ceil(window / frac)) if config.evaluation.batches else window
+  while need - int(np.ceil(need * frac)) < window:  # the smallest corpus whose splits both hold a window
+    need += 1
+  fits = min(n_train, n_val) - 1
+  raise ValueError(
+      f"The corpus is too small: it has {n} tokens (train split {n_train}, validation split {dataset.val.size} at "
+      f"val_fraction={frac}), but every window needs seq_len+1={window} tokens from one split, so it needs at "
+      f"least {need} tokens. Use a larger --corpus"
+      + (f", a --seq-len of at most {fits}" if fits >= 1 else "")
+      + (", or --eval-batches 0 to skip validation." if config.evaluation.batches else "."))
+
+
+def initial_state(config: TrainConfig, params, optimizer_init: Callable) -> TrainState:
+  """The step-0 TrainState for `params`: optimizer_init(params), and zero OsciReset / OutControl statistics when
+  they are on."""
+  return TrainState(params=params, opt_state=optimizer_init(params), step=jnp.asarray(0, jnp.int32),
+                    osci=osci_lib.initial_state(config, params), outcontrol=outcontrol_lib.initial_state(config))
