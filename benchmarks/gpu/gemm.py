@@ -4,7 +4,7 @@
 time allows: TFLOP/s (2MNK / median time) of
   * bf16 `jnp.dot` (float32 accumulation) on the unquantized operands: the baseline;
   * the xla path, float32 HIGHEST on dequantized operands (fp4jax's reference GEMM; its output is `ref`);
-  * the xla path in bf16-operand mode (Recipe field like gemm="bf16"), when this fp4jax has it;
+  * the xla path in its default bf16-operand mode (gemm_mode="bf16": code x block scale in bf16);
   * `pallas_kernels.fp4_matmul` with default tiles and split-K.
 Operands as in Fprop: x [M, K] 1x16 blocks along K, W [K, N] 16x16 blocks. Every output is compared with `ref`
 (err = ||out - ref|| / ||ref||; bf16 jnp.dot against a float32 HIGHEST dot of its own inputs). Weight sets rotate
@@ -14,7 +14,6 @@ so that a 36 MB packed weight is not served from the 60 MB L2. The last row prop
 
 from __future__ import annotations
 
-import importlib
 
 from benchmarks.gpu import report
 
@@ -35,6 +34,7 @@ class Gemm:
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
     import fp4jax  # pylint: disable=g-import-not-at-top
+    import fp4jax.gemm  # pylint: disable=g-import-not-at-top
     self.sec, self.m, self.n, self.k = sec, m, n, k
     self.flops = 2.0 * m * n * k
     sets = 1 if sec.dry else max(1, min(4, int(2 * 60e6 // (n * k * 0.5625)) + 1))  # > 2x L2 in packed weights
@@ -45,19 +45,9 @@ class Gemm:
     qb = jax.jit(lambda w: fp4jax.quantize(w, "nvfp4", axis=0, block_2d=True))
     self.a = [qa(x) for x in self.x]
     self.b = [qb(w) for w in self.w]
-    self.recipe = fp4jax.recipes.nvfp4()
-    # The library's own xla-path GEMM (it honours the recipe's GEMM mode): fp4jax.gemm.gemm, or
-    # fp4jax.dot_general._gemm in versions before the split; a local float32 HIGHEST emulation of it if this fp4jax
-    # has neither (then no bf16-operand row can be measured).
-    try:
-      self.xla_gemm = importlib.import_module("fp4jax.gemm").gemm
-    except (ImportError, AttributeError):
-      self.xla_gemm = getattr(importlib.import_module("fp4jax.dot_general"), "_gemm", None)
-    self.library_gemm = self.xla_gemm is not None
-    if not self.library_gemm:
-      dims = (((1,), (0,)), ((), ()))
-      self.xla_gemm = lambda a, b, contract, recipe: jax.lax.dot_general(
-          fp4jax.dequantize(a), fp4jax.dequantize(b), dims, precision=jax.lax.Precision.HIGHEST)
+    # The library's xla-path GEMM, in its float32 HIGHEST mode: the reference every timed path is checked against.
+    self.recipe = fp4jax.recipes.nvfp4().replace(gemm_mode="f32")
+    self.xla_gemm = fp4jax.gemm.gemm
     self.ref = jax.jit(lambda a, b: self.xla_gemm(a, b, (1, 0), self.recipe))(self.a[0], self.b[0])
 
   def label(self) -> str:
@@ -91,13 +81,8 @@ def bench_size(sec: report.Section, g: Gemm) -> dict:
   sec.add(f"bf16 jnp.dot {g.label()}", _tflops(g, t), "TFLOP/s", err=mx, ok=fin,
           note=f"{t * 1e6:.1f} us; err vs f32 dot of the same bf16 inputs: rel {fro:.2g}")
   paths = [("xla f32 HIGHEST (reference)", lambda a, b: g.xla_gemm(a, b, (1, 0), g.recipe))]
-  bf16_recipe, how = report.with_bf16_gemm(g.recipe)
-  if not g.library_gemm:
-    bf16_recipe, how = None, "fp4jax.gemm.gemm not found: the xla rows use a local float32 emulation"
-  if bf16_recipe is not None:
-    paths.append((f"xla bf16-operand ({how})", lambda a, b: g.xla_gemm(a, b, (1, 0), bf16_recipe)))
-  else:
-    sec.add(f"xla bf16-operand {g.label()}", note=f"not measured: {how}")
+  bf16_recipe = g.recipe.replace(gemm_mode="bf16")
+  paths.append(("xla bf16-operand (gemm_mode='bf16', the default)", lambda a, b: g.xla_gemm(a, b, (1, 0), bf16_recipe)))
   paths.append(("pallas fp4_matmul", lambda a, b: fp4_matmul(a, b, interpret=sec.dry)))
   for name, fn in paths:
     if not sec.has_time(12):

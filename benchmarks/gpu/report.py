@@ -141,18 +141,3 @@ def rel_errors(out, ref) -> tuple[float, float, bool]:
   fro = float(jnp.linalg.norm(d) / jnp.maximum(jnp.linalg.norm(r), 1e-30))
   mx = float(jnp.max(jnp.abs(d)) / jnp.maximum(jnp.max(jnp.abs(r)), 1e-30))
   return fro, mx, bool(jnp.all(jnp.isfinite(o)))
-
-
-def with_bf16_gemm(recipe):
-  """(recipe with its bf16-operand GEMM mode on, how) if this fp4jax's Recipe has such a field, else (None, why).
-
-  The mode (code x block scale in bf16, float32 accumulation, global scales after the GEMM) is selected by a
-  Recipe field such as gemm="bf16"; the name is looked up rather than assumed.
-  """
-  fields = [f.name for f in dataclasses.fields(recipe)]
-  for name in [f for f in fields if any(t in f for t in ("gemm", "matmul", "precision", "compute"))]:
-    try:
-      return recipe.replace(**{name: "bf16"}), f"Recipe.{name}='bf16'"
-    except (TypeError, ValueError):
-      continue
-  return None, "no bf16-operand GEMM mode in this fp4jax (no Recipe field like gemm='bf16')"

@@ -1,7 +1,6 @@
 """benchmarks/gpu.sh plumbing in its CPU --dry mode: sections in separate processes, an aborting section recorded
 without losing the others, the time budget skipping sections, the rows/summary files; the full dry run is slow."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from benchmarks.gpu import model as gpu_model  # noqa: E402  pylint: disable=wrong-import-position
 from benchmarks.gpu import report  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -58,25 +58,10 @@ def test_full_dry_run(tmp_path):
   assert not failed, failed
 
 
-def test_bf16_gemm_mode_is_found_by_field():
-  @dataclasses.dataclass(frozen=True)
-  class WithMode:
-    name: str = "x"
-    gemm_operands: str = "float32"
-
-    def replace(self, **kw):
-      if kw.get("gemm_operands") not in ("float32", "bf16"):
-        raise ValueError("bad")
-      return dataclasses.replace(self, **kw)
-
-  @dataclasses.dataclass(frozen=True)
-  class Without:
-    name: str = "x"
-
-    def replace(self, **kw):
-      return dataclasses.replace(self, **kw)
-
-  recipe, how = report.with_bf16_gemm(WithMode())
-  assert recipe.gemm_operands == "bf16" and "gemm_operands" in how
-  recipe, why = report.with_bf16_gemm(Without())
-  assert recipe is None and "no bf16-operand GEMM mode" in why
+def test_timed_recipes_pin_their_gemm_modes():
+  """The GPU rows must measure what they are labelled: the default bf16-operand mode, the float32 reference and the
+  Pallas backend (gemm_mode "auto" would silently follow whatever the default is)."""
+  recipes = dict(gpu_model._recipes())
+  assert recipes["nvfp4 xla bf16"].gemm_mode == "bf16"
+  assert recipes[gpu_model.REFERENCE].gemm_mode == "f32"
+  assert recipes["nvfp4 pallas"].backend == "pallas" and not recipes["bf16"].is_quantized
