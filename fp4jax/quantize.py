@@ -1,8 +1,8 @@
 """quantize / dequantize / fake_quant: the public functional quantizers for NVFP4, MXFP4 and FP8.
 
 A tensor is split into scaling blocks (1D along `axis`, or 2D tiles over the last two axes); the format computes
-its block scales (`fmt.scaling_from_amax`, see formats.py and formats_fp8.py); elements are scaled and rounded onto the element grid;
-the format stores them (`fmt.pack`: FP4 codes two per byte).
+its block scales (`fmt.scaling_from_amax`, see formats.py and formats_fp8.py); elements are scaled and rounded onto the
+element grid; the format stores them (`fmt.pack`: FP4 codes two per byte).
 """
 
 from __future__ import annotations
