@@ -254,7 +254,7 @@ def test_smooth_is_a_trailing_moving_average():
   np.testing.assert_allclose(report.smooth(x, 1), x)
 
 
-@pytest.mark.parametrize("name", ["formats_cpu", "components_cpu"])
+@pytest.mark.parametrize("name", ["formats_cpu", "components_cpu", "recipes_cpu"])
 def test_committed_results_tables_are_what_the_report_writes(name):
   folder = REPO / "experiments" / "results" / name
   meta, rows, _ = report.read_results(folder)
