@@ -1,12 +1,14 @@
 """The command line shared by every experiment module: `python -m experiments.NAME --preset P --out DIR [...]`.
 
 Parses the preset, --seeds, --set overrides and --runs into a `sweep.Sweep`, runs it (`sweep.run_sweep`) and writes
-the report (`experiments.report`); `--list` prints the runs and runs nothing.
+the report (`experiments.report`); `--list` prints the runs and runs nothing; `--merge-into STORED` then merges the
+runs into a stored results folder (`experiments.merge`).
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -14,6 +16,7 @@ from collections.abc import Callable, Sequence
 import fp4jax.pretrain.distributed
 import fp4jax.pretrain.model
 
+from experiments import merge
 from experiments import report
 from experiments.sweep import PRESETS, Sweep, check_preset, parse_overrides, run_sweep
 
@@ -35,6 +38,9 @@ def make_parser(prog: str, doc: str) -> argparse.ArgumentParser:
   parser.add_argument("--list", action="store_true", help="print the runs and their settings, run nothing")
   parser.add_argument("--no-report", action="store_true", help="skip writing results.md and plots at the end")
   parser.add_argument("--quiet", action="store_true", help="no progress bar")
+  parser.add_argument("--merge-into", default=None, metavar="STORED",
+                      help="after the runs, rewrite the results folder STORED (e.g. experiments/results/recipes_cpu) "
+                           "with these runs' rows replacing or adding theirs, the others kept (experiments.merge)")
   return parser
 
 
@@ -53,6 +59,14 @@ def build_sweep(get_config: Callable[[str], Sweep], args: argparse.Namespace) ->
   if args.runs:
     sweep = sweep.select([n.strip() for n in args.runs.split(",") if n.strip()])
   return sweep
+
+
+def full_sweep_meta(get_config: Callable[[str], Sweep], args: argparse.Namespace) -> dict:
+  """sweep.json of the whole sweep the command line's runs belong to (no --runs), as its full command runs it."""
+  full = build_sweep(get_config, argparse.Namespace(**dict(vars(args), runs=None)))
+  extra = ([f"--seeds {args.seeds}"] if args.seeds is not None else []) + [
+      f"--set {shlex.quote(o)}" for o in args.overrides]
+  return full.replace(command=" ".join([full.command] + extra)).to_dict()
 
 
 def describe(sweep: Sweep) -> str:
@@ -78,6 +92,9 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
     print(describe(sweep))
     return 0
   print(describe(sweep))
+  if args.merge_into and not (pathlib.Path(args.merge_into) / report.RESULTS_JSONL).is_file():
+    print(f"error: --merge-into {args.merge_into}: no {report.RESULTS_JSONL} there to merge into.", file=sys.stderr)
+    return 2
   try:
     run_sweep(sweep, args.out, progress=not args.quiet)
   except ValueError as e:  # settings clash with a finished run, invalid combined settings
@@ -89,4 +106,11 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
   if not args.no_report and fp4jax.pretrain.distributed.is_main_process():
     written = report.write_report(args.out)
     print(f"Report: {', '.join(str(p) for p in written)}")
+  if args.merge_into and fp4jax.pretrain.distributed.is_main_process():
+    try:
+      written = merge.merge_into(args.merge_into, args.out, full_sweep_meta(get_config, args))
+    except (ValueError, FileNotFoundError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    print(f"Merged into {args.merge_into}: {', '.join(str(p) for p in written)}")
   return 0

@@ -2,10 +2,11 @@
 
 BF16 (reference), NVIDIA's NVFP4 recipe (arXiv 2509.25149), NVIDIA + Four Over Six block scales (arXiv 2512.02010),
 NVIDIA + unbiased SR (block scales of the SR operands rounded up), TetraJet-v2 (arXiv 2510.27527: double-block
-scales, re-quantized transposed operands, RHT-16 + SR in the backward; without OsciReset/OutControl), Quartet II
-(arXiv 2601.22813: MS-EDEN backward), Quartet II + 4/6 and Quartet (arXiv 2505.14669: MXFP4, fixed Hadamard-32 +
-QuEST forward with clip-masked gradients, RHT-32 + SR backward; not in the smoke preset). Every FP4 run keeps the
-same last block(s) in BF16.
+scales, re-quantized transposed operands, RHT-16 + SR in the backward; without OsciReset/OutControl), TetraJet-v2 +
+OutControl (5 % of the input channels, those with the largest activation norms, in MXFP8; not in the smoke preset),
+Quartet II (arXiv 2601.22813: MS-EDEN backward), Quartet II + 4/6 and Quartet (arXiv 2505.14669: MXFP4, fixed
+Hadamard-32 + QuEST forward with clip-masked gradients, RHT-32 + SR backward; not in the smoke preset). Every FP4
+run keeps the same last block(s) in BF16.
 The published same-harness comparison (200M params, ~20B tokens, loss gap to BF16): NVIDIA +0.062, + 4/6 +0.060,
 TetraJet-v2 +0.055, Quartet II +0.051, Quartet II + 4/6 +0.045 (Quartet is not in it). At CPU scale the
 seed-to-seed spread is of the same size as these gaps: read the table with its standard deviations.
@@ -25,6 +26,12 @@ from experiments import sweep
 
 SEEDS = {"smoke": 1, "cpu": 5, "gpu": 1}
 QUARTET2_RHT = {"smoke": 32, "cpu": 32, "gpu": 128}
+# TetraJet-v2's OutControl: 5 % of each quantized layer's input channels in MXFP8, chosen from the activation norms
+# summed over `window` steps from `start`. The calibration starts once the warmup is over and the first loss drop has
+# settled (10 % of the steps), averages over enough batches not to pick one batch's outliers, and leaves most of the
+# run (cpu: steps 50-299; gpu: 2200-19999) with the channels in MXFP8. Not in the smoke preset (a 12-step run).
+OUTCONTROL = {"cpu": {"outcontrol_fraction": 0.05, "outcontrol_start": 30, "outcontrol_window": 20},
+              "gpu": {"outcontrol_fraction": 0.05, "outcontrol_start": 2000, "outcontrol_window": 200}}
 
 
 def get_config(preset: str) -> sweep.Sweep:
@@ -37,6 +44,8 @@ def get_config(preset: str) -> sweep.Sweep:
           sweep.Run("nvidia-4over6", {"recipe": "four_over_six"}, "NVIDIA + 4/6"),
           sweep.Run("nvidia-unbiased-sr", {"recipe": "nvfp4:unbiased_sr=true"}, "NVIDIA + unbiased SR (scales up)"),
           sweep.Run("tetrajet-v2", {"recipe": "tetrajet_v2"}, "TetraJet-v2"),
+          *([sweep.Run("tetrajet-v2-outcontrol", {"recipe": "tetrajet_v2", **OUTCONTROL[preset]},
+                       "TetraJet-v2 + OutControl 5 %")] if preset in OUTCONTROL else []),
           sweep.Run("quartet2", {"recipe": q2}, "Quartet II"),
           sweep.Run("quartet2-4over6", {"recipe": q2 + ",four_over_six=true"}, "Quartet II + 4/6"),
           sweep.Run("quartet", {"recipe": "quartet"}, "Quartet")]

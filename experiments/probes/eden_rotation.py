@@ -3,8 +3,8 @@
     python -m experiments.probes.eden_rotation [--checkpoint RUN_DIR] [--draws 256] [--layers a,b]
 
 Wgrad against the quantized forward's gradient, Q(x)^T dY, with only dY quantized (along the tokens, as Quartet II's
-Wgrad does: rotation tiles of `n` tokens, `formats.NVFP4(scale_rule="eden")`, stochastically rounded scales), the
-dequantized estimate rotated back. EDEN's correction makes the estimate unbiased in expectation over a uniformly
+Wgrad does: rotation tiles of `n` tokens, `formats.NVFP4(scale_rule="eden", eden_group=n)`: the correction over
+each tile, stochastically rounded scales), the dequantized estimate rotated back. EDEN's correction makes the estimate unbiased in expectation over a uniformly
 random (Haar) rotation; the recipe's RHT (Hadamard times random signs, one sign vector for every tile) only
 approximates one. The bias floor (noise removed, as in the recipes probe) shows which: if the Haar rotation has no
 floor where the RHT has one, the floor belongs to the method, not to fp4jax's quantizer. Default: the layers and
@@ -24,8 +24,12 @@ from fp4jax import formats
 from fp4jax import rht
 from fp4jax.quantize import dequantize, quantize
 
-FMT = formats.NVFP4(scale_rule="eden")
 ROTATIONS = ("rht", "haar")
+
+
+def eden_format(n: int) -> formats.NVFP4:
+  """Quartet II's backward format for rotation tiles of n: the EDEN correction over each tile (eden_group = n)."""
+  return formats.NVFP4(scale_rule="eden", eden_group=n)
 
 
 def _rotation(kind: str, n: int, key) -> jax.Array:
@@ -50,7 +54,7 @@ def dy_estimate(dy_MxN, kind: str, n: int, key) -> jax.Array:
   if dy_MxN.shape[0] % n:
     raise ValueError(f"tokens {dy_MxN.shape[0]} must be a multiple of the rotation size {n}.")
   rot = _rotation(kind, n, jax.random.fold_in(key, 0))
-  q = quantize(_apply(dy_MxN.astype(jnp.float32), rot, False), FMT, axis=0, rounding="stochastic",
+  q = quantize(_apply(dy_MxN.astype(jnp.float32), rot, False), eden_format(n), axis=0, rounding="stochastic",
                key=jax.random.fold_in(key, 1), random_bits=32)
   return _apply(dequantize(q, jnp.float32), rot, True)
 

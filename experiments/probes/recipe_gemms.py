@@ -72,6 +72,10 @@ PRESETS: dict[str, RecipeProbePreset] = {
 }
 
 
+# The run overrides a GEMM probe represents: the recipe (BF16 blocks are not probed, see RecipeProbePreset.layers).
+GEMM_OVERRIDES = ("recipe", "bf16_last")
+
+
 def get_preset(name: str) -> RecipeProbePreset:
   """The preset called `name` (ValueError naming the valid ones otherwise)."""
   if name not in PRESETS:
@@ -83,8 +87,9 @@ def comparison_recipes(sweep_preset: str = "cpu", only: Sequence[str] | None = N
                        ) -> dict[str, dict[str, Any]]:
   """{run name: {"spec": recipe string, "label", "recipe": Recipe}} of experiments.recipes's `sweep_preset` sweep.
 
-  Runs without a "recipe" override are skipped (logged); a recipe string that does not parse raises a ValueError
-  naming the run. `only`: run names to keep (ValueError for unknown ones).
+  Runs without a "recipe" override, or with training options besides it (e.g. OutControl's, whose GEMMs depend on
+  the channels a training run selects), are skipped (logged); a recipe string that does not parse raises a
+  ValueError naming the run. `only`: run names to keep (ValueError for unknown ones).
   """
   runs = recipes_experiment.get_config(sweep_preset).runs
   names = [r.name for r in runs]
@@ -98,6 +103,10 @@ def comparison_recipes(sweep_preset: str = "cpu", only: Sequence[str] | None = N
     spec = run.overrides.get("recipe")
     if spec is None:
       log(f"  {run.name}: no 'recipe' override, nothing to probe at the GEMM level; skipped.")
+      continue
+    extra = sorted(set(run.overrides) - set(GEMM_OVERRIDES))
+    if extra:
+      log(f"  {run.name}: sets training options ({', '.join(extra)}) the GEMM probes do not model; skipped.")
       continue
     try:
       recipe = recipes_lib.get_recipe(spec)

@@ -254,7 +254,7 @@ def test_smooth_is_a_trailing_moving_average():
   np.testing.assert_allclose(report.smooth(x, 1), x)
 
 
-@pytest.mark.parametrize("name", ["formats_cpu", "components_cpu"])
+@pytest.mark.parametrize("name", ["formats_cpu", "components_cpu", "recipes_cpu"])
 def test_committed_results_tables_are_what_the_report_writes(name):
   folder = REPO / "experiments" / "results" / name
   meta, rows, _ = report.read_results(folder)
@@ -271,7 +271,13 @@ def test_recipes_experiment_reaches_each_recipe(tmp_path):
   assert recipes["nvidia-unbiased-sr"].fprop.lhs.fmt.scale_rule == "nearest"
   assert recipes["tetrajet-v2"].fprop.lhs.fmt.double_block
   assert recipes["quartet2"].rht_size == 32 and recipes["quartet2-4over6"].fprop.lhs.fmt.scale_rule == "4over6"
-  assert _module("recipes").get_config("gpu").runs[5].overrides["recipe"] == "quartet2:rht_size=128"
+  outcontrol = sweep.config(next(r for r in sweep.runs if r.name == "tetrajet-v2-outcontrol"), 0, tmp_path)
+  assert outcontrol.policy.recipe == recipes["tetrajet-v2"] and outcontrol.outcontrol.fraction == 0.05
+  assert 0 < outcontrol.outcontrol.start and outcontrol.outcontrol.select_step < outcontrol.steps // 4
+  gpu_runs = {r.name: r.overrides for r in _module("recipes").get_config("gpu").runs}
+  assert gpu_runs["tetrajet-v2-outcontrol"]["outcontrol_start"] + gpu_runs["tetrajet-v2-outcontrol"][
+      "outcontrol_window"] < _module("recipes").get_config("gpu").base["steps"] // 4
+  assert gpu_runs["quartet2"]["recipe"] == "quartet2:rht_size=128"
   assert recipes["quartet"].fprop.lhs.fmt.scale_rule == "quest" and recipes["quartet"].fprop.lhs.clip_mask
   assert "quartet" in [r.name for r in _module("recipes").get_config("gpu").runs]
   assert "quartet" not in [r.name for r in _module("recipes").get_config("smoke").runs]

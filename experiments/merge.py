@@ -1,0 +1,73 @@
+"""Merging a rerun of some runs of a sweep into its stored results (e.g. experiments/results/recipes_cpu).
+
+`python -m experiments.NAME --preset P --runs a,b --out NEW --merge-into STORED` reruns runs a and b (and the
+reference, which --runs keeps) and then rewrites STORED's results.jsonl, results.csv, curves.csv, results.md,
+sweep.json and plots: the rows and curves of the rerun runs (new runs included) come from NEW, every other run's
+from STORED, unchanged. The reference is not replaced: its rerun must reproduce the stored losses exactly (same
+seeds, same data order), else the merge refuses, since the stored runs' gaps would be measured against another
+reference than the new ones'. The result is what a full run would have written, except for the kept runs'
+throughput and wall times, which a full run would measure again.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+from experiments import report
+from experiments.common import SWEEP_FILE
+
+
+def _check_same_reference(reference: str, stored_rows, new_rows) -> None:
+  def losses(rows):
+    return {r["seed"]: (r["final_val_loss"], r.get("val_losses")) for r in rows if r["run"] == reference}
+  old, new = losses(stored_rows), losses(new_rows)
+  differ = sorted(s for s in set(old) & set(new) if old[s] != new[s])
+  if differ or not set(new) <= set(old):
+    raise ValueError(f"The rerun's reference run {reference!r} does not reproduce the stored one (seeds "
+                     f"{differ or sorted(set(new) - set(old))} differ or are missing): the stored runs' gaps would "
+                     "be measured against another reference; rerun the whole sweep instead.")
+
+
+def merge_results(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Mapping[str, Any]
+                  ) -> tuple[dict[str, Any], list[dict[str, Any]], dict]:
+  """(meta, rows, curves): STORED's written results with the runs of the sweep folder NEW replacing or adding theirs.
+
+  meta: the full sweep's description (its run order, labels, reference, shared settings and command). The
+  reference's rows stay STORED's (its rerun must match them); rows follow meta's run order; gaps are recomputed
+  (the same numbers for the kept runs).
+  """
+  stored_meta, stored_rows, stored_curves = report.read_results(stored)
+  _, new_rows, new_curves = report.collect(new)
+  reference = meta.get("reference")
+  if stored_meta.get("base") != meta.get("base"):
+    raise ValueError(f"The stored results in {stored} have other shared settings ({stored_meta.get('base')}) than "
+                     f"this sweep ({meta.get('base')}); rerun the whole sweep instead.")
+  if reference != stored_meta.get("reference"):
+    raise ValueError(f"The stored results' reference {stored_meta.get('reference')!r} is not {reference!r}.")
+  if reference is not None:
+    _check_same_reference(reference, stored_rows, new_rows)
+  replaced = {r["run"] for r in new_rows} - {reference}
+  rows = [r for r in stored_rows if r["run"] not in replaced] + [r for r in new_rows if r["run"] in replaced]
+  order = [r["name"] for r in meta.get("runs", [])]
+  unknown = sorted({r["run"] for r in rows} - set(order))
+  if unknown:
+    raise ValueError(f"Runs {unknown} are not in the sweep's run list {order}.")
+  curves = {k: c for k, c in stored_curves.items() if k[0] not in replaced}
+  curves.update({k: c for k, c in new_curves.items() if k[0] in replaced})
+  rows.sort(key=lambda r: (order.index(r["run"]), r["seed"]))
+  curves = {(r["run"], r["seed"]): curves[r["run"], r["seed"]] for r in rows if (r["run"], r["seed"]) in curves}
+  report._add_gaps(rows, reference)  # pylint: disable=protected-access
+  return dict(meta), rows, curves
+
+
+def merge_into(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Mapping[str, Any]) -> list[pathlib.Path]:
+  """Writes the merge of `new` into the results folder `stored` (tables, sweep.json, plots); returns the paths."""
+  stored = pathlib.Path(stored)
+  meta, rows, curves = merge_results(stored, new, meta)
+  report.write_tables(stored, meta, rows, curves)
+  (stored / SWEEP_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+  # Redrawn from the written files, as any copied results folder is (curves at the CSV's precision).
+  return report.write_report(stored) + [stored / SWEEP_FILE]
