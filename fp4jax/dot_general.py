@@ -53,11 +53,13 @@ def _rht_signs(recipe: recipes_lib.Recipe, key, gemm: str = "backward"):
 
 
 def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: recipes_lib.Recipe, key=None,
-                     signs=None, compute_dtype=None, with_mask: bool = False):
+                     signs=None, compute_dtype=None, with_mask: bool = False, unit: bool = False):
   """One GEMM operand as the recipe says: RHT along `axis` (if on), then quantize with blocks along `axis`.
 
   Returns a QArray, or `x` cast to `compute_dtype` (if given) when the operand stays in high precision. With
-  `with_mask`, (that, the clip mask of `quantize_with_clip_mask` or None when the operand is not quantized).
+  `with_mask`, (that, the clip mask of `quantize_with_clip_mask` or None when the operand is not quantized). With
+  `unit`, an operand that only feeds a bf16-mode xla GEMM comes back as its exact bfloat16 form (gemm.Unit, the same
+  bits the GEMM would take from the QArray) without packed codes: the rule's GEMM-only operands take this path.
   """
   if recipe.backend == "pallas" and cfg.quantized and not with_mask:
     from fp4jax import backends  # pylint: disable=g-import-not-at-top
@@ -69,10 +71,14 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
   if not cfg.quantized:
     x = x.astype(compute_dtype) if compute_dtype is not None else x
     return (x, None) if with_mask else x
-  return (quantize_with_clip_mask if with_mask else quantize)(
-      x, cfg.fmt, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding,
-      key=key if cfg.rounding == "stochastic" else None, random_bits=recipe.random_bits, pad=cfg.pad,
-      sr_bits=recipe.sr_bits)
+  kwargs = dict(axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding,
+                key=key if cfg.rounding == "stochastic" else None, random_bits=recipe.random_bits, pad=cfg.pad,
+                sr_bits=recipe.sr_bits)
+  if unit and not with_mask and gemm_lib.resolve_gemm_mode(recipe) == "bf16":
+    u = gemm_lib.unit_values(x, cfg.fmt, **kwargs)
+    if u is not None:
+      return u
+  return (quantize_with_clip_mask if with_mask else quantize)(x, cfg.fmt, **kwargs)
 
 
 def _token_multiple(recipe: recipes_lib.Recipe) -> int:
@@ -96,13 +102,13 @@ def fprop_operands(x_MxK, w_KxN, recipe, key):
   return _fprop_operands_and_masks(x_MxK, w_KxN, recipe, key)[:2]
 
 
-def _fprop_operands_and_masks(x_MxK, w_KxN, recipe, key):
+def _fprop_operands_and_masks(x_MxK, w_KxN, recipe, key, unit_x=False, unit_w=False):
   """(x, W, x's clip mask, W's clip mask): the masks None unless the operand asks for one (`clip_mask`)."""
   signs = _rht_signs(recipe, key, "fprop")
   lhs, rhs = recipe.fprop.lhs, recipe.fprop.rhs
-  x = quantize_operand(x_MxK, lhs, axis=1, recipe=recipe, signs=signs, with_mask=lhs.clip_mask)
+  x = quantize_operand(x_MxK, lhs, axis=1, recipe=recipe, signs=signs, with_mask=lhs.clip_mask, unit=unit_x)
   w = quantize_operand(w_KxN, rhs, axis=0, recipe=recipe, signs=signs, compute_dtype=x_MxK.dtype,
-                       with_mask=rhs.clip_mask)
+                       with_mask=rhs.clip_mask, unit=unit_w)
   xq, x_mask = x if lhs.clip_mask else (x, None)
   wq, w_mask = w if rhs.clip_mask else (w, None)
   return xq, wq, x_mask, w_mask
@@ -160,17 +166,17 @@ def wgrad_activations(x_MxK, recipe, key, xq_fprop=None):
                           signs=_rht_signs(recipe, key), compute_dtype=x_MxK.dtype)
 
 
-def dgrad_gradient(dy_MxN, recipe, key, compute_dtype=None):
+def dgrad_gradient(dy_MxN, recipe, key, compute_dtype=None, unit=False):
   """Dgrad's output-gradient operand: blocks along N, stochastic rounding per the recipe."""
   return quantize_operand(dy_MxN, recipe.dgrad.lhs, axis=1, recipe=recipe, key=jax.random.fold_in(key, _DGRAD_SR),
-                          signs=_rht_signs(recipe, key), compute_dtype=compute_dtype)
+                          signs=_rht_signs(recipe, key), compute_dtype=compute_dtype, unit=unit)
 
 
-def wgrad_gradient(dy_MxN, recipe, key, compute_dtype=None):
+def wgrad_gradient(dy_MxN, recipe, key, compute_dtype=None, unit=False):
   """Wgrad's output-gradient operand: padded tokens, RHT and blocks along M, stochastic rounding per the recipe."""
   dy_MxN = _pad_tokens(dy_MxN, _token_multiple(recipe))
   return quantize_operand(dy_MxN, recipe.wgrad.lhs, axis=0, recipe=recipe, key=jax.random.fold_in(key, _WGRAD_SR),
-                          signs=_rht_signs(recipe, key), compute_dtype=compute_dtype)
+                          signs=_rht_signs(recipe, key), compute_dtype=compute_dtype, unit=unit)
 
 
 # --- the three GEMMs, public: the custom_vjp rule below is built from them, and so are the analysis probes -------
@@ -191,9 +197,17 @@ class Operands(NamedTuple):
   w_mask: Any = None
 
 
-def layer_operands(x_MxK, w_KxN, recipe: recipes_lib.Recipe, key, *, backward: bool = True) -> Operands:
-  """Quantizes x and W for Fprop and, if `backward`, for Dgrad and Wgrad, as the custom_vjp rule does."""
-  xq, wq, x_mask, w_mask = _fprop_operands_and_masks(x_MxK, w_KxN, recipe, key)
+def layer_operands(x_MxK, w_KxN, recipe: recipes_lib.Recipe, key, *, backward: bool = True,
+                   unit: bool = False) -> Operands:
+  """Quantizes x and W for Fprop and, if `backward`, for Dgrad and Wgrad, as the custom_vjp rule does.
+
+  With `unit`, the Fprop operands that nothing but a GEMM reads (not re-quantized for the backward) come as
+  gemm.Unit (see quantize_operand), and so does Dgrad's weight when it reuses them: the rule's own fast path, with
+  the same GEMM inputs bit for bit.
+  """
+  unit_x = unit and not recipe.wgrad.rhs.requantize
+  unit_w = unit and not recipe.dgrad.rhs.requantize
+  xq, wq, x_mask, w_mask = _fprop_operands_and_masks(x_MxK, w_KxN, recipe, key, unit_x, unit_w)
   if not backward:
     return Operands(xq, wq)
   return Operands(xq, wq, dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype),
@@ -205,19 +219,19 @@ def fprop(ops: Operands, recipe: recipes_lib.Recipe):
   return gemm_lib.gemm(ops.x_fprop, ops.w_fprop, (1, 0), recipe)
 
 
-def dgrad(dy_MxN, w_dgrad, recipe: recipes_lib.Recipe, key, compute_dtype, x_mask=None):
+def dgrad(dy_MxN, w_dgrad, recipe: recipes_lib.Recipe, key, compute_dtype, x_mask=None, unit=False):
   """Dgrad: (dx [M, K] float32, the quantized dY operand) from the output gradient and Dgrad's weight operand
-  (and Fprop x's clip mask, `Operands.x_mask`, when the recipe masks it)."""
-  dyq = dgrad_gradient(dy_MxN, recipe, key, compute_dtype)
+  (and Fprop x's clip mask, `Operands.x_mask`, when the recipe masks it). `unit`: dY as gemm.Unit (quantize_operand)."""
+  dyq = dgrad_gradient(dy_MxN, recipe, key, compute_dtype, unit=unit)
   dx = gemm_lib.gemm(dyq, w_dgrad, (1, 1), recipe)[:dy_MxN.shape[0]]
   return to_input_basis(dx, x_mask, recipe, key, axis=1, in_fprop_basis=recipe.dgrad.rhs.requantize,
                          what="x"), dyq
 
 
-def wgrad(dy_MxN, x_wgrad, recipe: recipes_lib.Recipe, key, compute_dtype, w_mask=None):
+def wgrad(dy_MxN, x_wgrad, recipe: recipes_lib.Recipe, key, compute_dtype, w_mask=None, unit=False):
   """Wgrad: (dW [K, N] float32, the quantized dY operand) from the output gradient and Wgrad's activation operand
-  (and Fprop W's clip mask, `Operands.w_mask`, when the recipe masks it)."""
-  dyq_t = wgrad_gradient(dy_MxN, recipe, key, compute_dtype)
+  (and Fprop W's clip mask, `Operands.w_mask`, when the recipe masks it). `unit`: dY as gemm.Unit (quantize_operand)."""
+  dyq_t = wgrad_gradient(dy_MxN, recipe, key, compute_dtype, unit=unit)
   dw = gemm_lib.gemm(x_wgrad, dyq_t, (0, 0), recipe)
   return to_input_basis(dw, w_mask, recipe, key, axis=0, in_fprop_basis=recipe.wgrad.rhs.requantize,
                          what="w"), dyq_t
@@ -227,11 +241,11 @@ def wgrad(dy_MxN, x_wgrad, recipe: recipes_lib.Recipe, key, compute_dtype, w_mas
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _qmatmul(x_MxK, w_KxN, key, recipe):
-  return fprop(layer_operands(x_MxK, w_KxN, recipe, key, backward=False), recipe)
+  return fprop(layer_operands(x_MxK, w_KxN, recipe, key, backward=False, unit=True), recipe)
 
 
 def _qmatmul_fwd(x_MxK, w_KxN, key, recipe):
-  ops = layer_operands(x_MxK, w_KxN, recipe, key)
+  ops = layer_operands(x_MxK, w_KxN, recipe, key, unit=True)
   residuals = (
       ops.w_dgrad, ops.x_wgrad, ops.x_mask, ops.w_mask, key,
       jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_KxN.dtype),  # carry dtypes for the cotangents
@@ -241,8 +255,8 @@ def _qmatmul_fwd(x_MxK, w_KxN, key, recipe):
 
 def _qmatmul_bwd(recipe, residuals, dy_MxN):
   w_dgrad, x_wgrad, x_mask, w_mask, key, x_proto, w_proto = residuals
-  dx_MxK, _ = dgrad(dy_MxN, w_dgrad, recipe, key, x_proto.dtype, x_mask)
-  dw_KxN, _ = wgrad(dy_MxN, x_wgrad, recipe, key, x_proto.dtype, w_mask)
+  dx_MxK, _ = dgrad(dy_MxN, w_dgrad, recipe, key, x_proto.dtype, x_mask, unit=True)
+  dw_KxN, _ = wgrad(dy_MxN, x_wgrad, recipe, key, x_proto.dtype, w_mask, unit=True)
   return dx_MxK.astype(x_proto.dtype), dw_KxN.astype(w_proto.dtype), None
 
 

@@ -10,6 +10,7 @@ The custom_vjp rule (fp4jax.dot_general) runs its three GEMMs through `gemm`.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,16 +19,46 @@ from fp4jax import formats
 from fp4jax import nvfp4
 from fp4jax import recipes as recipes_lib
 from fp4jax.qarray import QArray
+from fp4jax import quantize as quantize_lib
 from fp4jax.quantize import dequantize
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class Unit(NamedTuple):
+  """A quantized operand in its exact bfloat16 form, as `bf16_values` makes it: `values` (code x block scale,
+  bfloat16, the input's shape) times the float32 scalar `factor` are its dequantized values. `unit_values` builds it
+  straight from a tensor, without packing codes; the rule multiplies operands it needs only for a GEMM this way."""
+
+  values: jax.Array
+  factor: jax.Array
 
 
 def f32_values(operand):
   """float32 values of an operand (dequantized if quantized)."""
   if isinstance(operand, QArray):
     return dequantize(operand, jnp.float32)
+  if isinstance(operand, Unit):
+    return operand.values.astype(jnp.float32) * operand.factor
   return operand.astype(jnp.float32)
+
+
+def _unit_parts(fmt, scales, amax):
+  """(fmt, scales, amax, factor) whose dequantized values are exact in bfloat16, times `factor` the operand's; or
+  None where there is no such split (see bf16_values)."""
+  poison = lambda f: jnp.where(jnp.isfinite(amax), f, jnp.float32(jnp.nan))
+  if isinstance(fmt, formats.NVFP4):
+    if jnp.ndim(amax):  # double_block: second-level scales per 1x128 group vary along the contraction
+      return None
+    # Dequantizing with amax = the format's global range (2688 for NVIDIA's rule) multiplies by a global scale of
+    # exactly 1 and skips no other step.
+    r = fmt.global_range
+    return fmt, scales, jnp.full_like(amax, r), poison(nvfp4.global_decode_scale(amax, r))
+  if isinstance(fmt, formats.MXFP4):  # code x 2^e, and Tseng's 4/3 ("tseng") as the per-tensor factor
+    return formats.MXFP4(), scales, amax, jnp.float32(fmt.tensor_factor)  # every rule stores the same E8M0 scales
+  if jnp.ndim(scales) == 0:  # FP8 with per-tensor scaling
+    return fmt, jnp.ones_like(scales), amax, poison(scales.astype(jnp.float32))
+  return None
 
 
 def bf16_values(operand):
@@ -38,24 +69,32 @@ def bf16_values(operand):
   FP8's float32 block scales, NVFP4's per-group (double_block) second-level scales and float32 operands have no
   exact bfloat16 form. A non-finite amax makes the factor NaN, as dequantize poisons the whole tensor.
   """
+  if isinstance(operand, Unit):
+    return operand
   if not isinstance(operand, QArray):
     return (operand, jnp.float32(1.0)) if operand.dtype == jnp.bfloat16 else None
-  poison = lambda f: jnp.where(jnp.isfinite(operand.amax), f, jnp.float32(jnp.nan))
-  if isinstance(operand.fmt, formats.NVFP4):
-    if jnp.ndim(operand.amax):  # double_block: second-level scales per 1x128 group vary along the contraction
-      return None
-    # Dequantizing with amax = the format's global range (2688 for NVIDIA's rule) multiplies by a global scale of
-    # exactly 1 and skips no other step.
-    r = operand.fmt.global_range
-    unit = dataclasses.replace(operand, amax=jnp.full_like(operand.amax, r))
-    return dequantize(unit, jnp.bfloat16), poison(nvfp4.global_decode_scale(operand.amax, r))
-  if isinstance(operand.fmt, formats.MXFP4):  # code x 2^e, and Tseng's 4/3 ("tseng") as the per-tensor factor
-    unit = dataclasses.replace(operand, fmt=formats.MXFP4())  # every rule stores the same E8M0 scales
-    return dequantize(unit, jnp.bfloat16), jnp.float32(operand.fmt.tensor_factor)
-  if operand.scales.ndim == 0:  # FP8 with per-tensor scaling
-    unit = dataclasses.replace(operand, scales=jnp.ones_like(operand.scales))
-    return dequantize(unit, jnp.bfloat16), poison(operand.scales.astype(jnp.float32))
-  return None
+  parts = _unit_parts(operand.fmt, operand.scales, operand.amax)
+  if parts is None:
+    return None
+  fmt, scales, amax, factor = parts
+  unit = dataclasses.replace(operand, fmt=fmt, scales=scales, amax=amax)
+  return Unit(dequantize(unit, jnp.bfloat16), factor)
+
+
+def unit_values(x, fmt, **quantize_kwargs) -> Unit | None:
+  """bf16_values(quantize(x, fmt, **quantize_kwargs)) bit for bit, computed from the quantizer's element values
+  instead of packed codes (3-7x faster for 16x16 weight blocks on XLA:CPU); None where bf16_values would be."""
+  fmt = formats.get_format(fmt)
+  if not fmt.is_fp4:
+    return None
+  elements, scales, amax, block = quantize_lib.quantize_elements(x, fmt, **quantize_kwargs)
+  parts = _unit_parts(fmt, scales, amax)
+  if parts is None:
+    return None
+  fmt, scales, unit_amax, factor = parts
+  # As in bf16_values, a non-finite amax poisons the factor (and with it every product), not the values.
+  return Unit(quantize_lib.decode_elements(elements, fmt, scales, unit_amax, block, jnp.shape(x), jnp.bfloat16),
+              factor)
 
 
 def resolve_gemm_mode(recipe: recipes_lib.Recipe) -> str:

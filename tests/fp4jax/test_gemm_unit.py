@@ -1,0 +1,104 @@
+"""The rule's GEMM-only operands in their exact bfloat16 form (gemm.Unit): the same GEMM inputs, bit for bit.
+
+`gemm.unit_values(x, ...)` must equal `gemm.bf16_values(quantize(x, ...))`; the custom_vjp rule, which takes that
+path for operands only a bf16-mode GEMM reads, must equal the public pieces on QArrays (layer_operands, fprop, dgrad,
+wgrad) for every preset recipe.
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4jax
+from fp4jax import gemm
+from fp4jax import recipes
+
+dg = importlib.import_module("fp4jax.dot_general")  # the module (fp4jax.dot_general is the function)
+
+FORMATS = ["nvfp4", fp4jax.NVFP4(scale_rule="up"), fp4jax.NVFP4(scale_rule="4over6"), fp4jax.NVFP4(scale_rule="eden", eden_group=32),
+           "mxfp4", fp4jax.MXFP4(scale_rule="tseng"), fp4jax.MXFP4(scale_rule="quest")]
+LAYOUTS = [dict(axis=1), dict(axis=0), dict(axis=0, block_2d=True),
+           dict(axis=1, rounding="stochastic", key=jax.random.key(4)),
+           dict(axis=0, rounding="stochastic", key=jax.random.key(5), random_bits=8)]
+
+
+def _edge_tensor(dtype):
+  x = jax.random.normal(jax.random.key(0), (64, 96), jnp.float32) * 3
+  x = x.at[0, 0].set(0.0).at[1, :16].set(0.0).at[2, 3].set(-0.0).at[5, 5].set(1e-30).at[7, 7].set(1e30)
+  return x.astype(dtype)
+
+
+def _bits(a):
+  a = np.asarray(a)
+  return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+# MS-EDEN corrects 1D blocks only (eden.py refuses 2D blocks).
+CASES = [(f, l) for f in FORMATS for l in LAYOUTS if not (getattr(f, "scale_rule", "") == "eden" and l.get("block_2d"))]
+
+
+@pytest.mark.parametrize("fmt,layout", CASES,
+                         ids=[f"{f}-" + ",".join(f"{k}={v}" for k, v in l.items() if k != "key") for f, l in CASES])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_unit_values_equal_bf16_values_of_the_qarray(fmt, layout, dtype):
+  x = _edge_tensor(dtype)
+  want = jax.jit(lambda x: gemm.bf16_values(fp4jax.quantize(x, fmt, **layout)))(x)
+  got = jax.jit(lambda x: gemm.unit_values(x, fmt, **layout))(x)
+  assert isinstance(got, gemm.Unit) and got.values.dtype == jnp.bfloat16 and got.values.shape == x.shape
+  np.testing.assert_array_equal(_bits(got.values), _bits(want[0]))
+  np.testing.assert_array_equal(_bits(got.factor), _bits(want[1]))
+
+
+def test_unit_values_of_a_non_finite_tensor_poison_the_factor():
+  x = _edge_tensor(jnp.float32).at[3, 3].set(jnp.nan)
+  u = gemm.unit_values(x, "nvfp4", axis=1)
+  assert np.isnan(float(u.factor))
+  assert np.isnan(np.asarray(gemm.f32_values(u))).all()
+
+
+def test_formats_without_an_exact_bf16_form_have_no_unit():
+  x = _edge_tensor(jnp.float32)
+  assert gemm.unit_values(x, fp4jax.FP8(), axis=1) is None  # E4M3 elements: the rule keeps its QArray path
+  assert gemm.unit_values(x, fp4jax.NVFP4(double_block=True), axis=1) is None
+
+
+def _pieces(x, w, dy, recipe, key):
+  """y, dx, dW from the public pieces on QArrays (no Unit anywhere)."""
+  ops = dg.layer_operands(x, w, recipe, key)
+  y = dg.fprop(ops, recipe)
+  dx, _ = dg.dgrad(dy, ops.w_dgrad, recipe, key, x.dtype, ops.x_mask)
+  dw, _ = dg.wgrad(dy, ops.x_wgrad, recipe, key, x.dtype, ops.w_mask)
+  return y, dx, dw
+
+
+@pytest.mark.parametrize("name", [n for n in recipes.PRESETS if n != "bf16"])
+def test_rule_equals_its_public_pieces_in_bf16_mode(name):
+  recipe = recipes.get_recipe(name).replace(gemm_mode="bf16")
+  k0, k1, k2, k3 = jax.random.split(jax.random.key(1), 4)
+  x = jax.random.normal(k0, (128, 128), jnp.float32)
+  w = jax.random.normal(k1, (128, 128), jnp.float32) * 0.1  # N = 128: Quartet II's RHT-128 runs along N in Dgrad
+  dy = jax.random.normal(k2, (128, 128), jnp.float32)
+  dims = (((1,), (0,)), ((), ()))
+
+  @jax.jit
+  def rule(x, w, dy):
+    f = lambda a, b: fp4jax.dot_general(a, b, dims, recipe=recipe, key=k3, preferred_element_type=jnp.float32)
+    y, vjp = jax.vjp(f, x, w)
+    return (y, *vjp(dy))
+
+  for got, want in zip(rule(x, w, dy), jax.jit(lambda x, w, dy: _pieces(x, w, dy, recipe, k3))(x, w, dy)):
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_the_rule_keeps_no_packed_weight_codes_in_bf16_mode():
+  """Dgrad reuses the Fprop weight: in bf16 mode its residual is the Unit (bf16 values), so the forward packs no
+  weight codes; in f32 mode it stays the packed QArray."""
+  x = jnp.ones((32, 64), jnp.float32)
+  w = jnp.ones((64, 32), jnp.float32)
+  for mode, kind in (("bf16", gemm.Unit), ("f32", fp4jax.QArray)):
+    recipe = recipes.nvfp4(gemm_mode=mode)
+    _, residuals = dg._qmatmul_fwd(x, w, jax.random.key(0), recipe)
+    assert isinstance(residuals[0], kind), (mode, type(residuals[0]))
