@@ -175,7 +175,7 @@ class NVFP4(_FP4Format):
     padded = jnp.pad(amax_b, [(0, groups * DOUBLE_BLOCK_GROUP - n if i == a else 0) for i in range(amax_b.ndim)])
     split = padded.shape[:a] + (groups, DOUBLE_BLOCK_GROUP) + padded.shape[a + 1:]
     g = padded.reshape(split)
-    # NaN-propagating max (jnp.max may drop NaN on XLA:CPU, see quantize._int_max).
+    # NaN-propagating max (jnp.max may drop NaN on XLA:CPU, see blocks.int_max).
     return jnp.where(jnp.any(jnp.isnan(g), axis=a + 1), jnp.float32(jnp.nan), jnp.max(g, axis=a + 1))
 
   def _per_block(self, amax, scales_shape):
