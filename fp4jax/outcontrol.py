@@ -106,13 +106,15 @@ def _gemm8(a, b, contract):
                              preferred_element_type=jnp.float32)
 
 
-def split_operands(x_MxK, w_KxN, idx_k, recipe: recipes_lib.Recipe, key, *, backward: bool = True) -> SplitOperands:
-  """Quantizes x and W for the split GEMMs: the rest by `recipe`, the outlier channels `idx_k` in MXFP8."""
+def split_operands(x_MxK, w_KxN, idx_k, recipe: recipes_lib.Recipe, key, *, backward: bool = True,
+                   unit: bool = False) -> SplitOperands:
+  """Quantizes x and W for the split GEMMs: the rest by `recipe`, the outlier channels `idx_k` in MXFP8.
+  `unit`: the rest's GEMM-only operands in their bf16 form (dot_general.layer_operands), as the rule takes them."""
   _check_idx(idx_k, x_MxK.shape[1])
   keep = jnp.ones((x_MxK.shape[1],), bool).at[idx_k].set(False)
   x_rest = jnp.where(keep[None, :], x_MxK, jnp.zeros((), x_MxK.dtype))
   w_rest = jnp.where(keep[:, None], w_KxN, jnp.zeros((), w_KxN.dtype))
-  rest = layer_operands(x_rest, w_rest, recipe, key, backward=backward)
+  rest = layer_operands(x_rest, w_rest, recipe, key, backward=backward, unit=unit)
   x8 = _mxfp8(jnp.take(x_MxK, idx_k, axis=1), axis=1)
   w8 = _mxfp8(jnp.take(w_KxN, idx_k, axis=0), axis=0)
   if not backward:
@@ -127,27 +129,27 @@ def split_fprop(ops: SplitOperands, recipe: recipes_lib.Recipe):
   return fprop(ops.rest, recipe) + _gemm8(ops.x8, ops.w8, (1, 0))
 
 
-def split_dgrad(dy_MxN, ops: SplitOperands, idx_k, recipe: recipes_lib.Recipe, key, compute_dtype):
+def split_dgrad(dy_MxN, ops: SplitOperands, idx_k, recipe: recipes_lib.Recipe, key, compute_dtype, unit=False):
   """dx [M, K] float32: the recipe's Dgrad on the rest channels, the MXFP8 Dgrad on the outlier columns."""
-  dx_rest, _ = dgrad(dy_MxN, ops.rest.w_dgrad, recipe, key, compute_dtype, ops.rest.x_mask)
+  dx_rest, _ = dgrad(dy_MxN, ops.rest.w_dgrad, recipe, key, compute_dtype, ops.rest.x_mask, unit=unit)
   dx8 = _gemm8(_mxfp8(dy_MxN, axis=1), ops.w8_dgrad, (1, 1))
   return dx_rest.at[:, idx_k].set(dx8)  # the outlier columns come from the MXFP8 GEMM alone
 
 
-def split_wgrad(dy_MxN, ops: SplitOperands, idx_k, recipe: recipes_lib.Recipe, key, compute_dtype):
+def split_wgrad(dy_MxN, ops: SplitOperands, idx_k, recipe: recipes_lib.Recipe, key, compute_dtype, unit=False):
   """dW [K, N] float32: the recipe's Wgrad on the rest rows, the MXFP8 Wgrad on the outlier rows."""
-  dw_rest, _ = wgrad(dy_MxN, ops.rest.x_wgrad, recipe, key, compute_dtype, ops.rest.w_mask)
+  dw_rest, _ = wgrad(dy_MxN, ops.rest.x_wgrad, recipe, key, compute_dtype, ops.rest.w_mask, unit=unit)
   dw8 = _gemm8(ops.x8_wgrad, _mxfp8(dy_MxN, axis=0), (0, 0))
   return dw_rest.at[idx_k, :].set(dw8)  # the outlier rows come from the MXFP8 GEMM alone
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _split_matmul(x_MxK, w_KxN, idx_k, key, recipe):
-  return split_fprop(split_operands(x_MxK, w_KxN, idx_k, recipe, key, backward=False), recipe)
+  return split_fprop(split_operands(x_MxK, w_KxN, idx_k, recipe, key, backward=False, unit=True), recipe)
 
 
 def _split_matmul_fwd(x_MxK, w_KxN, idx_k, key, recipe):
-  ops = split_operands(x_MxK, w_KxN, idx_k, recipe, key)
+  ops = split_operands(x_MxK, w_KxN, idx_k, recipe, key, unit=True)
   # Fprop-only operands are not needed again: keep the backward's residuals only.
   residuals = (ops._replace(rest=ops.rest._replace(x_fprop=None, w_fprop=None), x8=None, w8=None), idx_k, key,
                jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_KxN.dtype))
@@ -156,8 +158,8 @@ def _split_matmul_fwd(x_MxK, w_KxN, idx_k, key, recipe):
 
 def _split_matmul_bwd(recipe, residuals, dy_MxN):
   ops, idx_k, key, x_proto, w_proto = residuals
-  dx = split_dgrad(dy_MxN, ops, idx_k, recipe, key, x_proto.dtype)
-  dw = split_wgrad(dy_MxN, ops, idx_k, recipe, key, x_proto.dtype)
+  dx = split_dgrad(dy_MxN, ops, idx_k, recipe, key, x_proto.dtype, unit=True)
+  dw = split_wgrad(dy_MxN, ops, idx_k, recipe, key, x_proto.dtype, unit=True)
   return dx.astype(x_proto.dtype), dw.astype(w_proto.dtype), None, None
 
 

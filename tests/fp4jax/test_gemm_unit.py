@@ -102,3 +102,31 @@ def test_the_rule_keeps_no_packed_weight_codes_in_bf16_mode():
     recipe = recipes.nvfp4(gemm_mode=mode)
     _, residuals = dg._qmatmul_fwd(x, w, jax.random.key(0), recipe)
     assert isinstance(residuals[0], kind), (mode, type(residuals[0]))
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "tetrajet_v2"])
+def test_outcontrol_rule_equals_its_public_pieces_in_bf16_mode(name):
+  from fp4jax import outcontrol  # pylint: disable=g-import-not-at-top
+  recipe = recipes.get_recipe(name).replace(gemm_mode="bf16")
+  k0, k1, k2, k3 = jax.random.split(jax.random.key(2), 4)
+  x = jax.random.normal(k0, (128, 128), jnp.float32)
+  w = jax.random.normal(k1, (128, 64), jnp.float32) * 0.1
+  dy = jax.random.normal(k2, (128, 64), jnp.float32)
+  idx = jnp.array([0, 5, 77, 127])
+  dims = (((1,), (0,)), ((), ()))
+
+  @jax.jit
+  def rule(x, w, dy):
+    f = lambda a, b: outcontrol.dot_general(a, b, dims, recipe=recipe, key=k3, outliers=idx,
+                                            preferred_element_type=jnp.float32)
+    y, vjp = jax.vjp(f, x, w)
+    return (y, *vjp(dy))
+
+  @jax.jit
+  def pieces(x, w, dy):
+    ops = outcontrol.split_operands(x, w, idx, recipe, k3)
+    return (outcontrol.split_fprop(ops, recipe), outcontrol.split_dgrad(dy, ops, idx, recipe, k3, x.dtype),
+            outcontrol.split_wgrad(dy, ops, idx, recipe, k3, x.dtype))
+
+  for got, want in zip(rule(x, w, dy), pieces(x, w, dy)):
+    np.testing.assert_array_equal(_bits(got), _bits(want))
