@@ -19,8 +19,7 @@ from fp4jax import formats
 from fp4jax import nvfp4
 from fp4jax import recipes as recipes_lib
 from fp4jax.qarray import QArray
-from fp4jax import quantize as quantize_lib
-from fp4jax.quantize import dequantize
+from fp4jax.quantize import decode_elements, dequantize, quantize_elements
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -87,13 +86,13 @@ def unit_values(x, fmt, **quantize_kwargs) -> Unit | None:
   fmt = formats.get_format(fmt)
   if not fmt.is_fp4:
     return None
-  elements, scales, amax, block = quantize_lib.quantize_elements(x, fmt, **quantize_kwargs)
+  elements, scales, amax, block = quantize_elements(x, fmt, **quantize_kwargs)
   parts = _unit_parts(fmt, scales, amax)
   if parts is None:
     return None
   fmt, scales, unit_amax, factor = parts
   # As in bf16_values, a non-finite amax poisons the factor (and with it every product), not the values.
-  return Unit(quantize_lib.decode_elements(elements, fmt, scales, unit_amax, block, jnp.shape(x), jnp.bfloat16),
+  return Unit(decode_elements(elements, fmt, scales, unit_amax, block, jnp.shape(x), jnp.bfloat16),
               factor)
 
 
