@@ -1,15 +1,19 @@
 """Tests for experiments/: every entry point's smoke preset end to end, resuming an interrupted sweep, the report,
-and clear errors for unknown presets and override keys. Runs share one CompileCache, so each graph compiles once."""
+and clear errors for unknown presets and override keys. Runs share one CompileCache, so each graph compiles once.
+The formats smoke sweep is the README's main job: its checks run on that one run (tests/conftest.py)."""
 
 import importlib
 import json
 import math
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from readme_blocks import MAIN_JOB_GROUP
+from readme_blocks import MAIN_JOB_OUT
 from experiments import report
 from experiments import sweep as sweep_lib
 from fp4jax.pretrain import steps as steps_lib
@@ -132,11 +136,25 @@ def test_new_model_preset_drops_old_model_fields():
 
 # --- smoke sweeps ---------------------------------------------------------------------------------------------------
 
+def _main_job_output(request):
+  """The output folder of the README's main job, `python -m experiments.formats --preset smoke` (copy, not change)."""
+  folder, res = request.getfixturevalue("readme_main_job")
+  assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+  return folder / MAIN_JOB_OUT
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", EXPERIMENTS)
-def test_smoke_sweep_end_to_end(name, tmp_path, cache):
+@pytest.mark.parametrize("name", [pytest.param("formats", marks=pytest.mark.xdist_group(MAIN_JOB_GROUP)),
+                                  *EXPERIMENTS[1:]])
+def test_smoke_sweep_end_to_end(name, tmp_path, cache, request):
   sweep = _module(name).get_config("smoke")
-  records = sweep_lib.run_sweep(sweep, tmp_path, compile_cache=cache, progress=False, log=None)
+  if name == "formats":  # the README's main job ran this sweep from its CLI: check that run instead of a second one
+    shutil.copytree(_main_job_output(request), tmp_path, dirs_exist_ok=True)
+    summaries = [sweep_lib.read_summary(sweep_lib.run_dir(tmp_path, run.name, 0)) for run in sweep.runs]
+    assert None not in summaries, [run.name for run, s in zip(sweep.runs, summaries) if s is None]
+    records = [{"run": s["run"], "status": s["status"], "summary": s} for s in summaries]
+  else:
+    records = sweep_lib.run_sweep(sweep, tmp_path, compile_cache=cache, progress=False, log=None)
   assert [(r["run"], r["status"]) for r in records] == [(run.name, "finished") for run in sweep.runs]
   for r in records:
     s = r["summary"]
@@ -199,9 +217,9 @@ def test_interrupted_sweep_resumes_and_skips_finished_runs(tmp_path, cache):
 
 
 @pytest.mark.slow
-def test_cli_on_finished_sweep_rewrites_report(tmp_path, cache, capsys):
-  sweep = _module("formats").get_config("smoke").select(["bf16"])
-  sweep_lib.run_sweep(sweep, tmp_path, compile_cache=cache, progress=False, log=None)
+@pytest.mark.xdist_group(MAIN_JOB_GROUP)
+def test_cli_on_finished_sweep_rewrites_report(tmp_path, capsys, request):
+  shutil.copytree(_main_job_output(request) / "bf16", tmp_path / "bf16")  # a finished run of the formats smoke sweep
   assert _module("formats").main(["--preset", "smoke", "--out", str(tmp_path), "--runs", "bf16", "--quiet"]) == 0
   assert (tmp_path / report.RESULTS_MD).is_file() and (tmp_path / report.LOSS_PNG).is_file()
   assert report.main([str(tmp_path), "--smooth", "3"]) == 0
