@@ -69,12 +69,24 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def readme_main_job(tmp_path_factory):
-  """The README's main job (its first bash block, the formats smoke sweep), run once as the README writes it.
+def compile_cache():
+  """One CompileCache per worker for the smoke sweeps (tests/experiments, the README's main job): each graph of
+  the tiny smoke model compiles once per process."""
+  from fp4jax.pretrain import steps  # pylint: disable=g-import-not-at-top
+  return steps.CompileCache()
 
-  Returns (folder the block ran in, finished process). The tests using it carry the xdist_group
-  readme_blocks.MAIN_JOB_GROUP, so one worker runs it.
+
+@pytest.fixture(scope="session")
+def formats_smoke_sweep(tmp_path_factory, compile_cache):
+  """The formats smoke sweep (the README's main job), trained once: (its folder, run_sweep's records).
+
+  The tests using it share the xdist_group readme_blocks.MAIN_JOB_GROUP, so one worker trains it; they copy the
+  folder rather than change it. The README test runs the README's command on a copy: it finds every run finished
+  with the same settings (a different setting would be an error) and only writes the report.
   """
-  import readme_blocks  # pylint: disable=g-import-not-at-top
-  folder = tmp_path_factory.mktemp("readme_main_job")
-  return folder, readme_blocks.run_bash(0, folder)
+  from experiments import formats  # pylint: disable=g-import-not-at-top
+  from experiments import sweep  # pylint: disable=g-import-not-at-top
+  folder = tmp_path_factory.mktemp("formats_smoke")
+  records = sweep.run_sweep(formats.get_config("smoke"), folder, compile_cache=compile_cache, progress=False,
+                            log=None)
+  return folder, records

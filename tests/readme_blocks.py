@@ -4,8 +4,7 @@ Python blocks run as written, each in a fresh interpreter; when a bare ``` block
 printed output and must match. Bash blocks run as one script each in a scratch folder, with the few changes that keep
 them small, listed in `shrink`: training runs get 3 steps (also those that rely on the 200-step default), the `small`
 model becomes `tiny`, `--preset cpu|gpu` sweeps only `--list` their runs, installs and the test command itself are
-skipped, and `fp4jax` is `python -m fp4jax` (this checkout, installed or not). `--preset smoke` sweeps run as written:
-the main job's output is also what tests/experiments/test_experiments.py checks for the formats smoke sweep.
+skipped, and `fp4jax` is `python -m fp4jax` (this checkout, installed or not). `--preset smoke` sweeps run as written.
 """
 
 import os
@@ -17,8 +16,9 @@ import subprocess
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 _BLOCK = re.compile(r"```(\w*)\n(.*?)```\n", re.S)
-# The README's main job (its first bash block), shared by the tests that check it (tests/conftest.py).
-MAIN_JOB_GROUP = "readme_main_job"
+# The README's main job (its first bash block, the formats smoke sweep) and the smoke-sweep tests: one xdist unit
+# sharing one trained formats sweep and one compile cache (tests/conftest.py).
+MAIN_JOB_GROUP = "smoke_sweeps"
 MAIN_JOB_OUT = "runs/formats"  # its --out, relative to the folder it ran in
 
 

@@ -1,9 +1,11 @@
 """Every ```python and ```bash block of README.md runs, so the README cannot rot (how: tests/readme_blocks.py).
 
-The first bash block, the main job, runs once per session (the `readme_main_job` fixture in tests/conftest.py): the
-formats smoke sweep test in tests/experiments/test_experiments.py checks the results of that same run.
+The first bash block, the main job (the formats smoke sweep), runs on a copy of that sweep's output trained once per
+session (tests/conftest.py's `formats_smoke_sweep`, checked in tests/experiments/test_experiments.py): the command
+must find every run finished with the same settings, leave them untouched and write the report.
 """
 
+import shutil
 import subprocess
 import sys
 
@@ -61,8 +63,13 @@ def test_python_block_runs(index, tmp_path):
 @pytest.mark.parametrize("index", [pytest.param(0, marks=pytest.mark.xdist_group(MAIN_JOB_GROUP)),
                                    *range(1, len(BASH))])
 def test_bash_block_runs(index, tmp_path, request):
-  if index == 0:  # the main job: one run per session, whose results test_experiments.py checks
-    _, res = request.getfixturevalue("readme_main_job")
-  else:
-    res = run_bash(index, tmp_path)
+  if index == 0:
+    folder, _ = request.getfixturevalue("formats_smoke_sweep")
+    shutil.copytree(folder, tmp_path / MAIN_JOB_OUT)
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / MAIN_JOB_OUT).glob("*/seed*/summary.json")}
+  res = run_bash(index, tmp_path)
   assert res.returncode == 0, failure(index, res)
+  if index == 0:  # same settings: every run is reused as finished, not retrained
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / MAIN_JOB_OUT).glob("*/seed*/summary.json")}
+    assert len(before) == 3 and after == before
+    assert (tmp_path / MAIN_JOB_OUT / "results.md").is_file()

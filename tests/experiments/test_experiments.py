@@ -1,6 +1,7 @@
 """Tests for experiments/: every entry point's smoke preset end to end, resuming an interrupted sweep, the report,
 and clear errors for unknown presets and override keys. Runs share one CompileCache, so each graph compiles once.
-The formats smoke sweep is the README's main job: its checks run on that one run (tests/conftest.py)."""
+The formats smoke sweep is the README's main job: trained once per session (tests/conftest.py), checked here and
+run from the README's command in tests/test_readme.py. The slow tests are one xdist unit (one compile cache)."""
 
 import importlib
 import json
@@ -13,10 +14,8 @@ import numpy as np
 import pytest
 
 from readme_blocks import MAIN_JOB_GROUP
-from readme_blocks import MAIN_JOB_OUT
 from experiments import report
 from experiments import sweep as sweep_lib
-from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 
 EXPERIMENTS = ("formats", "rht_size", "high_precision_layers", "components", "precision_switch", "recipes")
@@ -24,9 +23,9 @@ REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def cache():
-  return steps_lib.CompileCache()
+@pytest.fixture
+def cache(compile_cache):
+  return compile_cache
 
 
 def _module(name):
@@ -136,23 +135,14 @@ def test_new_model_preset_drops_old_model_fields():
 
 # --- smoke sweeps ---------------------------------------------------------------------------------------------------
 
-def _main_job_output(request):
-  """The output folder of the README's main job, `python -m experiments.formats --preset smoke` (copy, not change)."""
-  folder, res = request.getfixturevalue("readme_main_job")
-  assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-  return folder / MAIN_JOB_OUT
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param("formats", marks=pytest.mark.xdist_group(MAIN_JOB_GROUP)),
-                                  *EXPERIMENTS[1:]])
+@pytest.mark.xdist_group(MAIN_JOB_GROUP)
+@pytest.mark.parametrize("name", EXPERIMENTS)
 def test_smoke_sweep_end_to_end(name, tmp_path, cache, request):
   sweep = _module(name).get_config("smoke")
-  if name == "formats":  # the README's main job ran this sweep from its CLI: check that run instead of a second one
-    shutil.copytree(_main_job_output(request), tmp_path, dirs_exist_ok=True)
-    summaries = [sweep_lib.read_summary(sweep_lib.run_dir(tmp_path, run.name, 0)) for run in sweep.runs]
-    assert None not in summaries, [run.name for run, s in zip(sweep.runs, summaries) if s is None]
-    records = [{"run": s["run"], "status": s["status"], "summary": s} for s in summaries]
+  if name == "formats":  # trained once per session: the README's main job runs its command on this output
+    folder, records = request.getfixturevalue("formats_smoke_sweep")
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
   else:
     records = sweep_lib.run_sweep(sweep, tmp_path, compile_cache=cache, progress=False, log=None)
   assert [(r["run"], r["status"]) for r in records] == [(run.name, "finished") for run in sweep.runs]
@@ -183,6 +173,7 @@ def test_smoke_sweep_end_to_end(name, tmp_path, cache, request):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(MAIN_JOB_GROUP)
 def test_interrupted_sweep_resumes_and_skips_finished_runs(tmp_path, cache):
   base = sweep_lib.base_overrides("smoke")
   # Two identical runs under different names: the resumed one must reproduce the uninterrupted one exactly.
@@ -219,7 +210,8 @@ def test_interrupted_sweep_resumes_and_skips_finished_runs(tmp_path, cache):
 @pytest.mark.slow
 @pytest.mark.xdist_group(MAIN_JOB_GROUP)
 def test_cli_on_finished_sweep_rewrites_report(tmp_path, capsys, request):
-  shutil.copytree(_main_job_output(request) / "bf16", tmp_path / "bf16")  # a finished run of the formats smoke sweep
+  folder, _ = request.getfixturevalue("formats_smoke_sweep")
+  shutil.copytree(folder / "bf16", tmp_path / "bf16")  # a finished run of the formats smoke sweep
   assert _module("formats").main(["--preset", "smoke", "--out", str(tmp_path), "--runs", "bf16", "--quiet"]) == 0
   assert (tmp_path / report.RESULTS_MD).is_file() and (tmp_path / report.LOSS_PNG).is_file()
   assert report.main([str(tmp_path), "--smooth", "3"]) == 0
