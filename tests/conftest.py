@@ -8,12 +8,17 @@ Nearly all of the suite's time is XLA compilation, and many tests (and the subpr
 session, in a fresh temporary folder made by the first process (inherited by xdist workers and subprocesses),
 compiles each graph once; it is deleted when the session ends, so no run reads another run's executables. An entry
 that cannot be read (another worker still writing it) is a cache miss: JAX warns and compiles.
+
+Scheduling for `pytest -n 2` (pyproject's addopts: `--dist loadgroup --no-loadscope-reorder`): see
+`pytest_collection_modifyitems` below.
 """
 
 import os
 import shutil
 import sys
 import tempfile
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -34,3 +39,54 @@ def pytest_sessionfinish(session):
   del session
   if _OWN_CACHE:  # only the process that made the folder removes it
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+  """Under xdist's loadgroup scheduling, orders and groups the tests so two workers end together.
+
+  Each unit of work goes to one worker, which takes the next unit in the queue when it is nearly done. Slow tests
+  (minutes each) are units of their own and come first; tests marked `xdist_group` (sharing an expensive fixture)
+  are one unit, queued with them. The fast tests follow as one unit per module (module fixtures and compile caches
+  then serve the whole module), modules with more tests first, so that the last units are short and neither worker
+  waits long for the other at the end. Plain runs (no xdist) keep pytest's order.
+  """
+  if not getattr(config.option, "loadgroup", False):  # set on xdist workers under --dist loadgroup
+    return
+  module = lambda item: item.nodeid.split("::")[0]
+  sizes = {}
+  for item in items:
+    sizes[module(item)] = sizes.get(module(item), 0) + 1
+  early, late = [], []
+  for item in items:
+    if item.get_closest_marker("xdist_group") is not None or item.get_closest_marker("slow") is not None:
+      early.append(item)
+    else:
+      item.add_marker(pytest.mark.xdist_group(module(item)))
+      late.append(item)
+  late.sort(key=lambda item: -sizes[module(item)])  # stable: a module's tests keep their order
+  items[:] = early + late
+
+
+@pytest.fixture(scope="session")
+def compile_cache():
+  """One CompileCache per worker for the smoke sweeps (tests/experiments, the README's main job): each graph of
+  the tiny smoke model compiles once per process."""
+  from fp4jax.pretrain import steps  # pylint: disable=g-import-not-at-top
+  return steps.CompileCache()
+
+
+@pytest.fixture(scope="session")
+def formats_smoke_sweep(tmp_path_factory, compile_cache):
+  """The formats smoke sweep (the README's main job), trained once: (its folder, run_sweep's records).
+
+  The tests using it share the xdist_group readme_blocks.MAIN_JOB_GROUP, so one worker trains it; they copy the
+  folder rather than change it. The README test runs the README's command on a copy: it finds every run finished
+  with the same settings (a different setting would be an error) and only writes the report.
+  """
+  from experiments import formats  # pylint: disable=g-import-not-at-top
+  from experiments import sweep  # pylint: disable=g-import-not-at-top
+  folder = tmp_path_factory.mktemp("formats_smoke")
+  records = sweep.run_sweep(formats.get_config("smoke"), folder, compile_cache=compile_cache, progress=False,
+                            log=None)
+  return folder, records

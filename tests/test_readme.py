@@ -1,81 +1,31 @@
-"""Every ```python and ```bash block of README.md runs, so the README cannot rot.
+"""Every ```python and ```bash block of README.md runs, so the README cannot rot (how: tests/readme_blocks.py).
 
-Python blocks run as written, each in a fresh interpreter; when a bare ``` block follows one, it is the block's
-printed output and must match. Bash blocks run as one script each in a scratch folder, with the few changes that keep
-them small, listed in `_shrink`: training runs get 3 steps (also those that rely on the 200-step default), the `small`
-model becomes `tiny`, `--preset cpu|gpu` sweeps only `--list` their runs, `--preset smoke` sweeps run their bf16 and nvfp4
-runs (tests/experiments/test_experiments.py runs every smoke run in full), installs and the test command itself are
-skipped, and `fp4jax` is `python -m fp4jax` (this checkout, installed or not).
+The first bash block, the main job (the formats smoke sweep), runs on a copy of that sweep's output trained once per
+session (tests/conftest.py's `formats_smoke_sweep`, checked in tests/experiments/test_experiments.py): the command
+must find every run finished with the same settings, leave them untouched and write the report.
 """
 
-import os
-import pathlib
-import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
-_BLOCK = re.compile(r"```(\w*)\n(.*?)```\n", re.S)
-
-
-def _blocks():
-  """(language, text, the bare block printed right after it or None), in README order."""
-  found = [(m.group(1), m.group(2), m.start(), m.end()) for m in _BLOCK.finditer(README)]
-  out = []
-  for i, (lang, text, _, end) in enumerate(found):
-    nxt = found[i + 1] if i + 1 < len(found) else None
-    shown = nxt[1] if nxt and nxt[0] == "" and README[end:nxt[2]].strip() == "" else None
-    if lang in ("python", "bash"):
-      out.append((lang, text, shown))
-  return out
-
-
-PYTHON = [(t, shown) for lang, t, shown in _blocks() if lang == "python"]
-BASH = [t for lang, t, _ in _blocks() if lang == "bash"]
-
-
-def _env(devices: int = 1) -> dict:
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-  env["JAX_PLATFORMS"] = "cpu"
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-  return env
-
-
-def _shrink(line: str) -> str | None:
-  """One README shell line made small enough for the tests; None to skip it."""
-  line = re.sub(r"^pip install [^&]*&&\s*", "", line.strip())
-  if not line or line.startswith("#") or line.startswith("pip install") or "-m pytest" in line:
-    return None
-  line = re.sub(r"(^|\s)fp4jax (train|eval)\b", r"\1python -m fp4jax \2", line)
-  line = line.replace("--model small", "--model tiny")
-  if re.search(r"--preset (cpu|gpu)\b", line):
-    line = re.sub(r"\s+#.*$", "", line) + " --list"
-  if re.search(r"--preset smoke\b", line) and "--runs" not in line:
-    line = re.sub(r"\s+#.*$", "", line) + " --runs bf16,nvfp4"
-  if re.search(r"\bfp4jax train\b", line) and " --resume" not in line and "--help" not in line and "--steps" not in line:
-    line = re.sub(r"\bfp4jax train\b", "fp4jax train --steps 3", line, count=1)
-  if " --resume" in line:
-    line = re.sub(r"--steps \d+", "--steps 5", line)
-  else:
-    line = re.sub(r"--steps \d+", "--steps 3", line)
-  return line
-
-
-def _script(block: str) -> str:
-  joined = block.replace("\\\n", " ")
-  lines = [_shrink(line) for line in joined.splitlines()]
-  return "set -euo pipefail\n" + "\n".join(line for line in lines if line)
+from readme_blocks import BASH
+from readme_blocks import MAIN_JOB_GROUP
+from readme_blocks import MAIN_JOB_OUT
+from readme_blocks import PYTHON
+from readme_blocks import env as _env
+from readme_blocks import failure
+from readme_blocks import run_bash
+from readme_blocks import script as _script
+from readme_blocks import shrink as _shrink
 
 
 def test_readme_has_the_blocks_we_expect():
   assert len(PYTHON) >= 4 and len(BASH) >= 3
   first = _script(BASH[0])
-  assert "python -m experiments.formats --preset smoke" in first and "pytest" not in first
+  assert f"python -m experiments.formats --preset smoke --out {MAIN_JOB_OUT}" in first and "pytest" not in first
   # Every training run is shrunk: none falls back to the 200-step default.
   for block in BASH:
     for line in _script(block).splitlines():
@@ -85,7 +35,7 @@ def test_readme_has_the_blocks_we_expect():
 
 def test_shrink_rules():
   assert _shrink("pip install -e . && python -m experiments.formats --preset smoke --out runs/f") == (
-      "python -m experiments.formats --preset smoke --out runs/f --runs bf16,nvfp4")
+      "python -m experiments.formats --preset smoke --out runs/f")
   assert _shrink('pip install -e ".[test]" && python -m pytest -q -n 2') is None
   assert _shrink("fp4jax train --model tiny --steps 200 --out runs/x   # c") == (
       "python -m fp4jax train --model tiny --steps 3 --out runs/x   # c")
@@ -110,15 +60,16 @@ def test_python_block_runs(index, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(BASH)))
-def test_bash_block_runs(index, tmp_path):
-  script = _script(BASH[index])
-  if "experiments.report runs/formats_cpu" in script:  # redraws the committed cpu results
-    shutil.copytree(REPO / "experiments" / "results" / "formats_cpu", tmp_path / "runs" / "formats_cpu")
-  devices = 8 if "--mesh" in script and "FP4JAX_NUM_PROCESSES" not in script else 2
-  # The session's persistent compilation cache (tests/conftest.py): a block's later commands (resume, eval) and
-  # other blocks training the same model reuse earlier executables.
-  env = {**_env(devices), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  assert env.get("JAX_COMPILATION_CACHE_DIR"), "tests/conftest.py sets the session's compilation cache"
-  res = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-  assert res.returncode == 0, f"README bash block {index} failed:\n{script}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+@pytest.mark.parametrize("index", [pytest.param(0, marks=pytest.mark.xdist_group(MAIN_JOB_GROUP)),
+                                   *range(1, len(BASH))])
+def test_bash_block_runs(index, tmp_path, request):
+  if index == 0:
+    folder, _ = request.getfixturevalue("formats_smoke_sweep")
+    shutil.copytree(folder, tmp_path / MAIN_JOB_OUT)
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / MAIN_JOB_OUT).glob("*/seed*/summary.json")}
+  res = run_bash(index, tmp_path)
+  assert res.returncode == 0, failure(index, res)
+  if index == 0:  # same settings: every run is reused as finished, not retrained
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / MAIN_JOB_OUT).glob("*/seed*/summary.json")}
+    assert len(before) == 3 and after == before
+    assert (tmp_path / MAIN_JOB_OUT / "results.md").is_file()

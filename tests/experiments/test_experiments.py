@@ -1,18 +1,21 @@
 """Tests for experiments/: every entry point's smoke preset end to end, resuming an interrupted sweep, the report,
-and clear errors for unknown presets and override keys. Runs share one CompileCache, so each graph compiles once."""
+and clear errors for unknown presets and override keys. Runs share one CompileCache, so each graph compiles once.
+The formats smoke sweep is the README's main job: trained once per session (tests/conftest.py), checked here and
+run from the README's command in tests/test_readme.py. The slow tests are one xdist unit (one compile cache)."""
 
 import importlib
 import json
 import math
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from readme_blocks import MAIN_JOB_GROUP
 from experiments import report
 from experiments import sweep as sweep_lib
-from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 
 EXPERIMENTS = ("formats", "rht_size", "high_precision_layers", "components", "precision_switch", "recipes")
@@ -20,9 +23,9 @@ REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def cache():
-  return steps_lib.CompileCache()
+@pytest.fixture
+def cache(compile_cache):
+  return compile_cache
 
 
 def _module(name):
@@ -133,10 +136,15 @@ def test_new_model_preset_drops_old_model_fields():
 # --- smoke sweeps ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(MAIN_JOB_GROUP)
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_smoke_sweep_end_to_end(name, tmp_path, cache):
+def test_smoke_sweep_end_to_end(name, tmp_path, cache, request):
   sweep = _module(name).get_config("smoke")
-  records = sweep_lib.run_sweep(sweep, tmp_path, compile_cache=cache, progress=False, log=None)
+  if name == "formats":  # trained once per session: the README's main job runs its command on this output
+    folder, records = request.getfixturevalue("formats_smoke_sweep")
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+  else:
+    records = sweep_lib.run_sweep(sweep, tmp_path, compile_cache=cache, progress=False, log=None)
   assert [(r["run"], r["status"]) for r in records] == [(run.name, "finished") for run in sweep.runs]
   for r in records:
     s = r["summary"]
@@ -165,6 +173,7 @@ def test_smoke_sweep_end_to_end(name, tmp_path, cache):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(MAIN_JOB_GROUP)
 def test_interrupted_sweep_resumes_and_skips_finished_runs(tmp_path, cache):
   base = sweep_lib.base_overrides("smoke")
   # Two identical runs under different names: the resumed one must reproduce the uninterrupted one exactly.
@@ -199,9 +208,10 @@ def test_interrupted_sweep_resumes_and_skips_finished_runs(tmp_path, cache):
 
 
 @pytest.mark.slow
-def test_cli_on_finished_sweep_rewrites_report(tmp_path, cache, capsys):
-  sweep = _module("formats").get_config("smoke").select(["bf16"])
-  sweep_lib.run_sweep(sweep, tmp_path, compile_cache=cache, progress=False, log=None)
+@pytest.mark.xdist_group(MAIN_JOB_GROUP)
+def test_cli_on_finished_sweep_rewrites_report(tmp_path, capsys, request):
+  folder, _ = request.getfixturevalue("formats_smoke_sweep")
+  shutil.copytree(folder / "bf16", tmp_path / "bf16")  # a finished run of the formats smoke sweep
   assert _module("formats").main(["--preset", "smoke", "--out", str(tmp_path), "--runs", "bf16", "--quiet"]) == 0
   assert (tmp_path / report.RESULTS_MD).is_file() and (tmp_path / report.LOSS_PNG).is_file()
   assert report.main([str(tmp_path), "--smooth", "3"]) == 0

@@ -1,6 +1,7 @@
 """Quartet (arXiv 2505.14669): the QuEST and Tseng MXFP4 quantizers bit for bit against NumPy, the clip-masked
 straight-through gradient, the fixed forward Hadamard and per-call backward signs, the preset and its training."""
 
+import functools
 import importlib
 import json
 
@@ -23,6 +24,16 @@ dg = importlib.import_module("fp4jax.dot_general")  # the module (fp4jax.dot_gen
 QUEST = fp4jax.MXFP4(scale_rule="quest")
 TSENG = fp4jax.MXFP4(scale_rule="tseng")
 DN = (((1,), (0,)), ((), ()))
+
+
+# Jitted: one compilation instead of compiling each of the rule's many small ops for eager dispatch.
+@functools.partial(jax.jit, static_argnames="recipe")
+def _fwd_and_grads(x, w, g, key, recipe):
+  y, vjp = jax.vjp(lambda a, b: fp4jax.dot_general(a, b, DN, recipe=recipe, key=key), x, w)
+  return (y,) + vjp(g)
+
+
+_layer_operands = jax.jit(dg.layer_operands, static_argnums=2)
 
 
 def _check(x, fmt, r, axis=-1):
@@ -154,7 +165,7 @@ def test_bad_configs_raise():
   with pytest.raises(ValueError, match="scale_rule"):
     fp4jax.MXFP4(scale_rule="std")
   x = jnp.ones((4, 32))
-  ops = dg.layer_operands(x, jnp.ones((32, 32)), r, jax.random.key(0))
+  ops = _layer_operands(x, jnp.ones((32, 32)), r, jax.random.key(0))
   with pytest.raises(ValueError, match="x_mask"):
     dg.dgrad(jnp.ones((4, 32)), ops.w_dgrad, r, jax.random.key(0), jnp.float32)
 
@@ -168,7 +179,7 @@ def test_forward_hadamard_is_fixed_and_orthogonal():
   x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
   r = fp4jax.recipes.quartet()
-  a, b = (dg.layer_operands(x, w, r, jax.random.key(k)) for k in (0, 1))
+  a, b = (_layer_operands(x, w, r, jax.random.key(k)) for k in (0, 1))
   for name in ("x_fprop", "w_fprop", "x_mask", "w_mask"):
     for u, v in zip(jax.tree.leaves(getattr(a, name)), jax.tree.leaves(getattr(b, name))):
       np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
@@ -187,7 +198,7 @@ def test_backward_signs_change_with_the_key():
   x = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
   r = fp4jax.recipes.quartet(stochastic_rounding=False)  # no SR: only the signs depend on the key
-  a, b = (dg.layer_operands(x, w, r, jax.random.key(k)) for k in (0, 1))
+  a, b = (_layer_operands(x, w, r, jax.random.key(k)) for k in (0, 1))
   for name in ("w_dgrad", "x_wgrad"):
     assert np.mean(np.asarray(getattr(a, name).unpacked_codes()) != np.asarray(getattr(b, name).unpacked_codes())) > 0.3
   signs = [np.asarray(fp4jax.rht.resolve_signs(32, jax.random.fold_in(jax.random.key(k), dg._RHT_SIGNS)))
@@ -232,8 +243,7 @@ def test_gradients_are_masked_before_the_inverse_hadamard():
   g = rng.standard_normal((64, 96)).astype(np.float32)
   key = jax.random.key(3)
   r = fp4jax.recipes.quartet(stochastic_rounding=False, gemm_mode="f32")
-  y, vjp = jax.vjp(lambda a, b: fp4jax.dot_general(a, b, DN, recipe=r, key=key), jnp.asarray(x), jnp.asarray(w))
-  dx, dw = (np.asarray(t, np.float64) for t in vjp(jnp.asarray(g)))
+  y, dx, dw = (np.asarray(t, np.float64) for t in _fwd_and_grads(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), key, r))
   want = _bwd_reference(x, w, g, key, "before")
   rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
   assert rel(dx, want[0]) < 1e-5 and rel(dw, want[1]) < 1e-5, (rel(dx, want[0]), rel(dw, want[1]))
@@ -255,9 +265,7 @@ def test_bf16_switches_keep_the_mask_and_drop_requantization():
   w = (rng.standard_normal((64, 32)) / 8).astype(np.float32)
   g = rng.standard_normal((32, 32)).astype(np.float32)
   bwd = fp4jax.recipes.quartet(gemm_mode="f32").with_bf16(forward=False)
-  _, vjp = jax.vjp(lambda a, b: fp4jax.dot_general(a, b, DN, recipe=bwd, key=jax.random.key(0)), jnp.asarray(x),
-                   jnp.asarray(w))
-  dx, _ = vjp(jnp.asarray(g))
+  _, dx, _ = _fwd_and_grads(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), jax.random.key(0), bwd)
   mask = rref.mxfp4_quest(np.asarray(fp4jax.random_hadamard(jnp.asarray(x), size=32, signs=np.ones(32))))["mask"]
   want = ref.rht_apply(mask * ref.rht_apply(g.astype(np.float64) @ w.T, 32, np.ones(32)), 32, np.ones(32),
                        inverse=True)
@@ -265,9 +273,8 @@ def test_bf16_switches_keep_the_mask_and_drop_requantization():
   np.testing.assert_allclose(np.asarray(dx), want, rtol=1e-4, atol=1e-4)
   fwd = fp4jax.recipes.quartet().with_bf16(backward=False)
   assert not fwd.fprop.quantized and not fwd.dgrad.rhs.requantize and fwd.dgrad.rhs.fmt == TSENG
-  _, vjp = jax.vjp(lambda a, b: fp4jax.dot_general(a, b, DN, recipe=fwd, key=jax.random.key(0)), jnp.asarray(x),
-                   jnp.asarray(w))
-  assert all(np.isfinite(np.asarray(t)).all() for t in vjp(jnp.asarray(g)))
+  _, *grads = _fwd_and_grads(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), jax.random.key(0), fwd)
+  assert all(np.isfinite(np.asarray(t)).all() for t in grads)
 
 
 def test_bf16_gemm_mode_matches_f32_up_to_rounding():
@@ -278,8 +285,7 @@ def test_bf16_gemm_mode_matches_f32_up_to_rounding():
   out = {}
   for mode in ("f32", "bf16"):
     r = fp4jax.recipes.quartet(gemm_mode=mode)
-    y, vjp = jax.vjp(lambda a, b: fp4jax.dot_general(a, b, DN, recipe=r, key=jax.random.key(0)), x, w)
-    out[mode] = (y,) + vjp(g)
+    out[mode] = _fwd_and_grads(x, w, g, jax.random.key(0), r)
   for a, b in zip(out["f32"], out["bf16"]):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * float(jnp.abs(a).max()))
 
@@ -293,8 +299,7 @@ def test_probes_run_quartet_gemms():
   r = fp4jax.recipes.quartet(gemm_mode="f32")
   key = jax.random.key(5)
   _, dx, dw, _, _ = probes.quantized_gemms(x, w, g, r, key)
-  _, vjp = jax.vjp(lambda a, b: fp4jax.dot_general(a, b, DN, recipe=r, key=key), x, w)
-  want_dx, want_dw = vjp(g)
+  _, want_dx, want_dw = _fwd_and_grads(x, w, g, key, r)
   np.testing.assert_array_equal(np.asarray(dx), np.asarray(want_dx))
   np.testing.assert_array_equal(np.asarray(dw), np.asarray(want_dw))
 

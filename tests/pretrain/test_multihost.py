@@ -32,6 +32,8 @@ STEPS = 16  # enough steps left for a SIGINT sent after step 0 to land mid-run
 TRAIN_ARGS = ["train", "--model", "tiny", "--recipe", "nvfp4", "--mesh", "data=2,fsdp=2", "--steps", str(STEPS),
               "--model.n_layers", "1", "--seq-len", "32", "--eval-batches", "0", "--checkpoint-every", "8",
               "--progress", "false"]
+# The slow tests share the module's `runs` fixture: one unit of work under `pytest -n` (tests/conftest.py).
+RUNS_GROUP = "multihost_runs"
 TIMEOUT = 240  # per launch; generous for a loaded 2-core machine, still fails a hang
 
 
@@ -237,6 +239,7 @@ def test_missing_peer_fails_initialization_in_bounded_time(tmp_path):
 # --- real processes ----------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(RUNS_GROUP)
 def test_two_processes_match_one_process(runs):
   two, one = _losses(runs / "two"), _losses(runs / "one")
   _assert_losses_match(two, one, 0)
@@ -251,6 +254,7 @@ def test_two_processes_match_one_process(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(RUNS_GROUP)
 def test_resume_one_process_checkpoint_on_two_processes(runs):
   out = runs / "one_to_two"
   _copy_checkpoint(runs / "one", out, 8)
@@ -272,6 +276,7 @@ def _launch_and_wait_for_first_step(tmp, out, log_name):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(RUNS_GROUP)
 def test_sigint_to_one_process_stops_all_with_a_checkpoint_then_resume_on_one_process(runs):
   out = runs / "sigint"
   procs = _launch_and_wait_for_first_step(runs, out, "sigint")
@@ -290,6 +295,7 @@ def test_sigint_to_one_process_stops_all_with_a_checkpoint_then_resume_on_one_pr
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(RUNS_GROUP)
 def test_a_dead_process_makes_the_other_exit_with_an_error(runs):
   procs = _launch_and_wait_for_first_step(runs, runs / "dead", "dead")
   procs[1].kill()
