@@ -164,6 +164,7 @@ def _split_matmul_bwd(recipe, residuals, dy_MxN):
 
 
 _split_matmul.defvjp(_split_matmul_fwd, _split_matmul_bwd)
+_split_matmul_jit = jax.jit(_split_matmul, static_argnums=(4,))  # as dot_general's rule: one compile when eager
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, recipe, key=None,
@@ -187,6 +188,6 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   _check_block_divisibility(k, n, recipe)
   outliers = jnp.asarray(outliers)
   _check_idx(outliers, k)
-  y_MxN = _split_matmul(lhs.reshape(-1, k), w_KxN, outliers, key, recipe)
+  y_MxN = _split_matmul_jit(lhs.reshape(-1, k), w_KxN, outliers, key, recipe)
   out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
   return y_MxN.reshape(*lhs.shape[:-1], n).astype(out_dtype)

@@ -130,3 +130,17 @@ def test_outcontrol_rule_equals_its_public_pieces_in_bf16_mode(name):
 
   for got, want in zip(rule(x, w, dy), pieces(x, w, dy)):
     np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_eager_calls_compile_the_rule_once_per_shape_and_recipe():
+  """Outside jit the rule runs as one jitted function (op by op it compiled each small op: seconds per call)."""
+  x, w = jnp.ones((32, 64)), jnp.ones((64, 32))
+  dims = (((1,), (0,)), ((), ()))
+  recipe = recipes.nvfp4(gemm_mode="bf16")
+  before = dg._qmatmul_jit._cache_size()
+  y1 = fp4jax.dot_general(x, w, dims, recipe=recipe, key=jax.random.key(0))
+  y2 = fp4jax.dot_general(x + 1, w, dims, recipe=recipe, key=jax.random.key(1))
+  assert dg._qmatmul_jit._cache_size() == before + 1
+  want = jax.jit(lambda a, b: fp4jax.dot_general(a, b, dims, recipe=recipe, key=jax.random.key(1)))(x + 1, w)
+  np.testing.assert_array_equal(_bits(y2), _bits(want))
+  assert y1.shape == (32, 32)
