@@ -137,10 +137,10 @@ def test_eager_calls_compile_the_rule_once_per_shape_and_recipe():
   x, w = jnp.ones((32, 64)), jnp.ones((64, 32))
   dims = (((1,), (0,)), ((), ()))
   recipe = recipes.nvfp4(gemm_mode="bf16")
-  before = dg._qmatmul_jit._cache_size()
   y1 = fp4jax.dot_general(x, w, dims, recipe=recipe, key=jax.random.key(0))
+  compiled = dg._qmatmul_jit._cache_size()  # >= 1 (another test on this worker may have compiled the same)
   y2 = fp4jax.dot_general(x + 1, w, dims, recipe=recipe, key=jax.random.key(1))
-  assert dg._qmatmul_jit._cache_size() == before + 1
+  assert compiled >= 1 and dg._qmatmul_jit._cache_size() == compiled
   want = jax.jit(lambda a, b: fp4jax.dot_general(a, b, dims, recipe=recipe, key=jax.random.key(1)))(x + 1, w)
   np.testing.assert_array_equal(_bits(y2), _bits(want))
   assert y1.shape == (32, 32)
