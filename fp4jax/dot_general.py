@@ -74,7 +74,7 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
   kwargs = dict(axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding,
                 key=key if cfg.rounding == "stochastic" else None, random_bits=recipe.random_bits, pad=cfg.pad,
                 sr_bits=recipe.sr_bits)
-  if unit and not with_mask and gemm_lib.resolve_gemm_mode(recipe) == "bf16":
+  if unit and not with_mask and recipe.backend != "pallas" and gemm_lib.resolve_gemm_mode(recipe) == "bf16":
     u = gemm_lib.unit_values(x, cfg.fmt, **kwargs)
     if u is not None:
       return u

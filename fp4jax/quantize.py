@@ -271,13 +271,20 @@ def quantize_elements(x, fmt, *, axis: int = -1, block_2d: bool = False, roundin
   scales shaped [.., S_i / B_i, ..], and `decode_elements(elements, fmt, scales, amax, block, x.shape)` equals
   `dequantize(quantize(x, ...))` bit for bit, without packing and unpacking codes (XLA fuses a quantize-dequantize
   chain into one loop that recomputes each packed byte's two codes per element: ~3-10x slower on XLA:CPU)."""
+  elements, scales, amax, _, shape, block = _element_values(x, fmt, axis, block_2d, rounding, key, random_bits, pad,
+                                                            sr_bits)
+  return elements, scales.reshape(_scale_shape(shape, block)), amax, block
+
+
+def _element_values(x, fmt, axis, block_2d, rounding, key, random_bits, pad, sr_bits):
+  """Checked inputs through the quantizer with values=True: (elements, scales, amax, decode, padded shape, block)."""
   fmt = formats.get_format(fmt)
   x = jnp.asarray(x)
   axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
   x32, shape, block = _prepare(x, fmt, axis, block_2d, pad)
-  elements, scales, amax, _ = _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=True,
-                                                 sr_bits=sr_bits)
-  return elements, scales.reshape(_scale_shape(shape, block)), amax, block
+  elements, scales, amax, decode = _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=True,
+                                                      sr_bits=sr_bits)
+  return elements, scales, amax, decode, shape, block
 
 
 def fake_quant(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
@@ -287,12 +294,8 @@ def fake_quant(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str 
   Bit-identical to that composition, but multiplies the rounded E2M1/E4M3 values by their scales directly (no
   codes, packing or float8 scale round trip), so under jit the chain is a block-max pass plus one fused pass.
   """
-  fmt = formats.get_format(fmt)
   x = jnp.asarray(x)
-  axis = _check_input(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
-  x32, _, block = _prepare(x, fmt, axis, block_2d, pad)
-  elements, _, amax, decode = _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=True,
-                                                 sr_bits=sr_bits)
+  elements, _, amax, decode, _, _ = _element_values(x, fmt, axis, block_2d, rounding, key, random_bits, pad, sr_bits)
   return _finish(decode(elements), amax, x.shape, x.dtype)
 
 
