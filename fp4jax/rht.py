@@ -90,6 +90,16 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
   n = x.shape[axis]
   if n % size:
     raise ValueError(f"RHT size {size} does not divide the length {n} of axis {axis} (shape {x.shape}).")
+  # None stays None (the default signs are then constants of the compiled loop); keys and arrays become the vector.
+  signs = None if signs is None else resolve_signs(size, signs)
+  return _random_hadamard_jit(x, signs, size=size, axis=axis, inverse=inverse)
+
+
+# Jitted once per shape and settings, as the quantizers are (fp4jax.quantize): called outside jit, the 16-term
+# expression would otherwise dispatch op by op. Inlined inside a trace.
+@functools.partial(jax.jit, static_argnames=("size", "axis", "inverse"))
+def _random_hadamard_jit(x, signs, *, size, axis, inverse):
+  n = x.shape[axis]
   h = hadamard_matrix(size, signs)
   h = h.T if inverse else h
   # Row-vector convention of the reference implementation: each tile t becomes t @ H = (H_d diag(s) t^T)^T / sqrt(d),

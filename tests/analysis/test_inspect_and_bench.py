@@ -18,6 +18,7 @@ from fp4jax.analysis import inspection as fp4_inspect
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks import common  # noqa: E402
 from benchmarks import quantize as quantize_bench  # noqa: E402
+from op_by_op import op_by_op  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LABELS = [label for label, _ in fp4_inspect.DEFAULT_FORMATS]
@@ -203,7 +204,7 @@ def test_nan_propagates_through_large_tensors(fmt):
   """XLA:CPU's own max reductions drop NaN above ~64K elements; the quantizer's must not."""
   x = np.random.default_rng(6).standard_normal((512, 512)).astype(np.float32)
   x[300, 77] = np.nan
-  eager = [lambda x: fp4jax.quantize(x, fmt)] if fmt == "nvfp4" else []
+  eager = [op_by_op(lambda x: fp4jax.quantize(x, fmt))] if fmt == "nvfp4" else []
   for f in eager + [jax.jit(lambda x: fp4jax.quantize(x, fmt))]:
     q = f(jnp.asarray(x))
     assert np.isnan(float(q.amax))

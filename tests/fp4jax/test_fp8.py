@@ -9,6 +9,7 @@ import pytest
 
 import fp4jax
 import reference as ref
+from op_by_op import op_by_op
 
 
 def _rng(seed):
@@ -85,7 +86,7 @@ CASES = {
 @functools.cache
 def _quantizer(scaling, axis, block_2d, jit):
   f = functools.partial(fp4jax.quantize, fmt=fp4jax.FP8(scaling=scaling), axis=axis, block_2d=block_2d)
-  return jax.jit(f) if jit else f
+  return jax.jit(f) if jit else op_by_op(f)
 
 
 _dequantize_jit = jax.jit(fp4jax.dequantize)

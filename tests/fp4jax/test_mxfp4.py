@@ -9,6 +9,7 @@ import pytest
 
 import fp4jax
 import reference as ref
+from op_by_op import op_by_op
 
 F32_MAX = np.finfo(np.float32).max
 RULES = ["floor", "ceil"]
@@ -118,7 +119,7 @@ CASES = {
 @functools.cache
 def _quantizer(rule, axis, block_2d, jit):
   f = functools.partial(fp4jax.quantize, fmt=fp4jax.MXFP4(scale_rule=rule), axis=axis, block_2d=block_2d)
-  return jax.jit(f) if jit else f
+  return jax.jit(f) if jit else op_by_op(f)
 
 
 _dequantize_jit = jax.jit(fp4jax.dequantize)

@@ -9,6 +9,7 @@ import pytest
 
 import fp4jax
 import reference as ref
+from op_by_op import op_by_op
 
 FMT = fp4jax.NVFP4()
 F32_MAX = np.finfo(np.float32).max
@@ -163,7 +164,7 @@ CASES = {
 @functools.cache
 def _quantizer(axis, block_2d, jit):
   f = functools.partial(fp4jax.quantize, fmt=FMT, axis=axis, block_2d=block_2d)
-  return jax.jit(f) if jit else f
+  return jax.jit(f) if jit else op_by_op(f)
 
 
 _dequantize_jit = jax.jit(fp4jax.dequantize, static_argnums=1)

@@ -9,6 +9,7 @@ import pytest
 
 import fp4jax
 import reference as ref
+from op_by_op import op_by_op
 
 FORMATS = {
     "nvfp4": fp4jax.NVFP4(),
@@ -178,20 +179,20 @@ def _poisoned(value, dtype=jnp.float32):
   return jnp.asarray(x, dtype)
 
 
-# Eager only for NVFP4: every eager primitive compiles per shape, and jit is what training runs.
+# Op by op (jax.disable_jit) only for NVFP4: every primitive compiles per shape, and jit is what training runs.
 MODES = [(f, True) for f in FORMATS] + [("nvfp4", False)]
 
 
 @pytest.mark.parametrize("fmt,jit", MODES)
 def test_nan_anywhere_poisons_everything(fmt, jit):
   quant = functools.partial(fp4jax.quantize, fmt=FORMATS[fmt])
-  deq = jax.jit(lambda x: fp4jax.dequantize(quant(x))) if jit else (lambda x: fp4jax.dequantize(quant(x)))
-  amax = (jax.jit(quant) if jit else quant)(_poisoned(np.nan)).amax
+  deq = jax.jit(lambda x: fp4jax.dequantize(quant(x))) if jit else op_by_op(lambda x: fp4jax.dequantize(quant(x)))
+  amax = (jax.jit(quant) if jit else op_by_op(quant))(_poisoned(np.nan)).amax
   assert np.isnan(np.float32(amax))
   out = np.asarray(deq(_poisoned(np.nan)))
   assert not np.any(np.isfinite(out)), f"{np.sum(np.isfinite(out))} finite values survived a NaN input"
   fq = functools.partial(fp4jax.fake_quant, fmt=FORMATS[fmt])
-  out16 = np.asarray((jax.jit(fq) if jit else fq)(_poisoned(np.nan, jnp.bfloat16)), np.float32)
+  out16 = np.asarray((jax.jit(fq) if jit else op_by_op(fq))(_poisoned(np.nan, jnp.bfloat16)), np.float32)
   assert not np.any(np.isfinite(out16))
 
 
@@ -199,7 +200,7 @@ def test_nan_anywhere_poisons_everything(fmt, jit):
 @pytest.mark.parametrize("fmt,jit", MODES)
 def test_inf_anywhere_makes_the_tensor_non_finite(fmt, jit, value):
   quant = functools.partial(fp4jax.quantize, fmt=FORMATS[fmt])
-  f = jax.jit(lambda x: fp4jax.dequantize(quant(x))) if jit else (lambda x: fp4jax.dequantize(quant(x)))
-  assert np.float32((jax.jit(quant) if jit else quant)(_poisoned(value)).amax) == np.inf
+  f = jax.jit(lambda x: fp4jax.dequantize(quant(x))) if jit else op_by_op(lambda x: fp4jax.dequantize(quant(x)))
+  assert np.float32((jax.jit(quant) if jit else op_by_op(quant))(_poisoned(value)).amax) == np.inf
   out = np.asarray(f(_poisoned(value)))
   assert not np.any(np.isfinite(out)), f"{np.sum(np.isfinite(out))} finite values survived an inf input"
