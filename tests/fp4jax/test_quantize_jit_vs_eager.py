@@ -68,7 +68,7 @@ def test_nvfp4_variants_jit_matches_eager(fmt, axis, block_2d):
 
 def test_plain_calls_compile_each_quantizer_once_per_shape_and_settings():
   """Outside jit the public quantizers and the RHT run their bodies jitted: new values reuse the compiled function
-  (op by op, every call dispatched each primitive: 3 s for a first NVFP4 quantize), with the op-by-op bits."""
+  (op by op, every call dispatched each primitive: 1.5 s for a first NVFP4 quantize), with the op-by-op bits."""
   x = jnp.linspace(-3.0, 3.0, 32 * 64, dtype=jnp.float32).reshape(32, 64)
   fmt = fp4jax.NVFP4()
   calls = [lambda v: fp4jax.quantize(v, fmt, axis=0),
