@@ -51,11 +51,12 @@ def shrink(line: str) -> str | None:
   line = re.sub(r"^pip install [^&]*&&\s*", "", line.strip())
   if not line or line.startswith("#") or line.startswith("pip install") or "-m pytest" in line:
     return None
-  line = re.sub(r"(^|\s)fp4jax (train|eval)\b", r"\1python -m fp4jax \2", line)
+  line = re.sub(r"(^|\s)(?<!-m )fp4jax (train|eval)\b", r"\1python -m fp4jax \2", line)  # not "python -m fp4jax"
   line = line.replace("--model small", "--model tiny")
   if re.search(r"--preset (cpu|gpu)\b", line):
     line = re.sub(r"\s+#.*$", "", line) + " --list"
-  if re.search(r"\bfp4jax train\b", line) and " --resume" not in line and "--help" not in line and "--steps" not in line:
+  plain_train = " --resume" not in line and "--help" not in line and "--steps" not in line
+  if re.search(r"\bfp4jax train\b", line) and plain_train:
     line = re.sub(r"\bfp4jax train\b", "fp4jax train --steps 3", line, count=1)
   if " --resume" in line:
     line = re.sub(r"--steps \d+", "--steps 5", line)

@@ -14,7 +14,6 @@ so that a 36 MB packed weight is not served from the 60 MB L2. The last row prop
 
 from __future__ import annotations
 
-
 from benchmarks.gpu import report
 
 GEMM_SIZES = [(16, 8192, 8192), (8192, 8192, 8192), (128, 8192, 8192), (1024, 8192, 8192)]

@@ -18,7 +18,8 @@ from fp4jax import recipes
 
 dg = importlib.import_module("fp4jax.dot_general")  # the module (fp4jax.dot_general is the function)
 
-FORMATS = ["nvfp4", fp4jax.NVFP4(scale_rule="up"), fp4jax.NVFP4(scale_rule="4over6"), fp4jax.NVFP4(scale_rule="eden", eden_group=32),
+FORMATS = ["nvfp4", fp4jax.NVFP4(scale_rule="up"), fp4jax.NVFP4(scale_rule="4over6"),
+           fp4jax.NVFP4(scale_rule="eden", eden_group=32),
            "mxfp4", fp4jax.MXFP4(scale_rule="tseng"), fp4jax.MXFP4(scale_rule="quest")]
 LAYOUTS = [dict(axis=1), dict(axis=0), dict(axis=0, block_2d=True),
            dict(axis=1, rounding="stochastic", key=jax.random.key(4)),

@@ -62,7 +62,6 @@ def test_bad_preset_options_raise(spec, match):
 DN = (((1,), (0,)), ((), ()))
 
 
-@functools.partial(jax.jit, static_argnames="recipe")
 @functools.partial(jax.jit, static_argnames="recipe")  # one compilation, not op-by-op eager dispatch
 def _fwd_and_grads(x_MxK, w_KxN, g_MxN, key, recipe):
   y, vjp = jax.vjp(lambda x, w: fp4jax.dot_general(x, w, DN, recipe=recipe, key=key), x_MxK, w_KxN)
