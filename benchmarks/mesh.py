@@ -44,7 +44,10 @@ def time_mesh(shape, recipe: str, steps: int, batch: int, seq: int) -> float:
   state = steps_lib.TrainState(params=params, opt_state=optimizer.init(params), step=jnp.asarray(0, jnp.int32))
   state_sh = sharding.tree_shardings(state, mesh)
   batch_sh = sharding.batch_sharding(mesh)
-  step = jax.jit(steps_lib.make_train_step(graphdef, optimizer), in_shardings=(state_sh, batch_sh, None),
+  placement = sharding.Placement(state=state_sh, params=state_sh.params, batch=batch_sh,
+                                 replicated=sharding.replicated(mesh), mesh=mesh)
+  step = jax.jit(placement.traced_on_mesh(steps_lib.make_train_step(graphdef, optimizer)),
+                 in_shardings=(state_sh, batch_sh, None),
                  out_shardings=(state_sh, None), donate_argnums=0)
   state = jax.device_put(state, state_sh)
   tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, 256)

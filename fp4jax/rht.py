@@ -16,7 +16,7 @@ import numpy as np
 # The sign vector hard-coded by the NVFP4 reference implementation (d = 16), shared by all layers for the run.
 REFERENCE_SIGNS_16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 MIN_SIZE, MAX_SIZE = 2, 256
-# The tile size whose transform runs as elementwise multiply-adds instead of a dot, see _mix.
+# The tile size whose transform runs as elementwise multiply-adds instead of a dot (off a mesh), see _mix.
 FUSED_SIZE = 16
 
 
@@ -81,6 +81,11 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
   in x's dtype (so a bf16 operand's RHT output is rounded to bf16, as in the reference, which runs the RHT as a bf16
   matmul with float32 accumulation), except float16, which comes back as float32: mixing can grow an element by up
   to sqrt(size), past float16's largest finite 65504.
+
+  Traced under a mesh of several devices (`jax.set_mesh`, or `jax.sharding.use_abstract_mesh` inside jit, as the
+  trainer traces its steps on FSDP meshes), size 16 runs as the dot too: XLA's partitioner reshards the dot's
+  operand once, but each of the 16 multiply-add terms on its own (on an FSDP mesh: 16 resharding kernels and an
+  all-to-all per term). On XLA:CPU both forms give the same bits (tested).
   """
   check_size(size)
   x = jnp.asarray(x)
@@ -92,13 +97,20 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
     raise ValueError(f"RHT size {size} does not divide the length {n} of axis {axis} (shape {x.shape}).")
   # None stays None (the default signs are then constants of the compiled loop); keys and arrays become the vector.
   signs = None if signs is None else resolve_signs(size, signs)
-  return _random_hadamard_jit(x, signs, size=size, axis=axis, inverse=inverse)
+  as_dot = size != FUSED_SIZE or _traced_for_a_mesh()
+  return _random_hadamard_jit(x, signs, size=size, axis=axis, inverse=inverse, as_dot=as_dot)
+
+
+def _traced_for_a_mesh() -> bool:
+  """Whether the caller traces under a mesh of more than one device (JAX's abstract mesh context)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and mesh.size > 1
 
 
 # Jitted once per shape and settings, as the quantizers are (fp4jax.quantize): called outside jit, the 16-term
 # expression would otherwise dispatch op by op. Inlined inside a trace.
-@functools.partial(jax.jit, static_argnames=("size", "axis", "inverse"))
-def _random_hadamard_jit(x, signs, *, size, axis, inverse):
+@functools.partial(jax.jit, static_argnames=("size", "axis", "inverse", "as_dot"))
+def _random_hadamard_jit(x, signs, *, size, axis, inverse, as_dot):
   n = x.shape[axis]
   h = hadamard_matrix(size, signs)
   h = h.T if inverse else h
@@ -108,7 +120,7 @@ def _random_hadamard_jit(x, signs, *, size, axis, inverse):
   out_dtype = jnp.float32 if x.dtype == jnp.float16 else x.dtype
   if axis == x.ndim - 1:
     tiles = x.reshape(*x.shape[:-1], n // size, size)
-    if size == FUSED_SIZE:
+    if not as_dot:
       y = _mix(tiles, h, tiles.ndim - 1)
     else:
       y = jnp.einsum("...j,ji->...i", tiles.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST)
@@ -118,7 +130,7 @@ def _random_hadamard_jit(x, signs, *, size, axis, inverse):
   # on XLA:CPU, tested against the moved-axis form).
   p = math.prod(x.shape[:axis]) * (n // size)
   tiles = x.reshape(p, size, -1)
-  if size == FUSED_SIZE:
+  if not as_dot:
     y = _mix(tiles, h, 1)
   else:
     y = jnp.einsum("ji,ajk->aik", h, tiles.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)

@@ -7,10 +7,10 @@ tensor-parallel over `tensor` (q/k/v/up/gate column-parallel, o/down row-paralle
 
 Mesh-independent numerics: quantization runs inside `jax.jit` on the global (logical) array, so the per-tensor amax
 is the global max over all shards (XLA inserts an all-reduce-max: one scalar per quantized operand, the only
-collective quantization adds), and stochastic-rounding bits come from `jax.random.bits` over the global shape with
-partitionable threefry, identical however the tensor is split. `check_divisibility` makes sure every scaling block
-(NVFP4: 16 elements, 16x16 weight tiles) and RHT tile along tokens lies within one shard, so no block straddles a
-shard boundary.
+collective quantization adds), and stochastic-rounding bits are a function of the key and the global element index
+(fp4jax.prng; threefry, `sr_bits="threefry"`, is partitionable), identical however the tensor is split.
+`check_divisibility` makes sure every scaling block (NVFP4: 16 elements, 16x16 weight tiles) and RHT tile along
+tokens lies within one shard, so no block straddles a shard boundary.
 
 Multi-process runs (fp4jax.pretrain.distributed): the mesh spans every process's devices; each process reads only
 the rows of the batch its devices hold (`batch_block`) and `global_batch` assembles the global arrays.
@@ -19,9 +19,10 @@ the rows of the batch its devices hold (`batch_block`) and `global_batch` assemb
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -266,6 +267,26 @@ class Placement:
     state_sh = tree_shardings(state, mesh)
     return cls(state=state_sh, params=state_sh.params, batch=batch_sharding(mesh), replicated=replicated(mesh),
                mesh=mesh, key=str(mesh_spec))
+
+  def traced_on_mesh(self, fn: Callable) -> Callable:
+    """`fn` (a step to jit) traced with this mesh as JAX's abstract mesh when the mesh has an `fsdp` axis, so
+    that library code which adapts its graph to a mesh sees it; `fn` itself otherwise.
+
+    What adapts: fp4jax.random_hadamard runs as one dot. With FSDP, XLA's partitioner reshards the Wgrad operands
+    of the loop form term by term (16 resharding kernels and an all-to-all per term), and the dot once; on one
+    device, data-only and tensor-only meshes there is no such resharding and the loop form is faster (measured in
+    benchmarks/RESULTS.md).
+    """
+    if self.mesh is None or self.mesh.shape["fsdp"] == 1:
+      return fn
+    abstract = self.mesh.abstract_mesh
+
+    @functools.wraps(fn)
+    def traced(*args):
+      with jax.sharding.use_abstract_mesh(abstract):
+        return fn(*args)
+
+    return traced
 
   def batch_block(self) -> tuple[int, int]:
     """(index, count) of this process's rows: pass them to data.get_batch as (process_index, process_count)."""

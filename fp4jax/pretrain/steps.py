@@ -210,8 +210,8 @@ class Phases:
     oc_phase = outcontrol_lib.phase(step, self.config.outcontrol)
     oc_key = (oc_phase, self.config.outcontrol) if oc_phase != "off" else None  # "off" is the plain step
     return self.cache.get(("train", graphdef, self._optimizer_key, oc_key, pl.key),
-                          lambda: jax.jit(make_train_step(graphdef, self.optimizer, self.config.osci_reset,
-                                                          self.config.outcontrol, oc_phase),
+                          lambda: jax.jit(pl.traced_on_mesh(make_train_step(
+                              graphdef, self.optimizer, self.config.osci_reset, self.config.outcontrol, oc_phase)),
                                           in_shardings=(pl.state, pl.batch, pl.replicated),
                                           out_shardings=(pl.state, pl.replicated)))
 
@@ -220,15 +220,16 @@ class Phases:
     pl = self.placement
     if outcontrol:  # the OutControl state is replicated: its leaves are small vectors
       return self.cache.get(("eval_oc", graphdef, pl.key), lambda: jax.jit(
-          make_eval_step(graphdef, True), in_shardings=(pl.params, pl.batch, pl.replicated, pl.replicated),
-          out_shardings=pl.replicated))
+          pl.traced_on_mesh(make_eval_step(graphdef, True)),
+          in_shardings=(pl.params, pl.batch, pl.replicated, pl.replicated), out_shardings=pl.replicated))
     return self.cache.get(("eval", graphdef, pl.key), lambda: jax.jit(
-        make_eval_step(graphdef), in_shardings=(pl.params, pl.batch, pl.replicated), out_shardings=pl.replicated))
+        pl.traced_on_mesh(make_eval_step(graphdef)), in_shardings=(pl.params, pl.batch, pl.replicated),
+        out_shardings=pl.replicated))
 
   def stats_fn(self, step: int):
-    graphdef, fmt = self.graphdef(step), self.config.evaluation.stats_format
-    return self.cache.get(("stats", graphdef, fmt), lambda: jax.jit(
-        lambda params, tokens, key: metrics_lib.quant_stats(graphdef, params, tokens, key, fmt)))
+    graphdef, fmt, pl = self.graphdef(step), self.config.evaluation.stats_format, self.placement
+    return self.cache.get(("stats", graphdef, fmt, pl.key), lambda: jax.jit(pl.traced_on_mesh(
+        lambda params, tokens, key: metrics_lib.quant_stats(graphdef, params, tokens, key, fmt))))
 
   def val_loss(self, params, val: list[dict[str, np.ndarray]], key: jax.Array, step: int,
                outcontrol=None) -> float:

@@ -216,6 +216,27 @@ def _dot_form_rht(x, signs, axis, inverse):
   return jnp.moveaxis(y.reshape(xm.shape).astype(x.dtype), -1, axis)
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs several (simulated) devices for a mesh")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("axis", [0, -1])
+def test_under_a_mesh_the_16_point_transform_is_a_dot_with_the_same_bits(dtype, axis):
+  """Traced under a mesh (the trainer's FSDP steps), d = 16 runs as one dot_general, which XLA partitions as one op
+  (tests/pretrain/test_sharding.py counts the collectives); on XLA:CPU its bits equal the fused loop's."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((256, 64)) * np.exp(3 * rng.standard_normal((256, 64))), dtype)
+  mesh = jax.make_mesh((jax.device_count(),), ("fsdp",), (jax.sharding.AxisType.Auto,)).abstract_mesh
+  rht = functools.partial(fp4jax.random_hadamard, axis=axis, signs=jax.random.key(5))
+
+  def on_mesh(x):
+    with jax.sharding.use_abstract_mesh(mesh):
+      return rht(x)
+
+  assert "dot_general" in str(jax.make_jaxpr(on_mesh)(x)) and "dot_general" not in str(jax.make_jaxpr(rht)(x))
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(np.asarray(jax.jit(on_mesh)(x), np.float32).view(np.uint32),
+                                  np.asarray(jax.jit(rht)(x), np.float32).view(np.uint32))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape,axis", [((64, 512), -1), ((512, 96), 0), ((4, 32, 48), 1)])
 @pytest.mark.parametrize("signs", ["default", "key"])

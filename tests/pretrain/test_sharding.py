@@ -1,5 +1,7 @@
 """Mesh sharding: mesh construction, partition rules, block-in-shard checks, mesh-independent quantization."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,5 +142,49 @@ def test_quantized_layer_fwd_bwd_independent_of_mesh(shape):
   for a, b in zip(out, ref):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-5)
     assert float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32))) < 1e-4  # bf16 ulp flips
+
+def _placement(shape):
+  mesh = _mesh(shape)
+  return sharding.Placement(state=None, params=None, batch=sharding.batch_sharding(mesh),
+                            replicated=sharding.replicated(mesh), mesh=mesh)
+
+
+def test_steps_are_traced_on_the_mesh_only_where_it_has_fsdp():
+  step = lambda x: jax.sharding.get_abstract_mesh()
+  assert sharding.Placement.single_device().traced_on_mesh(step) is step
+  for shape in [(8, 1, 1), (1, 1, 8)]:
+    assert _placement(shape).traced_on_mesh(step) is step
+  for shape in [(1, 8, 1), (2, 2, 2)]:
+    seen = _placement(shape).traced_on_mesh(step)(0)
+    assert not seen.empty and dict(seen.shape) == dict(zip(sharding.AXES, shape))
+
+
+def test_on_an_fsdp_mesh_the_rht_operands_are_resharded_once_not_term_by_term():
+  """One NVFP4 layer's Fprop, Dgrad and Wgrad (RHT on both Wgrad operands) with FSDP weights: traced as plain jit,
+  XLA reshards each of the RHT loop's 16 terms (an all-to-all each); traced on the mesh (the trainer's steps), the
+  RHT is one dot and is resharded once. The results are the same bits."""
+  pl = _placement((1, 8, 1))
+  x = jax.random.normal(jax.random.key(0), (256, 128)).astype(jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (128, 256)) * 0.1
+  g = jax.random.normal(jax.random.key(2), (256, 256)).astype(jnp.bfloat16)
+  w_sharding = NamedSharding(pl.mesh, P("fsdp", "tensor"))
+
+  def fwd_bwd(x, w, key):
+    y, vjp = jax.vjp(lambda x, w: fp4jax.dot_general(x, w, (((1,), (0,)), ((), ())), recipe="nvfp4", key=key,
+                                                     preferred_element_type=jnp.bfloat16), x, w)
+    return (y,) + vjp(g)
+
+  args = (jax.device_put(x, pl.batch), jax.device_put(w, w_sharding), jax.random.key(3))
+  counts, outs = [], []
+  for fn in (fwd_bwd, pl.traced_on_mesh(fwd_bwd)):
+    step = jax.jit(fn, out_shardings=(None, None, w_sharding))
+    hlo = step.lower(*args).compile().as_text()
+    counts.append(len(re.findall(r" all-to-all(?:-start)?\(", hlo[hlo.index("ENTRY"):])))
+    outs.append(step(*args))
+  plain, on_mesh = counts
+  assert plain >= 16 and on_mesh <= 2, counts  # measured: 16 and 2
+  for a, b in zip(*outs):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
 
 # End-to-end training on each mesh (losses vs one device, cross-mesh resume): tests/test_train_mesh.py.
