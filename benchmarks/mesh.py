@@ -46,7 +46,8 @@ def time_mesh(shape, recipe: str, steps: int, batch: int, seq: int) -> float:
   batch_sh = sharding.batch_sharding(mesh)
   placement = sharding.Placement(state=state_sh, params=state_sh.params, batch=batch_sh,
                                  replicated=sharding.replicated(mesh), mesh=mesh)
-  step = jax.jit(placement.traced_on_mesh(steps_lib.make_train_step(graphdef, optimizer)),
+  step = jax.jit(placement.traced_on_mesh(steps_lib.make_train_step(graphdef, optimizer,
+                                                                    gather_params=placement.gather_params)),
                  in_shardings=(state_sh, batch_sh, None),
                  out_shardings=(state_sh, None), donate_argnums=0)
   state = jax.device_put(state, state_sh)

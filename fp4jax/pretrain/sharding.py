@@ -2,8 +2,9 @@
 inside shards.
 
 Parallelism: batches are split over (data, fsdp); parameters and optimizer state are split over `fsdp` (FSDP: each
-device holds a slice, XLA all-gathers before use); the attention and MLP projections are Megatron-style
-tensor-parallel over `tensor` (q/k/v/up/gate column-parallel, o/down row-parallel).
+device holds a slice, XLA all-gathers before use; the step gathers the GATHER_AT_USE leaves itself); the attention
+and MLP projections are Megatron-style tensor-parallel over `tensor` (q/k/v/up/gate column-parallel, o/down
+row-parallel).
 
 Mesh-independent numerics: quantization runs inside `jax.jit` on the global (logical) array, so the per-tensor amax
 is the global max over all shards (XLA inserts an all-reduce-max: one scalar per quantized operand, the only
@@ -42,6 +43,13 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
     (r"lm_head\.kernel$", P("fsdp", None)),  # [D, V]
     (r".*", P()),  # norms, scalars, counters: replicated
 )
+
+# Leaves the step all-gathers over `fsdp` itself, before the forward (`gather_at_use`). XLA's partitioner gathers an
+# FSDP-sharded GEMM operand by itself, but a lookup from an embedding table sharded along D over `fsdp` yields
+# activations sharded along D over `fsdp`, which clash with the batch's split over (data, fsdp): the partitioner then
+# replicates them ("Involuntary full rematerialization" warnings, and activation-sized traffic in the forward and
+# the backward) instead of gathering the table, which is what FSDP does with every weight.
+GATHER_AT_USE: tuple[str, ...] = (r"embed\.embedding$",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +164,26 @@ def tree_shardings(tree, mesh: Mesh, rules=PARTITION_RULES):
     return NamedSharding(mesh, spec)
 
   return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _without(entry, axis: str):
+  """A PartitionSpec entry with mesh axis `axis` removed."""
+  names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None and n != axis)
+  return None if not names else names[0] if len(names) == 1 else names
+
+
+def gather_at_use(params, mesh: Mesh, rules=PARTITION_RULES, gathered: Sequence[str] = GATHER_AT_USE):
+  """`params` (inside jit) with the leaves whose path matches a `gathered` regex constrained to their rule's sharding
+  without `fsdp`: XLA all-gathers them there, and reduce-scatters their gradients on the way back."""
+
+  def one(path, leaf):
+    name = path_str(path)
+    if not any(re.search(pattern, name) for pattern in gathered):
+      return leaf
+    spec = spec_for(name, leaf.ndim, rules)
+    return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, P(*(_without(e, "fsdp") for e in spec))))
+
+  return jax.tree_util.tree_map_with_path(one, params)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -287,6 +315,10 @@ class Placement:
         return fn(*args)
 
     return traced
+
+  def gather_params(self, params):
+    """`params` as the forward should read them (inside jit): `gather_at_use` on a mesh, unchanged on one device."""
+    return params if self.mesh is None else gather_at_use(params, self.mesh)
 
   def batch_block(self) -> tuple[int, int]:
     """(index, count) of this process's rows: pass them to data.get_batch as (process_index, process_count)."""

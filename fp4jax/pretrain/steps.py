@@ -100,7 +100,8 @@ def _all_finite(tree) -> jax.Array:
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation,
                     osci: osci_lib.OsciResetConfig | None = None,
-                    outcontrol: outcontrol_lib.OutControlConfig | None = None, oc_phase: str = "off") -> Callable:
+                    outcontrol: outcontrol_lib.OutControlConfig | None = None, oc_phase: str = "off",
+                    gather_params: Callable | None = None) -> Callable:
   """step(state, batch, key) -> (new_state, metrics): one AdamW update; apply jax.jit (and shardings) yourself.
 
   metrics: loss (of the params before the update), grad_norm (before clipping), and `finite`: whether loss, grads
@@ -109,6 +110,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
   and adds metrics["osci_reset"], the number of elements reset by this step.
   outcontrol, oc_phase: an enabled OutControlConfig and the OutControl phase of the steps this function runs
   ("off", "record" or "on", see outcontrol.phase); state.outcontrol must hold its state.
+  gather_params: on a mesh, the Placement's `gather_params` (the forward reads the params through it).
   """
   if oc_phase not in outcontrol_lib.PHASES:
     raise ValueError(f"oc_phase must be one of {outcontrol_lib.PHASES}; got {oc_phase!r}.")
@@ -119,6 +121,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
     loss_fn = lambda params, batch, key, oc_state: (plain(params, batch, key), {})
   else:
     loss_fn = _outcontrol_loss_fn(graphdef, oc_phase)
+  loss_fn = _reading_through(loss_fn, gather_params)
 
   def step(state: TrainState, batch, key):
     if oc_phase != "off" and state.outcontrol is None:
@@ -145,13 +148,21 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
   return step
 
 
-def make_eval_step(graphdef, outcontrol: bool = False) -> Callable:
+def make_eval_step(graphdef, outcontrol: bool = False, gather_params: Callable | None = None) -> Callable:
   """eval(params, batch, key) -> mean cross-entropy of the batch; with `outcontrol`, eval(params, batch, key,
-  oc_state) with the OutControl outlier channels of oc_state (an outcontrol.OutControlState) in MXFP8."""
+  oc_state) with the OutControl outlier channels of oc_state (an outcontrol.OutControlState) in MXFP8.
+  gather_params: as in make_train_step."""
   if not outcontrol:
-    return make_loss_fn(graphdef)
-  loss_fn = _outcontrol_loss_fn(graphdef, "on")
+    return _reading_through(make_loss_fn(graphdef), gather_params)
+  loss_fn = _reading_through(_outcontrol_loss_fn(graphdef, "on"), gather_params)
   return lambda params, batch, key, oc_state: loss_fn(params, batch, key, oc_state)[0]
+
+
+def _reading_through(fn: Callable, gather_params: Callable | None) -> Callable:
+  """fn(params, ...) reading its params through `gather_params` (a sharding constraint: values unchanged)."""
+  if gather_params is None:
+    return fn
+  return lambda params, *args: fn(gather_params(params), *args)
 
 
 class CompileCache:
@@ -211,7 +222,8 @@ class Phases:
     oc_key = (oc_phase, self.config.outcontrol) if oc_phase != "off" else None  # "off" is the plain step
     return self.cache.get(("train", graphdef, self._optimizer_key, oc_key, pl.key),
                           lambda: jax.jit(pl.traced_on_mesh(make_train_step(
-                              graphdef, self.optimizer, self.config.osci_reset, self.config.outcontrol, oc_phase)),
+                              graphdef, self.optimizer, self.config.osci_reset, self.config.outcontrol, oc_phase,
+                              pl.gather_params)),
                                           in_shardings=(pl.state, pl.batch, pl.replicated),
                                           out_shardings=(pl.state, pl.replicated)))
 
@@ -220,16 +232,17 @@ class Phases:
     pl = self.placement
     if outcontrol:  # the OutControl state is replicated: its leaves are small vectors
       return self.cache.get(("eval_oc", graphdef, pl.key), lambda: jax.jit(
-          pl.traced_on_mesh(make_eval_step(graphdef, True)),
+          pl.traced_on_mesh(make_eval_step(graphdef, True, pl.gather_params)),
           in_shardings=(pl.params, pl.batch, pl.replicated, pl.replicated), out_shardings=pl.replicated))
     return self.cache.get(("eval", graphdef, pl.key), lambda: jax.jit(
-        pl.traced_on_mesh(make_eval_step(graphdef)), in_shardings=(pl.params, pl.batch, pl.replicated),
+        pl.traced_on_mesh(make_eval_step(graphdef, gather_params=pl.gather_params)),
+        in_shardings=(pl.params, pl.batch, pl.replicated),
         out_shardings=pl.replicated))
 
   def stats_fn(self, step: int):
     graphdef, fmt, pl = self.graphdef(step), self.config.evaluation.stats_format, self.placement
     return self.cache.get(("stats", graphdef, fmt, pl.key), lambda: jax.jit(pl.traced_on_mesh(
-        lambda params, tokens, key: metrics_lib.quant_stats(graphdef, params, tokens, key, fmt))))
+        lambda params, tokens, key: metrics_lib.quant_stats(graphdef, pl.gather_params(params), tokens, key, fmt))))
 
   def val_loss(self, params, val: list[dict[str, np.ndarray]], key: jax.Array, step: int,
                outcontrol=None) -> float:
