@@ -47,8 +47,8 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
 # Leaves the step all-gathers over `fsdp` itself, before the forward (`gather_at_use`). XLA's partitioner gathers an
 # FSDP-sharded GEMM operand by itself, but a lookup from an embedding table sharded along D over `fsdp` yields
 # activations sharded along D over `fsdp`, which clash with the batch's split over (data, fsdp): the partitioner then
-# replicates them ("Involuntary full rematerialization" warnings, and activation-sized traffic in the forward and
-# the backward) instead of gathering the table, which is what FSDP does with every weight.
+# replicates an activation-sized tensor in the backward (its "Involuntary full rematerialization" warning) instead
+# of gathering the table, which is what FSDP does with every weight. Measured in benchmarks/RESULTS.md.
 GATHER_AT_USE: tuple[str, ...] = (r"embed\.embedding$",)
 
 
