@@ -39,13 +39,11 @@ def time_mesh(shape, recipe: str, steps: int, batch: int, seq: int) -> float:
   model = trainer.build_model(cfg, jax.random.key(0))
   graphdef, params = nnx.split(model, nnx.Param)
   optimizer = optimizer_lib.make_optimizer(cfg.optimizer, cfg.steps)
-  mesh = sharding.make_mesh(sharding.MeshConfig(*shape))
-  sharding.check_divisibility(params, mesh, batch_size=batch, seq_len=seq, **sharding.recipe_block_sizes(cfg.recipe))
   state = steps_lib.TrainState(params=params, opt_state=optimizer.init(params), step=jnp.asarray(0, jnp.int32))
-  state_sh = sharding.tree_shardings(state, mesh)
-  batch_sh = sharding.batch_sharding(mesh)
-  placement = sharding.Placement(state=state_sh, params=state_sh.params, batch=batch_sh,
-                                 replicated=sharding.replicated(mesh), mesh=mesh)
+  # As the trainer places a run: divisibility checked, state and batch sharded, the step traced as its steps are.
+  placement = sharding.Placement.for_mesh(str(sharding.MeshConfig(*shape)), state, recipe=cfg.recipe,
+                                          batch_size=batch, seq_len=seq)
+  state_sh, batch_sh = placement.state, placement.batch
   step = jax.jit(placement.traced_on_mesh(steps_lib.make_train_step(graphdef, optimizer,
                                                                     gather_params=placement.gather_params)),
                  in_shardings=(state_sh, batch_sh, None),

@@ -6,9 +6,10 @@ Wgrad against the quantized forward's gradient, Q(x)^T dY, with only dY quantize
 Wgrad does: rotation tiles of `n` tokens, `formats.NVFP4(scale_rule="eden", eden_group=n)`: the correction over
 each tile, stochastically rounded scales), the dequantized estimate rotated back. EDEN's correction makes the
 estimate unbiased in expectation over a uniformly random (Haar) rotation; the recipe's RHT (Hadamard times random
-signs, one sign vector for every tile) only approximates one. The bias floor (noise removed, as in the recipes probe) shows which: if the Haar rotation has no
-floor where the RHT has one, the floor belongs to the method, not to fp4jax's quantizer. Default: the layers and
-BF16 base run of `python -m experiments.probes recipes --preset cpu --out runs/recipe_probes_cpu`.
+signs, one sign vector for every tile) only approximates one. The bias floor (noise removed, as in the recipes
+probe) shows which: if the Haar rotation has no floor where the RHT has one, the floor belongs to the method, not
+to fp4jax's quantizer. Default: the layers and BF16 base run of
+`python -m experiments.probes recipes --preset cpu --out runs/recipe_probes_cpu`.
 """
 
 from __future__ import annotations

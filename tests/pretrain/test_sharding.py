@@ -145,6 +145,7 @@ def test_quantized_layer_fwd_bwd_independent_of_mesh(shape):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-5)
     assert float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32))) < 1e-4  # bf16 ulp flips
 
+
 def _placement(shape):
   mesh = _mesh(shape)
   return sharding.Placement(state=None, params=None, batch=sharding.batch_sharding(mesh),
