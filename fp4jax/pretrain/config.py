@@ -26,6 +26,7 @@ from fp4jax import osci_reset as osci_reset_lib
 from fp4jax.pretrain import data as data_lib
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import policy as policy_lib
+from fp4jax.pretrain import profiling
 from fp4jax.pretrain.optimizer import OptimizerConfig
 from fp4jax.pretrain.osci import OsciResetConfig
 from fp4jax.pretrain.outcontrol import OutControlConfig
@@ -64,13 +65,23 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
-  """How often metrics.jsonl gets a record, and the progress bar."""
+  """How often metrics.jsonl gets a record, the progress bar, and a profiler trace of a few steps."""
 
   every: int = option(1, "write metrics every N steps", flag="log_every", result_free=True)
   progress: bool = option(True, "tqdm progress bar", result_free=True)
+  profile: str | None = option(None, "trace steps START:STOP (STOP not included) with jax.profiler into "
+                               "<out>/profile, for TensorBoard or Perfetto; e.g. 5:8 (step 0 compiles)",
+                               result_free=True)
 
   def __post_init__(self):
     _need_ints(self, 1, "every")
+    if self.profile is not None:
+      profiling.parse_window(self.profile)
+
+  @property
+  def profile_window(self) -> tuple[int, int] | None:
+    """(start, stop) of the profiled steps, or None."""
+    return None if self.profile is None else profiling.parse_window(self.profile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +146,10 @@ class TrainConfig:
     # The policy against this model and run length: BF16 blocks in range, a switch the run reaches.
     self.policy.bf16_blocks(self.model.n_layers)
     self.policy.switch_step(self.steps)
+    window = self.logging.profile_window
+    if window is not None and window[1] > self.steps:
+      raise ValueError(f"TrainConfig: profile={self.logging.profile!r} ends after this {self.steps}-step run's last "
+                       f"step ({self.steps - 1}).")
     if self.osci_reset.enabled:
       if not self.policy.recipe.is_quantized:
         raise ValueError(f"OsciReset (osci_reset_start={self.osci_reset.start}) needs a quantized --recipe; got "

@@ -38,6 +38,7 @@ from fp4jax.pretrain import distributed
 from fp4jax.pretrain import metrics as metrics_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain import osci as osci_lib
+from fp4jax.pretrain import profiling
 from fp4jax.pretrain import resume as resume_lib
 from fp4jax.pretrain import runfolder
 from fp4jax.pretrain.config import TrainConfig
@@ -227,7 +228,9 @@ class _Loop:
     bar = tqdm.tqdm(total=config.steps, initial=self.start, disable=not (config.logging.progress and main), unit="step",
                     dynamic_ncols=True)
     metrics_file = metrics_lib.MetricsLog(self.out) if main else contextlib.nullcontext(_NO_METRICS)
-    with metrics_file as metrics_log, _sigint_flag() as interrupted, bar:
+    # Every process traces its own devices (profiling.trace_dir); the main one says where.
+    profiler = profiling.StepProfiler(config.logging.profile_window, self.out, self.log if main else lambda _: None)
+    with metrics_file as metrics_log, _sigint_flag() as interrupted, bar, profiler:
 
       def write_metrics(info: StepInfo):
         r = info.record
@@ -248,10 +251,12 @@ class _Loop:
             self.dataset, "train", step, batch_size=config.batch_size, seq_len=config.train_seq_len,
             seed=config.seed, process_index=block, process_count=blocks))
         train_step = phases.train_step(step)
+        profiler.before(step)
         t0 = time.perf_counter()
         new_state, m = train_step(state, batch, jax.random.fold_in(self.keys["step"], step))
         loss, grad_norm, finite = float(m["loss"]), float(m["grad_norm"]), bool(m["finite"])
         step_time = time.perf_counter() - t0
+        profiler.after(step)
         info.record.update(loss=loss, lr=float(schedule(step)), grad_norm=grad_norm, step_time=step_time,
                            tokens_per_s=tokens_per_step / step_time)
         if osci_lib.kind(step, config.osci_reset) == "reset":  # fetched only on reset steps

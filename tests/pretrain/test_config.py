@@ -51,10 +51,11 @@ def test_from_dict_reads_the_flat_form_of_earlier_versions():
 
 
 def test_result_free_fields_are_marked_once():
-  assert config_lib.result_free_keys() == {"out", "progress", "log_every", "checkpoint_every", "keep_checkpoints",
-                                           "resume", "resume_step", "overwrite"}
+  assert config_lib.result_free_keys() == {"out", "progress", "log_every", "profile", "checkpoint_every",
+                                           "keep_checkpoints", "resume", "resume_step", "overwrite"}
   a = TrainConfig.from_options(lr=1e-2)
-  b = a.replace(out="elsewhere", progress=False, log_every=5, checkpoint_every=3, keep_checkpoints=1, resume=True)
+  b = a.replace(out="elsewhere", progress=False, log_every=5, profile="1:3", checkpoint_every=3, keep_checkpoints=1,
+                resume=True)
   assert config_lib.result_differences(a.to_dict(), b.to_dict()) == []
   c = a.replace(lr=1e-3, eval_every=7, mesh="data=8", recipe="bf16")
   assert config_lib.result_differences(a.to_dict(), c.to_dict()) == ["eval_every", "lr", "mesh", "recipe"]

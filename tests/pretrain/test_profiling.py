@@ -1,0 +1,62 @@
+"""`--profile START:STOP`: the window's checks, and a trace of exactly those steps in the run folder."""
+
+import gzip
+import json
+
+import jax
+import pytest
+
+from fp4jax.pretrain import cli
+from fp4jax.pretrain import profiling
+from fp4jax.pretrain import trainer
+from fp4jax.pretrain.config import TrainConfig
+from train_helpers import tiny_config, run
+
+
+@pytest.mark.parametrize("spec", ["5", "3:3", "4:2", "a:b", "-1:2", "1:2:3", ""])
+def test_malformed_windows_are_rejected(spec):
+  with pytest.raises(ValueError, match="START:STOP"):
+    TrainConfig.from_options(profile=spec)
+
+
+def test_window_parses_and_must_end_within_the_run():
+  assert profiling.parse_window(" 5 : 8 ") == (5, 8)
+  assert TrainConfig.from_options(profile="5:8", steps=8).logging.profile_window == (5, 8)
+  assert TrainConfig().logging.profile_window is None
+  with pytest.raises(ValueError, match="ends after this 7-step run"):
+    TrainConfig.from_options(profile="5:8", steps=7)
+  assert cli.config_from_args(["--out", "x", "--profile", "2:4"]).logging.profile == "2:4"
+
+
+def _traced_step_runs(folder) -> int:
+  """How many times the compiled train step ran inside the trace(s) under `folder`."""
+  [trace] = folder.glob("plugins/profile/*/*.trace.json.gz")
+  assert list(folder.glob("plugins/profile/*/*.xplane.pb"))  # what TensorBoard reads
+  events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+  calls = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "PjitFunction(step)")
+  outer_end, count = -1.0, 0
+  for start, end in calls:  # the profiler nests two events per call
+    if start >= outer_end:
+      count, outer_end = count + 1, end
+  return count
+
+
+def test_trace_holds_the_window_steps_only(env, tmp_path):
+  logged = []
+  config = tiny_config(env, tmp_path / "run", recipe="bf16", batch_size=4, steps=4, profile="1:3")
+  trainer.train(config, log=logged.append, compile_cache=env["cache"])
+  folder = tmp_path / "run" / profiling.PROFILE_DIR
+  assert _traced_step_runs(folder) == 2
+  assert any("Profile of steps 1..2" in line for line in logged)
+
+
+def test_an_exception_inside_the_window_stops_the_trace(env, tmp_path):
+  def fail(info):
+    if info.step == 1:
+      raise RuntimeError("hook failed")
+
+  config = tiny_config(env, tmp_path / "run", recipe="bf16", batch_size=4, steps=4, profile="1:4")
+  with pytest.raises(RuntimeError, match="hook failed"):
+    run(env, config, [trainer.Hook(fail)])
+  jax.profiler.start_trace(str(tmp_path / "again"))  # fails if the run left its trace running
+  jax.profiler.stop_trace()
