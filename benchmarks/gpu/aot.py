@@ -1,4 +1,4 @@
-"""Compile every Pallas kernel configuration for sm_90 on a machine without a GPU (XLA deviceless AOT).
+"""Compile every Pallas kernel configuration and the `small` train step for sm_90 without a GPU (XLA deviceless AOT).
 
   python -m benchmarks.gpu.aot [--out DIR]       # needs jax >= 0.11 and a CUDA PJRT plugin (jax[cuda13]) installed
 
@@ -7,7 +7,8 @@ XLA compiles each `pallas_call` with its own Triton for an H100-class target des
 own deviceless AOT tests do. That runs the Triton compiler (TTIR -> TTGIR -> LLVM) that plain cuda lowering never
 reaches, so compile-time failures (shared memory over the limit, layout conversions, an `LLVM ERROR`) show here
 before a GPU is lent, and the thunk report gives each kernel's grid, threads and shared memory. It does not run
-anything: numerics and speed still need the GPU (benchmarks/gpu.sh).
+anything: numerics and speed still need the GPU (benchmarks/gpu.sh). The train steps (bf16, nvfp4 on the XLA path,
+nvfp4 on the Pallas kernels) go through XLA's GPU compiler whole; their rows count the kernel launches per step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 import sys
 import tempfile
 import time
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -51,7 +53,8 @@ def supported() -> tuple[bool, str]:
 
 
 def cases():
-  """[(name, fn, abstract args)]: the GEMM defaults and every benchmarked tile variant, the quantizer layouts."""
+  """[(name, fn, abstract args)]: the GEMM defaults and every benchmarked tile variant, the `small` train step
+  (bf16, nvfp4 on the XLA path, nvfp4 with the Pallas kernels), the quantizer layouts."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import fp4jax  # pylint: disable=g-import-not-at-top
@@ -78,6 +81,8 @@ def cases():
              ("MXFP4", (1, 0), q((4096, 4096), "mxfp4", axis=1), q((4096, 4096), "mxfp4", axis=0))]
   for name, contract, a, b in layouts:
     out.append((f"fp4_matmul {name}", lambda a, b, c=contract: fp4_matmul(a, b, contract=c, interpret=False), (a, b)))
+  for recipe in TRAIN_STEP_RECIPES:
+    out.append((f"train step small {recipe}", *_train_step_case(recipe)))
   x = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
   for name, kw in quant_bench.QUANT_BENCH + [("2d packed along rows", dict(block_2d=True, axis=0)),
                                              ("col RNE", dict(axis=0))]:
@@ -86,6 +91,38 @@ def cases():
                 lambda x, kw=kw, sr=sr: quantize_nvfp4(x, interpret=False, key=jax.random.key(0) if sr else None,
                                                        **kw).codes, (x,)))
   return out
+
+
+# The XLA path (no Pallas kernel): what benchmarks/gpu.sh's train section times first.
+TRAIN_STEP_RECIPES = ("bf16", "nvfp4", "nvfp4:backend=pallas")
+
+
+def _train_step_case(recipe: str):
+  """(step fn, abstract (state, batch, key)) of the `small` model's train step at the gpu.sh size (32 x 128 tokens)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import steps as steps_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import platform as pallas_platform  # pylint: disable=g-import-not-at-top
+  config = TrainConfig.from_options(model="small", recipe=recipe, batch_size=32, seq_len=128, steps=1000,
+                                    progress=False)
+  model = trainer.build_model(config, jax.random.key(0))
+  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
+  params = nnx.state(model, nnx.Param)
+  state = jax.eval_shape(lambda p: steps_lib.TrainState(p, optimizer.init(p), jnp.asarray(0, jnp.int32)), params)
+  batch = {k: jax.ShapeDtypeStruct((32, 128), jnp.int32) for k in ("inputs", "targets")}
+  step = steps_lib.make_train_step(nnx.graphdef(model), optimizer)
+
+  def step_with_compiled_kernels(*args):
+    # The recipe's kernels pick interpret mode from the default backend, which is the CPU here; on the GPU they
+    # run compiled, so that is what this case traces.
+    with mock.patch.object(pallas_platform, "resolve_interpret", lambda interpret: bool(interpret)):
+      return step(*args)
+
+  return step_with_compiled_kernels, (state, batch, jax.random.key(0))
 
 
 def compile_all(out_dir: str | None = None) -> list[tuple[str, bool, str]]:
@@ -105,13 +142,16 @@ def compile_all(out_dir: str | None = None) -> list[tuple[str, bool, str]]:
     try:
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the Triton lowering asks it for the GPU kind
         jax.jit(fn).lower(*args).compile()
-      kernels = []
+      kernels, launches = [], 0
       for path in sorted(set(glob.glob(os.path.join(dump, "*thunk_sequence.txt"))) - before):
         with open(path, encoding="utf-8") as f:
-          kernels += [re.sub(r"\s+", " ", m.group(0)) for m in
-                      re.finditer(r"(fp4_matmul|quantize\w*|rht\w*) grid: \[[^\]]*\] threads: \[[^\]]*\]\s+"
-                                  r"shared_memory: \d+ bytes", f.read())]
-      results.append((name, True, f"{time.time() - t0:.1f} s; " + "; ".join(kernels)))
+          text = f.read()
+        kernels += sorted({re.sub(r"\s+", " ", m.group(0)) for m in
+                           re.finditer(r"(fp4_matmul|quantize\w*|rht\w*) grid: \[[^\]]*\] threads: \[[^\]]*\]\s+"
+                                       r"shared_memory: \d+ bytes", text)})
+        launches += len(re.findall(r" grid: \[", text))
+      detail = "; ".join(kernels) if not name.startswith("train step") else f"{launches} kernel launches"
+      results.append((name, True, f"{time.time() - t0:.1f} s; " + detail))
     except Exception as e:  # pylint: disable=broad-except
       results.append((name, False, f"{type(e).__name__}: {str(e).strip()[:300]}"))
   return results

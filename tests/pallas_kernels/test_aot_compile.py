@@ -1,7 +1,9 @@
-"""Every kernel configuration compiles for sm_90 without a GPU (XLA deviceless AOT, benchmarks/gpu/aot.py).
+"""Every kernel configuration and the `small` train step compile for sm_90 without a GPU (XLA deviceless AOT,
+benchmarks/gpu/aot.py).
 
-Needs jax >= 0.11 with a CUDA PJRT plugin installed (jax[cuda13]); skipped elsewhere. Slow: it runs Triton's
-compiler on ~26 kernels (the RHT quantizer alone takes ~1 min on a 2-core machine).
+The compile needs jax >= 0.11 with a CUDA PJRT plugin installed (jax[cuda13]) and is skipped elsewhere; it runs
+Triton's compiler on 26 kernels and XLA's GPU compiler on three train steps (~4 min on a 2-core machine). The train
+steps' lowering for cuda runs everywhere.
 """
 
 import os
@@ -22,4 +24,16 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
   results = aot.compile_all(str(tmp_path))
   failed = [(name, detail) for name, good, detail in results if not good]
   assert not failed, failed
-  assert all("shared_memory" in detail for _, _, detail in results)  # each compiled a kernel we can see
+  for name, _, detail in results:  # each compiled kernels we can see
+    assert ("kernel launches" if name.startswith("train step") else "shared_memory") in detail, (name, detail)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4:backend=pallas"])
+def test_train_step_cases_lower_for_cuda(recipe):
+  from pallas_kernels import platform  # pylint: disable=g-import-not-at-top
+  fn, args = aot._train_step_case(recipe)  # pylint: disable=protected-access
+  text = platform.lower_for_cuda(fn, *args).as_text()
+  # The Pallas recipe's kernels lower as Triton calls (compiled, not interpret mode's loops); the XLA path has none.
+  assert (text.count("__gpu$xla.gpu.triton") > 0) == recipe.endswith("pallas"), recipe
+  assert "stablehlo.while" not in text or not recipe.endswith("pallas")

@@ -60,3 +60,10 @@ def test_an_exception_inside_the_window_stops_the_trace(env, tmp_path):
     run(env, config, [trainer.Hook(fail)])
   jax.profiler.start_trace(str(tmp_path / "again"))  # fails if the run left its trace running
   jax.profiler.stop_trace()
+
+
+def test_each_process_of_a_multi_process_run_traces_into_its_own_folder(monkeypatch, tmp_path):
+  assert profiling.trace_dir(tmp_path) == tmp_path / "profile"
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  assert profiling.trace_dir(tmp_path) == tmp_path / "profile" / "process_1"
