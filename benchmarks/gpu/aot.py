@@ -93,28 +93,20 @@ def cases():
   return out
 
 
-# The XLA path (no Pallas kernel): what benchmarks/gpu.sh's train section times first.
+# The `small` model's train step as benchmarks/gpu.sh's train section runs it: bf16, nvfp4, nvfp4 on the kernels.
 TRAIN_STEP_RECIPES = ("bf16", "nvfp4", "nvfp4:backend=pallas")
 
 
 def _train_step_case(recipe: str):
-  """(step fn, abstract (state, batch, key)) of the `small` model's train step at the gpu.sh size (32 x 128 tokens)."""
+  """(step fn, (state, batch, key)) of the `small` model's train step at the gpu.sh size (gpu_model.SMALL_BATCH_SEQ)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import steps as steps_lib  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  from benchmarks.gpu import model as gpu_model  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top
   from pallas_kernels import platform as pallas_platform  # pylint: disable=g-import-not-at-top
-  config = TrainConfig.from_options(model="small", recipe=recipe, batch_size=32, seq_len=128, steps=1000,
-                                    progress=False)
-  model = trainer.build_model(config, jax.random.key(0))
-  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
-  params = nnx.state(model, nnx.Param)
-  state = jax.eval_shape(lambda p: steps_lib.TrainState(p, optimizer.init(p), jnp.asarray(0, jnp.int32)), params)
-  batch = {k: jax.ShapeDtypeStruct((32, 128), jnp.int32) for k in ("inputs", "targets")}
-  step = steps_lib.make_train_step(nnx.graphdef(model), optimizer)
+  step, state, _ = gpu_model.train_step_and_state(model_lib.get_model_config("small"), recipe,
+                                                  *gpu_model.SMALL_BATCH_SEQ)
+  batch = {k: jax.ShapeDtypeStruct(gpu_model.SMALL_BATCH_SEQ, jnp.int32) for k in ("inputs", "targets")}
 
   def step_with_compiled_kernels(*args):
     # The recipe's kernels pick interpret mode from the default backend, which is the CPU here; on the GPU they

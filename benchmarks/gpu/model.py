@@ -14,6 +14,7 @@ from __future__ import annotations
 from benchmarks.gpu import report
 
 
+SMALL_BATCH_SEQ = (32, 128)  # the `small` model's train rows: sequences x tokens
 REFERENCE = "nvfp4 xla f32"  # the quantized rows' reference: dequantized float32 operands at HIGHEST precision
 
 
@@ -76,26 +77,33 @@ def run_linear(sec: report.Section) -> None:
       sec.fail(label, e)
 
 
-def _train_setup(model_config, recipe, batch_size: int, seq_len: int, dataset):
+def train_step_and_state(model_config, recipe, batch_size: int, seq_len: int):
+  """(train step to jit, its step-0 state, the run's TrainConfig) for `model_config` under `recipe` (also used by
+  benchmarks.gpu.aot, which compiles the same steps for sm_90 without a GPU)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import steps as steps_lib  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
-  config = TrainConfig.from_options(model=model_config, recipe=recipe, batch_size=batch_size, seq_len=seq_len, steps=1000,
-                       progress=False)
-  keys = trainer.run_keys(0)
-  model = trainer.build_model(config, keys["init"])
+  config = TrainConfig.from_options(model=model_config, recipe=recipe, batch_size=batch_size, seq_len=seq_len,
+                                    steps=1000, progress=False)
+  model = trainer.build_model(config, trainer.run_keys(0)["init"])
   optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
   params = nnx.state(model, nnx.Param)
   state = steps_lib.TrainState(params, jax.jit(optimizer.init)(params), jnp.asarray(0, jnp.int32))
+  return steps_lib.make_train_step(nnx.graphdef(model), optimizer), state, config
+
+
+def _train_setup(model_config, recipe, batch_size: int, seq_len: int, dataset):
+  import jax  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
+  step, state, config = train_step_and_state(model_config, recipe, batch_size, seq_len)
   batches = [data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=config.train_seq_len, seed=0)
              for i in range(2)]
-  step = jax.jit(steps_lib.make_train_step(nnx.graphdef(model), optimizer))
-  return step, state, batches, keys["step"]
+  return jax.jit(step), state, batches, trainer.run_keys(0)["step"]
 
 
 def _dataset(sec: report.Section):
@@ -123,7 +131,7 @@ def run_train(sec: report.Section) -> None:
     models = {"tiny": (model_lib.get_model_config("tiny"), 2, 32, 1)}
     plan = [("tiny", r) for r in recipes[:2]]
   else:
-    models = {"small": (model_lib.get_model_config("small"), 32, 128, 10),
+    models = {"small": (model_lib.get_model_config("small"), *SMALL_BATCH_SEQ, 10),
               "paper_1b x2 layers": (model_lib.get_model_config("paper_1b", n_layers=2, max_seq_len=1024), 8, 1024,
                                      10)}
     # Priority order: nvfp4 vs bf16 on both models first, then the other backends.
