@@ -31,14 +31,67 @@ import jax.numpy as jnp
 
 from fp4jax import gemm as gemm_lib
 from fp4jax import keys
+from fp4jax import prng
 from fp4jax import recipes as recipes_lib
 from fp4jax import rht as rht_lib
 from fp4jax.gemm import resolve_gemm_mode  # pylint: disable=unused-import  (re-exported)
 from fp4jax.quantize import quantize, quantize_with_clip_mask
 
-# Independent randomness per GEMM, derived from the one key the caller passes per layer call.
+# Independent randomness per GEMM, derived from the one key the caller passes per layer call: fold_in(key, tag).
 _DGRAD_SR, _WGRAD_SR, _RHT_SIGNS = 1, 2, 3
 _DGRAD_W_SR, _WGRAD_X_SR = 4, 5  # SR of the backward's weight / activation operands (TetraJet-v2)
+_TAGS = (_DGRAD_SR, _WGRAD_SR, _RHT_SIGNS, _DGRAD_W_SR, _WGRAD_X_SR)
+
+
+class LayerKeys(NamedTuple):
+  """One layer call's randomness, derived from its key at once; accepted wherever the rule takes a layer `key`.
+
+  keys[i] = fold_in(key, _TAGS[i]) and seeds[i] its hash-generator seed, made by batched threefry evaluations
+  (fp4jax.prng.fold_in_many, seeds_from_keys): the same bits as the rule's pieces derive from the plain key, in
+  one small kernel instead of one per operand. A model derives all its layers' at once (derive_layer_keys on an
+  array of keys), down to one kernel per step.
+  """
+
+  keys: Any  # PRNG keys [..., len(_TAGS)]
+  seeds: Any  # uint32 [..., len(_TAGS), 2]
+
+
+def derive_layer_keys(key) -> LayerKeys:
+  """The LayerKeys of a layer call's `key`, or of each key of a typed key array (leading axes kept)."""
+  if jnp.ndim(key) > (0 if _is_typed_key(key) else 1):
+    if prng.batches_exactly(key):
+      return jax.vmap(derive_layer_keys)(key)
+    return jax.tree.map(lambda *a: jnp.stack(a), *[derive_layer_keys(k) for k in key])
+  k = prng.fold_in_many(keys.check_key(key, "key"), _TAGS)
+  return LayerKeys(k, prng.seeds_from_keys(k))
+
+
+def _is_typed_key(key) -> bool:
+  return jax.dtypes.issubdtype(jnp.result_type(key), jax.dtypes.prng_key)
+
+
+def check_layer_key(key, name: str = "key"):
+  """Returns `key` if it is one PRNG key or the LayerKeys of one, else raises a ValueError naming `name`."""
+  if not isinstance(key, LayerKeys):
+    return keys.check_key(key, name)
+  n = len(_TAGS)
+  k_shape, s_shape = jnp.shape(key.keys), jnp.shape(key.seeds)
+  typed = _is_typed_key(key.keys)
+  if k_shape != ((n,) if typed else (n, 2)) or s_shape != (n, 2) or jnp.result_type(key.seeds) != jnp.uint32:
+    raise ValueError(f"{name}: the LayerKeys of one layer call hold keys [{n}] and uint32 seeds [{n}, 2] "
+                     f"(fp4jax.dot_general's derive_layer_keys of one key); got keys {k_shape}, seeds {s_shape} "
+                     f"{jnp.result_type(key.seeds)}.")
+  return key
+
+
+def _sub_key(recipe: recipes_lib.Recipe, key, tag: int):
+  """fold_in(key, tag), or the same bits taken from LayerKeys: the hash generator gets its seed (HashSeed)."""
+  if not isinstance(key, LayerKeys):
+    return jax.random.fold_in(key, tag)
+  i = _TAGS.index(tag)
+  if tag != _RHT_SIGNS and recipe.sr_bits == "hash":
+    return prng.HashSeed(key.seeds[i])
+  return key.keys[i]
 
 
 # --- operands -----------------------------------------------------------------------------------------------------
@@ -48,7 +101,7 @@ def _rht_signs(recipe: recipes_lib.Recipe, key, gemm: str = "backward"):
   if mode == "none":
     return jnp.ones((recipe.rht_size,), jnp.float32)
   if mode == "per_call":
-    return jax.random.fold_in(key, _RHT_SIGNS)
+    return _sub_key(recipe, key, _RHT_SIGNS)
   return None  # the fixed default vector
 
 
@@ -152,7 +205,7 @@ def dgrad_weight(w_KxN, wq_fprop, recipe, key, compute_dtype):
     return wq_fprop
   if recipe.dgrad.rhs.requantize:
     w_KxN = gemm_lib.f32_values(_fprop_source(wq_fprop, "dgrad_weight", "wq_fprop")).astype(w_KxN.dtype)
-  return quantize_operand(w_KxN, recipe.dgrad.rhs, axis=1, recipe=recipe, key=jax.random.fold_in(key, _DGRAD_W_SR),
+  return quantize_operand(w_KxN, recipe.dgrad.rhs, axis=1, recipe=recipe, key=_sub_key(recipe, key, _DGRAD_W_SR),
                           signs=_rht_signs(recipe, key), compute_dtype=compute_dtype)
 
 
@@ -162,20 +215,20 @@ def wgrad_activations(x_MxK, recipe, key, xq_fprop=None):
   if recipe.wgrad.rhs.requantize:
     x_MxK = gemm_lib.f32_values(_fprop_source(xq_fprop, "wgrad_activations", "xq_fprop")).astype(x_MxK.dtype)
   x_MxK = _pad_tokens(x_MxK, _token_multiple(recipe))
-  return quantize_operand(x_MxK, recipe.wgrad.rhs, axis=0, recipe=recipe, key=jax.random.fold_in(key, _WGRAD_X_SR),
+  return quantize_operand(x_MxK, recipe.wgrad.rhs, axis=0, recipe=recipe, key=_sub_key(recipe, key, _WGRAD_X_SR),
                           signs=_rht_signs(recipe, key), compute_dtype=x_MxK.dtype)
 
 
 def dgrad_gradient(dy_MxN, recipe, key, compute_dtype=None, unit=False):
   """Dgrad's output-gradient operand: blocks along N, stochastic rounding per the recipe."""
-  return quantize_operand(dy_MxN, recipe.dgrad.lhs, axis=1, recipe=recipe, key=jax.random.fold_in(key, _DGRAD_SR),
+  return quantize_operand(dy_MxN, recipe.dgrad.lhs, axis=1, recipe=recipe, key=_sub_key(recipe, key, _DGRAD_SR),
                           signs=_rht_signs(recipe, key), compute_dtype=compute_dtype, unit=unit)
 
 
 def wgrad_gradient(dy_MxN, recipe, key, compute_dtype=None, unit=False):
   """Wgrad's output-gradient operand: padded tokens, RHT and blocks along M, stochastic rounding per the recipe."""
   dy_MxN = _pad_tokens(dy_MxN, _token_multiple(recipe))
-  return quantize_operand(dy_MxN, recipe.wgrad.lhs, axis=0, recipe=recipe, key=jax.random.fold_in(key, _WGRAD_SR),
+  return quantize_operand(dy_MxN, recipe.wgrad.lhs, axis=0, recipe=recipe, key=_sub_key(recipe, key, _WGRAD_SR),
                           signs=_rht_signs(recipe, key), compute_dtype=compute_dtype, unit=unit)
 
 
@@ -245,6 +298,7 @@ def _qmatmul(x_MxK, w_KxN, key, recipe):
 
 
 def _qmatmul_fwd(x_MxK, w_KxN, key, recipe):
+  key = derive_layer_keys(key) if recipe.needs_key and not isinstance(key, LayerKeys) else key
   ops = layer_operands(x_MxK, w_KxN, recipe, key, unit=True)
   residuals = (
       ops.w_dgrad, ops.x_wgrad, ops.x_mask, ops.w_mask, key,
@@ -311,11 +365,11 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     preferred_element_type: output dtype; defaults to the promoted input dtype, as in lax.dot_general.
     recipe: a fp4jax.Recipe (or its name string).
     key: PRNG key, required when the recipe uses stochastic rounding or per-call RHT signs. One key per layer
-      call; it is split per GEMM inside the rule.
+      call; it is split per GEMM inside the rule. Or its LayerKeys (derive_layer_keys): the same bits.
   """
   recipe = recipes_lib.get_recipe(recipe)
   if key is not None:
-    keys.check_key(key, "key")
+    check_layer_key(key, "key")
   if not recipe.is_quantized:
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type)

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax import prng
+
 # Raw uint32 key data: threefry (the default) is 2 words, rbg / unsafe_rbg are 4.
 _RAW_KEY_WORDS = (2, 4)
 
@@ -27,3 +29,16 @@ def check_key(key, name: str = "key"):
       f"{type(key).__name__} with dtype {getattr(key, 'dtype', '?')} and shape {np.shape(key)}")
   raise ValueError(f"{name} must be one JAX PRNG key such as jax.random.key(seed), not a seed or a batch of keys; "
                    f"got {what}.")
+
+
+def check_key_or_hash_seed(key, sr_bits: str, name: str = "key"):
+  """Like check_key, but also accepts a prng.HashSeed (uint32 [2]) where the quantizer uses the hash generator."""
+  if not isinstance(key, prng.HashSeed):
+    return check_key(key, name)
+  words = key.words
+  if getattr(words, "dtype", None) != jnp.uint32 or np.shape(words) != (2,):
+    raise ValueError(f"{name}: a HashSeed holds uint32 words of shape (2,); got {getattr(words, 'dtype', '?')} "
+                     f"{np.shape(words)}.")
+  if sr_bits != "hash":
+    raise ValueError(f"{name}: a HashSeed seeds the hash generator only; sr_bits={sr_bits!r} needs the PRNG key itself.")
+  return key

@@ -15,9 +15,16 @@ neighbouring elements and between nearby keys, and the unbiasedness of stochasti
 
 "threefry" is `jax.random.bits(key, shape, uint32)` (partitionable threefry): the reference generator, ~10x slower
 on CPU because it is a 20-round block cipher evaluated per element.
+
+Each derivation from a key (`fold_in`, the seed's two words) is a threefry evaluation of its own, and XLA compiles
+each into its own small kernel: five per layer of an nvfp4 training step, one per operand and layer. `fold_in_many` and `seeds_from_keys` derive many
+at once, bit for bit what one call per key gives; a `HashSeed` carries a derived seed to the quantizer in place of
+its key (what the custom_vjp rule passes, fp4jax.dot_general).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +58,36 @@ def seed_from_key(key) -> jax.Array:
   return jax.random.bits(key, (2,), jnp.uint32)
 
 
+class HashSeed(NamedTuple):
+  """The hash generator's seed, already derived from a key (`seed_from_key`): uint32 [2].
+
+  Accepted wherever a quantizer takes `key` with sr_bits="hash" and gives the same bits as that key.
+  """
+
+  words: jax.Array
+
+
+def batches_exactly(key) -> bool:
+  """Whether draws vmapped over keys give each key's own bits: threefry's do (elementwise in key and counter);
+  rbg's bit generator does not, so its derivations are made one key at a time."""
+  return str(jax.random.key_impl(key)) == "threefry2x32"
+
+
+def fold_in_many(key, data: Sequence[int]) -> jax.Array:
+  """Keys [len(data)]: `jax.random.fold_in(key, d)` for each d, bit for bit; one batched threefry evaluation."""
+  data = [int(d) for d in data]
+  if not batches_exactly(key):
+    return jnp.stack([jax.random.fold_in(key, d) for d in data])
+  return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.asarray(data, jnp.uint32))
+
+
+def seeds_from_keys(keys_N) -> jax.Array:
+  """uint32 [N, 2]: `seed_from_key` of each of N keys, bit for bit; one batched threefry evaluation."""
+  if not batches_exactly(keys_N):
+    return jnp.stack([seed_from_key(keys_N[i]) for i in range(keys_N.shape[0])])
+  return jax.vmap(seed_from_key)(keys_N)
+
+
 def element_index(shape) -> jax.Array:
   """uint32 row-major index of every element of an array of `shape` (an iota XLA fuses into its consumer)."""
   size = int(np.prod(shape, dtype=np.int64))
@@ -73,9 +110,16 @@ def hash_bits(seed, index):
 
 
 def random_bits(key, shape, sr_bits: str = "hash") -> jax.Array:
-  """uint32 random bits of `shape` from `key`: the counter-based hash (default) or threefry's jax.random.bits."""
+  """uint32 random bits of `shape` from `key`: the counter-based hash (default) or threefry's jax.random.bits.
+
+  `key` may be a HashSeed derived from a key (sr_bits "hash" only): the same bits as that key.
+  """
   check_sr_bits(sr_bits)
   shape = tuple(shape)
+  if isinstance(key, HashSeed):
+    if sr_bits != "hash":
+      raise ValueError(f"a HashSeed seeds the hash generator only; sr_bits={sr_bits!r} needs the PRNG key itself.")
+    return hash_bits(key.words, element_index(shape))
   if sr_bits == "threefry":
     return jax.random.bits(key, shape, jnp.uint32)
   return hash_bits(seed_from_key(key), element_index(shape))

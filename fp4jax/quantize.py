@@ -31,7 +31,7 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 def _check_input(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits="hash"):
   if key is not None:
-    keys.check_key(key, "key")
+    keys.check_key_or_hash_seed(key, sr_bits, "key")
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
     raise ValueError(f"quantize supports float32, bfloat16 and float16 inputs; got dtype {jnp.dtype(x.dtype).name}.")
   if x.ndim < 1 or (block_2d and x.ndim < 2):
@@ -194,7 +194,8 @@ def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = 
     axis: the axis the 1D blocks run along (the GEMM's contraction axis); FP4 codes are packed along it.
     block_2d: square blocks over the last two axes (16x16 for NVFP4 weights); `axis` then only picks the packing axis.
     rounding: "nearest" (round-to-nearest-even, saturating) or "stochastic" (FP4 only, needs `key`).
-    key: JAX PRNG key for stochastic rounding; the same key gives the same bits.
+    key: JAX PRNG key for stochastic rounding; the same key gives the same bits. With sr_bits "hash", also a
+      fp4jax.prng.HashSeed derived from a key (the same bits as that key).
     random_bits: 32 for full-width uniforms, 8 for hardware-style 8 random bits per element.
     pad: zero-pad blocked axes up to a multiple of the block size instead of raising.
     sr_bits: the stochastic-rounding bit generator: "hash" (counter-based, fused; the default) or "threefry"

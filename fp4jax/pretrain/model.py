@@ -24,6 +24,8 @@ from flax import nnx
 import fp4jax.nn
 import fp4jax.recipes
 from fp4jax import formats
+from fp4jax import prng
+from fp4jax.dot_general import LayerKeys, derive_layer_keys
 
 MLP_KINDS = ("swiglu", "squared_relu")
 # NVFP4's block size: every quantized GEMM dimension of a weight must split into whole 16-element blocks.
@@ -134,6 +136,18 @@ def layer_key(key: jax.Array | None, name: str) -> jax.Array | None:
   return None if key is None else jax.random.fold_in(key, layer_id(name))
 
 
+def block_layer_keys(key: jax.Array | None, n_layers: int) -> LayerKeys | None:
+  """The LayerKeys of every linear layer's key, [n_layers, len(SUBLAYERS)] leading: [i, j] is derived from
+  layer_key(key, "blocks.<i>.<SUBLAYERS[j]>"), the same bits, but in a few batched threefry evaluations per step
+  instead of a few small kernels per layer (fp4jax.dot_general.LayerKeys)."""
+  if key is None:
+    return None
+  if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.wrap_key_data(key)  # raw key data, read as JAX reads it (the default implementation)
+  keys_LxS = prng.fold_in_many(key, range(n_layers * len(SUBLAYERS))).reshape(n_layers, len(SUBLAYERS))
+  return derive_layer_keys(keys_LxS)
+
+
 def layer_names(config: "ModelConfig") -> tuple[str, ...]:
   """Names of the quantizable linear layers of a model with `config`, in `Transformer.linear_layers()` order."""
   subs = [s for s in SUBLAYERS if s != "mlp.gate" or config.mlp == "swiglu"]
@@ -192,11 +206,11 @@ class Attention(nnx.Module):
       setattr(self, sub, fp4jax.nn.Linear(*shapes[f"attn.{sub}"], recipe=layer_recipe, rngs=_params_only(rngs),
                                            dtype=dtype, param_dtype=param_dtype))
 
-  def __call__(self, x_BxTxD: jax.Array, positions_T: jax.Array, key: jax.Array | None) -> jax.Array:
+  def __call__(self, x_BxTxD: jax.Array, positions_T: jax.Array, keys_S: LayerKeys | None) -> jax.Array:
     c = self.config
     b, t, _ = x_BxTxD.shape
     group = c.n_heads // c.n_kv_heads
-    k_ = lambda sub: layer_key(key, f"blocks.{self.index}.attn.{sub}")
+    k_ = lambda sub: _sublayer_key(keys_S, f"attn.{sub}")
     q_BxTxNxH = self.q(x_BxTxD, key=k_("q")).reshape(b, t, c.n_heads, c.head_dim)
     k_BxSxKxH = self.k(x_BxTxD, key=k_("k")).reshape(b, t, c.n_kv_heads, c.head_dim)
     v_BxSxKxH = self.v(x_BxTxD, key=k_("v")).reshape(b, t, c.n_kv_heads, c.head_dim)
@@ -228,8 +242,8 @@ class Mlp(nnx.Module):
       self.gate = make("gate")
     self.down = make("down")
 
-  def __call__(self, x_BxTxD: jax.Array, key: jax.Array | None) -> jax.Array:
-    k_ = lambda sub: layer_key(key, f"blocks.{self.index}.mlp.{sub}")
+  def __call__(self, x_BxTxD: jax.Array, keys_S: LayerKeys | None) -> jax.Array:
+    k_ = lambda sub: _sublayer_key(keys_S, f"mlp.{sub}")
     up_BxTxF = self.up(x_BxTxD, key=k_("up")).astype(jnp.float32)
     if self.config.mlp == "swiglu":
       gate_BxTxF = self.gate(x_BxTxD, key=k_("gate")).astype(jnp.float32)
@@ -250,13 +264,18 @@ class Block(nnx.Module):
     self.mlp_norm = norm()
     self.mlp = Mlp(config, index, recipe=recipe, rngs=rngs)
 
-  def __call__(self, x_BxTxD: jax.Array, positions_T: jax.Array, key: jax.Array | None) -> jax.Array:
-    x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), positions_T, key).astype(jnp.float32)
-    return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD), key).astype(jnp.float32)
+  def __call__(self, x_BxTxD: jax.Array, positions_T: jax.Array, keys_S: LayerKeys | None) -> jax.Array:
+    """keys_S: this block's row of block_layer_keys (None when no layer needs randomness)."""
+    x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), positions_T, keys_S).astype(jnp.float32)
+    return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD), keys_S).astype(jnp.float32)
 
 
-def _block_forward(block: Block, x_BxTxD, positions_T, key):
-  return block(x_BxTxD, positions_T, key)
+def _sublayer_key(keys_S: LayerKeys | None, sub: str) -> LayerKeys | None:
+  return None if keys_S is None else jax.tree.map(lambda a: a[SUBLAYERS.index(sub)], keys_S)
+
+
+def _block_forward(block: Block, x_BxTxD, positions_T, keys_S):
+  return block(x_BxTxD, positions_T, keys_S)
 
 
 _block_forward_remat = nnx.remat(_block_forward)
@@ -304,8 +323,10 @@ class Transformer(nnx.Module):
     positions_T = jnp.arange(t, dtype=jnp.int32)
     x_BxTxD = self.embed(tokens_BxT).astype(jnp.float32)
     forward = _block_forward_remat if c.remat else _block_forward
-    for block in self.blocks:
-      x_BxTxD = forward(block, x_BxTxD, positions_T, key)
+    keys_LxS = block_layer_keys(key, c.n_layers)
+    for i, block in enumerate(self.blocks):
+      keys_S = None if keys_LxS is None else jax.tree.map(lambda a, i=i: a[i], keys_LxS)
+      x_BxTxD = forward(block, x_BxTxD, positions_T, keys_S)
     return self.lm_head(self.final_norm(x_BxTxD)).astype(jnp.float32)
 
   def linear_layers(self) -> dict[str, fp4jax.nn.Linear]:

@@ -165,3 +165,38 @@ def test_hash_bits_are_computed_inside_the_quantizer_loop(sr_bits, fused):
   f = lambda x, k: fp4jax.fake_quant(x, "nvfp4", rounding="stochastic", key=k, sr_bits=sr_bits)
   rows = _entry_ops_with_shape(f, (x, jax.random.key(0)), "u32[256,256]")
   assert (len(rows) == 0) == fused, rows
+
+
+@pytest.mark.parametrize("make_key", [lambda s: jax.random.key(s), lambda s: jax.random.PRNGKey(s),
+                                      lambda s: jax.random.key(s, impl="rbg")], ids=["threefry", "raw", "rbg"])
+def test_batched_derivations_equal_one_call_per_key(make_key):
+  key = make_key(7)
+  data = (1, 2, 3, 4, 5, 1000, 2**31)
+  many = prng.fold_in_many(key, data)
+  one_by_one = [jax.random.fold_in(key, d) for d in data]
+  data_of = lambda k: np.asarray(jax.random.key_data(k) if jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key) else k)
+  for i, k in enumerate(one_by_one):
+    np.testing.assert_array_equal(data_of(many[i]), data_of(k))
+  seeds = np.asarray(prng.seeds_from_keys(many))
+  assert seeds.shape == (len(data), 2) and seeds.dtype == np.uint32
+  for i, k in enumerate(one_by_one):
+    np.testing.assert_array_equal(seeds[i], np.asarray(prng.seed_from_key(k)))
+
+
+def test_a_hash_seed_draws_the_bits_of_its_key():
+  key = jax.random.key(3)
+  seed = prng.HashSeed(prng.seed_from_key(key))
+  np.testing.assert_array_equal(_bits(seed, (64, 48)), _bits(key, (64, 48)))
+  x = jax.random.normal(jax.random.key(4), (64, 64), jnp.float32)
+  for fmt in (fp4jax.NVFP4(), fp4jax.MXFP4()):
+    a = fp4jax.quantize(x, fmt, rounding="stochastic", key=key)
+    b = fp4jax.quantize(x, fmt, rounding="stochastic", key=seed)
+    np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+    np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
+  with pytest.raises(ValueError, match="HashSeed seeds the hash generator only"):
+    fp4jax.quantize(x, fp4jax.NVFP4(), rounding="stochastic", key=seed, sr_bits="threefry")
+  with pytest.raises(ValueError, match="HashSeed seeds the hash generator only"):
+    prng.random_bits(seed, (4,), "threefry")
+  for bad in (jnp.zeros((2,), jnp.float32), jnp.zeros((3,), jnp.uint32)):
+    with pytest.raises(ValueError, match=r"HashSeed holds uint32 words of shape \(2,\)"):
+      fp4jax.quantize(x, fp4jax.NVFP4(), rounding="stochastic", key=prng.HashSeed(bad))

@@ -1,9 +1,12 @@
 """Tests for fp4jax.pretrain.model: shapes, causality, GQA, RoPE, config validation, quantized fwd+grad, determinism."""
 
+import collections
 import dataclasses
 import functools
+import importlib
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -229,3 +232,36 @@ def test_remat_matches_plain():
   np.testing.assert_allclose(float(loss_p), float(loss_r), rtol=1e-6)
   for a, b in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads_r)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_block_layer_keys_are_each_layers_own():
+  """Row i, column j derives from layer_key(key, "blocks.<i>.<SUBLAYERS[j]>"): the keys the layers always had."""
+  dg = importlib.import_module("fp4jax.dot_general")
+  for key in (jax.random.key(9), jax.random.PRNGKey(9)):
+    lk = model_lib.block_layer_keys(key, 3)
+    assert lk.keys.shape == (3, len(model_lib.SUBLAYERS), 5)
+    for i in range(3):
+      for j, sub in enumerate(model_lib.SUBLAYERS):
+        one = dg.derive_layer_keys(model_lib.layer_key(key, f"blocks.{i}.{sub}"))
+        np.testing.assert_array_equal(jax.random.key_data(lk.keys[i, j]), jax.random.key_data(one.keys))
+        np.testing.assert_array_equal(lk.seeds[i, j], one.seeds)
+  assert model_lib.block_layer_keys(None, 3) is None
+
+
+def test_a_quantized_step_draws_its_randomness_in_three_batched_evaluations():
+  """All layers' keys (one fold_in), their per-operand keys (one fold_in) and hash seeds (one draw), whatever the
+  depth: each is a small kernel of its own, so one per layer and operand made hundreds per step."""
+  model = _model(TINY, recipe=fp4jax.recipes.nvfp4())
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  jaxpr = jax.make_jaxpr(lambda p, t, k: _step.__wrapped__(graphdef, p, rest, t, k))(
+      params, _tokens((2, 33)), jax.random.key(0)).jaxpr
+  counts = collections.Counter()
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      counts[eqn.primitive.name] += eqn.primitive.name.startswith("random_")
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else (param,):
+          if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+            walk(getattr(sub, "jaxpr", sub))
+  walk(jaxpr)
+  assert (counts["random_fold_in"], counts["random_bits"]) == (2, 1), counts
