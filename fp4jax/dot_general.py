@@ -58,16 +58,12 @@ class LayerKeys(NamedTuple):
 
 def derive_layer_keys(key) -> LayerKeys:
   """The LayerKeys of a layer call's `key`, or of each key of a typed key array (leading axes kept)."""
-  if jnp.ndim(key) > (0 if _is_typed_key(key) else 1):
+  if jnp.ndim(key) > (0 if keys.is_typed_key(key) else 1):
     if prng.batches_exactly(key):
       return jax.vmap(derive_layer_keys)(key)
     return jax.tree.map(lambda *a: jnp.stack(a), *[derive_layer_keys(k) for k in key])
   k = prng.fold_in_many(keys.check_key(key, "key"), _TAGS)
   return LayerKeys(k, prng.seeds_from_keys(k))
-
-
-def _is_typed_key(key) -> bool:
-  return jax.dtypes.issubdtype(jnp.result_type(key), jax.dtypes.prng_key)
 
 
 def check_layer_key(key, name: str = "key"):
@@ -76,12 +72,18 @@ def check_layer_key(key, name: str = "key"):
     return keys.check_key(key, name)
   n = len(_TAGS)
   k_shape, s_shape = jnp.shape(key.keys), jnp.shape(key.seeds)
-  typed = _is_typed_key(key.keys)
+  typed = keys.is_typed_key(key.keys)
   if k_shape != ((n,) if typed else (n, 2)) or s_shape != (n, 2) or jnp.result_type(key.seeds) != jnp.uint32:
     raise ValueError(f"{name}: the LayerKeys of one layer call hold keys [{n}] and uint32 seeds [{n}, 2] "
                      f"(fp4jax.dot_general's derive_layer_keys of one key); got keys {k_shape}, seeds {s_shape} "
                      f"{jnp.result_type(key.seeds)}.")
   return key
+
+
+def rule_keys(recipe: recipes_lib.Recipe, key):
+  """What a custom_vjp rule hands its pieces: the LayerKeys of `key`, derived once, when the recipe draws randomness
+  (`key` itself when it already is LayerKeys, or when nothing is drawn)."""
+  return derive_layer_keys(key) if recipe.needs_key and not isinstance(key, LayerKeys) else key
 
 
 def _sub_key(recipe: recipes_lib.Recipe, key, tag: int):
@@ -298,7 +300,7 @@ def _qmatmul(x_MxK, w_KxN, key, recipe):
 
 
 def _qmatmul_fwd(x_MxK, w_KxN, key, recipe):
-  key = derive_layer_keys(key) if recipe.needs_key and not isinstance(key, LayerKeys) else key
+  key = rule_keys(recipe, key)
   ops = layer_operands(x_MxK, w_KxN, recipe, key, unit=True)
   residuals = (
       ops.w_dgrad, ops.x_wgrad, ops.x_mask, ops.w_mask, key,

@@ -31,14 +31,13 @@ def check_key(key, name: str = "key"):
                    f"got {what}.")
 
 
+def is_typed_key(key) -> bool:
+  """Whether `key` is a typed key array (jax.random.key), of any shape, rather than raw uint32 key data."""
+  return jax.dtypes.issubdtype(jnp.result_type(key), jax.dtypes.prng_key)
+
+
 def check_key_or_hash_seed(key, sr_bits: str, name: str = "key"):
   """Like check_key, but also accepts a prng.HashSeed (uint32 [2]) where the quantizer uses the hash generator."""
-  if not isinstance(key, prng.HashSeed):
-    return check_key(key, name)
-  words = key.words
-  if getattr(words, "dtype", None) != jnp.uint32 or np.shape(words) != (2,):
-    raise ValueError(f"{name}: a HashSeed holds uint32 words of shape (2,); got {getattr(words, 'dtype', '?')} "
-                     f"{np.shape(words)}.")
-  if sr_bits != "hash":
-    raise ValueError(f"{name}: a HashSeed seeds the hash generator only; sr_bits={sr_bits!r} needs the PRNG key itself.")
-  return key
+  if isinstance(key, prng.HashSeed):
+    return prng.check_hash_seed(key, sr_bits, name)
+  return check_key(key, name)

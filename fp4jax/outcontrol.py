@@ -34,8 +34,8 @@ import jax.numpy as jnp
 
 from fp4jax import formats
 from fp4jax import recipes as recipes_lib
-from fp4jax.dot_general import (LayerKeys, Operands, _canonical_weight_axes, _check_block_divisibility,
-                                check_layer_key, derive_layer_keys, dgrad, fprop, layer_operands, wgrad)
+from fp4jax.dot_general import (Operands, _canonical_weight_axes, _check_block_divisibility, check_layer_key, dgrad,
+                                fprop, layer_operands, rule_keys, wgrad)
 from fp4jax.dot_general import dot_general as plain_dot_general
 from fp4jax.gemm import f32_values as _values
 from fp4jax.quantize import quantize
@@ -148,7 +148,7 @@ def _split_matmul(x_MxK, w_KxN, idx_k, key, recipe):
 
 
 def _split_matmul_fwd(x_MxK, w_KxN, idx_k, key, recipe):
-  key = derive_layer_keys(key) if recipe.needs_key and not isinstance(key, LayerKeys) else key
+  key = rule_keys(recipe, key)
   ops = split_operands(x_MxK, w_KxN, idx_k, recipe, key, unit=True)
   # Fprop-only operands are not needed again: keep the backward's residuals only.
   residuals = (ops._replace(rest=ops.rest._replace(x_fprop=None, w_fprop=None), x8=None, w8=None), idx_k, key,

@@ -16,10 +16,10 @@ neighbouring elements and between nearby keys, and the unbiasedness of stochasti
 "threefry" is `jax.random.bits(key, shape, uint32)` (partitionable threefry): the reference generator, ~10x slower
 on CPU because it is a 20-round block cipher evaluated per element.
 
-Each derivation from a key (`fold_in`, the seed's two words) is a threefry evaluation of its own, and XLA compiles
-each into its own small kernel: five per layer of an nvfp4 training step, one per operand and layer. `fold_in_many` and `seeds_from_keys` derive many
-at once, bit for bit what one call per key gives; a `HashSeed` carries a derived seed to the quantizer in place of
-its key (what the custom_vjp rule passes, fp4jax.dot_general).
+Each derivation from a key (`fold_in`, the seed's two words) is a threefry evaluation that XLA compiles into a
+small kernel of its own (five per layer of an nvfp4 training step, before they were batched). `fold_in_many` and
+`seeds_from_keys` derive many at once, bit for bit what one call per key gives; a `HashSeed` carries a derived seed
+to the quantizer in place of its key (what the custom_vjp rule passes, fp4jax.dot_general).
 """
 
 from __future__ import annotations
@@ -65,6 +65,19 @@ class HashSeed(NamedTuple):
   """
 
   words: jax.Array
+
+
+def check_hash_seed(seed: HashSeed, sr_bits: str, name: str = "key") -> HashSeed:
+  """Returns `seed` if it holds uint32 [2] words and `sr_bits` is the hash generator's; else a ValueError naming
+  `name`."""
+  words = seed.words
+  if getattr(words, "dtype", None) != jnp.uint32 or np.shape(words) != (2,):
+    raise ValueError(f"{name}: a HashSeed holds uint32 words of shape (2,); got {getattr(words, 'dtype', '?')} "
+                     f"{np.shape(words)}.")
+  if sr_bits != "hash":
+    raise ValueError(f"{name}: a HashSeed seeds the hash generator only; sr_bits={sr_bits!r} needs the PRNG key "
+                     "itself.")
+  return seed
 
 
 def batches_exactly(key) -> bool:
@@ -117,9 +130,7 @@ def random_bits(key, shape, sr_bits: str = "hash") -> jax.Array:
   check_sr_bits(sr_bits)
   shape = tuple(shape)
   if isinstance(key, HashSeed):
-    if sr_bits != "hash":
-      raise ValueError(f"a HashSeed seeds the hash generator only; sr_bits={sr_bits!r} needs the PRNG key itself.")
-    return hash_bits(key.words, element_index(shape))
+    return hash_bits(check_hash_seed(key, sr_bits).words, element_index(shape))
   if sr_bits == "threefry":
     return jax.random.bits(key, shape, jnp.uint32)
   return hash_bits(seed_from_key(key), element_index(shape))

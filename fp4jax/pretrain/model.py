@@ -24,6 +24,7 @@ from flax import nnx
 import fp4jax.nn
 import fp4jax.recipes
 from fp4jax import formats
+from fp4jax import keys as keys_lib
 from fp4jax import prng
 from fp4jax.dot_general import LayerKeys, derive_layer_keys
 
@@ -142,7 +143,7 @@ def block_layer_keys(key: jax.Array | None, n_layers: int) -> LayerKeys | None:
   instead of a few small kernels per layer (fp4jax.dot_general.LayerKeys)."""
   if key is None:
     return None
-  if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+  if not keys_lib.is_typed_key(key):
     key = jax.random.wrap_key_data(key)  # raw key data, read as JAX reads it (the default implementation)
   keys_LxS = prng.fold_in_many(key, range(n_layers * len(SUBLAYERS))).reshape(n_layers, len(SUBLAYERS))
   return derive_layer_keys(keys_LxS)
@@ -270,8 +271,13 @@ class Block(nnx.Module):
     return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD), keys_S).astype(jnp.float32)
 
 
+def _take(layer_keys: LayerKeys | None, i: int) -> LayerKeys | None:
+  """Entry i along the leading axis of batched LayerKeys (None stays None)."""
+  return None if layer_keys is None else jax.tree.map(lambda a: a[i], layer_keys)
+
+
 def _sublayer_key(keys_S: LayerKeys | None, sub: str) -> LayerKeys | None:
-  return None if keys_S is None else jax.tree.map(lambda a: a[SUBLAYERS.index(sub)], keys_S)
+  return _take(keys_S, SUBLAYERS.index(sub))
 
 
 def _block_forward(block: Block, x_BxTxD, positions_T, keys_S):
@@ -325,8 +331,7 @@ class Transformer(nnx.Module):
     forward = _block_forward_remat if c.remat else _block_forward
     keys_LxS = block_layer_keys(key, c.n_layers)
     for i, block in enumerate(self.blocks):
-      keys_S = None if keys_LxS is None else jax.tree.map(lambda a, i=i: a[i], keys_LxS)
-      x_BxTxD = forward(block, x_BxTxD, positions_T, keys_S)
+      x_BxTxD = forward(block, x_BxTxD, positions_T, _take(keys_LxS, i))
     return self.lm_head(self.final_norm(x_BxTxD)).astype(jnp.float32)
 
   def linear_layers(self) -> dict[str, fp4jax.nn.Linear]:

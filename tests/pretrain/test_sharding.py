@@ -207,7 +207,8 @@ def test_gather_at_use_replicates_the_embedding_over_fsdp_and_leaves_the_rest():
 
 
 def _step_partitioning(capfd, gather_params) -> tuple[str, str]:
-  """(XLA's stderr, the compiled HLO) of a freshly compiled 1-block bf16 train step on the data=2,fsdp=2,tensor=2 mesh."""
+  """(XLA's stderr, the compiled HLO) of a freshly compiled 1-block bf16 train step on the data=2,fsdp=2,tensor=2
+  mesh."""
   cfg = model_lib.get_model_config("tiny", n_layers=1)
   graphdef, params = nnx.split(model_lib.Transformer(cfg, recipe="bf16", rngs=nnx.Rngs(0)), nnx.Param)
   optimizer = optimizer_lib.make_optimizer(optimizer_lib.OptimizerConfig(), 10)
