@@ -9,6 +9,9 @@ session, in a fresh temporary folder made by the first process (inherited by xdi
 compiles each graph once; it is deleted when the session ends, so no run reads another run's executables. An entry
 that cannot be read (another worker still writing it) is a cache miss: JAX warns and compiles.
 
+Tests that train a model are marked slow, so that `pytest -m "not slow"` stays quick; `pytest_runtest_protocol`
+below fails a test that trains without the mark.
+
 Scheduling for `pytest -n 2` (pyproject's addopts: `--dist loadgroup --no-loadscope-reorder`): see
 `pytest_collection_modifyitems` below.
 """
@@ -39,6 +42,40 @@ def pytest_sessionfinish(session):
   del session
   if _OWN_CACHE:  # only the process that made the folder removes it
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+_RUNNING = {"slow": True}  # whether the test now running (setup, call, teardown) is marked slow
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """Keeps `pytest -m "not slow"` quick: a test that is not marked slow and starts training fails, naming the mark.
+
+  "Starts training" is building a train step (`steps.Phases.train_step`, what every `trainer.train` run does before
+  its first step), also from a module fixture the test sets up; a run refused before that (bad config, resume
+  errors) is fine in a fast test. Subprocess runs are not seen: tests that launch them are marked by hand.
+  """
+  del nextitem
+  _guard_train_steps()
+  _RUNNING["slow"] = item.get_closest_marker("slow") is not None
+  yield
+  _RUNNING["slow"] = True
+
+
+def _guard_train_steps():
+  steps = sys.modules.get("fp4jax.pretrain.steps")  # imported at collection by every module that trains
+  if steps is None or getattr(steps.Phases.train_step, "guarded", False):
+    return
+  build = steps.Phases.train_step
+
+  def train_step(self, step):
+    if not _RUNNING["slow"]:
+      raise AssertionError("This test trains a model (it builds a train step): mark it @pytest.mark.slow, so that "
+                           "`pytest -m \"not slow\"` stays quick (tests/conftest.py).")
+    return build(self, step)
+
+  train_step.guarded = True
+  steps.Phases.train_step = train_step
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks

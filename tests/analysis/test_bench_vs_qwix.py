@@ -7,6 +7,7 @@ import pytest
 from benchmarks import vs_qwix
 
 
+@pytest.mark.slow
 def test_mlp_rows_print_ratios_and_losses(capsys):
   qwix_rows = "qwix:nvfp4" if importlib.util.find_spec("qwix") else ""
   vs_qwix.main(["--parts", "mlp", "--width", "64", "--batch", "128", "--recipes", "nvfp4", "fp8", "--qwix", qwix_rows,
@@ -21,6 +22,7 @@ def test_mlp_rows_print_ratios_and_losses(capsys):
     assert 0 < minimum <= median and ms > 0 and 0 < loss < 10
 
 
+@pytest.mark.slow
 def test_transformer_part_trains_a_step():
   """The `small` part's setup (the tiny preset here): builds the pretraining model and its step, and the loss drops."""
   step, state = vs_qwix._small_run("nvfp4", 2, model_name="tiny")  # pylint: disable=protected-access

@@ -1,5 +1,7 @@
 """Shared helpers of the recipes-beyond tests (inputs and bit-level checks against the NumPy references)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,14 @@ import numpy as np
 import fp4jax
 
 FOUR_SIX = fp4jax.NVFP4(scale_rule="4over6")
+DN = (((1,), (0,)), ((), ()))  # x_MxK @ w_KxN
+
+
+@functools.partial(jax.jit, static_argnames="recipe")  # one compilation, not op-by-op eager dispatch
+def fwd_and_grads(x_MxK, w_KxN, g_MxN, key, recipe):
+  """(y, dx, dw) of `fp4jax.dot_general(x, w)` under `recipe`, with output gradient `g`."""
+  y, vjp = jax.vjp(lambda x, w: fp4jax.dot_general(x, w, DN, recipe=recipe, key=key), x_MxK, w_KxN)
+  return (y,) + vjp(g_MxN)
 
 
 def inputs(kind, seed=0, shape=(32, 64)):

@@ -1,7 +1,6 @@
 """Quartet (arXiv 2505.14669): the QuEST and Tseng MXFP4 quantizers bit for bit against NumPy, the clip-masked
 straight-through gradient, the fixed forward Hadamard and per-call backward signs, the preset and its training."""
 
-import functools
 import importlib
 import json
 
@@ -23,16 +22,6 @@ import reference_recipes as rref
 dg = importlib.import_module("fp4jax.dot_general")  # the module (fp4jax.dot_general is the function)
 QUEST = fp4jax.MXFP4(scale_rule="quest")
 TSENG = fp4jax.MXFP4(scale_rule="tseng")
-DN = (((1,), (0,)), ((), ()))
-
-
-# Jitted: one compilation instead of compiling each of the rule's many small ops for eager dispatch.
-@functools.partial(jax.jit, static_argnames="recipe")
-def _fwd_and_grads(x, w, g, key, recipe):
-  y, vjp = jax.vjp(lambda a, b: fp4jax.dot_general(a, b, DN, recipe=recipe, key=key), x, w)
-  return (y,) + vjp(g)
-
-
 _layer_operands = jax.jit(dg.layer_operands, static_argnums=2)
 
 
@@ -243,7 +232,7 @@ def test_gradients_are_masked_before_the_inverse_hadamard():
   g = rng.standard_normal((64, 96)).astype(np.float32)
   key = jax.random.key(3)
   r = fp4jax.recipes.quartet(stochastic_rounding=False, gemm_mode="f32")
-  outs = _fwd_and_grads(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), key, r)
+  outs = helpers.fwd_and_grads(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), key, r)
   y, dx, dw = (np.asarray(t, np.float64) for t in outs)
   want = _bwd_reference(x, w, g, key, "before")
   rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
@@ -266,7 +255,7 @@ def test_bf16_switches_keep_the_mask_and_drop_requantization():
   w = (rng.standard_normal((64, 32)) / 8).astype(np.float32)
   g = rng.standard_normal((32, 32)).astype(np.float32)
   bwd = fp4jax.recipes.quartet(gemm_mode="f32").with_bf16(forward=False)
-  _, dx, _ = _fwd_and_grads(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), jax.random.key(0), bwd)
+  _, dx, _ = helpers.fwd_and_grads(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), jax.random.key(0), bwd)
   mask = rref.mxfp4_quest(np.asarray(fp4jax.random_hadamard(jnp.asarray(x), size=32, signs=np.ones(32))))["mask"]
   want = ref.rht_apply(mask * ref.rht_apply(g.astype(np.float64) @ w.T, 32, np.ones(32)), 32, np.ones(32),
                        inverse=True)
@@ -274,7 +263,7 @@ def test_bf16_switches_keep_the_mask_and_drop_requantization():
   np.testing.assert_allclose(np.asarray(dx), want, rtol=1e-4, atol=1e-4)
   fwd = fp4jax.recipes.quartet().with_bf16(backward=False)
   assert not fwd.fprop.quantized and not fwd.dgrad.rhs.requantize and fwd.dgrad.rhs.fmt == TSENG
-  _, *grads = _fwd_and_grads(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), jax.random.key(0), fwd)
+  _, *grads = helpers.fwd_and_grads(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), jax.random.key(0), fwd)
   assert all(np.isfinite(np.asarray(t)).all() for t in grads)
 
 
@@ -286,7 +275,7 @@ def test_bf16_gemm_mode_matches_f32_up_to_rounding():
   out = {}
   for mode in ("f32", "bf16"):
     r = fp4jax.recipes.quartet(gemm_mode=mode)
-    out[mode] = _fwd_and_grads(x, w, g, jax.random.key(0), r)
+    out[mode] = helpers.fwd_and_grads(x, w, g, jax.random.key(0), r)
   for a, b in zip(out["f32"], out["bf16"]):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * float(jnp.abs(a).max()))
 
@@ -300,7 +289,7 @@ def test_probes_run_quartet_gemms():
   r = fp4jax.recipes.quartet(gemm_mode="f32")
   key = jax.random.key(5)
   _, dx, dw, _, _ = probes.quantized_gemms(x, w, g, r, key)
-  _, want_dx, want_dw = _fwd_and_grads(x, w, g, key, r)
+  _, want_dx, want_dw = helpers.fwd_and_grads(x, w, g, key, r)
   np.testing.assert_array_equal(np.asarray(dx), np.asarray(want_dx))
   np.testing.assert_array_equal(np.asarray(dw), np.asarray(want_dw))
 
@@ -310,6 +299,7 @@ def test_probes_run_quartet_gemms():
 STEPS = 8
 
 
+@pytest.mark.slow
 def test_quartet_trains_tiny_model(tmp_path):
   config = TrainConfig.from_options(out=str(tmp_path / "run"), model=model_lib.get_model_config("tiny", n_layers=1),
                                     data=data.DataConfig(cache_dir=str(tmp_path / "data_cache")), seq_len=32,

@@ -1,6 +1,5 @@
 """Recipes beyond NVIDIA's: presets, their GEMMs against hand-built references, Quartet II's MS-EDEN quantizer."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +9,6 @@ import pytest
 import fp4jax
 from fp4jax import backends
 import recipes_beyond_helpers as helpers
-import reference as ref
 import reference_recipes as rref
 
 FOUR_SIX = helpers.FOUR_SIX
@@ -59,15 +57,6 @@ def test_bad_preset_options_raise(spec, match):
     fp4jax.recipes.get_recipe(spec)
 
 
-DN = (((1,), (0,)), ((), ()))
-
-
-@functools.partial(jax.jit, static_argnames="recipe")  # one compilation, not op-by-op eager dispatch
-def _fwd_and_grads(x_MxK, w_KxN, g_MxN, key, recipe):
-  y, vjp = jax.vjp(lambda x, w: fp4jax.dot_general(x, w, DN, recipe=recipe, key=key), x_MxK, w_KxN)
-  return (y,) + vjp(g_MxN)
-
-
 def test_four_over_six_recipe_gemms_with_rht_everywhere():
   """4/6 composes with RHT on all three GEMMs: each GEMM is the product of the hand-quantized (RHT'd) operands."""
   rng = np.random.default_rng(0)
@@ -76,7 +65,7 @@ def test_four_over_six_recipe_gemms_with_rht_everywhere():
   g = jnp.asarray(rng.standard_normal((32, 48)) * 1e-4, jnp.float32)
   recipe = fp4jax.recipes.four_over_six(stochastic_rounding=False, rht_on=("fprop", "dgrad", "wgrad"),
                                         weight_2d=False)
-  y, dx, dw = _fwd_and_grads(x, w, g, jax.random.key(0), recipe)
+  y, dx, dw = helpers.fwd_and_grads(x, w, g, jax.random.key(0), recipe)
   h = lambda t, axis: fp4jax.random_hadamard(t, size=16, axis=axis)
   fq = lambda t, axis: np.asarray(fp4jax.fake_quant(t, FOUR_SIX, axis=axis), np.float64)
   y_ref = fq(h(x, 1), 1) @ fq(h(w, 0), 0)
@@ -86,7 +75,7 @@ def test_four_over_six_recipe_gemms_with_rht_everywhere():
     got = np.asarray(got, np.float64)
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
   # 4/6 really changed the operands (vs NVIDIA's scales with the same RHT).
-  y_nv = _fwd_and_grads(x, w, g, jax.random.key(0), recipe.replace(
+  y_nv = helpers.fwd_and_grads(x, w, g, jax.random.key(0), recipe.replace(
       fprop=fp4jax.recipes.nvfp4(rht_on=("fprop",), stochastic_rounding=False, weight_2d=False).fprop))[0]
   assert np.abs(np.asarray(y_nv) - y_ref).max() > 1e-3 * np.abs(y_ref).max()
 
@@ -103,7 +92,7 @@ def test_tetrajet_v2_preset_and_requantized_backward():
   w = jnp.asarray(rng.standard_normal((128, 256)) / 11, jnp.float32)
   g = jnp.asarray(rng.standard_normal((128, 256)) * 1e-4, jnp.float32)
   rne = fp4jax.recipes.tetrajet_v2(stochastic_rounding=False).replace(rht_signs="fixed")
-  y, dx, dw = _fwd_and_grads(x, w, g, jax.random.key(0), rne)
+  y, dx, dw = helpers.fwd_and_grads(x, w, g, jax.random.key(0), rne)
   h = lambda t, axis: fp4jax.random_hadamard(t, size=16, axis=axis)
   fq = lambda t, axis: fp4jax.fake_quant(t, db, axis=axis)
   f64 = lambda t: np.asarray(t, np.float64)
@@ -190,7 +179,7 @@ def test_quartet2_preset_and_backward():
   w = jnp.asarray(rng.standard_normal((128, 256)) / 11, jnp.float32)
   g = jnp.asarray(rng.standard_normal((128, 256)) * 1e-4, jnp.float32)
   det = fp4jax.recipes.quartet2(stochastic_scales=False).replace(rht_signs="fixed")
-  y, dx, dw = _fwd_and_grads(x, w, g, jax.random.key(0), det)
+  y, dx, dw = helpers.fwd_and_grads(x, w, g, jax.random.key(0), det)
   h = lambda t, axis: fp4jax.random_hadamard(t, size=128, axis=axis)
   f64 = lambda t: np.asarray(t, np.float64)
   x_q, w_q = fp4jax.fake_quant(x, fp4jax.NVFP4(), axis=1), fp4jax.fake_quant(w, fp4jax.NVFP4(), axis=0)
@@ -208,5 +197,5 @@ def test_pallas_backend_falls_back_for_other_scale_rules():
   xla = fp4jax.recipes.four_over_six(stochastic_rounding=False)
   backends._fallback.cache_clear()  # pylint: disable=protected-access  (each reason warns once)
   with pytest.warns(UserWarning, match="scale rules"):
-    y = fp4jax.dot_general(x, w, DN, recipe=xla.replace(backend="pallas"))
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(fp4jax.dot_general(x, w, DN, recipe=xla)))
+    y = fp4jax.dot_general(x, w, helpers.DN, recipe=xla.replace(backend="pallas"))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(fp4jax.dot_general(x, w, helpers.DN, recipe=xla)))

@@ -220,6 +220,7 @@ def test_run_folder_refusal_on_one_process_makes_all_raise(tmp_path, monkeypatch
     runfolder.open_run_folder(tmp_path / "run", resume=False, overwrite=False, process_index=1, process_count=2)
 
 
+@pytest.mark.slow
 def test_missing_peer_fails_initialization_in_bounded_time(tmp_path):
   # Process 1 never starts: after FP4JAX_INIT_TIMEOUT, JAX aborts process 0 from C++ (SIGABRT, DEADLINE_EXCEEDED);
   # there is no Python exception to turn into a nicer exit, so the line printed before waiting says what it was.

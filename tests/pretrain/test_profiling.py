@@ -41,6 +41,11 @@ def _traced_step_runs(folder) -> int:
   return count
 
 
+TRACE_GROUP = "profiling_runs"  # the two traced runs share the module's compile cache: one xdist unit
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group(TRACE_GROUP)
 def test_trace_holds_the_window_steps_only(env, tmp_path):
   logged = []
   config = tiny_config(env, tmp_path / "run", recipe="bf16", batch_size=4, steps=4, profile="1:3")
@@ -50,6 +55,8 @@ def test_trace_holds_the_window_steps_only(env, tmp_path):
   assert any("Profile of steps 1..2" in line for line in logged)
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(TRACE_GROUP)
 def test_an_exception_inside_the_window_stops_the_trace(env, tmp_path):
   def fail(info):
     if info.step == 1:

@@ -135,6 +135,12 @@ def test_different_seed_gives_different_run_and_hooks_run_every_n_steps(env, tmp
   assert seen == [(s, False, a["losses"][s]) for s in (0, 5, 10, 15)] + [(STEPS, True, None)]
 
 
+def test_a_test_not_marked_slow_cannot_train(env, tmp_path):
+  """tests/conftest.py stops a fast test at its first train step, so `pytest -m "not slow"` stays quick."""
+  with pytest.raises(AssertionError, match="mark it @pytest.mark.slow"):
+    run(env, make_config(env, tmp_path / "run", recipe="bf16"))
+
+
 def test_hook_is_due_on_multiples_of_every_and_at_the_end():
   calls = []
   hook = trainer.Hook(lambda info: calls.append(info.step), every=3)

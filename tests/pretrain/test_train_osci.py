@@ -60,6 +60,9 @@ def test_bad_osci_config_is_rejected(changes, match):
 
 # --- training --------------------------------------------------------------------------------------------------------
 
+STRAIGHT_GROUP = "osci_straight"  # the tests on `straight`: one xdist unit
+
+
 @pytest.fixture(scope="module")
 def straight(env, tmp_path_factory):
   """The reference run with OsciReset on (checkpoints every 3 steps)."""
@@ -67,6 +70,8 @@ def straight(env, tmp_path_factory):
   return out, run(env, make_config(env, out, **OSCI))
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(STRAIGHT_GROUP)
 def test_tetrajet_v2_with_osci_reset_trains_and_resets(straight):
   out, summary = straight
   losses = summary["losses"]
@@ -79,6 +84,8 @@ def test_tetrajet_v2_with_osci_reset_trains_and_resets(straight):
   assert "osci" in stored_keys(out, STEPS)
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(STRAIGHT_GROUP)
 def test_resume_with_osci_reset_is_bit_identical(env, straight):
   """Resuming from step 6 (mid-window: snapshot at 4, step 5 tracked) reproduces the uninterrupted run."""
   out, summary = straight
@@ -88,6 +95,8 @@ def test_resume_with_osci_reset_is_bit_identical(env, straight):
   assert tree_equal(resumed["params"], summary["params"])
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(STRAIGHT_GROUP)
 def test_resume_with_osci_reset_switched_off_is_a_clear_error(env, straight):
   """The statistics are part of the checkpoint: resuming without the option names them, and moves nothing aside."""
   out, _ = straight

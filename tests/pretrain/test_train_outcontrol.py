@@ -67,7 +67,10 @@ def test_tracked_layers_skip_bf16_layers_and_count_channels():
   assert layers["blocks.0.attn.q"] == (64, 4) and layers["blocks.0.mlp.down"] == (192, 10)  # ceil(0.05 K)
 
 
-# --- training --------------------------------------------------------------------------------------------------------
+# --- training (slow; the runs on the `straight` fixture are one xdist unit) --------------------------------------------------------------------------------------------------------
+
+STRAIGHT_GROUP = "outcontrol_straight"
+
 
 @pytest.fixture(scope="module")
 def straight(env, tmp_path_factory):
@@ -76,6 +79,8 @@ def straight(env, tmp_path_factory):
   return (out,) + run_recording(env, make_config(env, out, **OC))
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(STRAIGHT_GROUP)
 def test_calibration_selects_the_top_channels_of_the_recorded_norms(straight):
   out, summary, states = straight
   assert len(summary["losses"]) == STEPS and all(np.isfinite(summary["losses"]))
@@ -99,6 +104,8 @@ def test_calibration_selects_the_top_channels_of_the_recorded_norms(straight):
     manager.close()
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(STRAIGHT_GROUP)
 def test_off_is_the_plain_recipe_and_outcontrol_changes_training_after_calibration(env, straight, tmp_path):
   """Off: no state, nothing stored. Until calibration ends the runs agree (recording changes no arithmetic); once
   the outlier channels run in MXFP8 the losses differ."""
@@ -115,6 +122,8 @@ def test_off_is_the_plain_recipe_and_outcontrol_changes_training_after_calibrati
     manager.close()
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(STRAIGHT_GROUP)
 def test_resume_mid_calibration_is_bit_identical(env, straight):
   """Resuming from step 3 (steps 0-2 recorded, selection still to come) reproduces the uninterrupted run."""
   out, summary, states = straight

@@ -22,6 +22,7 @@ def env(tmp_path_factory):
           "cache": steps_lib.CompileCache()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["four_over_six", "nvfp4:unbiased_sr=true",
                                     "four_over_six:unbiased_sr=headroom,select=mae", "tetrajet_v2",
                                     "quartet2:rht_size=32"])  # tiny: K/V projections are 32 wide
