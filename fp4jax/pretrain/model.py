@@ -145,7 +145,8 @@ def block_layer_keys(key: jax.Array | None, n_layers: int) -> LayerKeys | None:
     return None
   if not keys_lib.is_typed_key(key):
     key = jax.random.wrap_key_data(key)  # raw key data, read as JAX reads it (the default implementation)
-  keys_LxS = prng.fold_in_many(key, range(n_layers * len(SUBLAYERS))).reshape(n_layers, len(SUBLAYERS))
+  ids = [layer_id(f"blocks.{i}.{sub}") for i in range(n_layers) for sub in SUBLAYERS]
+  keys_LxS = prng.fold_in_many(key, ids).reshape(n_layers, len(SUBLAYERS))
   return derive_layer_keys(keys_LxS)
 
 
