@@ -85,7 +85,9 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
   Traced under a mesh of several devices (`jax.set_mesh`, or `jax.sharding.use_abstract_mesh` inside jit, as the
   trainer traces its steps on FSDP meshes), size 16 runs as the dot too: XLA's partitioner reshards the dot's
   operand once, but each of the 16 multiply-add terms on its own (on an FSDP mesh: 16 resharding kernels and an
-  all-to-all per term). On XLA:CPU both forms give the same bits (tested).
+  all-to-all per term). The two forms agree up to float32 summation order: the loop adds in a fixed order on every
+  machine, the dot in its backend's (on XLA:CPU the same bits on an AVX-512 machine, others in the last bits on
+  AVX2, where the dot adds sequentially; tested to that bound).
   """
   check_size(size)
   x = jnp.asarray(x)
@@ -126,8 +128,8 @@ def _random_hadamard_jit(x, signs, *, size, axis, inverse, as_dot):
       y = jnp.einsum("...j,ji->...i", tiles.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST)
     return y.reshape(x.shape).astype(out_dtype)
   # Another axis (Wgrad's token axis): H^T applied to [P, size, Q] tiles in place. Moving the axis last instead costs
-  # two full transposes (~3x slower on XLA:CPU); both forms add the same products in the same order (bit-identical
-  # on XLA:CPU, tested against the moved-axis form).
+  # two full transposes (~3x slower on XLA:CPU); both forms add the same products in the same order (bit-identical,
+  # tested against the moved-axis form).
   p = math.prod(x.shape[:axis]) * (n // size)
   tiles = x.reshape(p, size, -1)
   if not as_dot:
@@ -149,9 +151,10 @@ def _mix(tiles, h, j_axis):
   On XLA:CPU one vectorised loop fusion (with the cast to the output dtype) runs ~2x faster than the [.., 16] x
   [16, 16] dot (a YNNPACK call for a product with only 16 columns); it is still its own pass (XLA does not duplicate
   a 16-term expression into both quantizer passes). The products t_j * (+-1/4) are exact; the sum adds them in the
-  order XLA:CPU's float32 dot uses for a 16-long contraction: four partial sums over j = 0, 1, 2, 3 mod 4, combined
-  as (p0 + p1) + (p2 + p3). So the result is bit-identical to the dot form on XLA:CPU (tested, float32 and bfloat16
-  inputs); other sizes keep the dot, whose order differs per size.
+  order XLA:CPU's float32 dot used for a 16-long contraction on the AVX-512 machine this was written on: four partial
+  sums over j = 0, 1, 2, 3 mod 4, combined as (p0 + p1) + (p2 + p3). That order is fixed here, on every machine
+  (tested against a NumPy sum in it); the dot's is its backend's: the same bits there, but on an AVX2 machine (AMD
+  Zen 3) XLA:CPU's dot adds sequentially and the forms differ in the last bits. Other sizes keep the dot.
 
   Narrower tiles are widened inside the loop: a float32 copy read by 16 slices would be written out as its own pass,
   because XLA:CPU fuses a producer into at most 15 differently-indexed users (its code-duplication limit). So 15
