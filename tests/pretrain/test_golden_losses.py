@@ -9,8 +9,9 @@ quantized recipes with `gemm_mode=f32`, the float32 GEMMs those runs used.
 XLA:CPU's float32 sums come out in another order on another instruction set (tests/platform_numerics.py), so the
 losses are recorded per platform: exact where this platform has a record, within RTOL of the first record elsewhere
 (with a warning). On an AVX2 host (AMD Zen 3) they differ from the AVX-512 host's by up to 1.1e-3 (relative; fp8,
-whose rounding decisions flip; 1.2e-4 for bf16, 0 for mxfp4), while recipe components move them by ~1e-2. A platform's record is added, from a commit that passes exactly on a recorded
-platform, with `python tests/pretrain/test_golden_losses.py --record`.
+whose rounding decisions flip; 1.2e-4 for bf16, 0 for mxfp4), while recipe components move them by ~1e-2. A
+platform's record is added, from a commit that passes exactly on a recorded platform, with
+`python tests/pretrain/test_golden_losses.py --record`.
 """
 
 import json
