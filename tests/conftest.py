@@ -7,7 +7,9 @@ Nearly all of the suite's time is XLA compilation, and many tests (and the subpr
 `python -m fp4jax`, benchmark dry runs, notebooks) compile the same graphs. One persistent compilation cache per
 session, in a fresh temporary folder made by the first process (inherited by xdist workers and subprocesses),
 compiles each graph once; it is deleted when the session ends, so no run reads another run's executables. An entry
-that cannot be read (another worker still writing it) is a cache miss: JAX warns and compiles.
+that cannot be read (another worker still writing it) is a cache miss: JAX warns and compiles. A folder set from
+outside (`JAX_COMPILATION_CACHE_DIR=...`) is used as it is and kept, so a rerun skips the compiles of every graph
+that did not change; name one folder per machine type, since JAX's cache key leaves out the CPU's instruction set.
 
 Tests that train a model are marked slow, so that `pytest -m "not slow"` stays quick; `pytest_runtest_protocol`
 below fails a test that trains without the mark.
@@ -34,8 +36,8 @@ sys.path.insert(1, _TESTS)
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="fp4jax-tests-jax-cache-")
-  # Small graphs too: a loaded 2-core machine compiles even tiny steps in ~0.1 s, and their count adds up.
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
+# Small graphs too: a loaded 2-core machine compiles even tiny steps in ~0.1 s, and their count adds up.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
 
 
 def pytest_sessionfinish(session):

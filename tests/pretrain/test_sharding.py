@@ -1,6 +1,7 @@
 """Mesh sharding: mesh construction, partition rules, block-in-shard checks, mesh-independent quantization."""
 
 import re
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -217,8 +218,11 @@ def _step_partitioning(capfd, gather_params) -> tuple[str, str]:
                                    seq_len=32)
   step = steps_lib.make_train_step(graphdef, optimizer, gather_params=gather_params(pl))
 
-  def sharding_warnings_probe_step(state, batch, key):  # a name no other test compiles: no persistent-cache hit
+  def sharding_warnings_probe_step(state, batch, key):
     return step(state, batch, key)
+  # A name no other test or run compiles (the module's name is part of the persistent-cache key): a cache kept
+  # across runs (JAX_COMPILATION_CACHE_DIR set from outside, tests/conftest.py) must not serve it either.
+  sharding_warnings_probe_step.__name__ = f"sharding_warnings_probe_step_{uuid.uuid4().hex}"
 
   batch = {k: jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=pl.batch) for k in ("inputs", "targets")}
   hits = []
