@@ -12,6 +12,9 @@ import platform as platform_lib
 
 import jax
 
+# What the numbers stored before platforms were recorded are filed under (the golden losses, the probe results).
+FIRST_PLATFORM = "cpu jax 0.10.2 x86_64 AVX-512 host (flags not recorded)"
+
 # Instruction-set extensions that change which CPU kernels XLA:CPU's libraries pick.
 _ISA_FLAGS = ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "avx_vnni", "avx2", "fma")
 
