@@ -10,6 +10,7 @@ The custom_vjp rule (fp4jax.dot_general) runs its three GEMMs through `gemm`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -96,16 +97,47 @@ def unit_values(x, fmt, **quantize_kwargs) -> Unit | None:
               factor)
 
 
-def resolve_gemm_mode(recipe: recipes_lib.Recipe) -> str:
-  """The recipe's GEMM mode, with "auto" resolved: "bf16" on every platform.
+# CPU flags under which XLA:CPU's bf16 x bf16 -> float32 dots were measured faster than float32 HIGHEST ones in the
+# train step (AVX-512: ~15% per quantized layer). On AVX2 without them (AMD Zen 3) float32 is faster: the `small`
+# nvfp4 step 1.19x the bf16 recipe's in "f32" mode against 1.30-1.32x in "bf16" (benchmarks/RESULTS.md).
+BF16_FAST_CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16")
 
-  GPUs and TPUs multiply bf16 on tensor cores / the MXU, many times their float32 rate. On XLA:CPU "bf16" is faster
-  too (~15% per quantized layer, jax 0.10.2: XLA hands bf16 dots to XNNPACK), and `gemm` widens the one layout
-  XLA:CPU cannot multiply in bf16 (see there). Its products are exact, so "bf16" differs from the float32 reference
-  ("f32") only in float32 summation order; pass gemm_mode="f32" for runs that must reproduce float32-GEMM results
-  bit for bit (golden losses, stored results).
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+  """The host CPU's feature flags, from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.split(":", 1)[0].strip() in ("flags", "Features"):
+          return frozenset(line.split(":", 1)[1].split())
+  except OSError:
+    pass
+  return frozenset()
+
+
+def auto_gemm_mode(backend: str, flags=frozenset()) -> str:
+  """What "auto" means on `backend` ("cpu", "gpu", "tpu", ...) with CPU feature `flags`.
+
+  "bf16" on accelerators (tensor cores and the MXU multiply bf16 many times faster than float32) and on CPUs with
+  one of BF16_FAST_CPU_FLAGS; "f32" on other CPUs, where XLA:CPU's bf16 dots are the slower ones (measured on AVX2)
+  or were never measured (ARM): the float32 reference is then also the faster or the safe choice.
   """
-  return "bf16" if recipe.gemm_mode == "auto" else recipe.gemm_mode
+  if backend != "cpu":
+    return "bf16"
+  return "bf16" if any(f in flags for f in BF16_FAST_CPU_FLAGS) else "f32"
+
+
+def resolve_gemm_mode(recipe: recipes_lib.Recipe) -> str:
+  """The recipe's GEMM mode, with "auto" resolved for this machine (`auto_gemm_mode`).
+
+  Both modes multiply the same exact products, so "bf16" differs from the float32 reference ("f32") only in float32
+  summation order; pass gemm_mode="f32" for runs that must reproduce float32-GEMM results bit for bit on every
+  machine (golden losses, stored results), and gemm_mode="bf16" to run the bf16 path on any.
+  """
+  if recipe.gemm_mode != "auto":
+    return recipe.gemm_mode
+  return auto_gemm_mode(jax.default_backend(), cpu_flags())
 
 
 def gemm(a, b, contract, recipe):

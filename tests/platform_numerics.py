@@ -7,10 +7,11 @@ Stored numbers are therefore recorded per `platform()`: reproduced exactly (or t
 one was recorded for this platform, checked more loosely elsewhere.
 """
 
-import functools
 import platform as platform_lib
 
 import jax
+
+from fp4jax import gemm
 
 # What the numbers stored before platforms were recorded are filed under (the golden losses, the probe results).
 FIRST_PLATFORM = "cpu jax 0.10.2 x86_64 AVX-512 host (flags not recorded)"
@@ -19,14 +20,9 @@ FIRST_PLATFORM = "cpu jax 0.10.2 x86_64 AVX-512 host (flags not recorded)"
 _ISA_FLAGS = ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "avx_vnni", "avx2", "fma")
 
 
-@functools.cache
 def cpu_features() -> tuple[str, ...]:
-  """The CPU's flags among _ISA_FLAGS (from /proc/cpuinfo; empty where there is none)."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-  except OSError:
-    flags = []
+  """The CPU's flags among _ISA_FLAGS (fp4jax.gemm.cpu_flags: /proc/cpuinfo; empty where there is none)."""
+  flags = gemm.cpu_flags()
   return tuple(f for f in _ISA_FLAGS if f in flags)
 
 

@@ -4,6 +4,8 @@ the "f32" reference (dequantized float32 values, HIGHEST precision): the same pr
 
 import functools
 import importlib
+import os
+import platform
 
 import jax
 import jax.numpy as jnp
@@ -109,12 +111,29 @@ def test_fp8_block_scales_are_not_exact_in_bf16_so_the_gemm_stays_f32():
     np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
-def test_auto_mode_is_bf16_on_every_platform_and_explicit_modes_stay():
+def test_auto_mode_is_bf16_on_accelerators_and_avx512_cpus_f32_on_other_cpus():
+  assert gemm.auto_gemm_mode("gpu") == gemm.auto_gemm_mode("tpu") == "bf16"
+  assert gemm.auto_gemm_mode("gpu", frozenset({"avx2"})) == "bf16"  # the host CPU does not matter there
+  assert gemm.auto_gemm_mode("cpu", frozenset({"fpu", "avx", "avx2", "fma"})) == "f32"  # AMD Zen 3
+  assert gemm.auto_gemm_mode("cpu", frozenset({"avx2", "fma", "avx512f", "avx512bw"})) == "bf16"
+  assert gemm.auto_gemm_mode("cpu", frozenset({"amx_bf16"})) == "bf16"
+  assert gemm.auto_gemm_mode("cpu", frozenset({"fp", "asimd", "bf16"})) == "f32"  # ARM: never measured
+  assert gemm.auto_gemm_mode("cpu") == "f32"  # no /proc/cpuinfo
+
+
+def test_auto_mode_resolves_for_this_machine_and_explicit_modes_stay():
   r = recipes.nvfp4()
   assert r.gemm_mode == "auto"
-  assert dg.resolve_gemm_mode(r) == "bf16"
+  assert dg.resolve_gemm_mode(r) == gemm.auto_gemm_mode(jax.default_backend(), gemm.cpu_flags())
   assert dg.resolve_gemm_mode(r.replace(gemm_mode="f32")) == "f32"
   assert dg.resolve_gemm_mode(r.replace(gemm_mode="bf16")) == "bf16"
+
+
+def test_cpu_flags_read_this_machine():
+  flags = gemm.cpu_flags()
+  if os.path.exists("/proc/cpuinfo") and platform.machine() == "x86_64":
+    assert "sse2" in flags  # every x86_64 CPU has it: the flags line was found and split
+  assert all(isinstance(f, str) and f and " " not in f for f in flags)
 
 
 @functools.partial(jax.jit, static_argnames=("recipe", "levels"))

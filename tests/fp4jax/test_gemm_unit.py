@@ -1,8 +1,8 @@
 """The rule's GEMM-only operands in their exact bfloat16 form (gemm.Unit): the same GEMM inputs, bit for bit.
 
 `gemm.unit_values(x, ...)` must equal `gemm.bf16_values(quantize(x, ...))`; the custom_vjp rule, which takes that
-path for operands only a bf16-mode GEMM reads, must equal the public pieces on QArrays (layer_operands, fprop, dgrad,
-wgrad) for every preset recipe.
+path for operands only an xla-backend GEMM reads (both GEMM modes), must equal the public pieces on QArrays
+(layer_operands, fprop, dgrad, wgrad) for every preset recipe.
 """
 
 import importlib
@@ -75,9 +75,15 @@ def _pieces(x, w, dy, recipe, key):
   return y, dx, dw
 
 
-@pytest.mark.parametrize("name", [n for n in recipes.PRESETS if n != "bf16"])
-def test_rule_equals_its_public_pieces_in_bf16_mode(name):
-  recipe = recipes.get_recipe(name).replace(gemm_mode="bf16")
+# f32 mode (what "auto" is on AVX2 CPUs) takes the same Unit operands, widened: checked on one preset per kind of
+# operand (NVFP4 1D and 2D, MXFP4, block FP8, Quartet II's RHT-128; OutControl below).
+_F32_MODE = ["nvfp4", "mxfp4", "fp8", "quartet2"]
+
+
+@pytest.mark.parametrize("name,mode", [*[(n, "bf16") for n in recipes.PRESETS if n != "bf16"],
+                                       *[(n, "f32") for n in _F32_MODE]])
+def test_rule_equals_its_public_pieces(name, mode):
+  recipe = recipes.get_recipe(name).replace(gemm_mode=mode)
   k0, k1, k2, k3 = jax.random.split(jax.random.key(1), 4)
   x = jax.random.normal(k0, (128, 128), jnp.float32)
   w = jax.random.normal(k1, (128, 128), jnp.float32) * 0.1  # N = 128: Quartet II's RHT-128 runs along N in Dgrad
@@ -94,21 +100,21 @@ def test_rule_equals_its_public_pieces_in_bf16_mode(name):
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
-def test_the_rule_keeps_no_packed_weight_codes_in_bf16_mode():
-  """Dgrad reuses the Fprop weight: in bf16 mode its residual is the Unit (bf16 values), so the forward packs no
-  weight codes; in f32 mode it stays the packed QArray."""
+def test_the_rule_keeps_no_packed_weight_codes():
+  """Dgrad reuses the Fprop weight: in both GEMM modes its residual is the Unit (bf16 values), so the forward packs
+  no weight codes; the Pallas backend, whose GEMMs read packed codes, keeps the QArray."""
   x = jnp.ones((32, 64), jnp.float32)
   w = jnp.ones((64, 32), jnp.float32)
-  for mode, kind in (("bf16", gemm.Unit), ("f32", fp4jax.QArray)):
-    recipe = recipes.nvfp4(gemm_mode=mode)
+  for recipe, kind in ((recipes.nvfp4(gemm_mode="bf16"), gemm.Unit), (recipes.nvfp4(gemm_mode="f32"), gemm.Unit),
+                       (recipes.nvfp4(backend="pallas"), fp4jax.QArray)):
     _, residuals = dg._qmatmul_fwd(x, w, jax.random.key(0), recipe)
-    assert isinstance(residuals[0], kind), (mode, type(residuals[0]))
+    assert isinstance(residuals[0], kind), (recipe, type(residuals[0]))
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "tetrajet_v2"])
-def test_outcontrol_rule_equals_its_public_pieces_in_bf16_mode(name):
+@pytest.mark.parametrize("name,mode", [("nvfp4", "bf16"), ("tetrajet_v2", "bf16"), ("tetrajet_v2", "f32")])
+def test_outcontrol_rule_equals_its_public_pieces(name, mode):
   from fp4jax import outcontrol  # pylint: disable=g-import-not-at-top
-  recipe = recipes.get_recipe(name).replace(gemm_mode="bf16")
+  recipe = recipes.get_recipe(name).replace(gemm_mode=mode)
   k0, k1, k2, k3 = jax.random.split(jax.random.key(2), 4)
   x = jax.random.normal(k0, (128, 128), jnp.float32)
   w = jax.random.normal(k1, (128, 64), jnp.float32) * 0.1
