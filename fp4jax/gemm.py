@@ -26,9 +26,10 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class Unit(NamedTuple):
-  """A quantized operand in its exact bfloat16 form, as `bf16_values` makes it: `values` (code x block scale,
-  bfloat16, the input's shape) times the float32 scalar `factor` are its dequantized values. `unit_values` builds it
-  straight from a tensor, without packing codes; the rule multiplies operands it needs only for a GEMM this way."""
+  """A quantized operand as a GEMM reads it: `values` (the input's shape) times the float32 scalar `factor` are its
+  dequantized values. bf16 mode: code x block scale in bfloat16 (`bf16_values`, `unit_values`); f32 mode: the
+  dequantized float32 values and factor 1 (`f32_unit`). `unit_values` and `f32_unit` build it straight from a
+  tensor, without packing codes; the rule multiplies operands it needs only for a GEMM this way."""
 
   values: jax.Array
   factor: jax.Array
@@ -95,6 +96,14 @@ def unit_values(x, fmt, **quantize_kwargs) -> Unit | None:
   # As in bf16_values, a non-finite amax poisons the factor (and with it every product), not the values.
   return Unit(decode_elements(elements, fmt, scales, unit_amax, block, jnp.shape(x), jnp.bfloat16),
               factor)
+
+
+def f32_unit(x, fmt, **quantize_kwargs) -> Unit:
+  """f32_values(quantize(x, fmt, **quantize_kwargs)) bit for bit, as a Unit with factor 1, computed from the
+  quantizer's element values instead of packed codes (any format): what an "f32"-mode GEMM reads."""
+  elements, scales, amax, block = quantize_elements(x, fmt, **quantize_kwargs)
+  fmt = formats.get_format(fmt)
+  return Unit(decode_elements(elements, fmt, scales, amax, block, jnp.shape(x), jnp.float32), jnp.float32(1.0))
 
 
 # CPU flags under which XLA:CPU's bf16 x bf16 -> float32 dots were measured faster than float32 HIGHEST ones in the

@@ -66,6 +66,37 @@ def test_formats_without_an_exact_bf16_form_have_no_unit():
   assert gemm.unit_values(x, fp4jax.NVFP4(double_block=True), axis=1) is None
 
 
+F32_FORMATS = ["nvfp4", fp4jax.NVFP4(double_block=True), fp4jax.NVFP4(scale_rule="4over6"), "mxfp4",
+               fp4jax.MXFP4(scale_rule="tseng"), fp4jax.FP8(), fp4jax.FP8(scaling="tensor"), fp4jax.MXFP8()]
+F32_LAYOUTS = [dict(axis=1), dict(axis=0), dict(axis=1, rounding="stochastic", key=jax.random.key(6))]
+
+
+def _edge_tensor_128(dtype, poison=None):
+  """128 x 256 (whole FP8 blocks along either axis) with the edge values, and a NaN or inf at [3, 3] if asked."""
+  x = jnp.tile(_edge_tensor(jnp.float32), (2, 3))[:128, :256]
+  return (x if poison is None else x.at[3, 3].set(poison)).astype(dtype)
+
+
+# Stochastic rounding is for the FP4 formats only (quantize refuses it for FP8 and MXFP8).
+F32_CASES = [(f, l) for f in F32_FORMATS for l in F32_LAYOUTS
+             if "rounding" not in l or fp4jax.get_format(f).is_fp4]
+
+
+@pytest.mark.parametrize("fmt,layout", F32_CASES,
+                         ids=[f"{f}-" + ",".join(f"{k}={v}" for k, v in l.items() if k != "key") for f, l in F32_CASES])
+@pytest.mark.parametrize("dtype,poison", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.float32, jnp.nan),
+                                          (jnp.float32, jnp.inf)], ids=["f32", "bf16", "nan", "inf"])
+def test_f32_unit_equals_dequantized_qarray(fmt, layout, dtype, poison):
+  """What an f32-mode GEMM reads: the QArray's float32 values, from the element values (no packed codes)."""
+  x = _edge_tensor_128(dtype, poison)
+  want = jax.jit(lambda x: gemm.f32_values(fp4jax.quantize(x, fmt, **layout)))(x)
+  got = jax.jit(lambda x: gemm.f32_unit(x, fmt, **layout))(x)
+  assert isinstance(got, gemm.Unit) and got.values.dtype == jnp.float32 and got.values.shape == x.shape
+  np.testing.assert_array_equal(_bits(gemm.f32_values(got)), _bits(want))
+  if poison is not None:
+    assert np.isnan(np.asarray(want)).all()
+
+
 def _pieces(x, w, dy, recipe, key):
   """y, dx, dW from the public pieces on QArrays (no Unit anywhere)."""
   ops = dg.layer_operands(x, w, recipe, key)
