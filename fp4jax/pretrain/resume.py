@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from fp4jax import gemm
 from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import distributed
 from fp4jax.pretrain import optimizer as optimizer_lib
@@ -159,6 +160,24 @@ def keep_schedule(stored: TrainConfig, config: TrainConfig) -> TrainConfig:
 
 def _lrs(config: TrainConfig, stop: int) -> np.ndarray:
   return np.asarray(optimizer_lib.lr_schedule(config.optimizer, config.steps)(np.arange(stop)), np.float64)
+
+
+def gemm_mode_note(stored_mode: str | None, recipe) -> str | None:
+  """A note when `recipe`'s gemm_mode "auto" resolves here to another GEMM mode than the checkpoint's steps ran in.
+
+  `stored_mode`: the checkpoint meta's "gemm_mode" (None in checkpoints from before it was recorded). "auto" is
+  chosen per machine (fp4jax.gemm.auto_gemm_mode), so a run saved on one CPU type and resumed on another can change
+  mode: still the same products, but float32 sums in another order, so not the uninterrupted run bit for bit.
+  """
+  if stored_mode is None or recipe.gemm_mode != "auto" or not recipe.is_quantized:
+    return None
+  now = gemm.resolve_gemm_mode(recipe)
+  if now == stored_mode:
+    return None
+  return (f"Note: the checkpoint's steps multiplied in gemm_mode {stored_mode!r}, and the recipe's gemm_mode 'auto' is "
+          f"{now!r} on this machine: the same products summed in another order, so the run will differ from an "
+          f"uninterrupted one in the last bits. Name the mode in the recipe (gemm_mode={stored_mode}) to keep it "
+          "across machines.")
 
 
 def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str | None:

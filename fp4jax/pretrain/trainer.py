@@ -31,6 +31,7 @@ import tqdm
 from flax import nnx
 
 import fp4jax
+from fp4jax import gemm as gemm_lib
 from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import data as data_lib
@@ -77,7 +78,8 @@ def _checkpoint_meta(config: TrainConfig, step: int, phase: int) -> dict[str, An
   return {"config": config_dict, "policy": config_dict["policy"], "recipe": config_dict["policy"]["recipe"],
           "seed": config.seed,
           "run_key_data": np.asarray(jax.random.key_data(keys["step"])).tolist(),
-          "data_position": step, "step": step, "phase": phase, "fp4jax_version": fp4jax.__version__}
+          "data_position": step, "step": step, "phase": phase, "fp4jax_version": fp4jax.__version__,
+          "gemm_mode": gemm_lib.resolve_gemm_mode(config.policy.recipe)}  # "auto" as resolved on this machine
 
 
 @contextlib.contextmanager
@@ -171,6 +173,9 @@ def _resume(config, state, out, log) -> tuple[int, TrainState]:
   if start > config.steps:
     raise ValueError(f"Checkpoint step {start} is beyond --steps {config.steps}.")
   note = resume_lib.schedule_note(TrainConfig.from_dict(meta["config"]), config, start)
+  if note:
+    log(note)
+  note = resume_lib.gemm_mode_note(meta.get("gemm_mode"), config.policy.recipe)
   if note:
     log(note)
   changed = config_lib.result_differences(meta["config"], config.to_dict())

@@ -3,11 +3,14 @@ previous one and loses nothing (the resumed run equals the uninterrupted one bit
 renamed); --resume-step N works with later (corrupt) checkpoints; a new --steps is reported as the new schedule it
 is, and --keep-schedule keeps the stored warmup/decay lengths exactly."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from fp4jax import gemm
+from fp4jax import recipes
 from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import cli
 from fp4jax.pretrain import metrics
@@ -48,7 +51,13 @@ def test_corrupt_checkpoints_fall_back_and_lose_nothing(env, tmp_path):
   # --resume: 12 is unreadable, so the run restarts from 8, and reproduces steps 8..11 bit for bit.
   log = []
   config = cli.config_from_args(["--resume", "--out", str(out)])
-  resumed = trainer.train(config, log=log.append, compile_cache=env["cache"])
+  seen = []  # the checkpoint's GEMM mode reaches the note (a bf16 recipe has none to give: see the fast tests)
+  note = lambda stored, recipe: seen.append((stored, recipe)) or "Note: GEMM mode sentinel"
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(resume_lib, "gemm_mode_note", note)
+    resumed = trainer.train(config, log=log.append, compile_cache=env["cache"])
+  assert seen == [(gemm.resolve_gemm_mode(config.policy.recipe), config.policy.recipe)]
+  assert "Note: GEMM mode sentinel" in log
   assert resumed["start_step"] == 8
   assert resumed["losses"] == straight["losses"][8:]  # exact float equality
   assert tree_equal(resumed["params"], straight["params"])
@@ -115,6 +124,24 @@ def test_keep_schedule_keeps_warmup_decay_and_switch_in_steps():
   assert resume_lib.keep_schedule(stored, stored) == stored
   with pytest.raises(ValueError, match="do not fit"):
     resume_lib.keep_schedule(stored, stored.replace(steps=25))
+
+
+def test_checkpoint_meta_records_the_gemm_mode_auto_resolved_to(env, tmp_path):
+  config = make_config(env, tmp_path, recipe="nvfp4")
+  meta = trainer._checkpoint_meta(config, 0, 0)
+  assert meta["gemm_mode"] == gemm.auto_gemm_mode(jax.default_backend(), gemm.cpu_flags())
+  assert trainer._checkpoint_meta(make_config(env, tmp_path, recipe="nvfp4:gemm_mode=bf16"), 0, 0)["gemm_mode"] == "bf16"
+
+
+def test_gemm_mode_note_when_auto_resolves_to_another_mode_here():
+  here = gemm.resolve_gemm_mode(recipes.nvfp4())
+  other = {"bf16": "f32", "f32": "bf16"}[here]
+  note = resume_lib.gemm_mode_note(other, recipes.nvfp4())
+  assert note.startswith("Note:") and f"gemm_mode '{other}'" in note and f"'{here}' on this machine" in note
+  assert resume_lib.gemm_mode_note(here, recipes.nvfp4()) is None
+  assert resume_lib.gemm_mode_note(None, recipes.nvfp4()) is None  # a checkpoint from before the mode was stored
+  assert resume_lib.gemm_mode_note(other, recipes.nvfp4(gemm_mode=here)) is None  # named: the config says it
+  assert resume_lib.gemm_mode_note(other, recipes.bf16()) is None  # nothing quantized: no quantized GEMM
 
 
 def test_schedule_note_says_what_a_new_steps_does():
