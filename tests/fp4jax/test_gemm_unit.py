@@ -1,6 +1,7 @@
-"""The rule's GEMM-only operands in their exact bfloat16 form (gemm.Unit): the same GEMM inputs, bit for bit.
+"""The rule's GEMM-only operands as gemm.Unit (no packed codes): the same GEMM inputs, bit for bit.
 
-`gemm.unit_values(x, ...)` must equal `gemm.bf16_values(quantize(x, ...))`; the custom_vjp rule, which takes that
+`gemm.unit_values(x, ...)` must equal `gemm.bf16_values(quantize(x, ...))` and `gemm.f32_unit(x, ...)` must equal
+`gemm.f32_values(quantize(x, ...))`; the custom_vjp rule, which takes that
 path for operands only an xla-backend GEMM reads (both GEMM modes), must equal the public pieces on QArrays
 (layer_operands, fprop, dgrad, wgrad) for every preset recipe.
 """
@@ -106,8 +107,8 @@ def _pieces(x, w, dy, recipe, key):
   return y, dx, dw
 
 
-# f32 mode (what "auto" is on AVX2 CPUs) takes the same Unit operands, widened: checked on one preset per kind of
-# operand (NVFP4 1D and 2D, MXFP4, block FP8, Quartet II's RHT-128; OutControl below).
+# f32 mode (what "auto" is on AVX2 CPUs) takes gemm.f32_unit operands (dequantized float32 values): checked on one
+# preset per kind of operand (NVFP4 1D and 2D, MXFP4, block FP8, Quartet II's RHT-128; OutControl below).
 _F32_MODE = ["nvfp4", "mxfp4", "fp8", "quartet2"]
 
 
@@ -132,8 +133,9 @@ def test_rule_equals_its_public_pieces(name, mode):
 
 
 def test_the_rule_keeps_no_packed_weight_codes():
-  """Dgrad reuses the Fprop weight: in both GEMM modes its residual is the Unit (bf16 values), so the forward packs
-  no weight codes; the Pallas backend, whose GEMMs read packed codes, keeps the QArray."""
+  """Dgrad reuses the Fprop weight: in both GEMM modes its residual is the Unit (bf16 values in bf16 mode, float32
+  values in f32 mode), so the forward packs no weight codes; the Pallas backend, whose GEMMs read packed codes,
+  keeps the QArray."""
   x = jnp.ones((32, 64), jnp.float32)
   w = jnp.ones((64, 32), jnp.float32)
   for recipe, kind in ((recipes.nvfp4(gemm_mode="bf16"), gemm.Unit), (recipes.nvfp4(gemm_mode="f32"), gemm.Unit),
