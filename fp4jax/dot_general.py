@@ -114,8 +114,9 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
   Returns a QArray, or `x` cast to `compute_dtype` (if given) when the operand stays in high precision. With
   `with_mask`, (that, the clip mask of `quantize_with_clip_mask` or None when the operand is not quantized). With
   `unit`, an operand that only feeds an xla-backend GEMM comes back as the gemm.Unit that GEMM reads (its exact
-  bfloat16 form in "bf16" mode, its dequantized float32 values in "f32" mode: the same bits the GEMM would take from
-  the QArray) without packed codes: the rule's GEMM-only operands take this path.
+  bfloat16 form in "bf16" mode; its dequantized float32 values in "f32" mode and for formats with no exact bfloat16
+  form, such as FP8 with float32 block scales: the same bits the GEMM would take from the QArray) without packed
+  codes: the rule's GEMM-only operands take this path.
   """
   if recipe.backend == "pallas" and cfg.quantized and not with_mask:
     from fp4jax import backends  # pylint: disable=g-import-not-at-top
@@ -131,11 +132,10 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
                 key=key if cfg.rounding == "stochastic" else None, random_bits=recipe.random_bits, pad=cfg.pad,
                 sr_bits=recipe.sr_bits)
   if unit and not with_mask and recipe.backend != "pallas":
-    if gemm_lib.resolve_gemm_mode(recipe) == "f32":
-      return gemm_lib.f32_unit(x, cfg.fmt, **kwargs)
-    u = gemm_lib.unit_values(x, cfg.fmt, **kwargs)
-    if u is not None:
-      return u
+    u = gemm_lib.unit_values(x, cfg.fmt, **kwargs) if gemm_lib.resolve_gemm_mode(recipe) == "bf16" else None
+    # No exact bfloat16 form (FP8's float32 block scales, NVFP4 per-group scales) or "f32" mode: the GEMM reads the
+    # dequantized float32 values either way.
+    return u if u is not None else gemm_lib.f32_unit(x, cfg.fmt, **kwargs)
   return (quantize_with_clip_mask if with_mask else quantize)(x, cfg.fmt, **kwargs)
 
 

@@ -70,8 +70,8 @@ def bf16_values(operand):
   FP8's float32 block scales, NVFP4's per-group (double_block) second-level scales and float32 operands have no
   exact bfloat16 form. A non-finite amax makes the factor NaN, as dequantize poisons the whole tensor.
   """
-  if isinstance(operand, Unit):
-    return operand
+  if isinstance(operand, Unit):  # an f32_unit (float32 values) has no bfloat16 form either
+    return operand if operand.values.dtype == jnp.bfloat16 else None
   if not isinstance(operand, QArray):
     return (operand, jnp.float32(1.0)) if operand.dtype == jnp.bfloat16 else None
   parts = _unit_parts(operand.fmt, operand.scales, operand.amax)

@@ -7,6 +7,7 @@ path for operands only an xla-backend GEMM reads (both GEMM modes), must equal t
 """
 
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +64,35 @@ def test_unit_values_of_a_non_finite_tensor_poison_the_factor():
 
 def test_formats_without_an_exact_bf16_form_have_no_unit():
   x = _edge_tensor(jnp.float32)
-  assert gemm.unit_values(x, fp4jax.FP8(), axis=1) is None  # E4M3 elements: the rule keeps its QArray path
+  assert gemm.unit_values(x, fp4jax.FP8(), axis=1) is None  # float32 block scales: the rule takes f32_unit
   assert gemm.unit_values(x, fp4jax.NVFP4(double_block=True), axis=1) is None
+  # An f32_unit has no bfloat16 form either: a bf16-mode GEMM must multiply it at HIGHEST precision, not at the
+  # backend's default (TF32 on NVIDIA GPUs).
+  assert gemm.bf16_values(gemm.f32_unit(x, fp4jax.FP8(), axis=1, pad=True)) is None
+  assert gemm.bf16_values(gemm.unit_values(x, "nvfp4", axis=1)) is not None
+
+
+@pytest.mark.parametrize("name", [n for n in recipes.PRESETS if n != "bf16"])
+def test_bf16_mode_multiplies_float32_operands_at_highest_precision(name):
+  """Every float32 x float32 dot of the rule (forward and backward) in bf16 mode is at HIGHEST precision: FP8's
+  block-scaled operands come as float32 Units, which GPUs would otherwise multiply in TF32."""
+  recipe = recipes.get_recipe(name).replace(gemm_mode="bf16")
+  x, w = jnp.ones((128, 128), jnp.float32), jnp.ones((128, 128), jnp.float32)
+  dims = (((1,), (0,)), ((), ()))
+
+  def step(x, w, dy):
+    f = lambda a, b: fp4jax.dot_general(a, b, dims, recipe=recipe, key=jax.random.key(0),
+                                        preferred_element_type=jnp.float32)
+    y, vjp = jax.vjp(f, x, w)
+    return (y, *vjp(dy))
+
+  text = jax.jit(step).lower(x, w, x).as_text()
+  dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+  assert dots
+  f32_dots = [d for d in dots if re.search(r"\(tensor<[0-9x]*xf32>, tensor<[0-9x]*xf32>\)", d)]
+  assert all("HIGHEST" in d for d in f32_dots), [d for d in f32_dots if "HIGHEST" not in d]
+  if name == "fp8":
+    assert len(f32_dots) == 3  # Fprop, Dgrad and Wgrad all on the float32 path
 
 
 F32_FORMATS = ["nvfp4", fp4jax.NVFP4(double_block=True), fp4jax.NVFP4(scale_rule="4over6"), "mxfp4",
@@ -138,10 +166,16 @@ def test_the_rule_keeps_no_packed_weight_codes():
   keeps the QArray."""
   x = jnp.ones((32, 64), jnp.float32)
   w = jnp.ones((64, 32), jnp.float32)
-  for recipe, kind in ((recipes.nvfp4(gemm_mode="bf16"), gemm.Unit), (recipes.nvfp4(gemm_mode="f32"), gemm.Unit),
-                       (recipes.nvfp4(backend="pallas"), fp4jax.QArray)):
-    _, residuals = dg._qmatmul_fwd(x, w, jax.random.key(0), recipe)
+  x128, w128 = jnp.ones((32, 128), jnp.float32), jnp.ones((128, 128), jnp.float32)  # whole FP8 blocks
+  for recipe, kind, dtype in ((recipes.nvfp4(gemm_mode="bf16"), gemm.Unit, jnp.bfloat16),
+                              (recipes.nvfp4(gemm_mode="f32"), gemm.Unit, jnp.float32),
+                              (recipes.fp8(gemm_mode="bf16"), gemm.Unit, jnp.float32),  # no exact bf16 form
+                              (recipes.nvfp4(backend="pallas"), fp4jax.QArray, None)):
+    a, b = (x128, w128) if recipe.name.startswith("fp8") else (x, w)
+    _, residuals = dg._qmatmul_fwd(a, b, jax.random.key(0), recipe)
     assert isinstance(residuals[0], kind), (recipe, type(residuals[0]))
+    if dtype is not None:
+      assert residuals[0].values.dtype == dtype, recipe
 
 
 @pytest.mark.parametrize("name,mode", [("nvfp4", "bf16"), ("tetrajet_v2", "bf16"), ("tetrajet_v2", "f32")])
