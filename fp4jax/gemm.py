@@ -107,8 +107,9 @@ def f32_unit(x, fmt, **quantize_kwargs) -> Unit:
 
 
 # CPU flags under which XLA:CPU's bf16 x bf16 -> float32 dots were measured faster than float32 HIGHEST ones in the
-# train step (AVX-512: ~15% per quantized layer). On AVX2 without them (AMD Zen 3) float32 is faster: the `small`
-# nvfp4 step 1.17-1.21x the bf16 recipe's in "f32" mode against 1.27-1.33x in "bf16" (benchmarks/RESULTS.md).
+# train step (AVX-512: ~15% per quantized layer; AMD Zen 4 with avx512_bf16: the `small` nvfp4 step 1.15-1.27x the
+# bf16 recipe's in "bf16" mode against 1.25-1.30x in "f32"). On AVX2 without them (AMD Zen 3) float32 is faster:
+# 1.17-1.21x in "f32" mode against 1.27-1.33x in "bf16" (benchmarks/RESULTS.md).
 BF16_FAST_CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16")
 
 
