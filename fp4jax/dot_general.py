@@ -108,7 +108,7 @@ def _rht_signs(recipe: recipes_lib.Recipe, key, gemm: str = "backward"):
 
 
 def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: recipes_lib.Recipe, key=None,
-                     signs=None, compute_dtype=None, with_mask: bool = False, unit: bool = False):
+                     signs=None, compute_dtype=None, with_mask: bool = False, unit: bool | str = False):
   """One GEMM operand as the recipe says: RHT along `axis` (if on), then quantize with blocks along `axis`.
 
   Returns a QArray, or `x` cast to `compute_dtype` (if given) when the operand stays in high precision. With
@@ -116,7 +116,8 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
   `unit`, an operand that only feeds an xla-backend GEMM comes back as the gemm.Unit that GEMM reads (its exact
   bfloat16 form in "bf16" mode; its dequantized float32 values in "f32" mode and for formats with no exact bfloat16
   form, such as FP8 with float32 block scales: the same bits the GEMM would take from the QArray) without packed
-  codes: the rule's GEMM-only operands take this path.
+  codes: the rule's GEMM-only operands take this path. `unit="bf16"`: the exact bfloat16 form only (bf16 mode), a
+  QArray otherwise; for residuals, which then take no more memory than the bf16 recipe's bfloat16 copy.
   """
   if recipe.backend == "pallas" and cfg.quantized and not with_mask:
     from fp4jax import backends  # pylint: disable=g-import-not-at-top
@@ -133,9 +134,12 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
                 sr_bits=recipe.sr_bits)
   if unit and not with_mask and recipe.backend != "pallas":
     u = gemm_lib.unit_values(x, cfg.fmt, **kwargs) if gemm_lib.resolve_gemm_mode(recipe) == "bf16" else None
-    # No exact bfloat16 form (FP8's float32 block scales, NVFP4 per-group scales) or "f32" mode: the GEMM reads the
-    # dequantized float32 values either way.
-    return u if u is not None else gemm_lib.f32_unit(x, cfg.fmt, **kwargs)
+    if u is not None:
+      return u
+    if unit != "bf16":
+      # No exact bfloat16 form (FP8's float32 block scales, NVFP4 per-group scales) or "f32" mode: the GEMM reads
+      # the dequantized float32 values either way.
+      return gemm_lib.f32_unit(x, cfg.fmt, **kwargs)
   return (quantize_with_clip_mask if with_mask else quantize)(x, cfg.fmt, **kwargs)
 
 
@@ -214,14 +218,15 @@ def dgrad_weight(w_KxN, wq_fprop, recipe, key, compute_dtype):
                           signs=_rht_signs(recipe, key), compute_dtype=compute_dtype)
 
 
-def wgrad_activations(x_MxK, recipe, key, xq_fprop=None):
+def wgrad_activations(x_MxK, recipe, key, xq_fprop=None, unit=False):
   """Wgrad's activation operand: x (or the dequantized Fprop x, with `requantize`) padded to the token multiple,
-  RHT and blocks along M (tokens)."""
+  RHT and blocks along M (tokens). `unit`: as gemm.Unit where it has an exact bfloat16 form in bf16 mode
+  (quantize_operand's unit="bf16"), else a QArray."""
   if recipe.wgrad.rhs.requantize:
     x_MxK = gemm_lib.f32_values(_fprop_source(xq_fprop, "wgrad_activations", "xq_fprop")).astype(x_MxK.dtype)
   x_MxK = _pad_tokens(x_MxK, _token_multiple(recipe))
   return quantize_operand(x_MxK, recipe.wgrad.rhs, axis=0, recipe=recipe, key=_sub_key(recipe, key, _WGRAD_X_SR),
-                          signs=_rht_signs(recipe, key), compute_dtype=x_MxK.dtype)
+                          signs=_rht_signs(recipe, key), compute_dtype=x_MxK.dtype, unit="bf16" if unit else False)
 
 
 def dgrad_gradient(dy_MxN, recipe, key, compute_dtype=None, unit=False):
@@ -260,16 +265,18 @@ def layer_operands(x_MxK, w_KxN, recipe: recipes_lib.Recipe, key, *, backward: b
   """Quantizes x and W for Fprop and, if `backward`, for Dgrad and Wgrad, as the custom_vjp rule does.
 
   With `unit`, the Fprop operands that nothing but a GEMM reads (not re-quantized for the backward) come as
-  gemm.Unit (see quantize_operand), and so does Dgrad's weight when it reuses them: the rule's own fast path, with
-  the same GEMM inputs bit for bit.
+  gemm.Unit (see quantize_operand), and so does Dgrad's weight when it reuses them, and Wgrad's x where it has an
+  exact bfloat16 form in bf16 mode: the rule's own fast path, with the same GEMM inputs bit for bit.
   """
   unit_x = unit and not recipe.wgrad.rhs.requantize
   unit_w = unit and not recipe.dgrad.rhs.requantize
   xq, wq, x_mask, w_mask = _fprop_operands_and_masks(x_MxK, w_KxN, recipe, key, unit_x, unit_w)
   if not backward:
     return Operands(xq, wq)
+  # Wgrad's x is a residual: its bfloat16 Unit (2 bytes per element, as the bf16 recipe keeps x) where there is
+  # one; unpacking codes in the backward cost the `small` step ~0.08 of the bf16 step on XLA:CPU (RESULTS.md).
   return Operands(xq, wq, dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype),
-                  wgrad_activations(x_MxK, recipe, key, xq), x_mask, w_mask)
+                  wgrad_activations(x_MxK, recipe, key, xq, unit=unit), x_mask, w_mask)
 
 
 def fprop(ops: Operands, recipe: recipes_lib.Recipe):

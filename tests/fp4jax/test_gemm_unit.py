@@ -178,6 +178,22 @@ def test_the_rule_keeps_no_packed_weight_codes():
       assert residuals[0].values.dtype == dtype, recipe
 
 
+def test_wgrad_x_residual_is_the_bf16_unit_where_there_is_one():
+  """Wgrad's x is kept as its bfloat16 Unit in bf16 mode (no codes to unpack in the backward; 2 bytes per element,
+  as the bf16 recipe keeps x), and as packed codes where the Unit would be float32 (f32 mode, FP8's block scales)."""
+  x = jnp.ones((32, 128), jnp.float32)
+  w = jnp.ones((128, 128), jnp.float32)
+  for recipe, bf16_unit in ((recipes.nvfp4(gemm_mode="bf16"), True), (recipes.mxfp4(gemm_mode="bf16"), True),
+                            (recipes.nvfp4(gemm_mode="f32"), False), (recipes.fp8(gemm_mode="bf16"), False),
+                            (recipes.nvfp4(backend="pallas"), False)):
+    _, residuals = dg._qmatmul_fwd(x, w, jax.random.key(0), recipe)
+    x_wgrad = residuals[1]
+    if bf16_unit:
+      assert isinstance(x_wgrad, gemm.Unit) and x_wgrad.values.dtype == jnp.bfloat16, recipe
+    else:
+      assert isinstance(x_wgrad, fp4jax.QArray), (recipe, type(x_wgrad))
+
+
 @pytest.mark.parametrize("name,mode", [("nvfp4", "bf16"), ("tetrajet_v2", "bf16"), ("tetrajet_v2", "f32")])
 def test_outcontrol_rule_equals_its_public_pieces(name, mode):
   from fp4jax import outcontrol  # pylint: disable=g-import-not-at-top
