@@ -274,7 +274,7 @@ def layer_operands(x_MxK, w_KxN, recipe: recipes_lib.Recipe, key, *, backward: b
   if not backward:
     return Operands(xq, wq)
   # Wgrad's x is a residual: its bfloat16 Unit (2 bytes per element, as the bf16 recipe keeps x) where there is
-  # one; unpacking codes in the backward cost the `small` step ~0.08 of the bf16 step on XLA:CPU (RESULTS.md).
+  # one; unpacking codes in the backward cost the `small` step ~0.07 of the bf16 step on XLA:CPU (RESULTS.md).
   return Operands(xq, wq, dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype),
                   wgrad_activations(x_MxK, recipe, key, xq, unit=unit), x_mask, w_mask)
 
