@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import resource
 import statistics
 import sys
 import time
@@ -21,7 +23,11 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-  """Wall-clock seconds of one jitted computation over `elements` elements: median, min and max of the runs."""
+  """Wall-clock seconds of one jitted computation over `elements` elements: median, min and max of the runs.
+
+  `page_faults`: minor page faults of this process per timed call (None if not recorded): a buffer the call
+  allocates afresh is mapped in by the kernel page by page on its first write (one fault per 4 KiB page).
+  """
 
   name: str
   group: str
@@ -29,6 +35,7 @@ class Timing:
   median_s: float
   min_s: float
   max_s: float
+  page_faults: float | None = None
 
   @property
   def elements_per_s(self) -> float:
@@ -60,15 +67,34 @@ def time_jitted(fn: Callable, args: Sequence, *, name: str, group: str = "", ele
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     for _ in range(warmup):
       jax.block_until_ready(jitted(*call_args()))
-    runs = []
+    runs, faults = [], 0
     for _ in range(repeats):
       call = call_args()
+      before = minor_faults()
       start = time.perf_counter()
       jax.block_until_ready(jitted(*call))
       runs.append(time.perf_counter() - start)
+      faults += minor_faults() - before
   if elements is None:
     elements = math.prod(jax.tree.leaves(args)[0].shape)
-  return Timing(name, group, elements, statistics.median(runs), min(runs), max(runs))
+  return Timing(name, group, elements, statistics.median(runs), min(runs), max(runs), faults / repeats)
+
+
+def minor_faults() -> int:
+  """Minor page faults of this process so far (all its threads)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def malloc_note() -> str:
+  """How this process's malloc maps large buffers, for the header of a CPU table (it moves CPU times by 10-20%).
+
+  glibc hands out each buffer above 32 MiB as a fresh mapping, faulted in 4 KiB page by page on first write, on
+  every call; with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35, read at process start) it asks for
+  transparent 2 MiB pages instead.
+  """
+  tunables = os.environ.get("GLIBC_TUNABLES", "")
+  huge = any(t.strip() in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2") for t in tunables.split(":"))
+  return "malloc: 2 MiB pages (glibc.malloc.hugetlb)" if huge else "malloc: 4 KiB pages (no glibc.malloc.hugetlb)"
 
 
 def interleaved_medians(runs: dict[str, tuple[Callable, Sequence]], *, steps: int, warmup: int) -> dict[str, float]:
@@ -101,8 +127,10 @@ def ratio_table(timings: Sequence[Timing], baseline: str) -> str:
   """One row per timing: median and spread, elements/s, and throughput relative to the `baseline` row of its group.
 
   "vs baseline" compares medians; "(min)" compares the fastest runs, which shrugs off other processes' load better.
+  A "faults/call" column follows when the timings recorded page faults.
   """
   base = {t.group: t for t in timings if t.name == baseline}
+  faults = any(t.page_faults is not None for t in timings)
   rows = []
   for t in timings:
     if t.group not in base:
@@ -111,9 +139,10 @@ def ratio_table(timings: Sequence[Timing], baseline: str) -> str:
     rows.append([t.group, t.name, f"{t.median_s * 1e3:.2f}", f"{t.min_s * 1e3:.2f}-{t.max_s * 1e3:.2f}",
                  f"{t.elements_per_s / 1e9:.3f}",
                  f"{(t.elements / t.median_s) / (b.elements / b.median_s):.3f}",
-                 f"{(t.elements / t.min_s) / (b.elements / b.min_s):.3f}"])
-  return format_table(["dtype", "computation", "median ms", "min-max ms", "Gelem/s", "vs baseline", "(min)"], rows,
-                      align="llrrrrr")
+                 f"{(t.elements / t.min_s) / (b.elements / b.min_s):.3f}"]
+                + ([f"{t.page_faults:.0f}" if t.page_faults is not None else "-"] if faults else []))
+  headers = ["dtype", "computation", "median ms", "min-max ms", "Gelem/s", "vs baseline", "(min)"]
+  return format_table(headers + (["faults/call"] if faults else []), rows, align="llrrrrr" + ("r" if faults else ""))
 
 
 def print_ratio_table(timings: Sequence[Timing], baseline: str, title: str | None = None, file=sys.stdout) -> None:

@@ -5,8 +5,10 @@
 Every computation is jitted with its input donated, warmed up, and timed as the median of `--repeats` runs on a
 `size x size` tensor (16M elements by default). The baseline reads the input and writes an output of the same size
 and dtype (`x + 1`); "vs baseline" is throughput / baseline throughput, measured in the same run (from the medians;
-"(min)" from the fastest runs, steadier when other processes share the cores). Rows ("q+dq" is `fake_quant`, bit-identical to
+"(min)" from the fastest runs, steadier when other processes share the cores); "faults/call" counts the process's minor
+page faults per call (memory the call maps in afresh, see below). Rows ("q+dq" is `fake_quant`, bit-identical to
 `dequantize(quantize(x))`, with the codes decoded in the same fused pass):
+  x+1 into a new buffer       the baseline without donation: the output is a freshly allocated buffer
   nvfp4 rne / sr q+dq         NVFP4, round-to-nearest-even / stochastic rounding (32 random bits, the default
                               counter-based hash generator of fp4jax.prng, fused into the elementwise pass)
   nvfp4 sr q+dq, threefry     stochastic rounding with sr_bits="threefry" (jax.random.bits, the reference)
@@ -61,6 +63,15 @@ HLO findings (XLA:CPU, jax 0.10.2, AVX-512 host; `--hlo` prints the kernels of t
   loop (scalar code, ~2.7x slower). The 0.3 target for RNE+RHT is out of reach for XLA:CPU's loop emitter here:
   ~17 instructions per element are ~270M per 16M elements, >= 15 ms on two cores even at 3 per cycle and 3 GHz,
   against ~3 ms for the memory-bound copy: <= 0.2.
+  Page faults (Linux, glibc; AMD Zen 4 host): a buffer a call allocates is, above glibc's 32 MiB limit for heap
+  reuse, a fresh mapping that the kernel faults in one 4 KiB page at a time on first write, on every call: 16,385
+  faults per call for a float32 output of 16M elements. Writing `x+1` into such a buffer took 19-21 ms against
+  2.3-7 ms in place. The RHT's output is such a buffer (no XLA kernel writes a transform that mixes 16 elements
+  into its input's memory), and that write, not the 16 multiply-adds, was most of RNE+RHT's extra time. With
+  GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35; transparent huge pages in "madvise" mode) malloc asks for
+  2 MiB pages: ~550 faults per call, and every row got faster (float32 RNE+RHT 35 -> 16 ms, q+dq 11 -> 7 ms, the
+  in-place baseline 7 -> 3 ms), but the ratios barely moved (RNE+RHT 0.18): the RHT is still one more full-size
+  write and read than q+dq makes.
 """
 
 from __future__ import annotations
@@ -78,6 +89,7 @@ import fp4jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 BASELINE = "baseline x+1"
+FRESH = "x+1 into a new buffer"
 NVFP4 = fp4jax.NVFP4()
 MXFP4 = fp4jax.MXFP4()
 
@@ -91,6 +103,7 @@ def computations(x, key):
   q = jax.jit(lambda x: fp4jax.quantize(x, NVFP4))(x)
   return [
       (BASELINE, lambda x: x + jnp.asarray(1, x.dtype), (x,), (0,)),
+      (FRESH, lambda x: x + jnp.asarray(1, x.dtype), (x,), ()),
       ("nvfp4 rne q+dq", lambda x: fp4jax.fake_quant(x, NVFP4), (x,), (0,)),
       ("nvfp4 sr q+dq", lambda x, k: fp4jax.fake_quant(x, NVFP4, rounding="stochastic", key=k), (x, key), (0,)),
       ("nvfp4 sr q+dq, threefry", lambda x, k: fp4jax.fake_quant(x, NVFP4, rounding="stochastic", key=k,
@@ -139,7 +152,8 @@ def main(argv=None):
   timings = run(args.size, args.repeats, args.warmup, dtypes)
   n = args.size * args.size
   title = (f"quantize+dequantize throughput, {args.size}x{args.size} ({n / 2**20:.0f}M elements), "
-           f"median of {args.repeats} (warmup {args.warmup}), {jax.devices()[0].platform} x{os.cpu_count()} cores")
+           f"median of {args.repeats} (warmup {args.warmup}), {jax.devices()[0].platform} x{os.cpu_count()} cores; "
+           f"{common.malloc_note()}")
   common.print_ratio_table(timings, BASELINE, title)
   if args.hlo:
     x = jnp.zeros((args.size, args.size), jnp.float32)

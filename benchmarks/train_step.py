@@ -3,11 +3,13 @@
     python benchmarks/train_step.py                       # tiny and small, nvfp4 vs bf16
     python benchmarks/train_step.py --models small --recipes bf16 nvfp4 mxfp4 fp8 --steps 20 --json out.json
 
-Per (model, recipe): compile time, median step time (the jitted fp4jax.pretrain.steps train step on real batches, after a warmup,
-recipes interleaved step by step so load changes on a shared machine hit all alike), the forward-only (eval) median,
-and memory from XLA's compiled memory analysis: temp (scratch, incl. saved activations and residuals), argument and
-output bytes of the step. Ratios are against the first recipe (bf16 by default); with --runs N the timed steps
-come in N blocks, and "x med" / "x min" are the median / min over blocks of each block's step-time ratio.
+Per (model, recipe): compile time, median step time (the jitted fp4jax.pretrain.steps train step on real batches,
+after a warmup, recipes interleaved step by step so load changes on a shared machine hit all alike), the
+forward-only (eval) median, and memory from XLA's compiled memory analysis: temp (scratch, incl. saved activations
+and residuals), argument and output bytes of the step; "faults" is the process's minor page faults per step
+(median): XLA:CPU allocates the step's scratch afresh on every call (see common.malloc_note). Ratios are against
+the first recipe (bf16 by default); with --runs N the timed steps come in N blocks, and "x med" / "x min" are the
+median / min over blocks of each block's step-time ratio.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import common  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fp4jax.pretrain import optimizer as optimizer_lib  # pylint: disable=wrong-import-position
 from fp4jax.pretrain import steps as steps_lib  # pylint: disable=wrong-import-position
@@ -52,15 +55,16 @@ def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, d
   memory = {name: int(getattr(mem, f"{name}_size_in_bytes", 0) or 0) for name in ("temp", "argument", "output")}
   return {"config": config, "step": step, "eval": evaluate, "state": state, "batches": batches,
           "key": keys["step"], "compile_s": compile_s, "memory": memory,
-          "tokens": batch_size * config.train_seq_len, "step_times": [], "eval_times": []}
+          "tokens": batch_size * config.train_seq_len, "step_times": [], "eval_times": [], "step_faults": []}
 
 
 def _time_once(run: dict, i: int) -> None:
   batch, key = run["batches"][i % len(run["batches"])], jax.random.fold_in(run["key"], i)
-  t0 = time.perf_counter()
+  faults, t0 = common.minor_faults(), time.perf_counter()
   state, metrics = run["step"](run["state"], batch, key)
   jax.block_until_ready((state, metrics))
   run["step_times"].append(time.perf_counter() - t0)
+  run["step_faults"].append(common.minor_faults() - faults)
   run["state"] = state
   t0 = time.perf_counter()
   jax.block_until_ready(run["eval"](state.params, batch, key))
@@ -79,7 +83,7 @@ def benchmark(models, recipes, *, steps: int, warmup: int, batch_size: int, seq_
       for r in recipes:
         _time_once(setups[r], i)
     for r in recipes:
-      setups[r]["step_times"], setups[r]["eval_times"] = [], []
+      setups[r]["step_times"], setups[r]["eval_times"], setups[r]["step_faults"] = [], [], []
     block_ratios = {r: [] for r in recipes}
     for b in range(runs):
       for i in range(steps):
@@ -102,19 +106,21 @@ def benchmark(models, recipes, *, steps: int, warmup: int, batch_size: int, seq_
           "eval_ratio": eval_s / base_eval, "tokens_per_s": run["tokens"] / step_s,
           "ratio_median": float(np.median(block_ratios[r])), "ratio_min": float(np.min(block_ratios[r])),
           "temp_mb": mem["temp"] / 2**20, "temp_ratio": mem["temp"] / max(base["memory"]["temp"], 1),
-          "argument_mb": mem["argument"] / 2**20, "output_mb": mem["output"] / 2**20})
+          "argument_mb": mem["argument"] / 2**20, "output_mb": mem["output"] / 2**20,
+          "faults_per_step": float(np.median(run["step_faults"]))})
   return rows
 
 
 def _print(rows: list[dict]) -> None:
   width = max(7, *(len(r["recipe"]) for r in rows))
   head = (f"{'model':<6} {'recipe':<{width}} {'compile s':>9} {'step ms':>8} {'x':>6} {'fwd ms':>7} {'x':>6} "
-          f"{'tok/s':>8} {'temp MB':>8} {'x':>6} {'args MB':>8} {'x med':>6} {'x min':>6}")
+          f"{'tok/s':>8} {'temp MB':>8} {'x':>6} {'args MB':>8} {'x med':>6} {'x min':>6} {'faults':>7}")
   print(head)
   for r in rows:
     print(f"{r['model']:<6} {r['recipe']:<{width}} {r['compile_s']:>9.1f} {r['step_ms']:>8.1f} {r['step_ratio']:>6.2f} "
           f"{r['eval_ms']:>7.1f} {r['eval_ratio']:>6.2f} {r['tokens_per_s']:>8.0f} {r['temp_mb']:>8.2f} "
-          f"{r['temp_ratio']:>6.2f} {r['argument_mb']:>8.2f} {r['ratio_median']:>6.2f} {r['ratio_min']:>6.2f}")
+          f"{r['temp_ratio']:>6.2f} {r['argument_mb']:>8.2f} {r['ratio_median']:>6.2f} {r['ratio_min']:>6.2f} "
+          f"{r['faults_per_step']:>7.0f}")
 
 
 def main(argv=None) -> int:
@@ -132,7 +138,8 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   rows = benchmark(args.models.split(","), args.recipes, steps=args.steps, warmup=args.warmup,
                    batch_size=args.batch_size, seq_len=args.seq_len, runs=args.runs)
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; batch {args.batch_size}")
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; batch {args.batch_size}; "
+        f"{common.malloc_note()}")
   _print(rows)
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:

@@ -1,6 +1,7 @@
 """The numerics demo (fp4jax.analysis.inspection), the quantize benchmark script and its timing helpers, and the fused paths
 they rely on (fake_quant == dequantize(quantize), NaN-propagating block maxima, nibble packing)."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -125,15 +126,16 @@ def test_quantize_benchmark_prints_its_table():
   assert proc.returncode == 0, proc.stderr
   out = proc.stdout
   assert "quantize+dequantize throughput, 64x64" in out
-  names = ["baseline x+1", "nvfp4 rne q+dq", "nvfp4 sr q+dq", "nvfp4 sr q+dq, threefry", "nvfp4 rne +rht q+dq",
+  assert "faults/call" in out and "malloc:" in out
+  names = ["baseline x+1", "x+1 into a new buffer", "nvfp4 rne q+dq", "nvfp4 sr q+dq", "nvfp4 sr q+dq, threefry", "nvfp4 rne +rht q+dq",
            "nvfp4 rne +rht axis0 q+dq",
            "nvfp4 sr +rht q+dq", "nvfp4 rne 2d q+dq", "mxfp4 q+dq", "nvfp4 quantize", "nvfp4 dequantize",
            "nvfp4 dequantize(quantize)"]
   for name in names:
     row = [line for line in out.splitlines() if re.match(rf"float32\s+{re.escape(name)}\s+\d", line)]
     assert len(row) == 1, name
-    ratio, ratio_min = float(row[0].split()[-2]), float(row[0].split()[-1])
-    assert ratio > 0 and ratio_min > 0
+    ratio, ratio_min, faults = float(row[0].split()[-3]), float(row[0].split()[-2]), int(row[0].split()[-1])
+    assert ratio > 0 and ratio_min > 0 and faults >= 0
     if name == "baseline x+1":
       assert ratio == ratio_min == 1.0
 
@@ -156,6 +158,48 @@ def test_ratio_table():
   assert len({len(line) for line in lines[:2]}) == 1  # the rule spans the header
   with pytest.raises(ValueError, match="no baseline"):
     common.ratio_table(timings[1:2], "base")
+  with_faults = timings[:1] + [dataclasses.replace(timings[1], page_faults=16385.0)]
+  lines = common.ratio_table(with_faults, "base").splitlines()
+  assert lines[0].split()[-1] == "faults/call"
+  assert [line.split()[-1] for line in lines[2:]] == ["-", "16385"]
+
+
+def test_malloc_note_names_the_huge_page_tunable(monkeypatch):
+  monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+  assert "4 KiB" in common.malloc_note()
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1")
+  assert "2 MiB" in common.malloc_note()
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+  assert "4 KiB" in common.malloc_note()
+
+
+def test_train_step_table_prints_faults_per_step(capsys):
+  from benchmarks import train_step  # pylint: disable=g-import-not-at-top
+  row = {"model": "small", "recipe": "nvfp4", "compile_s": 12.0, "step_ms": 101.9, "step_ratio": 1.13,
+         "eval_ms": 24.3, "eval_ratio": 1.38, "tokens_per_s": 10054.0, "temp_mb": 77.01, "temp_ratio": 1.01,
+         "argument_mb": 12.02, "ratio_median": 1.16, "ratio_min": 1.14, "faults_per_step": 19715.0}
+  train_step._print([row])  # pylint: disable=protected-access
+  head, line = capsys.readouterr().out.splitlines()
+  assert head.split()[-1] == "faults" and line.split()[-1] == "19715" and line.split()[:2] == ["small", "nvfp4"]
+
+
+def _transparent_huge_pages() -> str:
+  try:
+    with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="utf-8") as f:
+      return re.search(r"\[(\w+)\]", f.read()).group(1)
+  except (OSError, AttributeError):
+    return "unknown"
+
+
+def test_time_jitted_counts_the_page_faults_of_a_fresh_buffer():
+  """A 40 MiB output allocated per call is faulted in page by page (glibc maps it afresh); written in place, not."""
+  x = jnp.ones((2560, 4096), jnp.float32)
+  fresh = common.time_jitted(lambda x: x + 1, (x,), name="fresh", donate_argnums=(), warmup=1, repeats=2)
+  in_place = common.time_jitted(lambda x: x + 1, (x,), name="in place", warmup=1, repeats=2)
+  assert fresh.page_faults >= 0 and in_place.page_faults >= 0
+  if "4 KiB" in common.malloc_note() and _transparent_huge_pages() in ("madvise", "never"):
+    assert fresh.page_faults >= 0.9 * x.nbytes / 4096, (fresh, in_place)
+    assert in_place.page_faults < 0.1 * x.nbytes / 4096, (fresh, in_place)
 
 
 def test_time_jitted_and_hlo_passes():
