@@ -86,12 +86,13 @@ def unit_values(x, fmt, **quantize_kwargs) -> Unit | None:
   """bf16_values(quantize(x, fmt, **quantize_kwargs)) bit for bit, computed from the quantizer's element values
   instead of packed codes (3-7x faster for 16x16 weight blocks on XLA:CPU); None where bf16_values would be."""
   fmt = formats.get_format(fmt)
-  if not fmt.is_fp4:
+  # Decided from the format, before quantizing, so that a caller falling back to another form quantizes once:
+  # FP8 and NVFP4's per-group (double_block) scales are the cases _unit_parts rejects.
+  if not fmt.is_fp4 or (isinstance(fmt, formats.NVFP4) and fmt.double_block):
     return None
   elements, scales, amax, block = quantize_elements(x, fmt, **quantize_kwargs)
   parts = _unit_parts(fmt, scales, amax)
-  if parts is None:
-    return None
+  assert parts is not None, fmt  # the formats left all have a bfloat16 form
   fmt, scales, unit_amax, factor = parts
   # As in bf16_values, a non-finite amax poisons the factor (and with it every product), not the values.
   return Unit(decode_elements(elements, fmt, scales, unit_amax, block, jnp.shape(x), jnp.bfloat16),
