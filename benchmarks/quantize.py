@@ -6,7 +6,10 @@ Every computation is jitted with its input donated, warmed up, and timed as the 
 `size x size` tensor (16M elements by default). The baseline reads the input and writes an output of the same size
 and dtype (`x + 1`); "vs baseline" is throughput / baseline throughput, measured in the same run (from the medians;
 "(min)" from the fastest runs, steadier when other processes share the cores); "faults/call" counts the process's minor
-page faults per call (memory the call maps in afresh, see below). Rows ("q+dq" is `fake_quant`, bit-identical to
+page faults per call (memory the call maps in afresh, see below). Each call's result is freed after the clock
+stops (common.time_jitted): until 2026-12-02 it was freed inside the timed region, and unmapping a 64 MiB result
+(~4.5 ms, more than the in-place baseline's 2.5) made every ratio look 1.5-2.3x better than it was (float32 SR
+q+dq 0.49 instead of 0.20-0.26; benchmarks/RESULTS.md, "Correction"). Rows ("q+dq" is `fake_quant`, bit-identical to
 `dequantize(quantize(x))`, with the codes decoded in the same fused pass):
   x+1 into a new buffer       the baseline without donation: the output is a freshly allocated buffer
   nvfp4 rne / sr q+dq         NVFP4, round-to-nearest-even / stochastic rounding (32 random bits, the default
@@ -69,9 +72,10 @@ HLO findings (XLA:CPU, jax 0.10.2, AVX-512 host; `--hlo` prints the kernels of t
   2.3-7 ms in place. The RHT's output is such a buffer (no XLA kernel writes a transform that mixes 16 elements
   into its input's memory), and that write, not the 16 multiply-adds, was most of RNE+RHT's extra time. With
   GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35; transparent huge pages in "madvise" mode) malloc asks for
-  2 MiB pages: ~550 faults per call, and every row got faster (float32 RNE+RHT 35 -> 16 ms, q+dq 11 -> 7 ms, the
-  in-place baseline 7 -> 3 ms), but the ratios barely moved (RNE+RHT 0.18): the RHT is still one more full-size
-  write and read than q+dq makes.
+  2 MiB pages: ~550 faults per call, and every row got faster (float32 RNE+RHT 35 -> 16 ms, q+dq 11 -> 7 ms; the
+  in-place baseline's 7 -> 3 ms was the cheaper unmapping of its result, which the timer then counted: 2.5 ms in
+  both modes with the result freed after the clock). With the fixed timer RNE+RHT is 0.09 (0.14 with 2 MiB pages):
+  the RHT is still one more full-size write and read than q+dq makes.
 """
 
 from __future__ import annotations
