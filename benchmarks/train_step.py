@@ -6,7 +6,8 @@
 Per (model, recipe): compile time, median step time (the jitted fp4jax.pretrain.steps train step on real batches,
 after a warmup, recipes interleaved step by step so load changes on a shared machine hit all alike), the
 forward-only (eval) median, and memory from XLA's compiled memory analysis: temp (scratch, incl. saved activations
-and residuals), argument and output bytes of the step; "faults" is the process's minor page faults per step
+and residuals), argument and output bytes of the step (the state is donated, as in the trainer, so the output
+reuses the argument's buffers); "faults" is the process's minor page faults per step
 (median): XLA:CPU allocates the step's scratch afresh on every call (see common.malloc_note). Ratios are against
 the first recipe (bf16 by default); with --runs N the timed steps come in N blocks, and "x med" / "x min" are the
 median / min over blocks of each block's step-time ratio.
@@ -48,7 +49,9 @@ def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, d
   batches = [data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=config.train_seq_len, seed=0)
              for i in range(4)]
   t0 = time.perf_counter()
-  step = jax.jit(steps_lib.make_train_step(graphdef, optimizer)).lower(state, batches[0], keys["step"]).compile()
+  # Donated, as the trainer's step is (steps.Phases): the new state is written over the old one.
+  step = jax.jit(steps_lib.make_train_step(graphdef, optimizer), donate_argnums=0).lower(
+      state, batches[0], keys["step"]).compile()
   compile_s = time.perf_counter() - t0
   evaluate = jax.jit(steps_lib.make_eval_step(graphdef)).lower(params, batches[0], keys["step"]).compile()
   mem = step.memory_analysis()

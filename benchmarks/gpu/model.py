@@ -103,7 +103,7 @@ def _train_setup(model_config, recipe, batch_size: int, seq_len: int, dataset):
   step, state, config = train_step_and_state(model_config, recipe, batch_size, seq_len)
   batches = [data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=config.train_seq_len, seed=0)
              for i in range(2)]
-  return jax.jit(step), state, batches, trainer.run_keys(0)["step"]
+  return jax.jit(step, donate_argnums=0), state, batches, trainer.run_keys(0)["step"]  # donated, as in the trainer
 
 
 def _dataset(sec: report.Section):

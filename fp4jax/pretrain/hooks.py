@@ -18,7 +18,9 @@ class StepInfo:
   """What a hook sees: the step index, the train state, and the step's metrics record (hooks may add to it).
 
   Hooks before the update see `state` before step `step`; hooks after it see the updated state and the step's loss.
-  `final` marks the one extra call after the last step (step == config.steps).
+  `final` marks the one extra call after the last step (step == config.steps). The next step donates `state`
+  (steps.Phases): a hook that keeps arrays for later must copy them (e.g. `jax.tree.map(np.array, info.state)`);
+  a kept jax.Array raises "Array has been deleted" when read after that step.
   """
 
   step: int

@@ -127,9 +127,12 @@ def _flat(nested, layers: Sequence[str]) -> dict[str, jax.Array]:
 
 
 def init_state(params, layers: Sequence[str]) -> OsciState:
-  """Zero statistics for `layers` (the first snapshot overwrites them before any use)."""
-  zeros = {name: jnp.zeros(k.shape, jnp.float32) for name, k in _kernels(params, layers).items()}
-  return OsciState(_nest(zeros), _nest(zeros), _nest(zeros))
+  """Zero statistics for `layers` (the first snapshot overwrites them before any use).
+
+  Each field gets arrays of its own: the train step donates its state, and a buffer may be donated only once."""
+  kernels = _kernels(params, layers)
+  zeros = lambda: _nest({name: jnp.zeros(k.shape, jnp.float32) for name, k in kernels.items()})
+  return OsciState(zeros(), zeros(), zeros())
 
 
 def initial_state(config, params) -> OsciState | None:

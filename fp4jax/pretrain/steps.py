@@ -184,7 +184,10 @@ class CompileCache:
 class Phases:
   """Graphdef and jitted step functions per precision phase of `config`'s policy, built on first use.
 
-  The policy sets `model`'s layer recipes when a phase is first needed, so each phase compiles once.
+  The policy sets `model`'s layer recipes when a phase is first needed, so each phase compiles once. The train step
+  donates its TrainState: the new state is written into the old one's buffers (`paper_1b` with 2 layers, XLA:CPU's
+  memory analysis: 3.94 instead of 4.17 GiB for bf16, 3.82 instead of 4.21 for nvfp4), so after a step the state
+  passed in is deleted. Arrays copied out before the step (np.asarray, a checkpoint save) are unaffected.
   """
 
   def __init__(self, config: TrainConfig, model: nnx.Module, optimizer,
@@ -225,7 +228,7 @@ class Phases:
                               graphdef, self.optimizer, self.config.osci_reset, self.config.outcontrol, oc_phase,
                               pl.gather_params)),
                                           in_shardings=(pl.state, pl.batch, pl.replicated),
-                                          out_shardings=(pl.state, pl.replicated)))
+                                          out_shardings=(pl.state, pl.replicated), donate_argnums=0))
 
   def eval_step(self, step: int, outcontrol: bool = False):
     graphdef = self.graphdef(step)

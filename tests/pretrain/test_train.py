@@ -126,13 +126,18 @@ def test_sigint_checkpoint_and_resume_are_bit_identical(env, tmp_path):
 
 @pytest.mark.slow
 def test_different_seed_gives_different_run_and_hooks_run_every_n_steps(env, tmp_path):
-  seen = []
+  seen, kept = [], {}
   every5 = trainer.Hook(lambda info: seen.append((info.step, info.final, info.record.get("loss"))), every=5)
-  a = run(env, make_config(env, tmp_path / "a", recipe="nvfp4", eval_batches=0), hooks=[every5])
+  keep = trainer.Hook(lambda info: kept.setdefault(info.final, jax.tree.leaves(info.state.params)), every=5)
+  a = run(env, make_config(env, tmp_path / "a", recipe="nvfp4", eval_batches=0), hooks=[every5, keep])
   b = run(env, make_config(env, tmp_path / "b", recipe="nvfp4", eval_batches=0, seed=1))
   assert a["losses"] != b["losses"]
   # After steps 0, 5, 10, 15 (with that step's loss), then once at the end (step == steps, no training loss).
   assert seen == [(s, False, a["losses"][s]) for s in (0, 5, 10, 15)] + [(STEPS, True, None)]
+  # The train step donates its state: the params a hook saw after step 0 became step 1's output buffers (a hook
+  # must copy what it keeps, hooks.StepInfo); the final state stays readable.
+  assert kept[False] and all(x.is_deleted() for x in kept[False])
+  assert not any(x.is_deleted() for x in kept[True])
 
 
 def test_a_test_not_marked_slow_cannot_train(env, tmp_path):
