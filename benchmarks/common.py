@@ -91,7 +91,7 @@ def minor_faults() -> int:
 
 def malloc_note() -> str:
   """How this process's malloc maps large buffers, for the header of a CPU table (it moved the `small` train step's
-  time by 11-15% and some quantizer rows' by 2x).
+  time by 11-15% and the quantizer rows that write a fresh buffer by up to 2x).
 
   glibc hands out each buffer above 32 MiB as a fresh mapping, faulted in 4 KiB page by page on first write, on
   every call; with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35, read at process start) it asks for

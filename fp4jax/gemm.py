@@ -87,7 +87,7 @@ def unit_values(x, fmt, **quantize_kwargs) -> Unit | None:
   instead of packed codes (3-7x faster for 16x16 weight blocks on XLA:CPU); None where bf16_values would be."""
   fmt = formats.get_format(fmt)
   # Decided from the format, before quantizing, so that a caller falling back to another form quantizes once:
-  # FP8 and NVFP4's per-group (double_block) scales are the cases _unit_parts rejects.
+  # FP8 is left to f32_unit, and NVFP4's per-group (double_block) scales have no bfloat16 form (_unit_parts).
   if not fmt.is_fp4 or (isinstance(fmt, formats.NVFP4) and fmt.double_block):
     return None
   elements, scales, amax, block = quantize_elements(x, fmt, **quantize_kwargs)

@@ -187,7 +187,8 @@ class Phases:
   The policy sets `model`'s layer recipes when a phase is first needed, so each phase compiles once. The train step
   donates its TrainState: the new state is written into the old one's buffers (`paper_1b` with 2 layers, XLA:CPU's
   memory analysis: 3.94 instead of 4.17 GiB for bf16, 3.82 instead of 4.21 for nvfp4), so after a step the state
-  passed in is deleted. Arrays copied out before the step (np.asarray, a checkpoint save) are unaffected.
+  passed in is deleted. NumPy arrays taken from it before the step (np.asarray, np.array) and checkpoint saves keep
+  their values: JAX does not donate a buffer that NumPy still views.
   """
 
   def __init__(self, config: TrainConfig, model: nnx.Module, optimizer,
