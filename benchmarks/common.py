@@ -95,11 +95,14 @@ def malloc_note() -> str:
 
   glibc hands out each buffer above 32 MiB as a fresh mapping, faulted in 4 KiB page by page on first write, on
   every call; with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35, read at process start) it asks for
-  transparent 2 MiB pages instead.
+  transparent 2 MiB pages instead, and with glibc.malloc.mmap_max=0 (and arena_max=1) it reuses freed heap memory.
   """
-  tunables = os.environ.get("GLIBC_TUNABLES", "")
-  huge = any(t.strip() in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2") for t in tunables.split(":"))
-  return "malloc: 2 MiB pages (glibc.malloc.hugetlb)" if huge else "malloc: 4 KiB pages (no glibc.malloc.hugetlb)"
+  tunables = [t.strip() for t in os.environ.get("GLIBC_TUNABLES", "").split(":")]
+  huge = any(t in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2") for t in tunables)
+  note = "malloc: 2 MiB pages (glibc.malloc.hugetlb)" if huge else "malloc: 4 KiB pages (no glibc.malloc.hugetlb)"
+  if "glibc.malloc.mmap_max=0" in tunables:  # with arena_max=1: freed buffers are reused, not mapped afresh
+    note += ", no fresh mappings (glibc.malloc.mmap_max=0)"
+  return note
 
 
 def interleaved_medians(runs: dict[str, tuple[Callable, Sequence]], *, steps: int, warmup: int) -> dict[str, float]:

@@ -169,7 +169,9 @@ def test_malloc_note_names_the_huge_page_tunable(monkeypatch):
   monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1")
   assert "2 MiB" in common.malloc_note()
   monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
-  assert "4 KiB" in common.malloc_note()
+  assert "4 KiB" in common.malloc_note() and "mmap_max" not in common.malloc_note()
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0")
+  assert "4 KiB" in common.malloc_note() and "no fresh mappings" in common.malloc_note()
 
 
 def test_train_step_table_prints_faults_per_step(capsys):
