@@ -352,11 +352,46 @@ def _canonical_weight_axes(lhs, rhs, dimension_numbers):
   return r
 
 
-def _check_block_divisibility(k, n, recipe):
-  """Fprop and Dgrad block K and N (Wgrad's token axis is padded inside the rule): check they divide."""
+def _largest_rht_size_dividing(length: int, rht_size: int) -> int:
+  """The largest power of two <= rht_size that divides `length` (1 when `length` is odd)."""
+  d = rht_size
+  while d > 1 and length % d:
+    d //= 2
+  return d
+
+
+_FEATURE_OPERANDS = (("fprop", "lhs", "K"), ("fprop", "rhs", "K"), ("dgrad", "lhs", "N"), ("dgrad", "rhs", "N"))
+
+
+def rht_size_limit(k: int, n: int, recipe: recipes_lib.Recipe) -> int | None:
+  """The largest RHT size (a power of two <= recipe.rht_size) whose tiles divide the axes a layer with weight
+  [K, N] = [k, n] runs `recipe`'s Fprop and Dgrad RHTs along; None when neither GEMM has an RHT."""
   sizes = {"K": k, "N": n}
-  for gemm, role, dim in (("fprop", "lhs", "K"), ("fprop", "rhs", "K"), ("dgrad", "lhs", "N"), ("dgrad", "rhs", "N")):
+  fits = [_largest_rht_size_dividing(sizes[dim], recipe.rht_size) for gemm, role, dim in _FEATURE_OPERANDS
+          if getattr(recipe.gemm(gemm), role).rht]
+  return min(fits) if fits else None
+
+
+def check_layer_shape(k: int, n: int, recipe: recipes_lib.Recipe) -> None:
+  """Raises a ValueError unless a linear layer with weight [K, N] = [k, n] can run `recipe`: the blocks of its
+  Fprop and Dgrad operands and their RHT tiles divide K and N (Wgrad's token axis is padded inside the rule)."""
+  _check_block_divisibility(k, n, recipe)
+
+
+def _check_block_divisibility(k, n, recipe):
+  """Fprop and Dgrad block K and N, and run their RHTs along them (Wgrad's token axis is padded inside the rule):
+  check the block and RHT sizes divide."""
+  sizes = {"K": k, "N": n}
+  for gemm, role, dim in _FEATURE_OPERANDS:
     op = getattr(recipe.gemm(gemm), role)
+    if op.rht and sizes[dim] % recipe.rht_size:
+      fit = _largest_rht_size_dividing(sizes[dim], recipe.rht_size)
+      example = f" (e.g. recipe '{recipe.name}:rht_size={fit}')" if recipe.name in recipes_lib.PRESETS else ""
+      hint = (f"Use rht_size={fit} or smaller, a power of two dividing {dim}{example}" if fit > 1
+              else f"No RHT size divides {dim}")
+      raise ValueError(f"{gemm} {role}: recipe {recipe.name!r} runs a {recipe.rht_size}-point RHT along {dim}, which "
+                       f"needs {dim} divisible by {recipe.rht_size}; got {dim}={sizes[dim]} (weight [K, N] = "
+                       f"[{k}, {n}]). {hint}, or keep this layer in bf16.")
     if not op.quantized or op.pad:
       continue
     b = op.fmt.block_size

@@ -95,7 +95,9 @@ class Recipe:
   Attributes:
     name: label used in logs and tables.
     fprop, dgrad, wgrad: GemmConfig per GEMM (see the module docstring for what lhs/rhs are in each).
-    rht_size: Hadamard tile size d (power of two, 2..256).
+    rht_size: Hadamard tile size d (power of two, 2..256). Wgrad's RHT runs along tokens, padded to a multiple of
+      d; Fprop's runs along K and Dgrad's along N, which d must divide (dot_general.check_layer_shape; the
+      pretraining model checks every layer when it is configured).
     rht_signs: "fixed" (one sign vector for the whole run, the paper's default), "none" (plain Hadamard, an
       ablation) or "per_call" (fresh signs from the layer's key at every call).
     fprop_rht_signs: Fprop's own sign mode, or None for `rht_signs` (Quartet: a fixed Hadamard forward, "none",

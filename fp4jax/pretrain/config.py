@@ -143,8 +143,11 @@ class TrainConfig:
       if self.seq_len > self.model.max_seq_len:
         raise ValueError(f"TrainConfig: seq_len={self.seq_len} exceeds the model's max_seq_len="
                          f"{self.model.max_seq_len}.")
-    # The policy against this model and run length: BF16 blocks in range, a switch the run reaches.
+    # The policy against this model and run length: BF16 blocks in range, a switch the run reaches, layer shapes the
+    # recipes' blocks and RHT tiles divide (checked here, before any data is loaded or step compiled).
     self.policy.bf16_blocks(self.model.n_layers)
+    model_lib.check_layer_recipes(self.model, self.policy.layer_recipes(model_lib.layer_names(self.model),
+                                                                        self.model.n_layers, 0, self.steps))
     self.policy.switch_step(self.steps)
     window = self.logging.profile_window
     if window is not None and window[1] > self.steps:

@@ -26,7 +26,7 @@ import fp4jax.recipes
 from fp4jax import formats
 from fp4jax import keys as keys_lib
 from fp4jax import prng
-from fp4jax.dot_general import LayerKeys, derive_layer_keys
+from fp4jax.dot_general import LayerKeys, check_layer_shape, derive_layer_keys, rht_size_limit
 
 MLP_KINDS = ("swiglu", "squared_relu")
 # NVFP4's block size: every quantized GEMM dimension of a weight must split into whole 16-element blocks.
@@ -154,6 +154,26 @@ def layer_names(config: "ModelConfig") -> tuple[str, ...]:
   """Names of the quantizable linear layers of a model with `config`, in `Transformer.linear_layers()` order."""
   subs = [s for s in SUBLAYERS if s != "mlp.gate" or config.mlp == "swiglu"]
   return tuple(f"blocks.{i}.{s}" for i in range(config.n_layers) for s in subs)
+
+
+def check_layer_recipes(config: "ModelConfig", recipe) -> None:
+  """Raises a ValueError naming the first quantizable linear layer whose weight shape cannot run its recipe (`recipe`
+  as Transformer takes it: a Recipe, its string form, or a {layer name: Recipe} mapping): Fprop/Dgrad blocks or RHT
+  tiles that do not divide its in/out features. The message gives the largest RHT size every layer fits."""
+  shapes = config.linear_shapes
+  names = layer_names(config)
+  per_layer = {name: fp4jax.recipes.get_recipe(_layer_recipe(recipe, name)) for name in names}
+  shape_of = lambda name: shapes[name.split(".", 2)[2]]
+  for name in names:
+    r = per_layer[name]
+    try:
+      check_layer_shape(*shape_of(name), r)
+    except ValueError as e:
+      limits = [rht_size_limit(*shape_of(m), r) for m in names if per_layer[m] == r]
+      limits = [x for x in limits if x is not None]
+      fit = (f" Every layer of this model fits rht_size={min(limits)}."
+             if limits and 1 < min(limits) < r.rht_size else "")
+      raise ValueError(f"Linear layer {name!r}: {e}{fit}") from None
 
 
 def _layer_recipe(recipe, name: str):
@@ -304,6 +324,7 @@ class Transformer(nnx.Module):
     recipe = fp4jax.recipes.bf16() if recipe is None else recipe
     if isinstance(recipe, str):
       recipe = fp4jax.recipes.get_recipe(recipe)
+    check_layer_recipes(config, recipe)
     self.config = config
     param_dtype = jnp.dtype(config.param_dtype)
     self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=jnp.float32, param_dtype=param_dtype,

@@ -368,6 +368,29 @@ def test_bad_input_raises(x_shape, w_shape, dims, match):
     fp4jax.dot_general(jnp.ones(x_shape), jnp.ones(w_shape), dims, recipe=RNE)
 
 
+@pytest.mark.parametrize("spec, x_shape, w_shape, match", [
+    # Fprop's RHT runs along K on both operands: 128-point tiles do not fit K=64; 64 is the largest that does.
+    ("nvfp4:rht_on=fprop,rht_size=128", (M, 64), (64, 128), r"fprop lhs: .*128-point RHT along K.* got K=64 .*"
+     r"Use rht_size=64 or smaller"),
+    # Dgrad's RHT runs along N; N=48 takes at most 16-point tiles. Quartet II's preset (128) names its string form.
+    ("quartet2", (M, 128), (128, 48), r"dgrad lhs: recipe 'quartet2' runs a 128-point RHT along N.* got N=48 .*"
+     r"rht_size=16 or smaller.*recipe 'quartet2:rht_size=16'"),
+])
+def test_an_rht_that_does_not_tile_k_or_n_raises_naming_the_size_that_fits(spec, x_shape, w_shape, match):
+  with pytest.raises(ValueError, match=match):
+    fp4jax.dot_general(jnp.ones(x_shape), jnp.ones(w_shape), DN, recipe=spec, key=jax.random.key(0))
+
+
+def test_rht_size_limit_is_the_largest_power_of_two_tiling_both_feature_axes():
+  from fp4jax.dot_general import check_layer_shape, rht_size_limit  # pylint: disable=g-import-not-at-top
+  both = recipes.get_recipe("nvfp4:rht_on=fprop+dgrad+wgrad,rht_size=128")
+  assert rht_size_limit(384, 96, both) == 32 and rht_size_limit(256, 512, both) == 128
+  assert rht_size_limit(48, 64, recipes.get_recipe("nvfp4")) is None  # Wgrad's RHT runs along tokens (padded)
+  check_layer_shape(256, 512, both)
+  with pytest.raises(ValueError, match="got N=96"):
+    check_layer_shape(256, 96, both)
+
+
 def test_unknown_recipe_name_raises():
   with pytest.raises(ValueError, match="Unknown recipe"):
     fp4jax.dot_general(jnp.ones((M, K)), jnp.ones((K, N)), DN, recipe="nvfp5")

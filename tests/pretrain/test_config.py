@@ -89,3 +89,13 @@ def test_one_recipe_parse_per_cli_run(tmp_path, monkeypatch, capsys):
   parses.clear()
   assert cli.main(["eval", "--out", str(out), "--json"]) == 0
   assert parses == ["nvfp4:rht_size=4"]
+
+
+def test_a_recipe_whose_rht_does_not_tile_a_layer_fails_at_config_time_naming_the_layer_and_the_size_that_fits():
+  # tiny: d_model 64, kv width 32. Quartet II's 128-point RHT on Dgrad's N axis tiles none of them; 32 tiles all.
+  with pytest.raises(ValueError, match=r"Linear layer 'blocks\.0\.attn\.q': dgrad lhs: recipe 'quartet2' .*"
+                                       r"Every layer of this model fits rht_size=32\."):
+    TrainConfig.from_options(model="tiny", recipe="quartet2")
+  TrainConfig.from_options(model="tiny", recipe="quartet2:rht_size=32")
+  # BF16 layers run no RHT: with every block in BF16 the same recipe is fine.
+  TrainConfig.from_options(model="tiny", recipe="quartet2", bf16_first=2)

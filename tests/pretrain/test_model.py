@@ -265,3 +265,17 @@ def test_a_quantized_step_draws_its_randomness_in_three_batched_evaluations():
             walk(getattr(sub, "jaxpr", sub))
   walk(jaxpr)
   assert (counts["random_fold_in"], counts["random_bits"]) == (2, 1), counts
+
+
+def test_transformer_refuses_a_layer_its_recipe_cannot_tile_before_building_anything():
+  config = model_lib.get_model_config("tiny")
+  recipe = fp4jax.recipes.get_recipe("nvfp4:rht_on=fprop,rht_size=128")
+  with pytest.raises(ValueError, match=r"Linear layer 'blocks\.0\.attn\.q': fprop lhs: .*got K=64.*"
+                                       r"Every layer of this model fits rht_size=64\."):
+    model_lib.Transformer(config, recipe=recipe, rngs=nnx.Rngs(params=0))
+  # A per-layer mapping is checked layer by layer: only the layers that get the RHT recipe must fit it.
+  names = model_lib.layer_names(config)
+  mapping = {name: recipe if name.endswith("mlp.down") else fp4jax.recipes.bf16() for name in names}
+  with pytest.raises(ValueError, match=r"Linear layer 'blocks\.0\.mlp\.down': fprop lhs: .*got K=192"):
+    model_lib.check_layer_recipes(config, mapping)
+  model_lib.check_layer_recipes(config, {**mapping, **{n: fp4jax.recipes.bf16() for n in names if "down" in n}})
