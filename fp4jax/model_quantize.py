@@ -33,7 +33,11 @@ class Rule:
 def compile_rules(rules) -> tuple[Rule, ...]:
   """Validates `rules` (an ordered sequence of (regex, recipe-or-name-or-None) pairs) into Rules."""
   if isinstance(rules, (str, bytes)) or not hasattr(rules, "__iter__"):
-    raise ValueError(f"rules must be a list of (regex, recipe) pairs; got {rules!r}.")
+    if isinstance(rules, str):
+      raise ValueError(f"rules must be a list of (regex, recipe) pairs; got the string {rules!r}. For every layer: "
+                       f"[('.*', {rules!r})].")
+    raise ValueError(f"rules must be a list of (regex, recipe) pairs (for every layer: [('.*', recipe)]); got "
+                     f"{type(rules).__name__} {str(rules)[:80]!r}.")
   out = []
   for i, rule in enumerate(rules):
     if isinstance(rule, Rule):

@@ -315,3 +315,12 @@ def test_linen_refusals_name_the_layer():
   qcustom = fp4jax.quantize_model(custom, [(".*", "nvfp4:stochastic_rounding=false")])
   with pytest.raises(ValueError, match="custom dot_general"):
     qcustom.apply(qcustom.init(jax.random.key(0), X_LINEN), X_LINEN)
+
+
+@pytest.mark.parametrize("rules, match", [
+    ("nvfp4", r"got the string 'nvfp4'\. For every layer: \[\('\.\*', 'nvfp4'\)\]"),
+    (fp4jax.recipes.nvfp4(), r"\(for every layer: \[\('\.\*', recipe\)\]\); got Recipe"),
+])
+def test_a_bare_recipe_instead_of_rules_says_how_to_quantize_every_layer(rules, match):
+  with pytest.raises(ValueError, match=match):
+    fp4jax.quantize_model(nnx.Linear(32, 32, rngs=nnx.Rngs(0)), rules, rngs=nnx.Rngs(quant=1))
