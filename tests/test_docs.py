@@ -56,3 +56,12 @@ def test_mention_scan_finds_a_mention(tmp_path):
 def test_numerics_doc_has_the_linked_sections():
   headings = re.findall(r"^## (.+?)\s*$", (ROOT / "docs" / "numerics.md").read_text(), re.M)
   assert headings == list(NUMERICS_SECTIONS)
+
+
+def test_pyproject_license_is_an_spdx_string():
+  # setuptools deprecated the `{ text = ... }` table (builds warn now, and are to fail after 2027-02-18); the SPDX
+  # string form needs setuptools >= 77 in the isolated build environment.
+  import tomllib  # pylint: disable=g-import-not-at-top
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  assert project["project"]["license"] == "Apache-2.0"
+  assert "setuptools>=77" in project["build-system"]["requires"]
