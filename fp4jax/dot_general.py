@@ -375,12 +375,6 @@ def rht_size_limit(k: int, n: int, recipe: recipes_lib.Recipe) -> int | None:
 def check_layer_shape(k: int, n: int, recipe: recipes_lib.Recipe) -> None:
   """Raises a ValueError unless a linear layer with weight [K, N] = [k, n] can run `recipe`: the blocks of its
   Fprop and Dgrad operands and their RHT tiles divide K and N (Wgrad's token axis is padded inside the rule)."""
-  _check_block_divisibility(k, n, recipe)
-
-
-def _check_block_divisibility(k, n, recipe):
-  """Fprop and Dgrad block K and N, and run their RHTs along them (Wgrad's token axis is padded inside the rule):
-  check the block and RHT sizes divide."""
   sizes = {"K": k, "N": n}
   for gemm, role, dim in _FEATURE_OPERANDS:
     op = getattr(recipe.gemm(gemm), role)
@@ -427,7 +421,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     key = jax.random.key(0)  # unused by the rule's arithmetic; keeps one code path
   w_KxN = rhs if r == 0 else rhs.T
   k, n = w_KxN.shape
-  _check_block_divisibility(k, n, recipe)
+  check_layer_shape(k, n, recipe)
   x_MxK = lhs.reshape(-1, k)
   y_MxN = _qmatmul_jit(x_MxK, w_KxN, key, recipe)
   out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from fp4jax import formats
 from fp4jax import recipes as recipes_lib
-from fp4jax.dot_general import (Operands, _canonical_weight_axes, _check_block_divisibility, check_layer_key, dgrad,
+from fp4jax.dot_general import (Operands, _canonical_weight_axes, check_layer_key, check_layer_shape, dgrad,
                                 fprop, layer_operands, rule_keys, wgrad)
 from fp4jax.dot_general import dot_general as plain_dot_general
 from fp4jax.gemm import f32_values as _values
@@ -185,7 +185,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   key = jax.random.key(0) if key is None else key
   w_KxN = rhs if r == 0 else rhs.T
   k, n = w_KxN.shape
-  _check_block_divisibility(k, n, recipe)
+  check_layer_shape(k, n, recipe)
   outliers = jnp.asarray(outliers)
   _check_idx(outliers, k)
   y_MxN = _split_matmul_jit(lhs.reshape(-1, k), w_KxN, outliers, key, recipe)
