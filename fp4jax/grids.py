@@ -196,7 +196,12 @@ def unpack_nibbles(packed, axis):
 
 
 def divide_by_constant(a, c: float):
-  """a / c correctly rounded in float32. XLA rewrites division by a constant into multiplication by its rounded
-  reciprocal (off by an ulp for about half of all inputs); an optimization barrier on a divisor array of a's shape
-  keeps a true division."""
-  return a / jax.lax.optimization_barrier(jnp.full(jnp.shape(a), c, jnp.float32))
+  """a / c correctly rounded in float32, also under jax.vmap.
+
+  XLA rewrites a division by a constant, or by any broadcast scalar, into a multiplication by the rounded reciprocal
+  (off by an ulp for about half of all inputs). So the divisor is an array of a's shape computed from `a` (c, or a
+  itself where a is NaN, which gives the same NaN), behind an optimization barrier: under vmap it is batched with `a`
+  instead of broadcast along the batch axis, where the rewrite would apply again.
+  """
+  divisor = jnp.where(jnp.isnan(a), a, jnp.float32(c))
+  return a / jax.lax.optimization_barrier(divisor)

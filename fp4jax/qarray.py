@@ -73,7 +73,14 @@ class QArray:
   def __repr__(self):
     layout = "2d" if self.block_2d else f"1d(axis={self.axis})"
     return (f"QArray({self.fmt.name}, shape={self.orig_shape}, layout={layout}, dtype={jnp.dtype(self.dtype).name}, "
-            f"codes={self.codes.dtype}{tuple(self.codes.shape)}, scales={self.scales.dtype}{tuple(self.scales.shape)})")
+            f"codes={_describe(self.codes)}, scales={_describe(self.scales)})")
+
+
+def _describe(leaf) -> str:
+  """dtype(shape) of an array leaf; repr of anything else (e.g. after jax.tree.map(jnp.shape, q))."""
+  if hasattr(leaf, "dtype") and hasattr(leaf, "shape"):
+    return f"{leaf.dtype}{tuple(leaf.shape)}"
+  return repr(leaf)
 
 
 def block_shape(fmt: formats.Format, ndim: int, axis: int, block_2d: bool) -> tuple[int, ...]:
@@ -133,5 +140,8 @@ def _check_array(field, a, dtype, shape, fmt):
   if not hasattr(a, "dtype") or not hasattr(a, "shape"):
     raise ValueError(f"QArray.{field} must be an array; got {type(a).__name__}.")
   if jnp.dtype(a.dtype) != dtype or tuple(a.shape) != tuple(shape):
+    batched = jnp.dtype(a.dtype) == dtype and tuple(a.shape[-len(shape):] if shape else ()) == tuple(shape)
+    hint = (" It has leading batch axes: a QArray returned by jax.vmap keeps them in its arrays, not in its shape, so "
+            "dequantize it under jax.vmap too." if batched and a.ndim > len(shape) else "")
     raise ValueError(f"QArray.{field} must be {dtype.name} with shape {tuple(shape)} for {fmt.name}; got "
-                     f"{jnp.dtype(a.dtype).name} with shape {tuple(a.shape)}.")
+                     f"{jnp.dtype(a.dtype).name} with shape {tuple(a.shape)}.{hint}")

@@ -317,10 +317,25 @@ def fake_quant(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str 
 
   Bit-identical to that composition, but multiplies the rounded E2M1/E4M3 values by their scales directly (no
   codes, packing or float8 scale round trip), so under jit the chain is a block-max pass plus one fused pass.
+
+  Differentiable with the straight-through estimator: the gradient is the identity (the cotangent passes through
+  unchanged), as in quantization-aware training, since the rounding's own derivative is zero almost everywhere
+  (without it jax.grad would return zeros). `quantize` has no gradient: its codes are integers. For QuEST's clipped
+  estimator, multiply the cotangent by the mask of `quantize_with_clip_mask`.
   """
   fmt, x, axis = _checked(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
-  return _fake_quant_jit(x, key, fmt=fmt, axis=axis, block_2d=block_2d, rounding=rounding, random_bits=random_bits,
-                         pad=pad, sr_bits=sr_bits)
+  return _fake_quant_straight_through(x, key, (fmt, axis, block_2d, rounding, random_bits, pad, sr_bits))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _fake_quant_straight_through(x, key, settings):
+  return _fake_quant_jit(x, key, **dict(zip(_SETTINGS, settings)))
+
+
+@_fake_quant_straight_through.defjvp
+def _fake_quant_straight_through_jvp(settings, primals, tangents):
+  x, key = primals
+  return _fake_quant_straight_through(x, key, settings), tangents[0]
 
 
 @functools.partial(jax.jit, static_argnames=_SETTINGS)
