@@ -199,9 +199,9 @@ def divide_by_constant(a, c: float):
   """a / c correctly rounded in float32, also under jax.vmap.
 
   XLA rewrites a division by a constant, or by any broadcast scalar, into a multiplication by the rounded reciprocal
-  (off by an ulp for about half of all inputs). So the divisor is an array of a's shape computed from `a` (c, or a
-  itself where a is NaN, which gives the same NaN), behind an optimization barrier: under vmap it is batched with `a`
-  instead of broadcast along the batch axis, where the rewrite would apply again.
+  (off by an ulp for about half of all inputs). So the divisor is computed from `a` (c, or a itself where a is NaN,
+  which gives the same NaN): no constant to rewrite, and under vmap it is batched with `a` instead of broadcast along
+  the batch axis. It fuses with its neighbours (an optimization barrier here cost ~116 extra GPU kernels per nvfp4
+  `small` train step).
   """
-  divisor = jnp.where(jnp.isnan(a), a, jnp.float32(c))
-  return a / jax.lax.optimization_barrier(divisor)
+  return a / jnp.where(jnp.isnan(a), a, jnp.float32(c))
