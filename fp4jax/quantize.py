@@ -203,6 +203,8 @@ def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = 
 
   Returns:
     A QArray. NaN anywhere makes amax NaN; NaN or inf anywhere makes the whole dequantized tensor non-finite.
+    No gradient flows through it (the codes are integers); `fake_quant` has the straight-through one. Under
+    jax.vmap each item is quantized as if alone (its own amax), and the QArray's arrays carry the batch axes.
   """
   return _quantize(x, fmt, axis, block_2d, rounding, key, random_bits, pad, sr_bits, clip_mask=False)[0]
 
