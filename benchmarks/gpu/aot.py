@@ -120,7 +120,9 @@ def _train_step_case(recipe: str):
 def compile_all(out_dir: str | None = None) -> list[tuple[str, bool, str]]:
   """Compiles every case; returns (name, ok, detail) with the kernels' grid/threads/shared memory or the error."""
   dump = out_dir or tempfile.mkdtemp(prefix="fp4jax_aot_")
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
+  # Per compile, not in XLA_FLAGS: those are read once, when jax starts its first backend, which in a test worker
+  # another test may already have done.
+  options = {"xla_dump_to": dump}
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   topo = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x1")
@@ -133,7 +135,7 @@ def compile_all(out_dir: str | None = None) -> list[tuple[str, bool, str]]:
     t0 = time.time()
     try:
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the Triton lowering asks it for the GPU kind
-        jax.jit(fn).lower(*args).compile()
+        jax.jit(fn).lower(*args).compile(compiler_options=options)
       kernels, launches = [], 0
       for path in sorted(set(glob.glob(os.path.join(dump, "*thunk_sequence.txt"))) - before):
         with open(path, encoding="utf-8") as f:
