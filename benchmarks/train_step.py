@@ -36,10 +36,12 @@ from fp4jax.pretrain import trainer  # pylint: disable=wrong-import-position
 from fp4jax.pretrain.config import TrainConfig  # pylint: disable=wrong-import-position
 
 
-def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, dataset):
-  """Compiled train and eval steps, an initial state and a few batches for one (model, recipe)."""
+def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, dataset, model_overrides=None):
+  """Compiled train and eval steps, an initial state and a few batches for one (model, recipe); `model_overrides`:
+  ModelConfig fields to replace, e.g. {"n_layers": 8}."""
+  overrides = {f"model.{k}": v for k, v in (model_overrides or {}).items()}
   config = TrainConfig.from_options(model=model_name, recipe=recipe, batch_size=batch_size, seq_len=seq_len,
-                                    steps=1000, progress=False)
+                                    steps=1000, progress=False, **overrides)
   keys = trainer.run_keys(0)
   model = trainer.build_model(config, keys["init"])
   graphdef = nnx.graphdef(model)

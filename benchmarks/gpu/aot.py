@@ -97,14 +97,15 @@ def cases():
 TRAIN_STEP_RECIPES = ("bf16", "nvfp4", "nvfp4:backend=pallas")
 
 
-def _train_step_case(recipe: str):
-  """(step fn, (state, batch, key)) of the `small` model's train step at the gpu.sh size (gpu_model.SMALL_BATCH_SEQ)."""
+def _train_step_case(recipe: str, **model_overrides):
+  """(step fn, (state, batch, key)) of the `small` model's train step at the gpu.sh size (gpu_model.SMALL_BATCH_SEQ);
+  `model_overrides`: ModelConfig fields to replace (e.g. scan_layers=True)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from benchmarks.gpu import model as gpu_model  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top
   from pallas_kernels import platform as pallas_platform  # pylint: disable=g-import-not-at-top
-  step, state, _ = gpu_model.train_step_and_state(model_lib.get_model_config("small"), recipe,
+  step, state, _ = gpu_model.train_step_and_state(model_lib.get_model_config("small", **model_overrides), recipe,
                                                   *gpu_model.SMALL_BATCH_SEQ)
   batch = {k: jax.ShapeDtypeStruct(gpu_model.SMALL_BATCH_SEQ, jnp.int32) for k in ("inputs", "targets")}
 

@@ -8,6 +8,12 @@ attention batched GEMMs (QK^T, PV: compute dtype in, float32 accumulation). The 
 
 Layer names: "blocks.{i}.attn.{q,k,v,o}" and "blocks.{i}.mlp.{up,gate,down}" ("gate" only for SwiGLU), the same
 paths nnx.split / nnx.state use.
+
+`ModelConfig.scan_layers` runs each run of consecutive blocks with one graphdef (the same recipes, shapes and
+OutControl channel counts) as a `jax.lax.scan` over their parameters stacked at call time, so XLA compiles one block
+body per run instead of one per block. The parameters stay per block (checkpoints, sharding rules and precision
+policies address them by path) and each block reads its own row of the per-layer keys; blocks whose layers write
+state (OutControl's record phase, analysis taps) run in the loop.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class ModelConfig:
   dtype: str = "bfloat16"  # compute dtype of activations fed to GEMMs
   param_dtype: str = "float32"  # master weights
   remat: bool = False  # rematerialise each block's activations in the backward pass
+  scan_layers: bool = False  # runs of identical blocks as one lax.scan: compile time independent of depth
 
   def __post_init__(self):
     for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
@@ -84,8 +91,9 @@ class ModelConfig:
         ok = False
       if not ok or not isinstance(value, str):
         raise ValueError(f"ModelConfig.{field} must name a float dtype like 'bfloat16'; got {value!r}.")
-    if not isinstance(self.remat, bool):
-      raise ValueError(f"ModelConfig.remat must be a bool; got {self.remat!r}.")
+    for field in ("remat", "scan_layers"):
+      if not isinstance(getattr(self, field), bool):
+        raise ValueError(f"ModelConfig.{field} must be a bool; got {getattr(self, field)!r}.")
 
   @property
   def linear_shapes(self) -> dict[str, tuple[int, int]]:
@@ -221,7 +229,7 @@ class Attention(nnx.Module):
   """Causal grouped-query attention; q/k/v/o are quantizable, QK^T / softmax / PV stay high precision."""
 
   def __init__(self, config: ModelConfig, index: int, *, recipe, rngs: nnx.Rngs):
-    self.config, self.index = config, index
+    self.config = config  # no index: blocks that differ only by position share a graphdef (scan_layers)
     shapes, dtype, param_dtype = config.linear_shapes, jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
     for sub in ("q", "k", "v", "o"):
       layer_recipe = _layer_recipe(recipe, f"blocks.{index}.attn.{sub}")
@@ -255,7 +263,7 @@ class Mlp(nnx.Module):
   """SwiGLU (silu(gate) * up) or squared-ReLU (relu(up)^2) MLP; the nonlinearity runs in float32."""
 
   def __init__(self, config: ModelConfig, index: int, *, recipe, rngs: nnx.Rngs):
-    self.config, self.index = config, index
+    self.config = config
     shapes, dtype, param_dtype = config.linear_shapes, jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
     make = lambda sub: fp4jax.nn.Linear(*shapes[f"mlp.{sub}"], recipe=_layer_recipe(recipe, f"blocks.{index}.mlp.{sub}"),
                                          rngs=_params_only(rngs), dtype=dtype, param_dtype=param_dtype)
@@ -308,6 +316,52 @@ def _block_forward(block: Block, x_BxTxD, positions_T, keys_S):
 _block_forward_remat = nnx.remat(_block_forward)
 
 
+def _scannable(block: Block) -> bool:
+  """Whether `block` holds only the model's own modules and reads, never writes, its state: no layer records its
+  inputs (OutControl), draws from an RNG stream or is wrapped (analysis taps). A scan body's writes would be lost."""
+  for _, module in nnx.iter_modules(block):
+    if isinstance(module, fp4jax.nn.Linear):
+      if module.record_inputs or module.quant_rngs is not None:
+        return False
+    elif not isinstance(module, (Block, Attention, Mlp, RMSNorm)):
+      return False
+  return True
+
+
+def block_runs(blocks) -> list[tuple[int, int]]:
+  """[start, stop) ranges of consecutive blocks that one lax.scan can run: scannable, with the same graphdef (so the
+  same recipes) and the same state shapes and dtypes (so the same OutControl channel counts). Blocks that differ (a
+  BF16 first block) start a new run."""
+  runs, previous = [], None
+  for i, block in enumerate(blocks):
+    signature = None
+    if _scannable(block):
+      graphdef, state = nnx.split(block)
+      signature = (graphdef, tuple((jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(state)))
+    if runs and signature is not None and signature == previous:
+      runs[-1] = (runs[-1][0], i + 1)
+    else:
+      runs.append((i, i + 1))
+    previous = signature
+  return runs
+
+
+def _scan_blocks(blocks, x_BxTxD, positions_T, keys_LxS, *, remat: bool):
+  """The blocks (one graphdef) applied in order as a lax.scan over their stacked state: one traced and compiled
+  block body whatever the depth. The same arithmetic as the loop; the parameters stay per block."""
+  graphdef = nnx.graphdef(blocks[0])
+  state_L = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[nnx.state(block) for block in blocks])
+
+  def body(x_BxTxD, state_and_keys):
+    state, keys_S = state_and_keys
+    return nnx.merge(graphdef, state)(x_BxTxD, positions_T, keys_S), None
+
+  if remat:
+    body = jax.checkpoint(body, prevent_cse=False)  # the loop already keeps XLA from merging the recomputation
+  x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (state_L, keys_LxS))
+  return x_BxTxD
+
+
 class Transformer(nnx.Module):
   """Decoder-only LM. `model(tokens_BxT, key=...)` -> float32 logits [B, T, vocab_size].
 
@@ -352,8 +406,13 @@ class Transformer(nnx.Module):
     x_BxTxD = self.embed(tokens_BxT).astype(jnp.float32)
     forward = _block_forward_remat if c.remat else _block_forward
     keys_LxS = block_layer_keys(key, c.n_layers)
-    for i, block in enumerate(self.blocks):
-      x_BxTxD = forward(block, x_BxTxD, positions_T, _take(keys_LxS, i))
+    runs = block_runs(self.blocks) if c.scan_layers else [(i, i + 1) for i in range(c.n_layers)]
+    for start, stop in runs:
+      if stop - start == 1:
+        x_BxTxD = forward(self.blocks[start], x_BxTxD, positions_T, _take(keys_LxS, start))
+      else:
+        keys = None if keys_LxS is None else jax.tree.map(lambda a: a[start:stop], keys_LxS)
+        x_BxTxD = _scan_blocks(self.blocks[start:stop], x_BxTxD, positions_T, keys, remat=c.remat)
     return self.lm_head(self.final_norm(x_BxTxD)).astype(jnp.float32)
 
   def linear_layers(self) -> dict[str, fp4jax.nn.Linear]:

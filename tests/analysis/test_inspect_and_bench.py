@@ -184,6 +184,16 @@ def test_train_step_table_prints_faults_per_step(capsys):
   assert head.split()[-1] == "faults" and line.split()[-1] == "19715" and line.split()[:2] == ["small", "nvfp4"]
 
 
+def test_compile_time_benchmark_runs_loop_and_scan(capsys):
+  """benchmarks/compile_time.py end to end on 2 bf16 blocks: both modes compile, step and start from one loss."""
+  from benchmarks import compile_time  # pylint: disable=g-import-not-at-top
+  assert compile_time.main(["--depths", "2", "--recipes", "bf16", "--steps", "1", "--warmup", "0"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[1].split()[:3] == ["layers", "recipe", "compile"] and "temp MB loop" in out[1]
+  row = out[3].split()
+  assert row[:2] == ["2", "bf16"] and "same" in row and all(float(v) > 0 for v in row[2:10])
+
+
 def _transparent_huge_pages() -> str:
   try:
     with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="utf-8") as f:

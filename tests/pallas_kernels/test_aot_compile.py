@@ -29,11 +29,14 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4:backend=pallas"])
-def test_train_step_cases_lower_for_cuda(recipe):
+@pytest.mark.parametrize("recipe, scan_layers", [("nvfp4", False), ("nvfp4:backend=pallas", False),
+                                                 ("nvfp4:backend=pallas", True)])
+def test_train_step_cases_lower_for_cuda(recipe, scan_layers):
   from pallas_kernels import platform  # pylint: disable=g-import-not-at-top
-  fn, args = aot._train_step_case(recipe)  # pylint: disable=protected-access
+  fn, args = aot._train_step_case(recipe, scan_layers=scan_layers)  # pylint: disable=protected-access
   text = platform.lower_for_cuda(fn, *args).as_text()
   # The Pallas recipe's kernels lower as Triton calls (compiled, not interpret mode's loops); the XLA path has none.
   assert (text.count("__gpu$xla.gpu.triton") > 0) == recipe.endswith("pallas"), recipe
-  assert "stablehlo.while" not in text or not recipe.endswith("pallas")
+  # With scan_layers the kernels sit in the layer loops' bodies (the forward's and the backward's); without, the
+  # Pallas path has no loop at all.
+  assert ("stablehlo.while" in text) == scan_layers or not recipe.endswith("pallas")

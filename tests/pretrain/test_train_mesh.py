@@ -1,6 +1,7 @@
 """Training on (data, fsdp, tensor) meshes of 8 simulated devices: same losses as one device, checkpoints saved on
 one mesh resume on another, clear errors for meshes that do not fit."""
 
+import dataclasses
 import shutil
 
 import jax
@@ -55,6 +56,19 @@ def test_losses_match_single_device(env, single, mesh, capfd):
   leaf = jax.tree.leaves(summary["params"])[0]
   assert len(leaf.sharding.device_set) == 8
   # XLA's partitioner found a layout for every activation (no replicated tensors; see sharding.GATHER_AT_USE).
+  assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_scan_layers_on_a_mesh_matches_the_loop_on_one_device(env, capfd):
+  """The scanned blocks' stacked weights keep their shardings: the step partitions as the loop's does."""
+  two = dataclasses.replace(MODEL, n_layers=2)
+  loop = _run(env, _config(env, "loop2", model=two))
+  scan = _run(env, _config(env, "scan2_mesh", model=dataclasses.replace(two, scan_layers=True),
+                           mesh="data=2,fsdp=2,tensor=2"))
+  np.testing.assert_allclose(scan["losses"][0], loop["losses"][0], rtol=1e-5)
+  np.testing.assert_allclose(scan["losses"], loop["losses"], rtol=2e-2)  # as test_losses_match_single_device
+  assert all(len(leaf.sharding.device_set) == 8 for leaf in jax.tree.leaves(scan["params"]))
   assert "Involuntary full rematerialization" not in capfd.readouterr().err
 
 
