@@ -60,7 +60,8 @@ def benchmark(model: str, depths, recipes, *, steps: int, warmup: int, batch_siz
       for i in range(warmup + steps):
         for mode in MODES:
           losses[mode].append(_step(runs[mode], i))
-      loop, scan = ({"compile_s": runs[m]["compile_s"], "step_ms": 1e3 * float(np.median(runs[m]["step_times"][warmup:])),
+      loop, scan = ({"compile_s": runs[m]["compile_s"],
+                     "step_ms": 1e3 * float(np.median(runs[m]["step_times"][warmup:])),
                      "temp_mb": runs[m]["memory"]["temp"] / 2**20} for m in MODES)
       rows.append({"model": model, "layers": depth, "recipe": recipe, "remat": remat,
                    "loop_compile_s": loop["compile_s"], "scan_compile_s": scan["compile_s"],

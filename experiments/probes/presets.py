@@ -69,9 +69,9 @@ PRESETS: dict[str, ProbePreset] = {
                        cont_variants=("bf16", "nvfp4", "nvfp4-noSR", "nvfp4+last1"), cont_steps=40, cont_seeds=3),
     # The paper's 1.2B ablation model on a GPU: 4000 BF16 steps of 64 x 4096 tokens; probes on 4 x 4096 tokens
     # (bias sums keep num_draws-level copies of each gradient: memory ~ levels x 16k x 6144 floats).
-    "gpu": ProbePreset(model="paper_1b", model_overrides=(("remat", True),), base_steps=4000, batch_size=64,
-                       seq_len=4096, lr=3e-4, eval_batches=16, probe_batches=1, probe_batch_size=4, num_draws=16,
-                       bias_draws=64, bias_layers=r"blocks\.(0|19)\..*",
+    "gpu": ProbePreset(model="paper_1b", model_overrides=(("remat", True), ("scan_layers", True)), base_steps=4000,
+                       batch_size=64, seq_len=4096, lr=3e-4, eval_batches=16, probe_batches=1, probe_batch_size=4,
+                       num_draws=16, bias_draws=64, bias_layers=r"blocks\.(0|19)\..*",
                        model_variants=("nvfp4", "nvfp4-noRHT", "nvfp4-noSR", "nvfp4-no2D", "mxfp4", "nvfp4+last2",
                                        "nvfp4+first2+last2"),
                        model_draws=4, cont_variants=("bf16", "nvfp4", "nvfp4-noRHT", "nvfp4-noSR", "nvfp4-no2D",

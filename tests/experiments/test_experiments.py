@@ -47,6 +47,7 @@ def test_every_preset_builds_valid_configs(name, preset, tmp_path):
   assert len(distinct) == len(configs)
   if preset == "gpu":
     assert configs[0].model.n_layers == 20 and configs[0].model.d_model == 2048
+    assert all(c.model.remat and c.model.scan_layers for c in configs)  # one compiled block body per run of blocks
   if preset == "smoke":
     assert sweep.seeds == 1 and len(sweep.runs) <= 3 and configs[0].steps <= 20
 

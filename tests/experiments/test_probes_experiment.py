@@ -25,6 +25,8 @@ def test_variants_and_presets():
     presets.parse_variant("nvfp5+last1")
   with pytest.raises(ValueError, match="Unknown preset"):
     presets.get_preset("tpu")
+  gpu = model_lib.get_model_config(presets.get_preset("gpu").model, **dict(presets.get_preset("gpu").model_overrides))
+  assert gpu.n_layers == 20 and gpu.remat and gpu.scan_layers
   names = [f"blocks.{b}.{s}" for b in range(3) for s in model_lib.SUBLAYERS]
   got = presets.variant_recipes("nvfp4+last1", names, 3)
   assert [got[f"blocks.{b}.mlp.down"].is_quantized for b in range(3)] == [True, True, False]
