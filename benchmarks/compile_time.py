@@ -5,13 +5,13 @@
     python benchmarks/compile_time.py --depths 16 --recipes nvfp4 --remat       # both modes rematerialise blocks
 
 Each (depth, recipe) builds the donated train step twice, with `ModelConfig.scan_layers` off ("loop") and on
-("scan"), from the same initial state, and reports the compile time of each, their median step times (the two
-stepped alternately on the same batches and keys, so load changes on a shared machine hit both) and the scan/loop
-ratios, and the step's temp memory (XLA's compiled memory analysis: scratch incl. saved activations). The scan runs
-the model's arithmetic unchanged: "first loss" says whether the first step's losses have
-the same bits. The optimizer's global gradient norm may then differ in its last bit (XLA sums a gradient read from
-the scan's stacked buffer in another order), so later steps drift apart by float32 rounding: "max |dloss|" is the
-largest difference between the two runs' losses over all steps, "loss" the scan run's last.
+("scan"), from the same initial state. It reports each one's compile time, its median step time (the two stepped
+alternately on the same batches and keys, so load changes on a shared machine hit both), the scan/loop ratios, and
+the step's temp memory (XLA's compiled memory analysis: scratch incl. saved activations). The scan runs the model's
+arithmetic unchanged: "first loss" says whether the first step's losses have the same bits. The optimizer's global
+gradient norm may then differ in its last bit (XLA fuses that reduction differently in the two programs), so later
+steps drift apart by float32 rounding: "max |dloss|" is the largest gap between the two runs' losses over all
+steps, "loss" the scan run's last. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def benchmark(model: str, depths, recipes, *, steps: int, warmup: int, batch_siz
   rows = []
   for depth in depths:
     for recipe in recipes:
+      print(f"{depth} layers, {recipe}: compiling loop and scan, then {warmup + steps} steps each", file=sys.stderr,
+            flush=True)
       runs = {mode: train_step._setup(model, recipe, batch_size, None, dataset,  # pylint: disable=protected-access
                                       {"n_layers": depth, "scan_layers": mode == "scan", "remat": remat})
               for mode in MODES}

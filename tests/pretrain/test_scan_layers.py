@@ -73,8 +73,8 @@ def _mixed_recipes(config):
 def test_scan_matches_the_loop_with_sr_rht_and_a_bf16_first_block():
   """The scan runs the loop's arithmetic with each layer's own keys. XLA may fuse a reduction (an RMSNorm scale's
   gradient) differently in the two programs, so gradients are held to a bound, not to their bits: each leaf's
-  distance to the loop's is under 1e-3 of the distance that another key's SR draws make (0 on the CPUs measured);
-the final norm and LM head, which no draw reaches, to float32 rounding."""
+  distance to the loop's is under 1e-3 of the distance that another key's SR draws make (0 on the CPU measured);
+  the final norm and LM head, which no draw reaches, agree to float32 rounding."""
   config = dataclasses.replace(TINY, n_layers=3)
   recipes = _mixed_recipes(config)
   loop = _model(config, recipes)
