@@ -94,7 +94,7 @@ class NVFP4(_FP4Format):
   """
 
   block_size: int = 16
-  scale_rule: Literal["nearest", "up", "4over6"] = "nearest"
+  scale_rule: Literal["nearest", "up", "4over6", "eden"] = "nearest"
   select: Literal["mse", "mae", "absmax"] = "mse"
   headroom: bool = False
   double_block: bool = False

@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax import blocks
 from fp4jax import formats
@@ -29,20 +30,34 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 # --- validation ---------------------------------------------------------------------------------------------------
 
+def _check_axis(shape, axis, block_2d) -> int:
+  """The non-negative blocked axis of an array of `shape`, or a ValueError naming what does not fit."""
+  ndim = len(shape)
+  if ndim < 1 or (block_2d and ndim < 2):
+    raise ValueError(f"cannot quantize an array of shape {tuple(shape)} with block_2d={block_2d}.")
+  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+    raise ValueError(f"axis must be an int; got {axis!r}.")
+  if not -ndim <= axis < ndim:
+    raise ValueError(f"axis {axis} is out of range for an array of rank {ndim}.")
+  axis = int(axis) % ndim
+  if block_2d and axis < ndim - 2:
+    raise ValueError(f"block_2d blocks span the last two axes; axis must be one of them, got axis={axis}.")
+  return axis
+
+
 def _check_input(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits="hash"):
   if key is not None:
     keys.check_key_or_hash_seed(key, sr_bits, "key")
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
     raise ValueError(f"quantize supports float32, bfloat16 and float16 inputs; got dtype {jnp.dtype(x.dtype).name}.")
-  if x.ndim < 1 or (block_2d and x.ndim < 2):
-    raise ValueError(f"cannot quantize an array of shape {x.shape} with block_2d={block_2d}.")
-  if not -x.ndim <= axis < x.ndim:
-    raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}.")
-  axis = axis % x.ndim
-  if block_2d and axis < x.ndim - 2:
-    raise ValueError(f"block_2d blocks span the last two axes; axis must be one of them, got axis={axis}.")
+  axis = _check_axis(x.shape, axis, block_2d)
+  if x.size == 0:
+    raise ValueError(f"cannot quantize an empty array (shape {x.shape}): it has no amax.")
   if rounding not in rounding_lib.ROUNDING_MODES:
     raise ValueError(f"rounding must be one of {rounding_lib.ROUNDING_MODES}; got {rounding!r}.")
+  if rounding == "nearest" and key is not None:
+    raise ValueError("key is used by rounding='stochastic' only; round-to-nearest would ignore it. Pass "
+                     "rounding='stochastic' to round stochastically, or key=None.")
   if rounding == "stochastic":
     if key is None:
       raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...).")
@@ -75,7 +90,8 @@ def _padded_shape(shape, fmt, blocked_axes, pad):
 def pad_to_blocks(x, fmt, *, axis=-1, block_2d=False):
   """Zero-pads `x` so the blocked axes are multiples of `fmt`'s block size (zeros never change amax)."""
   fmt = formats.get_format(fmt)
-  axis = axis % x.ndim
+  x = jnp.asarray(x)
+  axis = _check_axis(x.shape, axis, block_2d)
   padded = _padded_shape(x.shape, fmt, _blocked_axes(fmt, x.ndim, axis, block_2d), pad=True)
   return jnp.pad(x, [(0, p - s) for s, p in zip(x.shape, padded)])
 
@@ -273,6 +289,8 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
   """Float values of a QArray (code * block scale * global scale), cropped to the original shape, in `dtype`."""
   if not isinstance(q, QArray):
     raise ValueError(f"dequantize expects a QArray; got {type(q).__name__}.")
+  if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+    raise ValueError(f"dequantize returns floating-point values; got dtype={jnp.dtype(dtype).name}.")
   qarray_lib.check_fields(q)
   return _dequantize_jit(q, dtype=jnp.dtype(dtype))
 
@@ -355,10 +373,15 @@ def quantization_error(x, fmt, **kwargs) -> jax.Array:
   return jnp.linalg.norm(err) / jnp.maximum(jnp.linalg.norm(x32), jnp.finfo(jnp.float32).tiny)
 
 
-def num_blocks(shape, fmt, *, axis=-1, block_2d=False) -> int:
-  """How many scaling blocks a tensor of `shape` has."""
+def num_blocks(shape, fmt, *, axis=-1, block_2d=False, pad: bool = False) -> int:
+  """How many scaling blocks `quantize(x, fmt, axis=..., block_2d=..., pad=...)` gives a tensor of `shape`: the
+  scales' size (1 for a per-tensor format). A blocked axis that is not a whole number of blocks is an error, as in
+  quantize, unless `pad` (then it counts the padded blocks)."""
   fmt = formats.get_format(fmt)
-  blocked = _blocked_axes(fmt, len(shape), axis % len(shape), block_2d)
+  shape = tuple(shape)
+  axis = _check_axis(shape, axis, block_2d)
+  blocked = _blocked_axes(fmt, len(shape), axis, block_2d)
   if not blocked:
     return 1
-  return math.prod(_scale_shape(shape, block_shape(fmt, len(shape), axis % len(shape), block_2d)))
+  padded = _padded_shape(shape, fmt, blocked, pad)
+  return math.prod(_scale_shape(padded, block_shape(fmt, len(shape), axis, block_2d)))

@@ -171,6 +171,19 @@ class Recipe:
                        "(QuEST masks, Tseng's 4/3 decode); use backend='xla'.")
 
   def replace(self, **changes) -> "Recipe":
+    """A copy with fields replaced. Unless `name` is among them, the name gets a tag per changed field
+    ("nvfp4+rht_size=4"; a GEMM mode as the presets tag it, "-gemm:f32"), so logs and reports tell the two apart."""
+    if "name" not in changes:
+      name = self.name
+      for field, value in changes.items():
+        if getattr(self, field) == value:
+          continue
+        if field == "gemm_mode":
+          old = recipe_names.gemm_tag(self.gemm_mode)
+          name = (name[:-len(old)] if old and name.endswith(old) else name) + recipe_names.gemm_tag(value)
+        else:
+          name += f"+{field}" + (f"={value}" if isinstance(value, (bool, int, float, str)) or value is None else "")
+      changes["name"] = name
     return dataclasses.replace(self, **changes)
 
   def gemm(self, name: str) -> GemmConfig:
@@ -255,7 +268,14 @@ def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht
       raise ValueError(f"{flag} must be True or False; got {value!r}.")
   if rht_on is None:
     rht_on = ()
-  rht_on = ((rht_on,) if isinstance(rht_on, str) else tuple(rht_on)) if rht else ()
+  rht_on = (rht_on,) if isinstance(rht_on, str) else tuple(rht_on)
+  if not rht:
+    inert = {k: v for k, v, default in (("rht_on", rht_on, ("wgrad",)), ("rht_size", rht_size, default_rht_size))
+             if v != default}
+    if inert:
+      raise ValueError(f"rht=False turns the RHT off; {', '.join(f'{k}={v!r}' for k, v in inert.items())} would "
+                       "have no effect.")
+    rht_on = ()
   unknown = set(rht_on) - set(GEMMS)
   if unknown:
     raise ValueError(f"rht_on entries must be among {GEMMS}; got {sorted(unknown)}.")
@@ -306,8 +326,16 @@ def nvfp4(*, rht: bool = True, rht_size: int = 16, stochastic_rounding: bool = T
   """
   if not isinstance(four_over_six, bool):
     raise ValueError(f"four_over_six must be True or False; got {four_over_six!r}.")
+  if select not in formats.FOUR_OVER_SIX_SELECT:
+    raise ValueError(f"select must be one of {formats.FOUR_OVER_SIX_SELECT}; got {select!r}.")
+  if select != "mse" and not four_over_six:
+    raise ValueError(f"select={select!r} chooses between Four Over Six's two block scales; it needs "
+                     "four_over_six=True.")
   if unbiased_sr not in UNBIASED_SR or (unbiased_sr is not False and not isinstance(unbiased_sr, (bool, str))):
     raise ValueError(f"unbiased_sr must be one of {UNBIASED_SR}; got {unbiased_sr!r}.")
+  if unbiased_sr is not False and stochastic_rounding is False:
+    raise ValueError(f"unbiased_sr={unbiased_sr!r} changes the block scales of stochastically rounded operands; "
+                     "with stochastic_rounding=False there are none.")
   if four_over_six and unbiased_sr in (True, "up"):
     raise ValueError("four_over_six chooses between two block scales per block; rounding them up is not defined. "
                      "Use unbiased_sr='headroom' with four_over_six.")
@@ -334,7 +362,7 @@ def mxfp4(*, scale_rule: str = "ceil", rht: bool = True, rht_size: int = 32, sto
   return _fp4_recipe("mxfp4", formats.MXFP4(scale_rule=scale_rule), rht=rht, rht_size=rht_size,
                      stochastic_rounding=stochastic_rounding, weight_2d=weight_2d, rht_on=rht_on,
                      random_signs=random_signs, random_bits=random_bits, backend=backend, default_rht_size=32,
-                     sr_bits=sr_bits, gemm_mode=gemm_mode)
+                     sr_bits=sr_bits, gemm_mode=gemm_mode, extra_tags="" if scale_rule == "ceil" else f"+{scale_rule}")
 
 
 def fp8(*, block_size: int = 128, scaling: str = "block", sr_bits: str = "hash", gemm_mode: str = "auto") -> Recipe:
@@ -345,7 +373,8 @@ def fp8(*, block_size: int = 128, scaling: str = "block", sr_bits: str = "hash",
   fmt = formats.FP8(scaling=scaling, block_size=block_size)
   act = OperandConfig(fmt=fmt, pad=True)
   weight = OperandConfig(fmt=fmt, block_2d=True, pad=True)
-  return Recipe(name="fp8" + recipe_names.gemm_tag(gemm_mode), fprop=GemmConfig(act, weight),
+  tags = ("" if scaling == "block" else f"-{scaling}") + ("" if block_size == 128 else f"-b{block_size}")
+  return Recipe(name="fp8" + tags + recipe_names.gemm_tag(gemm_mode), fprop=GemmConfig(act, weight),
                 dgrad=GemmConfig(act, weight), wgrad=GemmConfig(act, act), sr_bits=sr_bits, gemm_mode=gemm_mode)
 
 

@@ -64,6 +64,12 @@ def resolve_signs(size: int, signs=None) -> jax.Array:
     return jax.random.rademacher(signs, (size,), dtype=jnp.float32)
   if signs.shape != (size,):
     raise ValueError(f"RHT signs must have shape ({size},) or be a PRNG key; got shape {signs.shape}.")
+  try:
+    values = np.asarray(signs, np.float64)
+  except jax.errors.TracerArrayConversionError:  # traced signs (inside jit) are checked where they are concrete
+    values = None
+  if values is not None and not np.all(np.abs(values) == 1):
+    raise ValueError(f"RHT signs must all be +1 or -1 (else the transform is not orthonormal); got {values}.")
   return signs.astype(jnp.float32)
 
 
@@ -91,6 +97,9 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
   """
   check_size(size)
   x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"random_hadamard takes floating-point input (float32, bfloat16, float16); got dtype "
+                     f"{x.dtype.name}.")
   if not -x.ndim <= axis < x.ndim:
     raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}.")
   axis %= x.ndim

@@ -61,7 +61,7 @@ def exact_products(tensors: LayerTensors) -> tuple[np.ndarray, np.ndarray, np.nd
 def probe_recipe(recipe) -> recipes_lib.Recipe:
   """The recipe as probed: a Recipe or recipe string, in gemm_mode "f32" when quantized."""
   recipe = recipes_lib.get_recipe(recipe)
-  return recipe.replace(gemm_mode="f32") if recipe.is_quantized else recipe
+  return recipe.replace(gemm_mode="f32", name=recipe.name) if recipe.is_quantized else recipe
 
 
 def _values(operand) -> jax.Array:

@@ -53,7 +53,7 @@ def as_probed(recipe) -> recipes_lib.Recipe:
   probe results reproducible bit for bit across platforms and from earlier runs. An explicit mode is kept.
   """
   recipe = recipes_lib.get_recipe(recipe)
-  return recipe.replace(gemm_mode="f32") if recipe.gemm_mode == "auto" else recipe
+  return recipe.replace(gemm_mode="f32", name=recipe.name) if recipe.gemm_mode == "auto" else recipe
 
 
 def recipe_variants() -> dict[str, recipes_lib.Recipe]:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import fp4jax
+from fp4jax.dot_general import derive_layer_keys
 import reference as ref
 from op_by_op import op_by_op
 
@@ -168,6 +169,69 @@ def test_bad_axis_raises(shape, kwargs):
 def test_scalar_input_raises():
   with pytest.raises(ValueError):
     fp4jax.quantize(jnp.float32(1.0), fp4jax.NVFP4())
+
+
+@pytest.mark.parametrize("axis", [None, 1.0, "1", True])
+def test_axis_that_is_not_an_int_raises(axis):
+  with pytest.raises(ValueError, match="axis must be an int"):
+    fp4jax.quantize(_x((4, 32)), fp4jax.NVFP4(), axis=axis)
+  assert fp4jax.quantize(_x((16, 32)), fp4jax.NVFP4(), axis=np.int64(0)).axis == 0
+
+
+@pytest.mark.parametrize("shape", [(0, 32), (4, 0), (0,)])
+def test_empty_input_raises(shape):
+  with pytest.raises(ValueError, match="empty"):
+    fp4jax.quantize(jnp.zeros(shape), fp4jax.NVFP4())
+
+
+@pytest.mark.parametrize("fn", [fp4jax.quantize, fp4jax.fake_quant])
+def test_a_key_with_round_to_nearest_raises(fn):
+  """A key means the caller wants stochastic rounding: never silently round to nearest instead."""
+  with pytest.raises(ValueError, match="rounding='stochastic'"):
+    fn(_x((4, 32)), fp4jax.NVFP4(), key=jax.random.key(1))
+
+
+def test_keys_the_quantizer_cannot_use_raise_naming_the_argument():
+  x = _x((4, 32))
+  with pytest.raises(ValueError, match=r"key must be.*2 words"):  # rbg-width raw data under threefry
+    fp4jax.quantize(x, fp4jax.NVFP4(), rounding="stochastic", key=jnp.zeros(4, jnp.uint32))
+  with pytest.raises(ValueError, match=r"key must be.*LayerKeys.*derived from"):
+    fp4jax.quantize(x, fp4jax.NVFP4(), rounding="stochastic", key=derive_layer_keys(jax.random.key(0)))
+  raw = fp4jax.quantize(x, fp4jax.NVFP4(), rounding="stochastic", key=jax.random.PRNGKey(3))
+  typed = fp4jax.quantize(x, fp4jax.NVFP4(), rounding="stochastic", key=jax.random.wrap_key_data(
+      jax.random.PRNGKey(3)))
+  np.testing.assert_array_equal(np.asarray(raw.codes), np.asarray(typed.codes))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int32, jnp.bool_, jnp.complex64])
+def test_dequantize_to_a_non_float_dtype_raises(dtype):
+  with pytest.raises(ValueError, match="floating-point"):
+    fp4jax.dequantize(fp4jax.quantize(_x((4, 32)), fp4jax.NVFP4()), dtype)
+
+
+@pytest.mark.parametrize("shape,fmt,kwargs", [((40, 40), "nvfp4", {}), ((40, 40), "nvfp4", {"block_2d": True}),
+                                              ((8, 40), "nvfp4", {"axis": 0}), ((3, 200), "fp8", {}),
+                                              ((64, 96), "mxfp4", {"block_2d": True}), ((5, 64), "fp8_tensor", {})])
+def test_num_blocks_is_the_scales_size_of_quantize(shape, fmt, kwargs):
+  x = _x(shape)
+  q = fp4jax.quantize(x, fmt, pad=True, **kwargs)
+  assert fp4jax.num_blocks(shape, fmt, pad=True, **kwargs) == q.scales.size
+  assert fp4jax.pad_to_blocks(x, fmt, **kwargs).shape == q.shape
+
+
+def test_num_blocks_and_pad_to_blocks_check_shapes_as_quantize_does():
+  with pytest.raises(ValueError, match="pad=True"):
+    fp4jax.num_blocks((40, 40), "nvfp4")  # not whole blocks, as quantize without pad
+  with pytest.raises(ValueError, match="pad=True"):
+    fp4jax.num_blocks((32,), "fp8")  # 32 < one 128-element block
+  with pytest.raises(ValueError, match="out of range"):
+    fp4jax.num_blocks((32, 48), "nvfp4", axis=7)
+  with pytest.raises(ValueError, match="block_2d"):
+    fp4jax.num_blocks((32,), "nvfp4", block_2d=True)
+  with pytest.raises(ValueError, match="out of range"):
+    fp4jax.pad_to_blocks(jnp.ones((4, 40)), "nvfp4", axis=5)
+  with pytest.raises(ValueError, match="block_2d"):
+    fp4jax.pad_to_blocks(jnp.ones(40), "nvfp4", block_2d=True)
 
 
 # ---------------------------------------------------------------- NaN / inf policy

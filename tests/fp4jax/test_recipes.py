@@ -146,3 +146,31 @@ def test_switching_recipes_compiles_once_per_recipe():
     for spec in ("fp8", "nvfp4:stochastic_rounding=false"):
       forward(x, w, recipes.get_recipe(spec))  # a fresh, equal recipe object each time
   assert sorted(traces) == ["fp8", "nvfp4-sr"]
+
+
+def test_names_tell_apart_recipes_that_differ():
+  """Logs and reports label runs by recipe name: two different recipes never share one."""
+  named = [recipes.mxfp4(), recipes.mxfp4(scale_rule="floor"), recipes.fp8(), recipes.fp8(scaling="tensor"),
+           recipes.fp8(block_size=32), recipes.nvfp4(), recipes.nvfp4().replace(rht_size=4),
+           recipes.nvfp4().replace(gemm_mode="f32"), recipes.nvfp4().replace(random_bits=8)]
+  assert len({r.name for r in named}) == len({r for r in named}) == len(named)
+  assert recipes.mxfp4(scale_rule="floor").name == "mxfp4+floor"
+  assert recipes.fp8(scaling="tensor").name == "fp8-tensor" and recipes.fp8(block_size=32).name == "fp8-b32"
+  assert recipes.nvfp4().replace(rht_size=4).name == "nvfp4+rht_size=4"
+  # A GEMM mode is tagged as the presets tag it, replacing the old tag; an explicit name wins; no change, no tag.
+  assert recipes.nvfp4().replace(gemm_mode="f32") == recipes.nvfp4(gemm_mode="f32")
+  assert recipes.nvfp4(gemm_mode="bf16").replace(gemm_mode="f32").name == "nvfp4-gemm:f32"
+  assert recipes.nvfp4().replace(rht_size=4, name="mine").name == "mine"
+  assert recipes.nvfp4().replace(rht_size=16) == recipes.nvfp4()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"select": "msee"}, "select must be one of"),  # a typo
+    ({"select": "mae"}, "four_over_six=True"),  # 4/6's choice without 4/6
+    ({"stochastic_rounding": False, "unbiased_sr": "headroom"}, "stochastic_rounding=False"),
+    ({"rht": False, "rht_on": ("fprop", "wgrad")}, "no effect"),
+    ({"rht": False, "rht_size": 4}, "no effect"),
+])
+def test_options_that_would_change_nothing_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    recipes.nvfp4(**kwargs)

@@ -43,9 +43,9 @@ def test_unbiased_sr_preset_changes_only_the_sr_operands():
   assert r.dgrad_reuses_weight
   head = fp4jax.recipes.nvfp4(unbiased_sr="headroom")
   assert head.wgrad.lhs.fmt == fp4jax.NVFP4(headroom=True)
-  # No SR, nothing to unbias: the recipe is NVIDIA's RNE ablation.
-  assert fp4jax.recipes.nvfp4(unbiased_sr=True, stochastic_rounding=False) == fp4jax.recipes.nvfp4(
-      stochastic_rounding=False)
+  # No SR, nothing to unbias: an option that would change nothing is refused, not ignored.
+  with pytest.raises(ValueError, match="stochastic_rounding=False"):
+    fp4jax.recipes.nvfp4(unbiased_sr=True, stochastic_rounding=False)
 
 
 @pytest.mark.parametrize("spec,match", [("nvfp4:unbiased_sr=maybe", "unbiased_sr"),

@@ -136,6 +136,20 @@ def test_length_not_divisible_raises():
 def test_bad_signs_raise():
   with pytest.raises(ValueError, match="signs"):
     fp4jax.random_hadamard(jnp.ones((4, 32)), size=16, signs=jnp.ones(8))
+  with pytest.raises(ValueError, match=r"\+1 or -1"):  # not orthonormal
+    fp4jax.random_hadamard(jnp.ones((4, 32)), size=16, signs=jnp.array([0.0, 1.0] * 8))
+  with pytest.raises(ValueError, match=r"\+1 or -1"):
+    fp4jax.random_hadamard(jnp.ones((4, 32)), size=16, signs=np.full(16, 0.5))
+  # Traced signs cannot be checked before they exist; valid ones work under jit.
+  y = jax.jit(lambda s: fp4jax.random_hadamard(jnp.ones((1, 16)), size=16, signs=s))(jnp.array([1.0, -1.0] * 8))
+  np.testing.assert_allclose(np.linalg.norm(np.asarray(y)), 4.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_, jnp.complex64])
+def test_non_float_input_raises(dtype):
+  """Integers would be truncated and complex numbers lose their imaginary part: refused, not returned."""
+  with pytest.raises(ValueError, match="floating-point"):
+    fp4jax.random_hadamard(jnp.ones((2, 16), dtype), size=16)
 
 
 def test_rht_lowers_nvfp4_error_when_outliers_starve_the_other_blocks():
