@@ -31,6 +31,7 @@ import fp4jax.pretrain.distributed
 import fp4jax.pretrain.metrics
 import fp4jax.pretrain.model
 from fp4jax.pretrain import config as config_lib
+from fp4jax.pretrain import resume as resume_lib
 from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
@@ -251,6 +252,20 @@ def _check_same_settings(folder: pathlib.Path, stored: Mapping[str, Any], config
                      "use another --out, or delete that folder to rerun it.")
 
 
+def _check_same_unfinished(folder: pathlib.Path, config: TrainConfig) -> None:
+  """An interrupted run resumes only under its own settings: a changed one would mix two settings in one run (or,
+  for a changed model, lose its checkpoints to a fresh start), so it is refused before anything runs."""
+  try:
+    step, meta = resume_lib.resume_meta(folder)
+  except fp4jax.pretrain.checkpoint.CheckpointError:  # nothing readable to resume: that run starts afresh
+    return
+  changed = config_lib.result_differences(meta["config"], jsonable(config.to_dict()))
+  if changed:
+    raise ValueError(f"{folder} holds an unfinished run (checkpoint {step}) with different settings "
+                     f"({', '.join(changed)}); rerun with its settings to finish it, use another --out, or delete "
+                     "that folder to start it afresh.")
+
+
 def steady_tokens_per_s(records: Sequence[Mapping[str, Any]]) -> float | None:
   """Median tokens/s over the step records (robust to the few steps that include compilation)."""
   rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r.get("step_time")]
@@ -289,7 +304,7 @@ def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], Non
 
   Each record: run, seed, status ("skipped": finished before; "finished"; "diverged": stopped on a non-finite
   loss, recorded as a result), out, summary (the summary.json contents). Runs that left checkpoints resume from the
-  latest one. A finished run with different settings raises ValueError before anything runs. `hooks_for(run, seed)`
+  latest one. A finished or interrupted run with different settings raises ValueError before anything runs. `hooks_for(run, seed)`
   gives extra train hooks (tests use it to interrupt a sweep).
   """
   log = log or (lambda _: None)
@@ -302,6 +317,8 @@ def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], Non
     done = read_summary(folder)
     if done is not None:
       _check_same_settings(folder, done["config"], config)
+    elif fp4jax.pretrain.checkpoint.checkpoint_dir(folder).is_dir():
+      _check_same_unfinished(folder, config)
   out.mkdir(parents=True, exist_ok=True)
   _write_json(out / SWEEP_FILE, sweep.to_dict())
   cache = compile_cache if compile_cache is not None else steps_lib.CompileCache()

@@ -78,7 +78,10 @@ def val_batches(
     process_index: int = 0,
     process_count: int = 1,
 ) -> list[dict[str, np.ndarray]]:
-  """Fixed, evenly spaced validation windows (no randomness), so val loss is comparable across runs.
+  """Fixed, evenly spaced validation windows (no randomness), so val loss is comparable across runs that share
+  batch_size, seq_len and num_batches: the windows are num_batches * batch_size spans of seq_len + 1 tokens, so
+  runs that differ in those are scored on other tokens (a batch-size or context-length sweep's val losses are not
+  comparable to each other; the training loss at equal tokens is).
 
   Windows overlap when the val split is shorter than num_batches * batch_size * (seq_len + 1).
   """

@@ -61,6 +61,14 @@ class OsciResetConfig:
   def enabled(self) -> bool:
     return self.start is not None
 
+  @property
+  def first_reset_step(self) -> int | None:
+    """The first step whose update resets weights: the first cycle starts at the first multiple of `every` that is
+    >= start, and resets `window` + 1 steps later (None when off)."""
+    if not self.enabled:
+      return None
+    return -(-self.start // self.every) * self.every + self.window + 1
+
 
 class OsciState(NamedTuple):
   """Per tracked kernel (nested dicts shaped like the params, e.g. ["blocks"]["0"]["attn"]["q"]["kernel"]): the

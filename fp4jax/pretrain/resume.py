@@ -197,7 +197,9 @@ def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str |
               f"with other schedule settings: the {what} recomputed.")
            + f" LR at step {start}: {lr_old[start]:.4g} in the stored schedule, {lr_new[start]:.4g} now."]
   if past_agrees:
-    lines.append(f"Both schedules agree on steps 0..{start - 1}, so this run equals a fresh {config.steps}-step run.")
+    lines.append(f"Both schedules agree on steps 0..{start - 1}, so this run equals a fresh {config.steps}-step run "
+                 f"with warmup_fraction {config.optimizer.warmup_fraction:.4g} and decay_fraction "
+                 f"{config.optimizer.decay_fraction:.4g}.")
   else:
     lines.append(f"Steps 0..{start - 1} followed the old schedule, so this is a new schedule: the result equals "
                  f"neither the stored run continued nor a fresh {config.steps}-step run.")

@@ -42,6 +42,7 @@ from fp4jax.pretrain import osci as osci_lib
 from fp4jax.pretrain import profiling
 from fp4jax.pretrain import resume as resume_lib
 from fp4jax.pretrain import runfolder
+from fp4jax.pretrain import sharding as sharding_lib
 from fp4jax.pretrain.config import TrainConfig
 # Re-exported: trainer.Hook, trainer.build_model, ... (their homes are hooks.py and run_setup.py).
 from fp4jax.pretrain.hooks import Hook, StepInfo, record_hook
@@ -125,6 +126,8 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
   when another run holds --out, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C.
   """
   log = log if log and distributed.is_main_process() else (lambda _: None)
+  if config.mesh:  # a bad --mesh fails before the run folder is made
+    sharding_lib.make_mesh(config.mesh)
   out, lock = runfolder.open_run_folder(config.out, resume=config.checkpointing.resume,
                                         overwrite=config.checkpointing.overwrite, log=log,
                                         process_index=jax.process_index(), process_count=jax.process_count())
@@ -152,12 +155,32 @@ def _train_locked(config, hooks, log, compile_cache, out) -> dict[str, Any]:
                               save_interval_steps=config.checkpointing.every)
   try:
     log(config.policy.describe(config.model.n_layers, list(model.linear_layers())))
+    for line in _training_options_lines(config):
+      log(line)
     log(f"Data: {dataset.source}")
     user_hooks = [h if isinstance(h, Hook) else record_hook(h) for h in hooks]
     return _Loop(config, log, out, dataset, val, keys, phases, manager, start).run(state, user_hooks)
   finally:
     manager.wait_until_finished()
     manager.close()
+
+
+def _training_options_lines(config: TrainConfig) -> list[str]:
+  """What the run log says about TetraJet-v2's training options when they are on, incl. a schedule that never acts
+  within this run (allowed: a later, lengthened resume reaches it)."""
+  lines = []
+  osci = config.osci_reset
+  if osci.enabled:
+    first = osci.first_reset_step
+    when = (f"first reset after step {first}" if first < config.steps else
+            f"its first reset would come after step {first}, beyond this {config.steps}-step run: it resets nothing")
+    lines.append(f"OsciReset: cycles of {osci.every} steps from step {osci.start}, window {osci.window}, threshold "
+                 f"{osci.threshold}; {when}.")
+  out = config.outcontrol
+  if out.enabled:
+    lines.append(f"OutControl: the top {100 * out.fraction:g} % of each quantized layer's input channels in MXFP8, "
+                 f"chosen by their norms over steps {out.start}..{out.select_step}.")
+  return lines
 
 
 def _resume(config, state, out, log) -> tuple[int, TrainState]:
@@ -171,14 +194,17 @@ def _resume(config, state, out, log) -> tuple[int, TrainState]:
   if int(state.step) != start:
     raise ckpt.CheckpointError(f"Checkpoint {start} holds step counter {int(state.step)}: inconsistent.")
   if start > config.steps:
-    raise ValueError(f"Checkpoint step {start} is beyond --steps {config.steps}.")
-  note = resume_lib.schedule_note(TrainConfig.from_dict(meta["config"]), config, start)
-  if note:
-    log(note)
+    raise ValueError(f"Checkpoint step {start} is beyond --steps {config.steps}: resume from an earlier checkpoint "
+                     f"with --resume-step N (N <= {config.steps}), or pass more --steps.")
+  schedule = resume_lib.schedule_note(TrainConfig.from_dict(meta["config"]), config, start)
+  if schedule:
+    log(schedule)
   note = resume_lib.gemm_mode_note(meta.get("gemm_mode"), config.policy.recipe)
   if note:
     log(note)
   changed = config_lib.result_differences(meta["config"], config.to_dict())
+  if schedule:  # the schedule note has said what these do
+    changed = [c for c in changed if c not in ("steps", "warmup_fraction", "decay_fraction", "switch_at")]
   if changed:
     log(f"Note: resuming with changed settings {changed}; the run will differ from an uninterrupted one.")
   dropped = metrics_lib.truncate_metrics(out, start - 1) if distributed.is_main_process() else 0

@@ -193,6 +193,11 @@ def test_interrupted_sweep_resumes_and_skips_finished_runs(tmp_path, cache):
   summary_a = tmp_path / "a" / "seed0" / sweep_lib.SUMMARY_FILE
   assert summary_a.is_file() and not (tmp_path / "b" / "seed0" / sweep_lib.SUMMARY_FILE).exists()
   stamp = summary_a.stat().st_mtime_ns
+  # Resuming the interrupted run under changed settings is refused before anything runs; its checkpoint stays.
+  changed = sweep.with_overrides({"lr": 1e-3}).replace(runs=sweep.runs[1:], reference="b")
+  with pytest.raises(ValueError, match=rf"unfinished run \(checkpoint {base['checkpoint_every']}\) with different "
+                                       r"settings \(lr\)"):
+    sweep_lib.run_sweep(changed, tmp_path, progress=False, log=None)
 
   records = sweep_lib.run_sweep(sweep, tmp_path, compile_cache=cache, progress=False, log=None)
   assert [(r["run"], r["status"]) for r in records] == [("a", "skipped"), ("b", "finished")]

@@ -2,6 +2,7 @@
 one mesh resume on another, clear errors for meshes that do not fit."""
 
 import dataclasses
+import os
 import shutil
 
 import jax
@@ -89,8 +90,10 @@ def test_checkpoint_saved_on_one_mesh_resumes_on_another(env):
     ("data=2,expert=4", "axis in"),
 ])
 def test_bad_mesh_is_a_clear_error(env, mesh, match):
+  config = _config(env, "bad_" + mesh.replace(",", "_").replace("=", ""), mesh=mesh)
   with pytest.raises(ValueError, match=match):
-    _run(env, _config(env, "bad", mesh=mesh))
+    _run(env, config)
+  assert not os.path.exists(config.out)  # refused before the run folder is made
 
 
 def test_block_straddling_a_shard_is_a_clear_error(env):

@@ -10,6 +10,7 @@ from fp4jax.pretrain import cli
 from fp4jax.pretrain import metrics
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import osci
+from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
 from train_helpers import tiny_config, run, tree_equal
 
@@ -44,6 +45,24 @@ def test_off_by_default_and_flags_build_the_group():
   built = cli.config_from_args(["--out", "x", "--recipe", "tetrajet_v2", "--osci-reset-start", "100",
                                  "--osci-reset-every", "20", "--osci-reset-window", "5"])
   assert built.osci_reset == osci.OsciResetConfig(start=100, every=20, window=5)
+
+
+def test_first_reset_step_and_what_the_run_log_says():
+  """A schedule whose first reset falls beyond the run is allowed (a lengthened resume reaches it), but said so."""
+  assert osci.OsciResetConfig(start=8000).first_reset_step == 8000 + 51
+  assert osci.OsciResetConfig(start=8001).first_reset_step == 8200 + 51
+  assert osci.OsciResetConfig(start=0, every=4, window=2).first_reset_step == 3
+  assert [osci.kind(s, osci.OsciResetConfig(start=5, every=4, window=2)) for s in range(12)].index("reset") == \
+      osci.OsciResetConfig(start=5, every=4, window=2).first_reset_step
+  assert osci.OsciResetConfig().first_reset_step is None
+  describe = trainer._training_options_lines  # pylint: disable=protected-access
+  lines = lambda **kw: describe(TrainConfig.from_options(recipe="tetrajet_v2", **kw))
+  assert lines() == []
+  (line,) = lines(osci_reset_start=8000)  # the README's flag on the default 200 steps
+  assert "first reset would come after step 8051, beyond this 200-step run: it resets nothing" in line
+  assert "first reset after step 51." in lines(osci_reset_start=0)[0]
+  (line,) = lines(outcontrol_fraction=0.05, outcontrol_start=10, outcontrol_window=5)
+  assert line.startswith("OutControl: the top 5 % ") and "steps 10..14" in line
 
 
 @pytest.mark.parametrize("changes, match", [
