@@ -133,6 +133,7 @@ class NVFP4(_FP4Format):
 
   @property
   def label(self) -> str:
+    """Short name with the options that change the bits, e.g. 'nvfp4(4over6:mae)'."""
     tags = [] if self.scale_rule == "nearest" else [self.scale_rule]
     if self.scale_rule == "4over6" and self.select != "mse":
       tags[-1] += ":" + self.select
@@ -235,7 +236,9 @@ class MXFP4(_FP4Format):
              kernel rounds ties toward zero; here ties round to even, as every fp4jax rule.
     "tseng": Tseng et al.'s backward rule (arXiv 2502.20586; Quartet's AlbertTsengQuantizer): the "floor" scale,
              elements encoded at 3/4 of it (block max in [3, 6): no saturation, so stochastic rounding is
-             unbiased) and decoded with a per-tensor factor 4/3.
+             unbiased) and decoded with a per-tensor factor 4/3. That factor carries a block whose amax is
+             above ~3.0e38 (float32's largest is 3.4e38) past float32's range: such a block decodes to inf.
+             A constant block under "quest" has sigma 0, so scale 2^-27, and all its elements clip.
   """
 
   scale_rule: Literal["floor", "ceil", "quest", "tseng"] = "floor"
@@ -252,6 +255,7 @@ class MXFP4(_FP4Format):
 
   @property
   def label(self) -> str:
+    """Short name with the scale rule, e.g. 'mxfp4(ceil)'."""
     return f"{self.name}({self.scale_rule})"
 
   @property

@@ -46,6 +46,7 @@ class FP8(FormatBase):
 
   @property
   def label(self) -> str:
+    """Short name with the scaling, e.g. 'fp8(block)'."""
     return f"{self.name}({self.scaling})"
 
   def scaling_from_amax(self, amax_b, amax) -> Scaling:

@@ -61,10 +61,12 @@ class QuantizedModel:
   _seen: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # path -> Layer, as traced
 
   def init(self, *args, **kwargs):
+    """`module.init` (same arguments and variables; the layers run unquantized, parameters do not depend on it)."""
     with nn.intercept_methods(self._intercept):
       return self.module.init(*args, **kwargs)
 
   def apply(self, *args, **kwargs):
+    """`module.apply` with the matched Dense / DenseGeneral layers quantized (add rngs={"quant": key} for SR)."""
     with nn.intercept_methods(self._intercept):
       return self.module.apply(*args, **kwargs)
 

@@ -49,10 +49,12 @@ class QArray:
 
   @property
   def ndim(self) -> int:
+    """Rank of the (padded) quantized tensor."""
     return len(self.shape)
 
   @property
   def size(self) -> int:
+    """Elements of the (padded) quantized tensor."""
     return math.prod(self.shape)
 
   @property
@@ -62,6 +64,7 @@ class QArray:
 
   @property
   def bits_per_element(self) -> float:
+    """Stored bits (codes, scales and amax) per element: 4.5 for NVFP4 1x16 blocks plus the amax."""
     return 8.0 * self.nbytes / self.size
 
   def unpacked_codes(self) -> jax.Array:

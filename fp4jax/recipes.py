@@ -187,10 +187,12 @@ class Recipe:
     return dataclasses.replace(self, **changes)
 
   def gemm(self, name: str) -> GemmConfig:
+    """The GemmConfig of "fprop", "dgrad" or "wgrad"."""
     return getattr(self, name)
 
   @property
   def is_quantized(self) -> bool:
+    """Whether any GEMM quantizes an operand (False for bf16())."""
     return any(self.gemm(g).quantized for g in GEMMS)
 
   def signs_of(self, gemm: str) -> str:

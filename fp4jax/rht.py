@@ -21,6 +21,7 @@ FUSED_SIZE = 16
 
 
 def check_size(size: int) -> None:
+  """Raises ValueError unless `size` is a power of two in [MIN_SIZE, MAX_SIZE]."""
   if not isinstance(size, (int, np.integer)) or size < MIN_SIZE or size > MAX_SIZE or size & (size - 1):
     raise ValueError(f"RHT size must be a power of two in [{MIN_SIZE}, {MAX_SIZE}]; got {size!r}.")
 
