@@ -304,8 +304,8 @@ def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], Non
 
   Each record: run, seed, status ("skipped": finished before; "finished"; "diverged": stopped on a non-finite
   loss, recorded as a result), out, summary (the summary.json contents). Runs that left checkpoints resume from the
-  latest one. A finished or interrupted run with different settings raises ValueError before anything runs. `hooks_for(run, seed)`
-  gives extra train hooks (tests use it to interrupt a sweep).
+  latest one. A finished or interrupted run with different settings raises ValueError before anything runs.
+  `hooks_for(run, seed)` gives extra train hooks (tests use it to interrupt a sweep).
   """
   log = log or (lambda _: None)
   out = pathlib.Path(out)
