@@ -39,12 +39,16 @@ def _run(env, config):
   return trainer.train(config, log=None, compile_cache=env["cache"])
 
 
+SINGLE_GROUP = "mesh_single"  # the tests on `single`: one xdist unit, so one worker trains it (not each)
+
+
 @pytest.fixture(scope="module")
 def single(env):
   return _run(env, _config(env, "single"))
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(SINGLE_GROUP)
 @pytest.mark.parametrize("mesh", ["data=8", "fsdp=8", "tensor=8", "data=2,fsdp=2,tensor=2"])
 def test_losses_match_single_device(env, single, mesh, capfd):
   # The quantizer is bit-identical on any mesh (tests/test_sharding.py), but float32 summation order differs
