@@ -11,6 +11,9 @@ that cannot be read (another worker still writing it) is a cache miss: JAX warns
 outside (`JAX_COMPILATION_CACHE_DIR=...`) is used as it is and kept, so a rerun skips the compiles of every graph
 that did not change; name one folder per machine type, since JAX's cache key leaves out the CPU's instruction set.
 
+`FP4JAX_COMPILE_LOG=DIR` records every compile with the test that made it; `python benchmarks/compile_log.py DIR`
+sums them up.
+
 Tests that train a model are marked slow, so that `pytest -m "not slow"` stays quick; `pytest_runtest_protocol`
 below fails a test that trains without the mark.
 
@@ -38,6 +41,10 @@ if _OWN_CACHE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="fp4jax-tests-jax-cache-")
 # Small graphs too: a loaded 2-core machine compiles even tiny steps in ~0.1 s, and their count adds up.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
+
+if os.environ.get("FP4JAX_COMPILE_LOG"):  # every compile of this test process, per test (benchmarks/compile_log.py)
+  from benchmarks import compile_log  # pylint: disable=g-import-not-at-top,wrong-import-position
+  compile_log.start(os.environ["FP4JAX_COMPILE_LOG"])
 
 
 def pytest_sessionfinish(session):
