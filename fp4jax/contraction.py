@@ -14,21 +14,29 @@ import string
 import jax
 import jax.numpy as jnp
 
+from fp4jax import explicit_axes
 from fp4jax import recipes as recipes_lib
 from fp4jax.dot_general import dot_general as quantized_gemm
 
 
 def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, recipe,
-                       key=None, where: str = "dot_general"):
+                       key=None, where: str = "dot_general", out_sharding=None):
   """lax.dot_general's result for a linear layer's contraction, its GEMMs quantized by `recipe`.
 
   `rhs` is the kernel; the contracted axes may sit anywhere in both operands. The output layout is lax's: lhs free
-  axes then rhs free axes. `where` names the caller in error messages.
+  axes then rhs free axes. `where` names the caller in error messages. `out_sharding` as for fp4jax.dot_general
+  (operands over Explicit mesh axes run with the axes made Auto).
   """
   recipe = recipes_lib.get_recipe(recipe)
   if not recipe.is_quantized:  # exactly lax's GEMM, no reshapes
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type)
+                               preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+  if explicit_axes.explicit_axes(lhs, rhs):  # the reshapes below split and merge sharded axes
+    if out_sharding is None:
+      out_sharding = explicit_axes.dot_general_sharding(lhs, rhs, dimension_numbers, preferred_element_type)
+    run = lambda lhs, rhs, key: linear_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                                                   recipe=recipe, key=key, where=where)
+    return explicit_axes.run_auto(run, (lhs, rhs, key), out_sharding)
   (lc, rc), (lb, rb) = dimension_numbers
   if tuple(lb) or tuple(rb):
     raise ValueError(f"{where}: a batched contraction (dimension_numbers={dimension_numbers}) is not a linear "
@@ -49,7 +57,8 @@ def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_el
   w_KxN = _moved(rhs, list(rc) + rfree).reshape(k, math.prod(free_shape_R))
   y_xN = quantized_gemm(x_xK, w_KxN, (((x_xK.ndim - 1,), (0,)), ((), ())), precision, preferred_element_type,
                         recipe=recipe, key=key)
-  return y_xN.reshape(*free_shape_L, *free_shape_R)
+  y = y_xN.reshape(*free_shape_L, *free_shape_R)
+  return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
 
 
 def _moved(x, order):
@@ -101,5 +110,11 @@ def linear_einsum(equation, lhs, rhs, precision=None, preferred_element_type=Non
     dims, perm = einsum_as_dot_general(equation, lhs.ndim, rhs.ndim)
   except ValueError as e:
     raise ValueError(f"{where}: {e}") from None
+  if explicit_axes.explicit_axes(lhs, rhs):  # the output transpose too runs with the axes made Auto
+    out = jax.eval_shape(lambda a, b: jnp.einsum(equation, a, b, preferred_element_type=preferred_element_type),
+                         lhs, rhs)
+    run = lambda lhs, rhs, key: linear_einsum(equation, lhs, rhs, precision, preferred_element_type,
+                                              recipe=recipe, key=key, where=where)
+    return explicit_axes.run_auto(run, (lhs, rhs, key), out.sharding)
   y = linear_dot_general(lhs, rhs, dims, precision, preferred_element_type, recipe=recipe, key=key, where=where)
   return _moved(y, perm)

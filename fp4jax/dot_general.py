@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fp4jax import explicit_axes
 from fp4jax import gemm as gemm_lib
 from fp4jax import keys
 from fp4jax import prng
@@ -310,6 +311,7 @@ def _qmatmul(x_MxK, w_KxN, key, recipe):
 
 
 def _qmatmul_fwd(x_MxK, w_KxN, key, recipe):
+  x_MxK, w_KxN = _first_order_only((x_MxK, w_KxN))  # a first derivative runs this rule on primals only
   key = rule_keys(recipe, key)
   ops = layer_operands(x_MxK, w_KxN, recipe, key, unit=True)
   residuals = (
@@ -320,6 +322,7 @@ def _qmatmul_fwd(x_MxK, w_KxN, key, recipe):
 
 
 def _qmatmul_bwd(recipe, residuals, dy_MxN):
+  dy_MxN, residuals = _first_order_only((dy_MxN, residuals))
   w_dgrad, x_wgrad, x_mask, w_mask, key, x_proto, w_proto = residuals
   dx_MxK, _ = dgrad(dy_MxN, w_dgrad, recipe, key, x_proto.dtype, x_mask, unit=True)
   dw_KxN, _ = wgrad(dy_MxN, x_wgrad, recipe, key, x_proto.dtype, w_mask, unit=True)
@@ -327,6 +330,36 @@ def _qmatmul_bwd(recipe, residuals, dy_MxN):
 
 
 _qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
+
+
+SECOND_ORDER_ERROR = (
+    "fp4jax.dot_general: a second derivative (grad of grad, jax.hessian, jvp of grad) through a quantized GEMM is "
+    "not supported. Its backward GEMMs round their operands, so differentiating them gives zero, not the layer's "
+    "curvature. For curvature or meta-gradients, run these layers with recipe 'bf16', or differentiate through "
+    "fp4jax.fake_quant, whose straight-through gradient is the identity.")
+
+
+def _first_order_only(tree):
+  """`tree` unchanged; raises SECOND_ORDER_ERROR if any of its float arrays is differentiated (the rule's forward
+  or backward traced under a JVP, as a second derivative does), rather than letting JAX return silent zeros."""
+  leaves, treedef = jax.tree.flatten(tree)
+  floats = [i for i, leaf in enumerate(leaves)
+            if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.inexact)]
+  guarded = _refuse_tangents(tuple(leaves[i] for i in floats))
+  for i, leaf in zip(floats, guarded):
+    leaves[i] = leaf
+  return jax.tree.unflatten(treedef, leaves)
+
+
+@jax.custom_jvp
+def _refuse_tangents(arrays):
+  return arrays
+
+
+@_refuse_tangents.defjvp
+def _refuse_tangents_jvp(primals, tangents):
+  del primals, tangents
+  raise NotImplementedError(SECOND_ORDER_ERROR)
 # Called outside jit (a notebook, a test), the rule's hundreds of small ops would each dispatch and compile on their
 # own (minutes for 4/6 with RHTs); jitted once per shape and recipe instead. Inside a jit it is inlined.
 _qmatmul_jit = jax.jit(_qmatmul, static_argnums=(3,))
@@ -395,7 +428,8 @@ def check_layer_shape(k: int, n: int, recipe: recipes_lib.Recipe) -> None:
                          f"(weight [K, N] = [{k}, {n}]). Use a multiple of {b}, or keep this layer in bf16.")
 
 
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, recipe, key=None):
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, recipe, key=None,
+                out_sharding=None):
   """A drop-in for `jax.lax.dot_general` whose GEMMs (forward and backward) are quantized by `recipe`.
 
   Args:
@@ -407,25 +441,39 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     recipe: a fp4jax.Recipe (or its name string).
     key: PRNG key, required when the recipe uses stochastic rounding or per-call RHT signs. One key per layer
       call; it is split per GEMM inside the rule. Or its LayerKeys (derive_layer_keys): the same bits.
+    out_sharding: as for lax.dot_general: the output's sharding. With operands sharded over Explicit mesh axes
+      (`jax.make_mesh`'s default) it defaults to lax.dot_general's; the quantized GEMMs then run with the axes
+      made Auto (fp4jax.explicit_axes). Otherwise, when given, it constrains the output's sharding.
   """
   recipe = recipes_lib.get_recipe(recipe)
   if key is not None:
     check_layer_key(key, "key")
   if not recipe.is_quantized:
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type)
+                               preferred_element_type=preferred_element_type, out_sharding=out_sharding)
   r = _canonical_weight_axes(lhs, rhs, dimension_numbers)
   if recipe.needs_key and key is None:
     raise ValueError(f"recipe {recipe.name!r} uses stochastic rounding or random RHT signs: pass key=.")
   if key is None:
     key = jax.random.key(0)  # unused by the rule's arithmetic; keeps one code path
-  w_KxN = rhs if r == 0 else rhs.T
-  k, n = w_KxN.shape
+  k, n = (rhs.shape if r == 0 else rhs.shape[::-1])
   check_layer_shape(k, n, recipe)
-  x_MxK = lhs.reshape(-1, k)
-  y_MxN = _qmatmul_jit(x_MxK, w_KxN, key, recipe)
   out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
-  return y_MxN.reshape(*lhs.shape[:-1], n).astype(out_dtype)
+  if lhs.size == 0 or rhs.size == 0:  # nothing to quantize (an empty batch): lax's empty or all-zero result
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=out_dtype,
+                               out_sharding=out_sharding)
+
+  def gemm(lhs, rhs, key):
+    w_KxN = rhs if r == 0 else rhs.T
+    y_MxN = _qmatmul_jit(lhs.reshape(-1, k), w_KxN, key, recipe)
+    return y_MxN.reshape(*lhs.shape[:-1], n).astype(out_dtype)
+
+  if explicit_axes.explicit_axes(lhs, rhs):
+    if out_sharding is None:
+      out_sharding = explicit_axes.dot_general_sharding(lhs, rhs, dimension_numbers, out_dtype)
+    return explicit_axes.run_auto(gemm, (lhs, rhs, key), out_sharding)
+  y = gemm(lhs, rhs, key)
+  return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
 
 
 def quantized_dot_general(recipe, key=None, *, fixed_key_every_call=None):
@@ -445,7 +493,8 @@ def quantized_dot_general(recipe, key=None, *, fixed_key_every_call=None):
   if fixed_key_every_call is not None:
     keys.check_key(fixed_key_every_call, "fixed_key_every_call")
 
-  def fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, key=None, **unused):
+  def fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, key=None, out_sharding=None,
+         **unused):
     from fp4jax import contraction  # pylint: disable=g-import-not-at-top  (contraction imports this module)
     if key is None:
       key = fixed_key_every_call
@@ -454,6 +503,7 @@ def quantized_dot_general(recipe, key=None, *, fixed_key_every_call=None):
                        f"on every call: pass key= to this call, or quantize the model with fp4jax.quantize_model("
                        f"model, rules, rngs=nnx.Rngs(quant=seed)), which draws one per call from the 'quant' stream.")
     return contraction.linear_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                                          recipe=recipe, key=key, where="quantized_dot_general")
+                                          recipe=recipe, key=key, where="quantized_dot_general",
+                                          out_sharding=out_sharding)
 
   return fn

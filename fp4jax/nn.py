@@ -7,10 +7,13 @@ nnx.Linear / LinearGeneral / Einsum layers by module path.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fp4jax.dot_general import check_layer_shape
 from fp4jax.dot_general import dot_general
 from fp4jax import contraction
 from fp4jax import model_quantize
@@ -47,7 +50,7 @@ class Linear(nnx.Module):
   def __call__(self, x_xK, *, key=None):
     if x_xK.shape[-1] != self.in_features:
       raise ValueError(f"Linear expects inputs [..., {self.in_features}]; got shape {x_xK.shape}.")
-    recipe = self.recipe
+    recipe = recipes_lib.get_recipe(self.recipe)  # a name assigned after construction works too
     if recipe.needs_key and key is None:
       if self.quant_rngs is None:
         raise ValueError(f"recipe {recipe.name!r} needs randomness: pass key= or build the layer with "
@@ -87,9 +90,11 @@ class QuantizedDotGeneral(nnx.Module):
   def _key(self):
     return self.quant_rngs() if self.recipe.needs_key else None
 
-  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **unused):
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
+               out_sharding=None, **unused):
     return contraction.linear_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                                          recipe=self.recipe, key=self._key(), where=self.path)
+                                          recipe=self.recipe, key=self._key(), where=self.path,
+                                          out_sharding=out_sharding)
 
 
 class QuantizedEinsum(QuantizedDotGeneral):
@@ -125,6 +130,34 @@ def _check_layer(module, path: str) -> None:
                      f"not replace it.")
 
 
+def _stack_shape(module) -> tuple[int, ...]:
+  """The leading axes of a layer stacked by nnx.vmap (a kernel of more axes than the layer's features give)."""
+  if isinstance(module, nnx.Linear):
+    own = 2
+  elif isinstance(module, nnx.LinearGeneral):
+    own = len(module.in_features) + len(module.out_features)
+  else:  # Einsum: its kernel_shape is the stacked one too
+    return ()
+  return tuple(module.kernel.shape[:module.kernel.ndim - own])
+
+
+def _quant_stream(rngs: nnx.Rngs, stack_shape: tuple[int, ...]):
+  """A "quant" stream of its own for one layer; one key per layer of a stacked layer, so that nnx.scan over the
+  stack hands each layer its own stream (and independent stochastic rounding)."""
+  if not stack_shape:
+    return rngs["quant"].fork()
+  return rngs["quant"].split(stack_shape)
+
+
+def _layer_shape(module) -> tuple[int, int] | None:
+  """(K, N) of a Linear / LinearGeneral layer's GEMM; None for Einsum (known only from its equation at call time)."""
+  if isinstance(module, nnx.Linear):
+    return module.in_features, module.out_features
+  if isinstance(module, nnx.LinearGeneral):
+    return math.prod(module.in_features), math.prod(module.out_features)
+  return None
+
+
 def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = None) -> model_quantize.Report:
   """Runs the GEMMs of `model`'s nnx.Linear / LinearGeneral / Einsum layers under recipes chosen by path rules.
 
@@ -156,6 +189,12 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
   for module, path, rule in plan:  # check every layer before editing any
     if rule is not None and rule.quantizes:
       _check_layer(module, path)
+      shape = _layer_shape(module)
+      if shape is not None:
+        try:
+          check_layer_shape(*shape, rule.recipe)
+        except ValueError as e:
+          raise ValueError(f"{path} ({type(module).__name__}): {e}") from None
   for module, path, rule in plan:
     attr = "einsum_op" if isinstance(module, nnx.Einsum) else "dot_general"
     original = getattr(module, attr)
@@ -166,6 +205,6 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
         setattr(module, attr, nnx.static(original))
       continue
     op = QuantizedEinsum if attr == "einsum_op" else QuantizedDotGeneral
-    stream = rngs["quant"].fork() if rule.recipe.needs_key else None
+    stream = _quant_stream(rngs, _stack_shape(module)) if rule.recipe.needs_key else None
     setattr(module, attr, nnx.data(op(rule.recipe, path, stream, original)))
   return model_quantize.Report(rules, tuple(layers))

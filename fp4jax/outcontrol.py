@@ -31,11 +31,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax import formats
 from fp4jax import recipes as recipes_lib
-from fp4jax.dot_general import (Operands, _canonical_weight_axes, check_layer_key, check_layer_shape, dgrad,
-                                fprop, layer_operands, rule_keys, wgrad)
+from fp4jax.dot_general import (Operands, _canonical_weight_axes, _first_order_only, check_layer_key,
+                                check_layer_shape, dgrad, fprop, layer_operands, rule_keys, wgrad)
 from fp4jax.dot_general import dot_general as plain_dot_general
 from fp4jax.gemm import f32_values as _values
 from fp4jax.quantize import quantize
@@ -89,9 +90,20 @@ class SplitOperands(NamedTuple):
 
 
 def _check_idx(idx, k_features):
+  """A clear error for indices of the wrong kind; known (untraced) ones must also be distinct and in [0, K)."""
   if idx.ndim != 1 or not jnp.issubdtype(idx.dtype, jnp.integer) or not 1 <= idx.shape[0] < k_features:
     raise ValueError(f"OutControl: outlier indices must be an integer array [k] with 1 <= k < K={k_features}; got "
                      f"{idx.dtype} {idx.shape}.")
+  try:
+    values = [int(i) for i in np.asarray(idx).tolist()]
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return  # traced: distinct by construction when select_channels chose them
+  bad = [i for i in values if not 0 <= i < k_features]
+  if bad:
+    raise ValueError(f"OutControl: outlier indices must lie in [0, K={k_features}); got {bad}.")
+  if len(set(values)) != len(values):
+    raise ValueError(f"OutControl: outlier indices must be distinct channels; got {values} (a repeated channel "
+                     "would be counted once per repeat).")
 
 
 def _mxfp8(a, axis):
@@ -148,6 +160,7 @@ def _split_matmul(x_MxK, w_KxN, idx_k, key, recipe):
 
 
 def _split_matmul_fwd(x_MxK, w_KxN, idx_k, key, recipe):
+  x_MxK, w_KxN = _first_order_only((x_MxK, w_KxN))  # as fp4jax.dot_general's rule: no silent second derivatives
   key = rule_keys(recipe, key)
   ops = split_operands(x_MxK, w_KxN, idx_k, recipe, key, unit=True)
   # Fprop-only operands are not needed again: keep the backward's residuals only.
@@ -157,6 +170,7 @@ def _split_matmul_fwd(x_MxK, w_KxN, idx_k, key, recipe):
 
 
 def _split_matmul_bwd(recipe, residuals, dy_MxN):
+  dy_MxN, residuals = _first_order_only((dy_MxN, residuals))
   ops, idx_k, key, x_proto, w_proto = residuals
   dx = split_dgrad(dy_MxN, ops, idx_k, recipe, key, x_proto.dtype, unit=True)
   dw = split_wgrad(dy_MxN, ops, idx_k, recipe, key, x_proto.dtype, unit=True)
@@ -172,7 +186,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   """fp4jax.dot_general with OutControl: the input channels `outliers` (int array [k]) run in MXFP8.
 
   outliers=None (or an unquantized recipe) is exactly fp4jax.dot_general. The indices are distinct channels of the
-  contraction axis K (an out-of-range index gathers NaN); k is static, the indices may be traced.
+  contraction axis K; k is static. Known indices that repeat or leave [0, K) are refused; traced ones are not
+  checked (an out-of-range one gathers NaN).
   """
   recipe = recipes_lib.get_recipe(recipe)
   if outliers is None or not recipe.is_quantized:

@@ -17,6 +17,7 @@ import numpy as np
 from fp4jax import blocks
 from fp4jax import formats
 from fp4jax import eden
+from fp4jax import explicit_axes
 from fp4jax import four_over_six
 from fp4jax import grids
 from fp4jax import keys
@@ -237,8 +238,16 @@ def quantize_with_clip_mask(x, fmt, *, axis: int = -1, block_2d: bool = False, r
 
 def _quantize(x, fmt, axis, block_2d, rounding, key, random_bits, pad, sr_bits, clip_mask):
   fmt, x, axis = _checked(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
-  return _quantize_jit(x, key, fmt=fmt, axis=axis, block_2d=block_2d, rounding=rounding, random_bits=random_bits,
-                       pad=pad, sr_bits=sr_bits, clip_mask=clip_mask)
+  run = functools.partial(_quantize_jit, fmt=fmt, axis=axis, block_2d=block_2d, rounding=rounding,
+                          random_bits=random_bits, pad=pad, sr_bits=sr_bits, clip_mask=clip_mask)
+  return _on_auto_axes(run, x, key)
+
+
+def _on_auto_axes(fn, x, *args):
+  """fn(x, *args); with `x` sharded over Explicit mesh axes, run with the axes made Auto (fp4jax.explicit_axes)."""
+  if explicit_axes.explicit_axes(x):
+    return explicit_axes.run_auto_like(fn, (x, *args), explicit_axes.first_sharding(x))
+  return fn(x, *args)
 
 
 def _checked(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits):
@@ -292,7 +301,7 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
   if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
     raise ValueError(f"dequantize returns floating-point values; got dtype={jnp.dtype(dtype).name}.")
   qarray_lib.check_fields(q)
-  return _dequantize_jit(q, dtype=jnp.dtype(dtype))
+  return _on_auto_axes(functools.partial(_dequantize_jit, dtype=jnp.dtype(dtype)), q)
 
 
 @functools.partial(jax.jit, static_argnames="dtype")
@@ -318,8 +327,9 @@ def quantize_elements(x, fmt, *, axis: int = -1, block_2d: bool = False, roundin
   chain into one loop that recomputes each packed byte's two codes per element: ~3-10x slower on XLA:CPU)."""
   fmt, x, axis = _checked(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
   block = block_shape(fmt, x.ndim, axis, block_2d) if _blocked_axes(fmt, x.ndim, axis, block_2d) else None
-  elements, scales, amax = _quantize_elements_jit(x, key, fmt=fmt, axis=axis, block_2d=block_2d, rounding=rounding,
-                                                  random_bits=random_bits, pad=pad, sr_bits=sr_bits)
+  run = functools.partial(_quantize_elements_jit, fmt=fmt, axis=axis, block_2d=block_2d, rounding=rounding,
+                          random_bits=random_bits, pad=pad, sr_bits=sr_bits)
+  elements, scales, amax = _on_auto_axes(run, x, key)
   return elements, scales, amax, (block or elements.shape)
 
 
@@ -344,7 +354,8 @@ def fake_quant(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str 
   estimator, multiply the cotangent by the mask of `quantize_with_clip_mask`.
   """
   fmt, x, axis = _checked(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
-  return _fake_quant_straight_through(x, key, (fmt, axis, block_2d, rounding, random_bits, pad, sr_bits))
+  settings = (fmt, axis, block_2d, rounding, random_bits, pad, sr_bits)
+  return _on_auto_axes(lambda x, key: _fake_quant_straight_through(x, key, settings), x, key)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))

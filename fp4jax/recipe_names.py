@@ -59,11 +59,17 @@ def parse_spec(spec, presets: Mapping[str, Callable[..., Any]]) -> tuple[str, di
     key, eq, value = item.partition("=")
     if not eq:
       raise ValueError(f"Recipe override {item!r} is not of the form key=value.")
+    if key.strip() in kwargs:
+      raise ValueError(f"Recipe option {key.strip()!r} is given twice in {spec!r}.")
     kwargs[key.strip()] = _parse_value(value)
-  valid = list(inspect.signature(presets[name]).parameters)
+  params = inspect.signature(presets[name]).parameters
+  valid = list(params)
   unknown = [k for k in kwargs if k not in valid]
   if unknown:
     raise ValueError(f"Unknown option(s) {unknown} for recipe {name!r}; valid: {valid}.")
+  for k, v in kwargs.items():  # "0" / "1" parse as integers; a switch takes them as false / true
+    if isinstance(params[k].default, bool) and type(v) is int and v in (0, 1):
+      kwargs[k] = bool(v)
   if isinstance(kwargs.get("rht_on"), str):
     kwargs["rht_on"] = (kwargs["rht_on"],)
   return name, kwargs

@@ -323,7 +323,8 @@ def nvfp4(*, rht: bool = True, rht_size: int = 16, stochastic_rounding: bool = T
   four_over_six: every operand uses Four Over Six block scales (arXiv 2512.02010; `formats.NVFP4` scale_rule
     "4over6"), chosen per block by `select` ("mse", "mae" or "absmax").
   unbiased_sr: the SR operands' block scales: False (NVIDIA: rounded to nearest, ~1 % bias at block maxima),
-    True or "up" (rounded up: unbiased), "headroom" (elements at 16/17 of their scale: unbiased, composes with 4/6).
+    True or "up" (rounded up: unbiased), "headroom" (elements at 16/17 of their scale: unbiased; with 4/6 the
+    choice between two stochastically rounded candidates biases it again, +1.2 % at block maxima, docs/numerics.md).
   sr_bits, gemm_mode: the SR bit generator and the GEMM mode (see Recipe); they change speed, not the recipe.
   """
   if not isinstance(four_over_six, bool):

@@ -81,7 +81,8 @@ def quartet2(*, four_over_six: bool = False, rht_size: int = 128, stochastic_sca
   sr = "stochastic" if stochastic_scales else "nearest"
   grad = lib.OperandConfig(fmt=bwd_fmt, rounding=sr, rht=True)
   requant = lib.OperandConfig(fmt=bwd_fmt, rounding=sr, rht=True, requantize=True)
-  name = ("quartet2" + ("+4over6" if four_over_six else "") + ("" if stochastic_scales else "-sr")
+  name = ("quartet2" + ("+4over6" if four_over_six else "") + ("" if rht_size == 128 else f"-rht{rht_size}")
+          + ("" if stochastic_scales else "-sr")
           + _speed_tags(stochastic_scales, sr_bits, gemm_mode))
   return lib.Recipe(name=name, fprop=lib.GemmConfig(fwd, fwd), dgrad=lib.GemmConfig(grad, requant),
                     wgrad=lib.GemmConfig(grad, requant), rht_size=rht_size, rht_signs="per_call",

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax import explicit_axes
+
 # The sign vector hard-coded by the NVFP4 reference implementation (d = 16), shared by all layers for the run.
 REFERENCE_SIGNS_16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 MIN_SIZE, MAX_SIZE = 2, 256
@@ -109,6 +111,9 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
     raise ValueError(f"RHT size {size} does not divide the length {n} of axis {axis} (shape {x.shape}).")
   # None stays None (the default signs are then constants of the compiled loop); keys and arrays become the vector.
   signs = None if signs is None else resolve_signs(size, signs)
+  if explicit_axes.explicit_axes(x):  # blocking the axis would split a sharded one: run with the axes made Auto
+    run = lambda x, signs: random_hadamard(x, size=size, axis=axis, signs=signs, inverse=inverse)
+    return explicit_axes.run_auto_like(run, (x, signs), explicit_axes.first_sharding(x))
   as_dot = size != FUSED_SIZE or _traced_for_a_mesh()
   return _random_hadamard_jit(x, signs, size=size, axis=axis, inverse=inverse, as_dot=as_dot)
 

@@ -324,3 +324,59 @@ def test_linen_refusals_name_the_layer():
 def test_a_bare_recipe_instead_of_rules_says_how_to_quantize_every_layer(rules, match):
   with pytest.raises(ValueError, match=match):
     fp4jax.quantize_model(nnx.Linear(32, 32, rngs=nnx.Rngs(0)), rules, rngs=nnx.Rngs(quant=1))
+
+
+class _Stack(nnx.Module):
+  """Flax's scan-over-layers idiom: layers stacked by nnx.vmap, run by nnx.scan."""
+
+  def __init__(self, n, rngs):
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return nnx.Linear(D, D, rngs=rngs)
+
+    self.layers = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(h, layer):
+      return jnp.tanh(layer(h))
+
+    return body(x, self.layers)
+
+
+def _stacked_model():
+  model = _Stack(3, nnx.Rngs(0))
+  layers = model.layers
+  layers.kernel[...] = jnp.broadcast_to(layers.kernel[...][0], layers.kernel[...].shape)  # three equal layers
+  return model
+
+
+def test_layers_stacked_by_vmap_and_run_by_scan_get_one_stream_each():
+  x = jax.random.normal(jax.random.key(1), (B * T, D))
+  model = _stacked_model()
+  fp4jax.quantize_model(model, [(".*", "nvfp4")], rngs=nnx.Rngs(quant=0))
+  keys = jax.random.key_data(model.layers.dot_general.quant_rngs.key[...])
+  assert keys.shape[0] == 3 and len({tuple(np.asarray(k).ravel()) for k in keys}) == 3
+  grad = lambda m: np.asarray(nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m)["layers"]["kernel"][...])
+  g1, g2 = grad(model), grad(model)
+  assert g1.shape == (3, D, D) and np.all(np.isfinite(g1))
+  assert not np.array_equal(g1, g2)  # SR in the backward: a fresh key per call
+  again = _stacked_model()
+  fp4jax.quantize_model(again, [(".*", "nvfp4")], rngs=nnx.Rngs(quant=0))
+  np.testing.assert_array_equal(grad(again), g1)  # the seed reproduces the run
+  plain = _stacked_model()
+  fp4jax.quantize_model(plain, [(".*", "nvfp4:stochastic_rounding=false,rht=false")])
+  np.testing.assert_array_equal(grad(plain), grad(plain))  # no stream: deterministic
+
+
+def test_a_layer_whose_shape_the_recipe_cannot_run_is_refused_by_name_before_any_edit():
+  class Two(nnx.Module):
+    def __init__(self):
+      self.good = nnx.Linear(32, 32, rngs=nnx.Rngs(0))
+      self.odd = nnx.Linear(3, 32, rngs=nnx.Rngs(1))
+
+  model = Two()
+  with pytest.raises(ValueError, match=r"odd \(Linear\): .*blocks of 16 need K divisible by 16"):
+    fp4jax.quantize_model(model, [(".*", "nvfp4")], rngs=0)
+  assert model.good.dot_general is jax.lax.dot_general or model.good.dot_general is None  # untouched

@@ -93,7 +93,7 @@ def test_get_recipe_parses_cli_form():
     ("nvfp4:backend=cuda", "backend"),
     ("mxfp4:scale_rule=round", "scale_rule"),
     ("nvfp4:stochastic_rounding=flase", "stochastic_rounding must be True or False"),  # not a truthy string
-    ("nvfp4:rht=1", "rht must be True or False"),
+    ("nvfp4:rht=2", "rht must be True or False"),
     ("mxfp4:weight_2d=yes please", "weight_2d must be True or False"),
 ])
 def test_get_recipe_errors(spec, match):

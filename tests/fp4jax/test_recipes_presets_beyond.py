@@ -50,7 +50,7 @@ def test_unbiased_sr_preset_changes_only_the_sr_operands():
 
 @pytest.mark.parametrize("spec,match", [("nvfp4:unbiased_sr=maybe", "unbiased_sr"),
                                         ("four_over_six:unbiased_sr=true", "headroom"),
-                                        ("nvfp4:four_over_six=1", "four_over_six"),
+                                        ("nvfp4:four_over_six=2", "four_over_six"),
                                         ("four_over_six:select=l1", "select")])
 def test_bad_preset_options_raise(spec, match):
   with pytest.raises(ValueError, match=match):

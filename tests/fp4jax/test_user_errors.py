@@ -116,3 +116,36 @@ def test_float16_linear_layer_gradients_stay_finite():
   assert np.abs(dw_exact).max() < 2000
   rel = np.linalg.norm(np.asarray(dw, np.float64) - dw_exact) / np.linalg.norm(dw_exact)
   assert rel < 0.2, rel  # NVFP4 error, not inf/NaN
+
+
+def test_recipe_strings_refuse_a_repeated_option_and_take_0_and_1_for_switches():
+  with pytest.raises(ValueError, match="'rht_size' is given twice"):
+    fp4jax.recipes.get_recipe("nvfp4:rht_size=4,rht_size=8")
+  assert fp4jax.recipes.get_recipe("nvfp4:stochastic_rounding=0") == fp4jax.recipes.nvfp4(stochastic_rounding=False)
+  assert fp4jax.recipes.get_recipe("nvfp4:rht=1") == fp4jax.recipes.nvfp4()
+  with pytest.raises(ValueError, match="RHT size"):  # integers stay integers where the option is not a switch
+    fp4jax.recipes.get_recipe("nvfp4:rht_size=1")
+
+
+def test_quartet2_names_a_non_default_rht_size():
+  assert fp4jax.recipes.get_recipe("quartet2").name == "quartet2"
+  assert fp4jax.recipes.get_recipe("quartet2:rht_size=32").name == "quartet2-rht32"
+  assert fp4jax.recipes.get_recipe("quartet2:rht_size=32,four_over_six=true").name == "quartet2+4over6-rht32"
+
+
+def test_a_recipe_name_assigned_to_a_built_layer_is_resolved():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  layer = fp4jax.nn.Linear(32, 32, recipe="nvfp4:stochastic_rounding=false", rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (16, 32))
+  layer.recipe = "bf16"
+  built_bf16 = fp4jax.nn.Linear(32, 32, recipe="bf16", rngs=nnx.Rngs(0))  # the same kernel
+  np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(built_bf16(x)))
+
+
+def test_an_empty_batch_gives_lax_empty_result_and_gradients():
+  x = jnp.zeros((0, 64), jnp.float32)
+  y = fp4jax.dot_general(x, W_KxN, DN, recipe="nvfp4", key=jax.random.key(0))
+  assert y.shape == (0, 32) and y.dtype == jnp.float32
+  gx, gw = jax.grad(lambda x, w: jnp.sum(fp4jax.dot_general(x, w, DN, recipe="nvfp4", key=jax.random.key(0))),
+                    argnums=(0, 1))(x, W_KxN)
+  assert gx.shape == (0, 64) and not np.any(np.asarray(gw))

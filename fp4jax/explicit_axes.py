@@ -1,0 +1,94 @@
+"""Inputs sharded over Explicit mesh axes: fp4jax's numerics run with those axes made Auto, then reshard.
+
+`jax.make_mesh` makes Explicit axes by default (JAX 0.10). Over them, every reshape, reduction and dot must know
+its output's sharding, and JAX refuses to infer it when a reshape splits a sharded axis, as cutting an axis into
+blocks of 16 does. The public entry points (`dot_general`, `quantize`, `dequantize`, `fake_quant`,
+`random_hadamard`) check whether an input is sharded over an Explicit axis. If so, they run their bodies under
+`jax.sharding.auto_axes`, where XLA's partitioner places the intermediates as it does on an Auto mesh. The result
+is then resharded to the sharding JAX's own operation would give: lax.dot_general's for a GEMM, the input's for
+elementwise maps. The bits are the Auto mesh's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _sharding_of(leaf):
+  if not isinstance(leaf, jax.Array):  # NumPy arrays, Python scalars: unsharded
+    return None
+  sharding = getattr(jax.typeof(leaf), "sharding", None)
+  return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def _axis_names(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def explicit_axes(*trees: Any) -> tuple[str, ...]:
+  """The Explicit mesh axes that some array leaf of `trees` is sharded over (empty when there are none)."""
+  found = set()
+  for leaf in jax.tree.leaves(trees):
+    sharding = _sharding_of(leaf)
+    if sharding is None:
+      continue
+    explicit = set(getattr(sharding.mesh, "explicit_axes", ()))
+    found.update(n for entry in sharding.spec for n in _axis_names(entry) if n in explicit)
+  return tuple(sorted(found))
+
+
+def like(shape, sharding: NamedSharding) -> NamedSharding:
+  """`sharding`'s spec for an array of `shape` with the same rank, dropping the axes that do not divide their
+  dimension; replicated when the ranks differ (a per-tensor scalar, say)."""
+  spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+  if len(spec) != len(shape):
+    return NamedSharding(sharding.mesh, P())
+  sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes))
+  kept = [entry if entry is not None and dim % math.prod(sizes[n] for n in _axis_names(entry)) == 0 else None
+          for dim, entry in zip(shape, spec)]
+  return NamedSharding(sharding.mesh, P(*kept))
+
+
+def elementwise_sharding(x) -> NamedSharding:
+  """The sharding of an elementwise map's output: `x`'s own."""
+  return _sharding_of(x)
+
+
+def dot_general_sharding(lhs, rhs, dimension_numbers, preferred_element_type=None):
+  """The sharding lax.dot_general gives its output for these operands (JAX's error when that is ambiguous: then
+  pass out_sharding=, as to lax.dot_general)."""
+  out = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers,
+                                                        preferred_element_type=preferred_element_type), lhs, rhs)
+  return out.sharding
+
+
+def run_auto(fn: Callable, args: tuple, out_sharding) -> Any:
+  """fn(*args) with every mesh axis Auto, its outputs resharded to `out_sharding` (a pytree prefix of them; a
+  PartitionSpec refers to the arguments' mesh)."""
+  if isinstance(out_sharding, P):  # auto_axes finds the mesh in the sharding, or in a jax.set_mesh context
+    out_sharding = NamedSharding(first_sharding(args).mesh, out_sharding)
+  return jax.sharding.auto_axes(fn, out_sharding=out_sharding)(*args)
+
+
+def run_auto_like(fn: Callable, args: tuple, sharding: NamedSharding) -> Any:
+  """fn(*args) with every mesh axis Auto; each output of `sharding`'s rank is resharded to its spec (`like`), the
+  others (per-tensor scalars) replicated."""
+  plain = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) if isinstance(a, jax.Array) else a, args)
+  out_sharding = jax.tree.map(lambda s: like(s.shape, sharding), jax.eval_shape(fn, *plain))
+  return run_auto(fn, args, out_sharding)
+
+
+def first_sharding(*trees: Any) -> NamedSharding:
+  """The sharding of the first array leaf of `trees` sharded over an Explicit axis."""
+  for leaf in jax.tree.leaves(trees):
+    if explicit_axes(leaf):
+      return _sharding_of(leaf)
+  raise ValueError("no array is sharded over an Explicit mesh axis")
