@@ -71,3 +71,11 @@ def merge_into(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Mappin
   (stored / SWEEP_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
   # Redrawn from the written files, as any copied results folder is (curves at the CSV's precision).
   return report.write_report(stored) + [stored / SWEEP_FILE]
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+  print(__doc__.strip(), file=sys.stderr)
+  print("\nexperiments.merge has no command of its own: pass --merge-into to the sweep (python -m experiments.NAME).",
+        file=sys.stderr)
+  sys.exit(2)

@@ -13,7 +13,7 @@ gradients (captured from a BF16 forward/backward on fixed validation batches), s
      change against BF16 continued with the same seed (same data, paired), mean +- standard error.
 
     python -m experiments.probes --preset smoke --out runs/probes_smoke     # under a minute
-    python -m experiments.probes --preset cpu --out runs/probes_cpu         # ~15 min on 2 CPU cores
+    python -m experiments.probes --preset cpu --out runs/probes_cpu         # ~6 min on 2 CPU cores
     python -m experiments.probes --preset gpu --out runs/probes_gpu         # the paper's 1.2B model (GPU)
     python -m experiments.probes --report-only --out runs/probes_cpu        # redraw tables and plots
     python -m experiments.probes recipes --preset cpu --out runs/recipe_probes_cpu  # experiments.recipes' recipes

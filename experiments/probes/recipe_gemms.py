@@ -153,7 +153,9 @@ def run(preset_name: str, out: str | pathlib.Path, *, checkpoint: str | None = N
   log(f"Captured x, W, dY of {len(tensors)} layers ({m} tokens, BF16 loss {loss:.4f}); probing {len(recipes)} "
       f"recipes on {len(preset.layers)} layers x {preset.num_draws} draws.")
   results = {"preset": preset_name, "checkpoint": str(run_dir), "step": step, "bf16_loss": loss, "tokens": m,
-             "model_name": f"{preset.base.model} {dict(preset.base.model_overrides)}", "num_draws": preset.num_draws,
+             "model_name": training.model_name(preset.base.model, preset.base.model_overrides, config, checkpoint,
+                                               log=log),
+             "num_draws": preset.num_draws,
              "runs": {k: {"spec": v["spec"], "label": v["label"], "recipe": v["recipe"].name}
                       for k, v in recipes.items()},
              "shapes": {n: [int(tensors[n].x_MxK.shape[1]), int(tensors[n].w_KxN.shape[1])] for n in preset.layers}}

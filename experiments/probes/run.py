@@ -119,7 +119,7 @@ def run(preset_name: str, out: str | pathlib.Path, *, checkpoint: str | None = N
   dataset = training.load_dataset(config)
   batch = training.probe_batch(dataset, preset, config)
   results = {"preset": preset_name, "checkpoint": str(run_dir), "step": step,
-             "model_name": f"{preset.model} {dict(preset.model_overrides)}",
+             "model_name": training.model_name(preset.model, preset.model_overrides, config, checkpoint, log=log),
              "preset_settings": dataclasses.asdict(preset)}
   results["layers"] = run_layer_probes(preset, model, batch, log=log)
   results["model"] = run_model_probes(preset, model, batch, log=log)

@@ -87,6 +87,22 @@ def restore_run(run_dir: str | pathlib.Path, step: int | None = None):
   return config, model, state, step
 
 
+_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "mlp")
+
+
+def model_name(preset_model: str, preset_overrides, config: TrainConfig, checkpoint, *, log=print) -> str:
+  """What the report names as the probed model: the preset's when it trained the base run, else the checkpoint's
+  own shapes (a note is logged when that run was not trained in BF16, as the probes assume)."""
+  if not checkpoint:
+    return f"{preset_model} {dict(preset_overrides)}"
+  recipe = config.policy.recipe
+  if recipe.is_quantized:
+    log(f"Note: {checkpoint} was trained with recipe {recipe.name!r}, not BF16; the probes quantize its BF16 "
+        "weights and activations as if it had been.")
+  shapes = {f: getattr(config.model, f) for f in _SHAPE_FIELDS}
+  return f"{checkpoint} {shapes}"
+
+
 def load_dataset(config: TrainConfig):
   """The dataset the run `config` trained on."""
   return data.load_dataset(config.data)

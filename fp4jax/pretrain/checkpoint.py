@@ -29,6 +29,11 @@ class CorruptCheckpointError(CheckpointError):
   """A checkpoint's files cannot be read (damaged or incomplete), as opposed to not matching the run."""
 
 
+class StateMismatchError(CheckpointError):
+  """A readable checkpoint whose arrays do not fit this run's state (another model shape, OutControl or OsciReset
+  switched on or off)."""
+
+
 def _short(e: Exception, limit: int = 400) -> str:
   """The first `limit` characters of an exception (tensorstore errors embed whole JSON specs)."""
   text = f"{type(e).__name__}: {e}"
@@ -122,7 +127,7 @@ def _check_compatible(manager: ocp.CheckpointManager, step: int, abstract) -> No
   problems += [f"{k}: stored {stored[k][0]} {stored[k][1]}, expected {wanted[k][0]} {wanted[k][1]}"
                for k in sorted(set(stored) & set(wanted)) if stored[k] != wanted[k]]
   more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-  raise CheckpointError(f"Checkpoint {step} in {manager.directory} does not match this run's model/optimizer "
+  raise StateMismatchError(f"Checkpoint {step} in {manager.directory} does not match this run's model/optimizer "
                         f"(config changed?): {'; '.join(problems[:5])}{more}.")
 
 
@@ -150,10 +155,10 @@ def restore(manager: ocp.CheckpointManager, target: dict[str, Any], step: int | 
   want = jax.tree.structure(abstract)
   got = jax.tree.structure(state)
   if want != got:
-    raise CheckpointError(f"Checkpoint {step} in {manager.directory} has a different state structure than this "
+    raise StateMismatchError(f"Checkpoint {step} in {manager.directory} has a different state structure than this "
                           f"run (model or optimizer config changed?).\n  expected {want}\n  found    {got}")
   for a, b in zip(jax.tree.leaves(abstract), jax.tree.leaves(state)):
     if a.shape != b.shape or a.dtype != b.dtype:
-      raise CheckpointError(f"Checkpoint {step} in {manager.directory} holds an array {b.shape} {b.dtype} where "
+      raise StateMismatchError(f"Checkpoint {step} in {manager.directory} holds an array {b.shape} {b.dtype} where "
                             f"this run expects {a.shape} {a.dtype} (model config changed?).")
   return step, {**state, **dict.fromkeys(absent)}, meta

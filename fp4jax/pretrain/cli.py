@@ -52,7 +52,7 @@ def _eval_parser() -> argparse.ArgumentParser:
   parser.add_argument("--out", required=True, help="run folder (as given to fp4jax train --out)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   parser.add_argument("--eval-batches", "--eval_batches", dest="eval_batches", type=int, default=None,
-                      help="validation batches (default: the run's)")
+                      help="validation batches (default: the run's; 4 when the run did not validate)")
   parser.add_argument("--json", action="store_true", help="print the result as JSON")
   return parser
 

@@ -158,10 +158,10 @@ def _import_tokenizers():
   """Lazy import so the byte tokenizer path never needs the optional dependency."""
   try:
     import tokenizers  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ImportError(
-        "tokenizer='bpe' needs the Hugging Face `tokenizers` package: run `pip install tokenizers`, "
-        "or use tokenizer='byte'."
+  except ImportError as e:  # a ValueError: a setting this installation cannot run (the CLI exits 2 with it)
+    raise ValueError(
+        "tokenizer='bpe' needs the Hugging Face `tokenizers` package, which is not installed: run "
+        "`pip install tokenizers`, or use tokenizer='byte'."
     ) from e
   return tokenizers
 

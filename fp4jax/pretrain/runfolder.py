@@ -140,12 +140,20 @@ def acquire(out_dir: str | pathlib.Path, *, process_index: int = 0, process_coun
     state = ("that process is gone" if same_host and not _pid_alive(stale.get("pid")) else
              "it no longer holds the lock")
     log(f"Note: {pathlib.Path(out_dir)} was locked by a run that did not exit cleanly ({_describe(stale)}); "
-        f"{state}, so this run takes the lock over. Its checkpoints are kept.")
+        f"{state}, so this run takes the lock over.")
   return RunLock(path=path, fd=fd, stale=stale)
 
 
 def _existing_run(out: pathlib.Path) -> list[pathlib.Path]:
-  return [p for p in (ckpt.checkpoint_dir(out), out / METRICS_FILE) if p.exists()]
+  """What a run left in `out` worth keeping: a checkpoint folder with anything in it, metrics with any record. A run
+  killed before its first step leaves both empty; that is no run to protect (nor one --resume could continue)."""
+  ck_dir, metrics_file = ckpt.checkpoint_dir(out), out / METRICS_FILE
+  found = []
+  if ck_dir.is_dir() and any(ck_dir.iterdir()):
+    found.append(ck_dir)
+  if metrics_file.is_file() and metrics_file.stat().st_size > 0:
+    found.append(metrics_file)
+  return found
 
 
 class PeerFailedError(ValueError):
@@ -190,8 +198,11 @@ def open_run_folder(out_dir: str | pathlib.Path, *, resume: bool, overwrite: boo
 
   error = None
   try:
-    if resume and not ck_dir.is_dir():
-      raise ckpt.CheckpointError(f"--resume: no checkpoints in {out} ({ck_dir} does not exist).")
+    if resume and not (ck_dir.is_dir() and any(ck_dir.iterdir())):
+      what = f"{ck_dir} does not exist" if not ck_dir.is_dir() else f"{ck_dir} is empty"
+      hint = (" It holds metrics of a run stopped before its first checkpoint: pass --overwrite to start afresh."
+              if _existing_run(out) else " Run without --resume to start afresh.")
+      raise ckpt.CheckpointError(f"--resume: no checkpoints in {out} ({what}).{hint}")
     refuse_existing()  # before creating the lock file, so a refused run leaves the folder as it was
     if pi == 0:
       out.mkdir(parents=True, exist_ok=True)

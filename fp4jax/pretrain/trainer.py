@@ -183,13 +183,29 @@ def _training_options_lines(config: TrainConfig) -> list[str]:
   return lines
 
 
+_STATE_OPTIONS = ("model", "outcontrol_", "osci_reset_")  # flat option names (config_lib.flatten)
+
+
+def _state_changes(out, resume_step, config) -> str:
+  """Why a checkpoint may not fit: the settings that shape the state and differ from the stored run's."""
+  stored = resume_lib.resume_meta(out, resume_step)[1]["config"]
+  changed = [k for k in config_lib.result_differences(stored, config.to_dict()) if k.startswith(_STATE_OPTIONS)]
+  said = f"This run changes {', '.join(changed)} from the stored run's. " if changed else ""
+  return (f"{said}A resumed run keeps the stored model's shapes and the state that OutControl and OsciReset add: "
+          "neither can be switched on or off (nor OutControl's channel fraction changed) mid-run. Resume with the "
+          "stored settings, or start a new run in another --out.")
+
+
 def _resume(config, state, out, log) -> tuple[int, TrainState]:
   resume_step = config.checkpointing.resume_step
   if resume_step is not None and resume_step > config.steps:
     raise ValueError(f"--resume-step {resume_step} is beyond --steps {config.steps}.")
-  start, restored, meta = resume_lib.restore_readable(out, state._asdict(), resume_step, log=log,
-                                                      process_index=jax.process_index(),
-                                                      process_count=jax.process_count())
+  try:
+    start, restored, meta = resume_lib.restore_readable(out, state._asdict(), resume_step, log=log,
+                                                        process_index=jax.process_index(),
+                                                        process_count=jax.process_count())
+  except ckpt.StateMismatchError as e:
+    raise ckpt.StateMismatchError(f"{e}\n{_state_changes(out, resume_step, config)}") from None
   state = TrainState(**restored)
   if int(state.step) != start:
     raise ckpt.CheckpointError(f"Checkpoint {start} holds step counter {int(state.step)}: inconsistent.")

@@ -89,3 +89,18 @@ def test_list_prints_the_preset_and_runs_nothing(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "base_steps" in out and "300" in out and "base run" in out
   assert not (tmp_path / "p").exists()
+
+
+def test_a_probed_checkpoint_is_named_by_its_own_shapes_and_a_quantized_one_noted():
+  from experiments.probes import training  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  config = TrainConfig.from_options(model=model_lib.get_model_config("tiny", n_layers=1, d_ff=192), recipe="nvfp4")
+  assert training.model_name("tiny", {"n_layers": 1}, config, None) == "tiny {'n_layers': 1}"  # the preset's run
+  notes = []
+  name = training.model_name("tiny", {"n_layers": 1}, config, "runs/mine", log=notes.append)
+  assert name.startswith("runs/mine {") and "'d_ff': 192" in name and "'n_layers': 1" in name
+  assert len(notes) == 1 and "recipe 'nvfp4', not BF16" in notes[0]
+  bf16 = config.replace(recipe="bf16")
+  training.model_name("tiny", {}, bf16, "runs/mine", log=notes.append)
+  assert len(notes) == 1

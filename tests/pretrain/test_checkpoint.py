@@ -1,6 +1,7 @@
 """Tests for fp4jax.pretrain.checkpoint and fp4jax.pretrain.resume: bit-exact round trip, clear errors for missing or
 mismatched checkpoints, corrupt or superseded checkpoints moved aside byte for byte (never deleted or changed)."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -17,6 +18,7 @@ from fp4jax.pretrain import metrics
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain import resume as resume_lib
+from fp4jax.pretrain import runfolder
 from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
@@ -112,9 +114,24 @@ def test_resume_without_checkpoints_is_a_clear_error(data_config, tmp_path):
     trainer.train(make_config(data_config, tmp_path / "never", resume=True), log=None)
   assert not (tmp_path / "never").exists()
   (tmp_path / "empty" / ckpt.CHECKPOINT_DIR).mkdir(parents=True)
-  with pytest.raises(ckpt.CheckpointError, match="No checkpoints found"):
+  with pytest.raises(ckpt.CheckpointError, match=r"is empty\)\. Run without --resume"):
     trainer.train(make_config(data_config, tmp_path / "empty", resume=True), log=None)
   assert cli.main(["train", "--resume", "--out", str(tmp_path / "never")]) == cli.EXIT_USAGE
+
+
+def test_a_run_killed_before_its_first_step_leaves_no_run_to_protect(tmp_path):
+  """kill -9 between setting up the folder and the first step: empty checkpoints/ and metrics.jsonl."""
+  out = tmp_path / "killed"
+  (out / ckpt.CHECKPOINT_DIR).mkdir(parents=True)
+  (out / metrics.METRICS_FILE).touch()
+  folder, lock = runfolder.open_run_folder(out, resume=False, overwrite=False, process_index=0, process_count=1)
+  lock.release()
+  assert folder == out
+  (out / metrics.METRICS_FILE).write_text('{"step": 0, "loss": 5.0}\n')  # killed after a step, before a checkpoint
+  with pytest.raises(ValueError, match="already holds a run"):
+    runfolder.open_run_folder(out, resume=False, overwrite=False, process_index=0, process_count=1)
+  with pytest.raises(ckpt.CheckpointError, match="stopped before its first checkpoint: pass --overwrite"):
+    runfolder.open_run_folder(out, resume=True, overwrite=False, process_index=0, process_count=1)
 
 
 @pytest.mark.slow
@@ -200,3 +217,16 @@ def test_metrics_after_the_resumed_step_are_dropped(tmp_path):
   records = metrics.read_metrics(tmp_path)
   assert [r["step"] for r in records] == list(range(6)) and records[3]["val_loss"] == "nan"
   json.dumps(records, allow_nan=False)  # strict JSON: non-finite values are stored as strings
+
+
+def test_resume_with_a_changed_state_shape_names_the_changed_settings(data_config, tmp_path):
+  config = make_config(data_config, tmp_path, steps=8, recipe="nvfp4")
+  save_run(config, steps=(4,))
+  wider = config.replace(resume=True, model=dataclasses.replace(config.model, d_ff=2 * config.model.d_ff))
+  with pytest.raises(ckpt.StateMismatchError, match=r"(?s)does not match.*This run changes model from the stored "
+                     r"run's\. A resumed run keeps the stored model's shapes"):
+    trainer.train(wider, log=None)
+  with_outcontrol = cli.config_from_args(["--out", str(tmp_path), "--resume", "--outcontrol-fraction", "0.1",
+                                          "--outcontrol-start", "0", "--outcontrol-window", "2"])
+  with pytest.raises(ckpt.StateMismatchError, match="changes outcontrol_fraction.*neither can be switched on or off"):
+    trainer.train(with_outcontrol, log=None)

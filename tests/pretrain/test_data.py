@@ -244,6 +244,10 @@ def test_bpe_without_package_has_clear_error(text_folder, tmp_path, monkeypatch)
 
   monkeypatch.setattr(builtins, "__import__", no_tokenizers)
   cfg = data.DataConfig(corpus=str(text_folder), tokenizer="bpe", vocab_size=300, cache_dir=str(tmp_path))
-  with pytest.raises(ImportError, match="pip install tokenizers"):
+  with pytest.raises(ValueError, match="pip install tokenizers"):  # a setting this installation cannot run
     data.load_dataset(cfg)
   assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+  from fp4jax.pretrain import cli  # pylint: disable=g-import-not-at-top
+  assert cli.main(["train", "--out", str(tmp_path / "run"), "--steps", "2", "--data.corpus", str(text_folder),
+                   "--data.tokenizer", "bpe", "--data.vocab_size", "300", "--model.vocab_size", "300",
+                   "--data.cache_dir", str(tmp_path), "--progress", "false"]) == cli.EXIT_USAGE
