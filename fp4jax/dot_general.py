@@ -305,33 +305,6 @@ def wgrad(dy_MxN, x_wgrad, recipe: recipes_lib.Recipe, key, compute_dtype, w_mas
 
 # --- the custom_vjp rule on canonical [M, K] x [K, N] ------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _qmatmul(x_MxK, w_KxN, key, recipe):
-  return fprop(layer_operands(x_MxK, w_KxN, recipe, key, backward=False, unit=True), recipe)
-
-
-def _qmatmul_fwd(x_MxK, w_KxN, key, recipe):
-  x_MxK, w_KxN = _first_order_only((x_MxK, w_KxN))  # a first derivative runs this rule on primals only
-  key = rule_keys(recipe, key)
-  ops = layer_operands(x_MxK, w_KxN, recipe, key, unit=True)
-  residuals = (
-      ops.w_dgrad, ops.x_wgrad, ops.x_mask, ops.w_mask, key,
-      jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_KxN.dtype),  # carry dtypes for the cotangents
-  )
-  return fprop(ops, recipe), residuals
-
-
-def _qmatmul_bwd(recipe, residuals, dy_MxN):
-  dy_MxN, residuals = _first_order_only((dy_MxN, residuals))
-  w_dgrad, x_wgrad, x_mask, w_mask, key, x_proto, w_proto = residuals
-  dx_MxK, _ = dgrad(dy_MxN, w_dgrad, recipe, key, x_proto.dtype, x_mask, unit=True)
-  dw_KxN, _ = wgrad(dy_MxN, x_wgrad, recipe, key, x_proto.dtype, w_mask, unit=True)
-  return dx_MxK.astype(x_proto.dtype), dw_KxN.astype(w_proto.dtype), None
-
-
-_qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
-
-
 SECOND_ORDER_ERROR = (
     "fp4jax.dot_general: a second derivative (grad of grad, jax.hessian, jvp of grad) through a quantized GEMM is "
     "not supported. Its backward GEMMs round their operands, so differentiating them gives zero, not the layer's "
@@ -360,6 +333,33 @@ def _refuse_tangents(arrays):
 def _refuse_tangents_jvp(primals, tangents):
   del primals, tangents
   raise NotImplementedError(SECOND_ORDER_ERROR)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _qmatmul(x_MxK, w_KxN, key, recipe):
+  return fprop(layer_operands(x_MxK, w_KxN, recipe, key, backward=False, unit=True), recipe)
+
+
+def _qmatmul_fwd(x_MxK, w_KxN, key, recipe):
+  x_MxK, w_KxN = _first_order_only((x_MxK, w_KxN))  # a first derivative runs this rule on primals only
+  key = rule_keys(recipe, key)
+  ops = layer_operands(x_MxK, w_KxN, recipe, key, unit=True)
+  residuals = (
+      ops.w_dgrad, ops.x_wgrad, ops.x_mask, ops.w_mask, key,
+      jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_KxN.dtype),  # carry dtypes for the cotangents
+  )
+  return fprop(ops, recipe), residuals
+
+
+def _qmatmul_bwd(recipe, residuals, dy_MxN):
+  dy_MxN, residuals = _first_order_only((dy_MxN, residuals))
+  w_dgrad, x_wgrad, x_mask, w_mask, key, x_proto, w_proto = residuals
+  dx_MxK, _ = dgrad(dy_MxN, w_dgrad, recipe, key, x_proto.dtype, x_mask, unit=True)
+  dw_KxN, _ = wgrad(dy_MxN, x_wgrad, recipe, key, x_proto.dtype, w_mask, unit=True)
+  return dx_MxK.astype(x_proto.dtype), dw_KxN.astype(w_proto.dtype), None
+
+
+_qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
 # Called outside jit (a notebook, a test), the rule's hundreds of small ops would each dispatch and compile on their
 # own (minutes for 4/6 with RHTs); jitted once per shape and recipe instead. Inside a jit it is inlined.
 _qmatmul_jit = jax.jit(_qmatmul, static_argnums=(3,))
