@@ -95,6 +95,12 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
   if args.merge_into and not (pathlib.Path(args.merge_into) / report.RESULTS_JSONL).is_file():
     print(f"error: --merge-into {args.merge_into}: no {report.RESULTS_JSONL} there to merge into.", file=sys.stderr)
     return 2
+  if args.merge_into:
+    try:  # refused now rather than after every run has trained
+      merge.check_mergeable(args.merge_into, full_sweep_meta(get_config, args))
+    except (ValueError, FileNotFoundError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
   try:
     run_sweep(sweep, args.out, progress=not args.quiet)
   except ValueError as e:  # settings clash with a finished run, invalid combined settings

@@ -31,6 +31,20 @@ def _check_same_reference(reference: str, stored_rows, new_rows) -> None:
                      "be measured against another reference; rerun the whole sweep instead.")
 
 
+def _check_same_sweep(stored, stored_meta: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+  if stored_meta.get("base") != meta.get("base"):
+    raise ValueError(f"The stored results in {stored} have other shared settings ({stored_meta.get('base')}) than "
+                     f"this sweep ({meta.get('base')}); rerun the whole sweep instead.")
+  if meta.get("reference") != stored_meta.get("reference"):
+    raise ValueError(f"The stored results' reference {stored_meta.get('reference')!r} is not "
+                     f"{meta.get('reference')!r}.")
+
+
+def check_mergeable(stored: str | pathlib.Path, meta: Mapping[str, Any]) -> None:
+  """What merge_into checks of the sweeps themselves (shared settings, reference), before any run is trained."""
+  _check_same_sweep(stored, report.read_results(stored)[0], meta)
+
+
 def merge_results(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Mapping[str, Any]
                   ) -> tuple[dict[str, Any], list[dict[str, Any]], dict]:
   """(meta, rows, curves): STORED's written results with the runs of the sweep folder NEW replacing or adding theirs.
@@ -42,11 +56,7 @@ def merge_results(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Map
   stored_meta, stored_rows, stored_curves = report.read_results(stored)
   _, new_rows, new_curves = report.collect(new)
   reference = meta.get("reference")
-  if stored_meta.get("base") != meta.get("base"):
-    raise ValueError(f"The stored results in {stored} have other shared settings ({stored_meta.get('base')}) than "
-                     f"this sweep ({meta.get('base')}); rerun the whole sweep instead.")
-  if reference != stored_meta.get("reference"):
-    raise ValueError(f"The stored results' reference {stored_meta.get('reference')!r} is not {reference!r}.")
+  _check_same_sweep(stored, stored_meta, meta)
   if reference is not None:
     _check_same_reference(reference, stored_rows, new_rows)
   replaced = {r["run"] for r in new_rows} - {reference}

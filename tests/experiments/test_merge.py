@@ -117,3 +117,11 @@ def test_full_sweep_meta_and_a_missing_merge_folder(tmp_path, capsys):
                 prog="toy", doc="")
   assert rc == 2 and "no results.jsonl there to merge into" in capsys.readouterr().err
   assert not (tmp_path / "o").exists()  # refused before any run
+
+
+def test_a_merge_into_other_shared_settings_is_refused_before_any_run(tmp_path, capsys):
+  stored = _stored(tmp_path)  # stored with lr 0.01: the rerun's --set makes it another sweep
+  rc = cli.main(_toy_config, ["--preset", "cpu", "--out", str(tmp_path / "o"), "--runs", "late", "--set", "lr=0.02",
+                              "--merge-into", str(stored)], prog="toy", doc="")
+  assert rc == 2 and "other shared settings" in capsys.readouterr().err
+  assert not (tmp_path / "o").exists()  # refused before any run
