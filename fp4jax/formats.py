@@ -28,6 +28,7 @@ from fp4jax.formats_fp8 import FP8, MXFP8  # re-exported: formats.FP8, formats.M
 
 NVFP4_SCALE_RULES = ("nearest", "up", "4over6", "eden")
 FOUR_OVER_SIX_SELECT = ("mse", "mae", "absmax")
+FOUR_OVER_SIX_SELECT_ON = ("rounded", "nearest")
 FOUR_OVER_SIX_E4M3_BOUND = 256.0
 _HEADROOM = 16.0 / 17.0
 EDEN_ELEM_MAX = 6.0 / ((17.0 / 16.0) * 0.93)  # Quartet II's backward: block max -> 6.07, a little saturation
@@ -80,6 +81,11 @@ class NVFP4(_FP4Format):
       correction sum(y^2) / sum(y q(y)) is multiplied into its block scales, which `rounding="stochastic"` rounds
       stochastically to a neighbouring E4M3 value ("nearest": to the nearest one). 1D blocks only.
   select: the 4/6 error per block: "mse" (sum of squares), "mae" (sum of magnitudes) or "absmax" (largest).
+  select_on: what the 4/6 errors are measured on. "rounded" (the reference's): each candidate rounded as the operand
+    is, so with stochastic rounding the choice keeps the better draw, a selection on the random bits that biases
+    SR (+1.2 % at block maxima with headroom, docs/numerics.md). "nearest": the candidates rounded to nearest; the
+    chosen scaling is then rounded as the operand is, so the choice does not see the random bits and SR with
+    `headroom` stays unbiased. The same bits as "rounded" under round-to-nearest.
   headroom: encode elements at 16/17 of their scale (block max at 6 * 16/17) and undo it in the tensor decode
     scale: E4M3 rounding moves a block scale down by at most a factor 16/17, so no element saturates (the other
     cure for the stochastic-rounding bias; fouroversix's rounding "adjustment factor").
@@ -96,6 +102,7 @@ class NVFP4(_FP4Format):
   block_size: int = 16
   scale_rule: Literal["nearest", "up", "4over6", "eden"] = "nearest"
   select: Literal["mse", "mae", "absmax"] = "mse"
+  select_on: Literal["rounded", "nearest"] = "rounded"
   headroom: bool = False
   double_block: bool = False
   eden_group: int = 128
@@ -108,6 +115,11 @@ class NVFP4(_FP4Format):
       raise ValueError(f"NVFP4 scale_rule must be one of {NVFP4_SCALE_RULES}; got {self.scale_rule!r}.")
     if self.select not in FOUR_OVER_SIX_SELECT:
       raise ValueError(f"NVFP4 select must be one of {FOUR_OVER_SIX_SELECT}; got {self.select!r}.")
+    if self.select_on not in FOUR_OVER_SIX_SELECT_ON:
+      raise ValueError(f"NVFP4 select_on must be one of {FOUR_OVER_SIX_SELECT_ON}; got {self.select_on!r}.")
+    if self.select_on != "rounded" and self.scale_rule != "4over6":
+      raise ValueError(f"NVFP4 select_on applies to scale_rule='4over6' only; got select_on={self.select_on!r} with "
+                       f"scale_rule={self.scale_rule!r}.")
     for flag in ("headroom", "double_block"):
       if not isinstance(getattr(self, flag), bool):
         raise ValueError(f"NVFP4 {flag} must be True or False; got {getattr(self, flag)!r}.")
@@ -137,6 +149,8 @@ class NVFP4(_FP4Format):
     tags = [] if self.scale_rule == "nearest" else [self.scale_rule]
     if self.scale_rule == "4over6" and self.select != "mse":
       tags[-1] += ":" + self.select
+    if self.select_on == "nearest":
+      tags[-1] += "@nearest"
     if self.headroom:
       tags.append("16/17")
     if self.double_block:

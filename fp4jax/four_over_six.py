@@ -80,7 +80,7 @@ def block_error(err, block, metric: str, zero=None):
   raise ValueError(f"select must be one of {SELECT_METRICS}; got {metric!r}.")
 
 
-def choose(x32, candidates, block, metric, round_fn, decode_fn, expand_fn):
+def choose(x32, candidates, block, metric, round_fn, decode_fn, expand_fn, select_round_fn=None):
   """Rounds `x32` under each candidate scaling and keeps, per block, the one with the smallest error.
 
   Args:
@@ -92,23 +92,29 @@ def choose(x32, candidates, block, metric, round_fn, decode_fn, expand_fn):
     round_fn: y -> element values on the E2M1 grid (the operand's rounding, same random bits for every candidate).
     decode_fn: (values, scaling) -> dequantized float32 values before the tensor's non-finite check.
     expand_fn: per-block array -> repeated over each block (x32's shape).
+    select_round_fn: if given, the errors are measured on its rounding (round-to-nearest), and `round_fn` then
+      rounds the chosen scaling only: a choice that does not depend on `round_fn`'s random bits.
 
   Returns:
     (element values, chosen stored scales, chosen per-block decode factors (a tuple), chosen candidate per block).
   """
   # Block decode scales are never negative (NaN < 0 is False), which XLA cannot know: a runtime 0 for `rounded`.
   zero = jnp.any(candidates[0].decode[0] < 0).astype(jnp.uint32)
+  judge = select_round_fn or round_fn
   best = None
   for i, sc in enumerate(candidates):
     (encode,) = sc.encode
-    values = round_fn(x32 * expand_fn(encode))
+    values = judge(x32 * expand_fn(encode))
     err = block_error(rounded(decode_fn(values, sc), zero) - x32, block, metric, zero)
     if best is None:
-      best = (values, sc.stored, sc.decode, jnp.zeros(err.shape, jnp.int32), err)
+      best = (values, sc.stored, sc.decode, jnp.zeros(err.shape, jnp.int32), err, encode)
       continue
     better = err < best[4]
     wide = expand_fn(better)
     decode = tuple(jnp.where(better, new, old) for new, old in zip(sc.decode, best[2]))
     best = (jnp.where(wide, values, best[0]), jnp.where(better, sc.stored, best[1]), decode,
-            jnp.where(better, jnp.int32(i), best[3]), jnp.where(better, err, best[4]))
+            jnp.where(better, jnp.int32(i), best[3]), jnp.where(better, err, best[4]),
+            jnp.where(better, encode, best[5]))
+  if select_round_fn is not None:  # the operand's own rounding, of the chosen scaling only
+    best = (round_fn(x32 * expand_fn(best[5])),) + best[1:]
   return best[:4]

@@ -163,7 +163,9 @@ def _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, 
                                                sr_bits=sr_bits)
   decode_fn = lambda v, sc: _decode(v, sc, block)
   expand_fn = lambda s: blocks.expand_blocks(s, block)
-  elements, stored, dec, _ = four_over_six.choose(x32, candidates, block, fmt.select, round_fn, decode_fn, expand_fn)
+  select_round_fn = rounding_lib.round_e2m1_nearest if fmt.select_on == "nearest" and rounding != "nearest" else None
+  elements, stored, dec, _ = four_over_six.choose(x32, candidates, block, fmt.select, round_fn, decode_fn, expand_fn,
+                                                  select_round_fn)
   scaling = formats.Scaling(stored, (), dec, candidates[0].tensor_decode)
   decode = lambda v: _decode(v, scaling, block)
   return (elements if values else grids.e2m1_codes(elements)), stored, amax, decode

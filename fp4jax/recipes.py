@@ -324,7 +324,8 @@ def nvfp4(*, rht: bool = True, rht_size: int = 16, stochastic_rounding: bool = T
     "4over6"), chosen per block by `select` ("mse", "mae" or "absmax").
   unbiased_sr: the SR operands' block scales: False (NVIDIA: rounded to nearest, ~1 % bias at block maxima),
     True or "up" (rounded up: unbiased), "headroom" (elements at 16/17 of their scale: unbiased; with 4/6 the
-    choice between two stochastically rounded candidates biases it again, +1.2 % at block maxima, docs/numerics.md).
+    SR operands choose their candidate on nearest-rounded values, NVFP4(select_on="nearest"), since choosing among
+    stochastically rounded candidates, as the reference does, biases SR again: docs/numerics.md).
   sr_bits, gemm_mode: the SR bit generator and the GEMM mode (see Recipe); they change speed, not the recipe.
   """
   if not isinstance(four_over_six, bool):
@@ -347,7 +348,10 @@ def nvfp4(*, rht: bool = True, rht_size: int = 16, stochastic_rounding: bool = T
   if four_over_six:
     tags += "+4over6" + ("" if select == "mse" else f":{select}")
   if unbiased_sr is not False and stochastic_rounding:
-    sr_fmt = fmt.replace(headroom=True) if unbiased_sr == "headroom" else fmt.replace(scale_rule="up")
+    if unbiased_sr == "headroom":  # with 4/6, chosen on nearest-rounded candidates: else the choice biases SR
+      sr_fmt = fmt.replace(headroom=True, select_on="nearest" if four_over_six else "rounded")
+    else:
+      sr_fmt = fmt.replace(scale_rule="up")
     tags += "+usr" + (":headroom" if unbiased_sr == "headroom" else "")
   return _fp4_recipe("nvfp4", fmt, rht=rht, rht_size=rht_size, stochastic_rounding=stochastic_rounding,
                      weight_2d=weight_2d, rht_on=rht_on, random_signs=random_signs, random_bits=random_bits,

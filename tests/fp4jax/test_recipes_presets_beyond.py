@@ -30,7 +30,7 @@ def test_four_over_six_preset_table_and_cli_form():
   assert fp4jax.recipes.get_recipe("nvfp4:four_over_six=true") == r.replace(name="nvfp4+4over6")
   assert fp4jax.recipes.four_over_six(stochastic_rounding=False).name == "four_over_six-sr"
   mae = fp4jax.recipes.get_recipe("four_over_six:select=mae,unbiased_sr=headroom")
-  assert mae.dgrad.lhs.fmt == fp4jax.NVFP4(scale_rule="4over6", select="mae", headroom=True)
+  assert mae.dgrad.lhs.fmt == fp4jax.NVFP4(scale_rule="4over6", select="mae", headroom=True, select_on="nearest")
   assert mae.fprop.lhs.fmt == fp4jax.NVFP4(scale_rule="4over6", select="mae")
 
 
