@@ -102,10 +102,10 @@ class NVFP4(_FP4Format):
   block_size: int = 16
   scale_rule: Literal["nearest", "up", "4over6", "eden"] = "nearest"
   select: Literal["mse", "mae", "absmax"] = "mse"
-  select_on: Literal["rounded", "nearest"] = "rounded"
   headroom: bool = False
   double_block: bool = False
   eden_group: int = 128
+  select_on: Literal["rounded", "nearest"] = "rounded"  # last: the earlier fields keep their positions
   name: str = dataclasses.field(default="nvfp4", init=False)
 
   def __post_init__(self):
