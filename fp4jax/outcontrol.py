@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax import explicit_axes
 from fp4jax import formats
 from fp4jax import recipes as recipes_lib
 from fp4jax.dot_general import (Operands, _canonical_weight_axes, _first_order_only, check_layer_key,
@@ -198,11 +199,18 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   if recipe.needs_key and key is None:
     raise ValueError(f"recipe {recipe.name!r} uses stochastic rounding or random RHT signs: pass key=.")
   key = jax.random.key(0) if key is None else key
-  w_KxN = rhs if r == 0 else rhs.T
-  k, n = w_KxN.shape
+  k, n = (rhs.shape if r == 0 else rhs.shape[::-1])
   check_layer_shape(k, n, recipe)
   outliers = jnp.asarray(outliers)
   _check_idx(outliers, k)
-  y_MxN = _split_matmul_jit(lhs.reshape(-1, k), w_KxN, outliers, key, recipe)
   out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
-  return y_MxN.reshape(*lhs.shape[:-1], n).astype(out_dtype)
+
+  def gemm(lhs, rhs, outliers, key):
+    w_KxN = rhs if r == 0 else rhs.T
+    y_MxN = _split_matmul_jit(lhs.reshape(-1, k), w_KxN, outliers, key, recipe)
+    return y_MxN.reshape(*lhs.shape[:-1], n).astype(out_dtype)
+
+  if explicit_axes.explicit_axes(lhs, rhs):  # as fp4jax.dot_general: the rule runs with the mesh axes made Auto
+    out_sharding = explicit_axes.dot_general_sharding(lhs, rhs, dimension_numbers, out_dtype)
+    return explicit_axes.run_auto(gemm, (lhs, rhs, outliers, key), out_sharding)
+  return gemm(lhs, rhs, outliers, key)

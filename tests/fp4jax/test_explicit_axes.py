@@ -186,3 +186,19 @@ def test_outcontrol_refuses_second_derivatives_and_bad_known_indices():
   traced = jax.jit(lambda i: outcontrol.dot_general(x, w, DN, recipe="nvfp4", key=jax.random.key(2), outliers=i))
   np.testing.assert_array_equal(np.asarray(traced(idx)), np.asarray(
       outcontrol.dot_general(x, w, DN, recipe="nvfp4", key=jax.random.key(2), outliers=idx)))
+
+
+def test_outcontrol_under_explicit_axes_equals_the_auto_mesh_bits():
+  explicit, auto = _meshes()
+  x, w = _operands()
+  idx = jnp.asarray([3, 70])
+
+  def loss(x, w):
+    return jnp.sum(jnp.sin(outcontrol.dot_general(x, w, DN, recipe="nvfp4", key=jax.random.key(2), outliers=idx)))
+
+  run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  (le, ge), (la, ga) = [run(_put(m, x, P("data", None)), _put(m, w, P(None, "model"))) for m in (explicit, auto)]
+  assert float(le) == float(la)
+  for e, a in zip(ge, ga):
+    np.testing.assert_array_equal(np.asarray(e), np.asarray(a))
+  assert [g.sharding.spec for g in ge] == [P("data", None), P(None, "model")]
