@@ -2,11 +2,11 @@
 
 `jax.make_mesh` makes Explicit axes by default (JAX 0.10). Over them, every reshape, reduction and dot must know
 its output's sharding, and JAX refuses to infer it when a reshape splits a sharded axis, as cutting an axis into
-blocks of 16 does. The public entry points (`dot_general`, `quantize`, `dequantize`, `fake_quant`,
-`random_hadamard`) check whether an input is sharded over an Explicit axis. If so, they run their bodies under
-`jax.sharding.auto_axes`, where XLA's partitioner places the intermediates as it does on an Auto mesh. The result
-is then resharded to the sharding JAX's own operation would give: lax.dot_general's for a GEMM, the input's for
-elementwise maps. The bits are the Auto mesh's.
+blocks of 16 does. The public entry points (`dot_general` and OutControl's, the Flax layers' contractions,
+`quantize`, `dequantize`, `fake_quant`, `random_hadamard`) check whether an input is sharded over an Explicit axis.
+If so, they run their bodies under `jax.sharding.auto_axes`, where XLA's partitioner places the intermediates as it
+does on an Auto mesh. The result is then resharded to the sharding JAX's own operation would give: lax.dot_general's
+for a GEMM, the input's for elementwise maps. The bits are the Auto mesh's.
 """
 
 from __future__ import annotations
@@ -55,11 +55,6 @@ def like(shape, sharding: NamedSharding) -> NamedSharding:
   kept = [entry if entry is not None and dim % math.prod(sizes[n] for n in _axis_names(entry)) == 0 else None
           for dim, entry in zip(shape, spec)]
   return NamedSharding(sharding.mesh, P(*kept))
-
-
-def elementwise_sharding(x) -> NamedSharding:
-  """The sharding of an elementwise map's output: `x`'s own."""
-  return _sharding_of(x)
 
 
 def dot_general_sharding(lhs, rhs, dimension_numbers, preferred_element_type=None):
