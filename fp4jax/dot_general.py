@@ -468,12 +468,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     y_MxN = _qmatmul_jit(lhs.reshape(-1, k), w_KxN, key, recipe)
     return y_MxN.reshape(*lhs.shape[:-1], n).astype(out_dtype)
 
-  if explicit_axes.explicit_axes(lhs, rhs):
-    if out_sharding is None:
-      out_sharding = explicit_axes.dot_general_sharding(lhs, rhs, dimension_numbers, out_dtype)
-    return explicit_axes.run_auto(gemm, (lhs, rhs, key), out_sharding)
-  y = gemm(lhs, rhs, key)
-  return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
+  return explicit_axes.run_gemm(gemm, (lhs, rhs, key), lhs, rhs, dimension_numbers, out_dtype, out_sharding)
 
 
 def quantized_dot_general(recipe, key=None, *, fixed_key_every_call=None):

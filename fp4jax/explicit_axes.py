@@ -73,6 +73,17 @@ def run_auto(fn: Callable, args: tuple, out_sharding) -> Any:
   return jax.sharding.auto_axes(fn, out_sharding=out_sharding)(*args)
 
 
+def run_gemm(gemm: Callable, args: tuple, lhs, rhs, dimension_numbers, out_dtype, out_sharding=None) -> Any:
+  """gemm(*args), a GEMM of `lhs` and `rhs`: with the mesh axes made Auto when an operand is sharded over Explicit
+  ones (`out_sharding` defaulting to lax.dot_general's), else constrained to `out_sharding` when it is given."""
+  if explicit_axes(lhs, rhs):
+    if out_sharding is None:
+      out_sharding = dot_general_sharding(lhs, rhs, dimension_numbers, out_dtype)
+    return run_auto(gemm, args, out_sharding)
+  y = gemm(*args)
+  return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
+
+
 def run_auto_like(fn: Callable, args: tuple, sharding: NamedSharding) -> Any:
   """fn(*args) with every mesh axis Auto; each output of `sharding`'s rank is resharded to its spec (`like`), the
   others (per-tensor scalars) replicated."""

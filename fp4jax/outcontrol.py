@@ -210,7 +210,4 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     y_MxN = _split_matmul_jit(lhs.reshape(-1, k), w_KxN, outliers, key, recipe)
     return y_MxN.reshape(*lhs.shape[:-1], n).astype(out_dtype)
 
-  if explicit_axes.explicit_axes(lhs, rhs):  # as fp4jax.dot_general: the rule runs with the mesh axes made Auto
-    out_sharding = explicit_axes.dot_general_sharding(lhs, rhs, dimension_numbers, out_dtype)
-    return explicit_axes.run_auto(gemm, (lhs, rhs, outliers, key), out_sharding)
-  return gemm(lhs, rhs, outliers, key)
+  return explicit_axes.run_gemm(gemm, (lhs, rhs, outliers, key), lhs, rhs, dimension_numbers, out_dtype)
