@@ -202,6 +202,11 @@ def _operand(q: QArray, contract: int, name: str) -> Operand:
     kind = "mxfp4"
   else:
     raise ValueError(f"fp4_matmul: {name} must be NVFP4 or MXFP4; got {q.fmt.name}.")
+  if not q.fmt.is_default:
+    # The kernel decodes NVIDIA's rules: one amax / 2688 per tensor and 2^e MXFP4 scales. 4/6, MS-EDEN and 16/17
+    # tensor scales, 1x128 group amaxes and Tseng's 3/4 decode would give wrong products.
+    raise ValueError(f"fp4_matmul: {name} is {q.fmt.label}; the kernel decodes NVIDIA's NVFP4 and OCP MXFP4 scale "
+                     f"rules only. Use fp4jax.dequantize and a float matmul for other scale rules.")
   if q.ndim != 2:
     raise ValueError(f"fp4_matmul: {name} must be 2D; got shape {q.shape} (reshape leading dims first).")
   if contract not in (0, 1):

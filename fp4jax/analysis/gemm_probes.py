@@ -203,7 +203,8 @@ def probe_gemms(tensors: LayerTensors, recipe, key, *, num_draws: int = 16) -> d
   Args:
     tensors: the layer's x [M, K], W [K, N], dY [M, N] (x and dY in the model's compute dtype).
     recipe: a Recipe or recipe string (run in gemm_mode "f32").
-    key: PRNG key; draw d uses fold_in(key, d) as the layer key of one training step.
+    key: PRNG key; draw d uses fold_in(key, d) as the layer key of one training step (None for recipes without
+      randomness).
     num_draws: draws, a power of two >= 2; bias levels K = 1 .. num_draws / 2.
 
   Returns numpy / float values: err {gemm: [num_draws]} (vs the exact product); bias {gemm: {reference: {"K",
@@ -211,9 +212,8 @@ def probe_gemms(tensors: LayerTensors, recipe, key, *, num_draws: int = 16) -> d
   [num_draws]} (NaN where that dY operand is not stochastically rounded FP4).
   """
   recipe = probe_recipe(recipe)
+  key = probes.check_layer(tensors, recipe, key, "probe_gemms")
   x, w, dy = tensors
-  if x.ndim != 2 or w.ndim != 2 or dy.ndim != 2 or x.shape[1] != w.shape[0] or dy.shape != (x.shape[0], w.shape[1]):
-    raise ValueError(f"probe_gemms needs x [M, K], W [K, N], dY [M, N]; got {x.shape}, {w.shape}, {dy.shape}.")
   exact = tuple(jnp.asarray(p, jnp.float32) for p in exact_products(tensors))
   table, per_draw = jax.device_get(_probe_jit(x, w, dy, exact, key, recipe, num_draws))
   table, per_draw = np.asarray(table, np.float64), np.asarray(per_draw, np.float64)

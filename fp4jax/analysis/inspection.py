@@ -114,9 +114,10 @@ def compare_formats(x, fmts=DEFAULT_FORMATS, *, rht_size: int = 16, axis: int = 
   for i, (label, fmt) in enumerate((l, f) for l, f in zip(labels, fmt_list) for _ in use_rht):
     err, norm, zero, clipped = stats[i]
     nbytes = jax.eval_shape(lambda x, fmt=fmt: quantize(x, fmt, axis=axis), x).nbytes
-    rel = math.sqrt(err / norm) if norm > 0 else float("nan")
-    rows.append(dict(format=label, rht=use_rht[i % len(use_rht)], rel_error=rel,
-                     snr_db=-20.0 * math.log10(rel) if rel > 0 else float("inf"),
+    # As fp4jax.analysis.probes.rel_error: 0 when both are zero, inf when only x is; NaN stays NaN in both columns.
+    rel = math.sqrt(err / norm) if norm > 0 else (0.0 if err == 0 else err * math.inf)
+    snr = -20.0 * math.log10(rel) if 0 < rel < math.inf else (math.inf if rel == 0 else -rel)
+    rows.append(dict(format=label, rht=use_rht[i % len(use_rht)], rel_error=rel, snr_db=snr,
                      zero_frac=float(zero), saturated_frac=float(clipped), bits_per_element=8.0 * nbytes / x.size))
   return rows
 

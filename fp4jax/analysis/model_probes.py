@@ -45,13 +45,20 @@ def with_recipes(model: nnx.Module, recipes) -> nnx.Module:
   return copy
 
 
-def _check_batch(batch: Mapping[str, Any]) -> tuple[jax.Array, jax.Array]:
+def _check_batch(batch: Mapping[str, Any], model: nnx.Module) -> tuple[jax.Array, jax.Array]:
   if not isinstance(batch, Mapping) or "inputs" not in batch or "targets" not in batch:
     raise ValueError("batch must be a dict with 'inputs' and 'targets' int arrays [B, T].")
   tokens, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
-  if tokens.ndim != 2 or tokens.shape != targets.shape or not jnp.issubdtype(tokens.dtype, jnp.integer):
+  if (tokens.ndim != 2 or tokens.shape != targets.shape or not jnp.issubdtype(tokens.dtype, jnp.integer)
+      or not jnp.issubdtype(targets.dtype, jnp.integer)):
     raise ValueError(f"batch inputs/targets must be int arrays of one shape [B, T]; got {tokens.dtype}{tokens.shape} "
                      f"and {targets.dtype}{targets.shape}.")
+  # Out-of-range ids do not raise inside jit: the embedding lookup returns NaN rows and the loss is silently NaN.
+  vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+  for name, ids in (("inputs", tokens), ("targets", targets)):
+    if vocab is not None and ids.size and (int(jnp.min(ids)) < 0 or int(jnp.max(ids)) >= vocab):
+      raise ValueError(f"batch {name} must be token ids in [0, {vocab}) (the model's vocab_size); got ids in "
+                       f"[{int(jnp.min(ids))}, {int(jnp.max(ids))}].")
   return tokens, targets
 
 
@@ -62,7 +69,7 @@ def capture_layer_tensors(model: nnx.Module, batch: Mapping[str, Any]
   dY is the gradient of the mean cross-entropy of `batch` with respect to the layer's (compute-dtype) output: what
   the layer's Dgrad and Wgrad receive in training. `model` is not modified.
   """
-  tokens_BxT, targets_BxT = _check_batch(batch)
+  tokens_BxT, targets_BxT = _check_batch(batch, model)
   tapped = with_recipes(model, recipes_lib.bf16())
   kernels = {name: layer.kernel[...] for name, layer in tapped.linear_layers().items()}
   key = taps.check_key(tapped, None)  # every layer is BF16: a placeholder key
@@ -123,7 +130,7 @@ class Reference(NamedTuple):
 
 def reference_gradient(model: nnx.Module, batch: Mapping[str, Any]) -> Reference:
   """Loss, per-sequence losses and flat float32 parameter gradient of the model with every linear layer in BF16."""
-  tokens, targets = _check_batch(batch)
+  tokens, targets = _check_batch(batch, model)
   fn, params = _loss_and_grad_fn(with_recipes(model, recipes_lib.bf16()))
   loss, loss_B, grad = fn(params, tokens, targets, None)
   return Reference(float(loss), np.asarray(loss_B), grad)
@@ -133,7 +140,8 @@ def model_probe(model: nnx.Module, batch: Mapping[str, Any], recipes, key, *,
                 reference: Reference, num_draws: int = 4) -> dict[str, Any]:
   """Loss and parameter-gradient error of the model under per-layer `recipes` against the BF16 model.
 
-  recipes: as for `with_recipes`. reference: `reference_gradient(model, batch)`.
+  recipes: as for `with_recipes`. key: PRNG key (draw d uses fold_in(key, d)); None when no layer needs
+  randomness. reference: `reference_gradient(model, batch)`.
   Returns loss; dloss (loss - BF16 loss: no SR noise, the forward has no randomness) with dloss_se, its standard
   error over the batch's sequences, and seq_dloss [B] (per-sequence differences, for paired comparisons);
   grad_err and grad_cos ([num_draws], vs the BF16 gradient); grad_bias (error of the mean of the draws).
@@ -142,10 +150,11 @@ def model_probe(model: nnx.Module, batch: Mapping[str, Any], recipes, key, *,
     raise ValueError(f"num_draws must be an int >= 1; got {num_draws!r}.")
   if not isinstance(reference, Reference):
     raise ValueError("reference must be the Reference returned by reference_gradient(model, batch).")
-  tokens, targets = _check_batch(batch)
+  tokens, targets = _check_batch(batch, model)
   if reference.seq_losses.shape != (tokens.shape[0],):
     raise ValueError(f"reference has {reference.seq_losses.shape[0]} sequences; the batch has {tokens.shape[0]}.")
   quantized = with_recipes(model, recipes)
+  key = taps.check_key(quantized, key)  # a clear error for key=None with SR layers, a placeholder without them
   needs_key = any(layer.recipe.needs_key for layer in quantized.linear_layers().values())
   fn, params = _loss_and_grad_fn(quantized)
   draws = num_draws if needs_key else 1

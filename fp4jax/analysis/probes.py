@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp4jax.recipes as recipes_lib
-from fp4jax.dot_general import (Operands, dgrad, dgrad_gradient, fprop, layer_operands, to_input_basis, wgrad,
-                                wgrad_gradient)
+from fp4jax.dot_general import (Operands, check_layer_shape, dgrad, dgrad_gradient, fprop, layer_operands,
+                                to_input_basis, wgrad, wgrad_gradient)
 from fp4jax import formats
 from fp4jax.qarray import QArray
 from fp4jax.quantize import dequantize
@@ -107,6 +107,20 @@ class LayerTensors(NamedTuple):
   x_MxK: jax.Array
   w_KxN: jax.Array
   dy_MxN: jax.Array
+
+
+def check_layer(tensors: LayerTensors, recipe: recipes_lib.Recipe, key, what: str):
+  """`key` (a placeholder when None and the recipe draws nothing) once x [M, K], W [K, N], dY [M, N] fit `recipe`
+  as fp4jax.dot_general checks a layer (block and RHT sizes dividing K and N); else ValueError naming `what`."""
+  x, w, dy = tensors
+  if x.ndim != 2 or w.ndim != 2 or dy.ndim != 2 or x.shape[1] != w.shape[0] or dy.shape != (x.shape[0], w.shape[1]):
+    raise ValueError(f"{what} needs x [M, K], W [K, N], dY [M, N]; got {x.shape}, {w.shape}, {dy.shape}.")
+  check_layer_shape(*w.shape, recipe)  # otherwise the quantizer's error suggests a pad=True no probe takes
+  if key is None:
+    if recipe.needs_key:
+      raise ValueError(f"{what}: recipe {recipe.name!r} uses stochastic rounding or random RHT signs; pass key=.")
+    return jax.random.key(0)  # every draw is the same: the key is never used
+  return key
 
 
 # --- one layer's GEMMs under a recipe ----------------------------------------------------------------------------
@@ -312,7 +326,8 @@ def probe_layer(tensors: LayerTensors, recipe, key, *, num_draws: int = 8) -> di
   Args:
     tensors: the layer's BF16 x [M, K], W [K, N], dY [M, N] (from capture_layer_tensors).
     recipe: a Recipe or recipe string.
-    key: PRNG key; draw d uses fold_in(key, d) as the layer key of one training step.
+    key: PRNG key; draw d uses fold_in(key, d) as the layer key of one training step (None for recipes without
+      randomness).
     num_draws: stochastic-rounding draws, a power of two >= 2; bias levels K = 1 .. num_draws / 2.
 
   Returns numpy values: fprop_err, fprop_cos (floats); dgrad_err, dgrad_cos, wgrad_err, wgrad_cos ([num_draws]
@@ -321,9 +336,8 @@ def probe_layer(tensors: LayerTensors, recipe, key, *, num_draws: int = 8) -> di
   gemm_mode "f32" unless the recipe names a mode (`as_probed`).
   """
   recipe = as_probed(recipe)
+  key = check_layer(tensors, recipe, key, "probe_layer")
   x, w, dy = tensors
-  if x.ndim != 2 or w.ndim != 2 or dy.ndim != 2 or x.shape[1] != w.shape[0] or dy.shape != (x.shape[0], w.shape[1]):
-    raise ValueError(f"probe_layer needs x [M, K], W [K, N], dY [M, N]; got {x.shape}, {w.shape}, {dy.shape}.")
   raw = jax.device_get(_probe_layer_jit(x, w, dy, key, recipe, num_draws))
   out = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v)) for k, v in raw.items() if k not in ("bias", "stats")}
   out["stats"] = {op: {k: float(v) for k, v in s.items()} for op, s in raw["stats"].items()}
@@ -346,7 +360,8 @@ def bias_floor(curve: Mapping[str, Any]) -> float:
   """Estimated bias ||E[estimate] - reference|| / ||reference|| from a bias curve, with the noise removed.
 
   For error e_K of the mean of K draws, E[e_K^2] = b^2 + v / K; the smallest and largest K give
-  b^2 = (K_max E[e_Kmax^2] - E[e_1^2]) / (K_max - 1) (clipped at 0).
+  b^2 = (K_max E[e_Kmax^2] - E[e_1^2]) / (K_max - 1) (clipped at 0). A curve with one level (num_draws=2) cannot
+  separate the two: the mean single-draw error is returned, an upper bound that still holds the noise.
   """
   k = curve["K"]
   if len(k) < 2:

@@ -47,6 +47,13 @@ def _parent_and_attr(model: nnx.Module, name: str):
   return parent, attr
 
 
+def _linear_layers(model: nnx.Module) -> dict[str, nnx.Module]:
+  if not callable(getattr(model, "linear_layers", None)):
+    raise ValueError(f"the analysis taps need a model with a linear_layers() method returning {{name: layer}} (as "
+                     f"fp4jax.pretrain.model.Transformer has); {type(model).__name__} has none.")
+  return model.linear_layers()
+
+
 def tap_linear_layers(model: nnx.Module, batch_shape: tuple[int, ...], *, output_grads: bool = False
                       ) -> dict[str, Tap]:
   """Replaces every layer of `model.linear_layers()` by a Tap, in place; returns {layer name: Tap}.
@@ -57,10 +64,11 @@ def tap_linear_layers(model: nnx.Module, batch_shape: tuple[int, ...], *, output
   """
   if any(isinstance(module, Tap) for _, module in nnx.iter_modules(model)):
     raise ValueError("the model is already tapped; tap a fresh copy of it.")
-  if getattr(model.config, "remat", False):
+  layers = _linear_layers(model)
+  if getattr(getattr(model, "config", None), "remat", False):
     model.config = dataclasses.replace(model.config, remat=False)
   taps = {}
-  for name, layer in model.linear_layers().items():
+  for name, layer in layers.items():
     parent, attr = _parent_and_attr(model, name)
     taps[name] = Tap(layer, tuple(batch_shape), output_grad=output_grads)
     setattr(parent, attr, taps[name])
@@ -84,7 +92,7 @@ def check_key(model: nnx.Module, key: jax.Array | None) -> jax.Array:
   """
   if key is not None:
     return key
-  needing = [name for name, layer in model.linear_layers().items() if layer.recipe.needs_key]
+  needing = [name for name, layer in _linear_layers(model).items() if layer.recipe.needs_key]
   if needing:
     raise ValueError(f"key=None, but {len(needing)} linear layers (e.g. {needing[0]!r}) need randomness; pass key=.")
   return jax.random.key(0)

@@ -113,3 +113,16 @@ def test_bad_shapes_are_refused():
   t = tensors()
   with pytest.raises(ValueError, match="probe_gemms needs"):
     gemm_probes.probe_gemms(LayerTensors(t.x_MxK, t.w_KxN.T, t.dy_MxN), "nvfp4", KEY)
+
+
+def test_layers_the_rule_refuses_and_missing_keys_are_named():
+  """The rule's own layer check (fp4jax.dot_general.check_layer_shape), not the quantizer's "pass pad=True", which no
+  probe takes; key=None only for recipes without randomness (was a TypeError from fold_in)."""
+  t = tensors()
+  w_Kx40 = jnp.zeros((K, 40))
+  with pytest.raises(ValueError, match="need N divisible by 16"):
+    gemm_probes.probe_gemms(LayerTensors(t.x_MxK, w_Kx40, jnp.zeros((M, 40), jnp.bfloat16)), "nvfp4", KEY)
+  with pytest.raises(ValueError, match="rht_size=32 or smaller"):
+    gemm_probes.probe_gemms(t, "quartet2", KEY)  # Dgrad's RHT-128 along N = 32
+  with pytest.raises(ValueError, match="pass key="):
+    gemm_probes.probe_gemms(t, "nvfp4", None)

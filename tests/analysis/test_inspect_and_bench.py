@@ -108,6 +108,14 @@ def test_compare_formats_exact_input_has_zero_error():
   assert row["zero_frac"] == pytest.approx(np.mean(x == 0))
 
 
+def test_compare_formats_zero_and_nan_inputs_agree_across_columns():
+  """An all-zero tensor is reproduced exactly (was rel. error NaN beside SNR inf); NaN gives NaN in both."""
+  zero = fp4_inspect.compare_formats(jnp.zeros((4, 32)), ["nvfp4"])
+  assert [(r["rel_error"], r["snr_db"]) for r in zero] == [(0.0, float("inf"))] * 2
+  nan = fp4_inspect.compare_formats(jnp.full((4, 32), jnp.nan), ["nvfp4"])
+  assert all(np.isnan(r["rel_error"]) and np.isnan(r["snr_db"]) for r in nan)
+
+
 def test_sample_tensor():
   x = np.asarray(fp4_inspect.sample_tensor(seed=4, rows=1000, cols=128, outliers=3, outlier_scale=40.0))
   col_rms = np.sqrt(np.mean(x**2, axis=0))

@@ -169,12 +169,33 @@ def test_capture_matches_autodiff_and_bf16_model_probe_is_exact(tiny_model):
   assert np.all(zero["grad_err"] == 0.0) and zero["grad_bias"] == 0.0
 
 
+def test_model_probe_checks_keys_and_token_ids(tiny_model):
+  """key=None is fine without randomness and a clear error with it (was TypeError: unexpected PRNG key type);
+  token ids outside the vocabulary are refused (the embedding lookup made the loss silently NaN)."""
+  model, batch = tiny_model
+  reference = model_probes.reference_gradient(model, batch)
+  zero = model_probes.model_probe(model, batch, "bf16", None, reference=reference, num_draws=2)
+  assert zero["dloss"] == 0.0 and np.all(zero["grad_err"] == 0.0)
+  with pytest.raises(ValueError, match="need randomness; pass key="):
+    model_probes.model_probe(model, batch, "nvfp4", None, reference=reference)
+  for field, ids in (("inputs", batch["inputs"] + 256), ("targets", batch["targets"] - 256)):
+    bad = dict(batch, **{field: ids})
+    with pytest.raises(ValueError, match=f"batch {field} must be token ids in \\[0, 256\\)"):
+      model_probes.capture_layer_tensors(model, bad)
+    with pytest.raises(ValueError, match="token ids"):
+      model_probes.reference_gradient(model, bad)
+
+
 def test_bad_inputs_raise():
   t = random_tensors()
   with pytest.raises(ValueError, match="power of two"):
     probes.probe_layer(t, "nvfp4", jax.random.key(0), num_draws=6)
   with pytest.raises(ValueError, match="x \\[M, K\\]"):
     probes.probe_layer(probes.LayerTensors(t.x_MxK, t.w_KxN[:32], t.dy_MxN), "nvfp4", jax.random.key(0))
+  with pytest.raises(ValueError, match="need K divisible by 16"):  # the rule's check, not "pass pad=True"
+    probes.probe_layer(probes.LayerTensors(t.x_MxK[:, :40], t.w_KxN[:40], t.dy_MxN), "nvfp4", jax.random.key(0))
+  with pytest.raises(ValueError, match="pass key="):
+    probes.probe_layer(t, "nvfp4", None)
   model = model_lib.Transformer(model_lib.get_model_config("tiny", n_layers=1), rngs=nnx.Rngs(params=0))
   with pytest.raises(ValueError, match="every linear layer"):
     model_probes.with_recipes(model, {"blocks.0.attn.q": recipes.nvfp4()})

@@ -88,6 +88,19 @@ def test_keys_are_checked_before_tapping(tiny):
   assert taps.check_key(sr, key) is key
 
 
+def test_a_model_without_linear_layers_is_refused_clearly():
+  """Any NNX model quantizes (quantize_model), but the taps find layers by `linear_layers()`: say so, rather than
+  AttributeError: 'config'."""
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.up = fp4jax.nn.Linear(32, 64, recipe="bf16", rngs=rngs)
+
+  with pytest.raises(ValueError, match="linear_layers"):
+    taps.tap_linear_layers(Block(nnx.Rngs(params=0)), (2,))
+  with pytest.raises(ValueError, match="linear_layers"):
+    taps.capture_inputs(Block(nnx.Rngs(params=0)), jnp.zeros((2, 4), jnp.int32), None)
+
+
 def test_quant_stats_measure_the_tapped_inputs(tiny):
   model, tokens_BxT = tiny
   graphdef, params = nnx.split(model, nnx.Param)

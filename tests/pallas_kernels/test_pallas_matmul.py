@@ -217,6 +217,16 @@ def test_bad_operands_raise():
   assert call(a, b).shape == (16, 16)
 
 
+@pytest.mark.parametrize("fmt", [fp4jax.NVFP4(scale_rule="4over6"), fp4jax.NVFP4(headroom=True),
+                                 fp4jax.NVFP4(double_block=True), fp4jax.MXFP4(scale_rule="tseng")])
+def test_scale_rules_the_kernel_does_not_decode_raise(fmt):
+  """The kernel decodes amax / 2688 per tensor and 2^e MXFP4 scales: other rules gave wrong products (4/6: 67 %
+  off) or a broadcasting TypeError (1x128 group amaxes)."""
+  a, b = _abstract((16, 256), fmt, axis=1), _abstract((256, 16), fmt, axis=0)
+  with pytest.raises(ValueError, match="scale rules only"):
+    jax.eval_shape(lambda a, b: fp4_matmul(a, b, interpret=True), a, b)
+
+
 @pytest.mark.parametrize("kind", ["nvfp4_1d", "nvfp4_2d_dgrad", "wgrad_transposed", "mxfp4"])
 def test_lowers_for_cuda(kind):
   if kind == "nvfp4_1d":
