@@ -140,7 +140,7 @@ class NVFP4(_FP4Format):
 
   @property
   def is_default(self) -> bool:
-    """NVIDIA's rules (what the fused kernels implement)."""
+    """NVIDIA's rules (what the Pallas quantize kernel implements)."""
     return self.scale_rule == "nearest" and not self.headroom and not self.double_block
 
   @property
@@ -274,7 +274,7 @@ class MXFP4(_FP4Format):
 
   @property
   def is_default(self) -> bool:
-    """Decodes as OCP MXFP4 (code x 2^e), as the Pallas GEMM kernel does: every rule but "tseng"."""
+    """Decodes as OCP MXFP4 (code x 2^e, no tensor factor): every rule but "tseng"."""
     return self.scale_rule != "tseng"
 
   @property

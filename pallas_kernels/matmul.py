@@ -4,7 +4,8 @@
 program owns one (BM, BN) output tile and one K split; per K step it loads the packed code and scale tiles of
 both operands, decodes each tile once into bf16 (code * block scale: exact, at most 6 significant bits) and runs a
 bf16 dot with float32 accumulation, so every decoded element feeds BN (or BM) outputs. The epilogue multiplies by
-the per-tensor decode scales (amax_a / 2688) * (amax_b / 2688) (1 for MXFP4 operands). This is the Hopper
+the per-tensor decode scales (amax_a / 2688) * (amax_b / 2688) (1 for MXFP4 operands; amax / R with the format's
+own range R for NVFP4's 4/6, 16/17 and MS-EDEN rules, 4/3 for MXFP4's Tseng rule). This is the Hopper
 emulation of the FP4 GEMM; on GPUs with compute capability >= 10 and `jax.nn.scaled_matmul` present, NVFP4 x
 NVFP4 GEMMs with 1x16 blocks go to the native block-scaled MMA instead (`blackwell_matmul`).
 
@@ -202,11 +203,10 @@ def _operand(q: QArray, contract: int, name: str) -> Operand:
     kind = "mxfp4"
   else:
     raise ValueError(f"fp4_matmul: {name} must be NVFP4 or MXFP4; got {q.fmt.name}.")
-  if not q.fmt.is_default:
-    # The kernel decodes NVIDIA's rules: one amax / 2688 per tensor and 2^e MXFP4 scales. 4/6, MS-EDEN and 16/17
-    # tensor scales, 1x128 group amaxes and Tseng's 3/4 decode would give wrong products.
-    raise ValueError(f"fp4_matmul: {name} is {q.fmt.label}; the kernel decodes NVIDIA's NVFP4 and OCP MXFP4 scale "
-                     f"rules only. Use fp4jax.dequantize and a float matmul for other scale rules.")
+  if getattr(q.fmt, "double_block", False):
+    # The epilogue applies one decode scale per operand; 1x128 group amaxes would need one per group of 8 blocks.
+    raise ValueError(f"fp4_matmul: {name} is {q.fmt.label}, whose 1x128 groups each have their own FP32 scale; the "
+                     f"kernel applies one per-tensor scale. Use fp4jax.dequantize and a float matmul for it.")
   if q.ndim != 2:
     raise ValueError(f"fp4_matmul: {name} must be 2D; got shape {q.shape} (reshape leading dims first).")
   if contract not in (0, 1):
@@ -223,7 +223,12 @@ def _operand(q: QArray, contract: int, name: str) -> Operand:
 
 
 def _global_scale(q: QArray):
-  g = nvfp4.global_decode_scale(q.amax) if isinstance(q.fmt, formats.NVFP4) else jnp.float32(1.0)
+  """The operand's per-tensor decode factor: amax / R for NVFP4 (R = 2688 for NVIDIA's rule, the format's
+  `global_range` for 4/6, 16/17 headroom and MS-EDEN), MXFP4's tensor factor (4/3 for Tseng's rule, else 1)."""
+  if isinstance(q.fmt, formats.NVFP4):
+    g = nvfp4.global_decode_scale(q.amax, q.fmt.global_range)
+  else:
+    g = jnp.float32(q.fmt.tensor_factor)
   return jnp.where(jnp.isfinite(q.amax), g, jnp.nan)
 
 

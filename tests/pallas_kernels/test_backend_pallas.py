@@ -32,6 +32,31 @@ def test_pallas_backend_matches_xla():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
 
 
+def test_scale_rules_beyond_nvidias_gemm_on_the_kernel():
+  """4/6 with unbiased SR (headroom): the quantizers fall back to XLA (one warning), the GEMMs run on the kernel
+  with the format's own tensor scale and equal the XLA path; 1x128 group scales fall back with a warning."""
+  from fp4jax import backends
+  recipe = fp4jax.recipes.get_recipe("four_over_six:unbiased_sr=headroom")
+  x = jax.random.normal(jax.random.key(0), (32, 64)).astype(jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (64, 32)) * 0.1
+  g = jax.random.normal(jax.random.key(2), (32, 32))
+  ref = _fwd_bwd(recipe, x, w, g)
+  backends._fallback.cache_clear()
+  calls = []
+  kernel = backends._kernels().fp4_matmul
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(backends._kernels(), "fp4_matmul", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    with pytest.warns(UserWarning, match="scale rules only"):
+      out = _fwd_bwd(recipe.replace(backend="pallas"), x, w, g)
+  assert len(calls) >= 3  # traced for Fprop (custom_vjp may trace it twice), Dgrad and Wgrad: none fell back
+  for a, b in zip(out, ref):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+  q = fp4jax.quantize(x, fp4jax.NVFP4(double_block=True), axis=1)
+  with pytest.warns(UserWarning, match="1x128 group scales"):
+    assert backends.pallas_gemm(q, fp4jax.quantize(w, "nvfp4", axis=0), (1, 0)) is None
+
+
 def test_uncovered_operands_fall_back_with_a_warning():
   from fp4jax import backends
   backends._fallback.cache_clear()

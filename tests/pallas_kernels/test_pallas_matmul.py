@@ -217,13 +217,29 @@ def test_bad_operands_raise():
   assert call(a, b).shape == (16, 16)
 
 
-@pytest.mark.parametrize("fmt", [fp4jax.NVFP4(scale_rule="4over6"), fp4jax.NVFP4(headroom=True),
-                                 fp4jax.NVFP4(double_block=True), fp4jax.MXFP4(scale_rule="tseng")])
-def test_scale_rules_the_kernel_does_not_decode_raise(fmt):
-  """The kernel decodes amax / 2688 per tensor and 2^e MXFP4 scales: other rules gave wrong products (4/6: 67 %
-  off) or a broadcasting TypeError (1x128 group amaxes)."""
+def test_scale_rules_beyond_nvidias():
+  """4/6 (E4M3 bound 256), unbiased-SR "up", 16/17 headroom and MS-EDEN tensor scales (amax / the format's range),
+  and Tseng's 4/3 MXFP4 factor: the epilogue's per-tensor factor is the format's (NVIDIA's amax / 2688 gave 4/6
+  products 67 % off)."""
+  x, w = _input((32, 128), 40), _input((128, 48), 41)
+  four_six, up = fp4jax.NVFP4(scale_rule="4over6"), fp4jax.NVFP4(scale_rule="up", headroom=True)
+  eden = fp4jax.NVFP4(scale_rule="eden", eden_group=32)
+  tseng = fp4jax.MXFP4(scale_rule="tseng")
+  cases = [
+      ("4/6 x 4/6 2D", _q(x, four_six, axis=1), _q(w, four_six, axis=0, block_2d=True), (1, 0), None),
+      ("up+16/17 (SR) x nvfp4", _q(x, up, axis=1, rounding="stochastic", key=jax.random.key(0)),
+       _q(w, "nvfp4", axis=0), (1, 0), None),
+      ("MS-EDEN x 4/6", _q(x, eden, axis=1), _q(w, four_six, axis=0), (1, 0), None),
+      ("tseng x tseng", _q(x, tseng, axis=1), _q(w, tseng, axis=0), (1, 0), None),
+  ]
+  _check_group(cases)
+
+
+def test_group_scales_are_refused():
+  """NVFP4's 1x128 double-block amaxes are one FP32 scale per group; the epilogue has one per operand."""
+  fmt = fp4jax.NVFP4(double_block=True)
   a, b = _abstract((16, 256), fmt, axis=1), _abstract((256, 16), fmt, axis=0)
-  with pytest.raises(ValueError, match="scale rules only"):
+  with pytest.raises(ValueError, match="one per-tensor scale"):
     jax.eval_shape(lambda a, b: fp4_matmul(a, b, interpret=True), a, b)
 
 
