@@ -67,6 +67,11 @@ def collect(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[str, 
     summary = json.loads(path.read_text(encoding="utf-8"))
     found[summary["run"], summary["seed"]] = (path.parent, summary)
   if not found:
+    if (folder / "results.json").is_file():  # a probes folder (experiments.probes), which has its own report
+      raise FileNotFoundError(
+          f"{folder} holds probe results (results.json), not a sweep's runs: redraw its report with `python -m "
+          f"experiments.probes --out {folder} --report-only` (`python -m experiments.probes recipes --out {folder} "
+          f"--report-only` for the recipe probes).")
     raise FileNotFoundError(f"No finished runs (*/seed*/{SUMMARY_FILE}) under {folder}.")
   rows, curves = [], {}
   for name in _ordered_runs(meta, [k[0] for k in found]):
@@ -151,6 +156,18 @@ def _count(n: float) -> str:
   return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K" if n >= 1e3 else str(n)
 
 
+def _shared_settings(meta: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(the base settings every run uses, those only the runs without their own value use). A base key that every
+  run overrides is left out: no run used it (e.g. `--set recipe=...` on a sweep over recipes)."""
+  base = dict(meta.get("base") or {})
+  own = [set(r.get("overrides") or {}) for r in meta.get("runs") or []]
+  if not own:
+    return base, {}
+  every, some = set.intersection(*own), set.union(*own)
+  return ({k: v for k, v in base.items() if k not in some},
+          {k: v for k, v in base.items() if k in some and k not in every})
+
+
 def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
   """The results.md text: a header describing the sweep, the per-run table, and how to read it."""
   reference = meta.get("reference")
@@ -163,8 +180,11 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
   if meta.get("command"):
     lines += [f"Command: `{meta['command']}`", ""]
   lines += [f"{first['steps']} steps, {_count(first['tokens'])} tokens per run, up to {n_seeds} seed(s) per run."]
-  if meta.get("base"):
-    lines += [f"Shared settings: `{json.dumps(meta['base'])}`."]
+  shared, unless_own = _shared_settings(meta)
+  if shared:
+    lines += [f"Shared settings: `{json.dumps(shared)}`."]
+  if unless_own:
+    lines += [f"For runs that do not set their own: `{json.dumps(unless_own)}`."]
   lines += [""]
   gap_head = f"gap to {reference} (%)" if reference else "gap (%)"
   table_rows = []

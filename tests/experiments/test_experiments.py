@@ -270,6 +270,26 @@ def test_smooth_is_a_trailing_moving_average():
   np.testing.assert_allclose(report.smooth(x, 1), x)
 
 
+def test_report_on_a_probes_folder_points_to_its_own_report(tmp_path, capsys):
+  (tmp_path / "results.json").write_text("{}")
+  assert report.main([str(tmp_path)]) == 2
+  assert "--report-only" in capsys.readouterr().err
+
+
+def test_shared_settings_leave_out_what_runs_set_themselves():
+  """A base key every run overrides was used by none (`--set recipe=nvfp9` on a sweep over recipes); one some runs
+  override holds only for the others; results.md must not list either as shared."""
+  meta = {"base": {"steps": 5, "recipe": "nvfp9", "bf16_last": 1},
+          "runs": [{"name": "a", "overrides": {"recipe": "bf16", "bf16_last": 0}},
+                   {"name": "b", "overrides": {"recipe": "nvfp4"}}]}
+  rows = [{"run": r, "seed": 0, "status": "finished", "final_val_loss": 2.0, "steps": 5, "tokens": 640,
+           "experiment": "x", "preset": "smoke", "label": r, "overrides": {}} for r in ("a", "b")]
+  text = report.markdown_table(meta, rows)
+  assert 'Shared settings: `{"steps": 5}`.' in text
+  assert 'For runs that do not set their own: `{"bf16_last": 1}`.' in text
+  assert "nvfp9" not in text
+
+
 @pytest.mark.parametrize("name", ["formats_cpu", "components_cpu", "recipes_cpu"])
 def test_committed_results_tables_are_what_the_report_writes(name):
   folder = REPO / "experiments" / "results" / name
