@@ -31,6 +31,7 @@ def parse_bool(text) -> bool:
 
 
 def parse_int(text) -> int:
+  """ "12" -> 12; "1.5", "" and bools are refused."""
   if isinstance(text, int) and not isinstance(text, bool):
     return text
   low = str(text).strip()

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from fp4jax import explicit_axes
 from fp4jax import recipes as recipes_lib
+from fp4jax.dot_general import check_layer_shape
 from fp4jax.dot_general import dot_general as quantized_gemm
 
 
@@ -55,6 +56,10 @@ def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_el
   free_shape_R = tuple(rhs.shape[b] for b in rfree)
   x_xK = _moved(lhs, lfree + list(lc)).reshape(*free_shape_L, k)
   w_KxN = _moved(rhs, list(rc) + rfree).reshape(k, math.prod(free_shape_R))
+  try:  # here, so that the error names the layer (Linen and Einsum layers are only seen at call time)
+    check_layer_shape(*w_KxN.shape, recipe)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
   y_xN = quantized_gemm(x_xK, w_KxN, (((x_xK.ndim - 1,), (0,)), ((), ())), precision, preferred_element_type,
                         recipe=recipe, key=key)
   y = y_xN.reshape(*free_shape_L, *free_shape_R)

@@ -14,6 +14,7 @@ live in formats_fp8.py, the shared `Scaling` and base class in formats_base.py (
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal, Union
 
 import jax.numpy as jnp
@@ -109,8 +110,8 @@ class NVFP4(_FP4Format):
   name: str = dataclasses.field(default="nvfp4", init=False)
 
   def __post_init__(self):
-    if self.block_size != 16:
-      raise ValueError(f"NVFP4 uses 16-element blocks; got block_size={self.block_size}.")
+    if self.block_size != 16 or not isinstance(self.block_size, numbers.Integral):  # 16.0 breaks reshapes
+      raise ValueError(f"NVFP4 uses 16-element blocks; got block_size={self.block_size!r}.")
     if self.scale_rule not in NVFP4_SCALE_RULES:
       raise ValueError(f"NVFP4 scale_rule must be one of {NVFP4_SCALE_RULES}; got {self.scale_rule!r}.")
     if self.select not in FOUR_OVER_SIX_SELECT:
@@ -262,8 +263,8 @@ class MXFP4(_FP4Format):
   def __post_init__(self):
     if self.scale_rule not in MXFP4_SCALE_RULES:
       raise ValueError(f"MXFP4 scale_rule must be one of {MXFP4_SCALE_RULES}; got {self.scale_rule!r}.")
-    if self.block_size != 32:
-      raise ValueError(f"MXFP4 uses 32-element blocks; got block_size={self.block_size}.")
+    if self.block_size != 32 or not isinstance(self.block_size, numbers.Integral):
+      raise ValueError(f"MXFP4 uses 32-element blocks; got block_size={self.block_size!r}.")
 
   scale_dtype = jnp.float8_e8m0fnu
 

@@ -6,6 +6,7 @@ Both store E4M3 elements unpacked (float8_e4m3fn). Named instances and `get_form
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal
 
 import jax.numpy as jnp
@@ -34,8 +35,8 @@ class FP8(FormatBase):
   def __post_init__(self):
     if self.scaling not in ("tensor", "block"):
       raise ValueError(f"FP8 scaling must be 'tensor' or 'block'; got {self.scaling!r}.")
-    if self.block_size < 1:
-      raise ValueError(f"FP8 block_size must be positive; got {self.block_size}.")
+    if not isinstance(self.block_size, numbers.Integral) or self.block_size < 1:  # "fp8:block_size=64.0": a float
+      raise ValueError(f"FP8 block_size must be a positive int; got {self.block_size!r}.")
 
   elem_max = grids.E4M3_MAX
   scale_dtype = jnp.float32
@@ -83,8 +84,8 @@ class MXFP8(FormatBase):
   name: str = dataclasses.field(default="mxfp8", init=False)
 
   def __post_init__(self):
-    if self.block_size != 32:
-      raise ValueError(f"MXFP8 uses 32-element blocks; got block_size={self.block_size}.")
+    if self.block_size != 32 or not isinstance(self.block_size, numbers.Integral):
+      raise ValueError(f"MXFP8 uses 32-element blocks; got block_size={self.block_size!r}.")
 
   elem_max = grids.E4M3_MAX
   scale_dtype = jnp.float8_e8m0fnu

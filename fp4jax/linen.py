@@ -72,6 +72,7 @@ class QuantizedModel:
 
   @property
   def report(self) -> model_quantize.Report:
+    """Which traced layers matched which rule (print it); layers not yet traced by `init` / `apply` are missing."""
     return model_quantize.Report(self.rules, tuple(self._seen[p] for p in sorted(self._seen)))
 
   def _intercept(self, next_fun, args, kwargs, context):
@@ -97,12 +98,16 @@ class QuantizedModel:
       object.__setattr__(module, "dot_general", None)
 
 
-def quantize_model(model: nn.Module, rules) -> QuantizedModel:
+def quantize_model(model: nn.Module, rules, *, rngs=None) -> QuantizedModel:
   """`model` with the GEMMs of its Dense / DenseGeneral layers quantized by ordered (regex, recipe) path rules.
 
   Paths are the layers' scope names joined by dots ("Block_0.Dense_1"); the first fully matching rule wins; a None
   or "bf16" recipe leaves a layer alone. DenseGeneral with batch_dims is refused when a quantized rule matches it.
+  `rngs` is NNX's argument, refused here: Linen takes the SR keys per step, `apply(..., rngs={"quant": key})`.
   """
   if not isinstance(model, nn.Module):
     raise ValueError(f"fp4jax.linen.quantize_model expects a flax.linen.Module; got {type(model).__name__}.")
+  if rngs is not None:  # a key given once here would be every step's key
+    raise ValueError("quantize_model of a Linen model takes no rngs: pass a new key to every step, "
+                     "qmodel.apply(variables, x, rngs={'quant': key}).")
   return QuantizedModel(model, model_quantize.compile_rules(rules))

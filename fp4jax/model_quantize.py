@@ -38,6 +38,9 @@ def compile_rules(rules) -> tuple[Rule, ...]:
                        f"[('.*', {rules!r})].")
     raise ValueError(f"rules must be a list of (regex, recipe) pairs (for every layer: [('.*', recipe)]); got "
                      f"{type(rules).__name__} {str(rules)[:80]!r}.")
+  if isinstance(rules, dict):  # iterating it would give bare patterns: "rule 0 ... got '.*'"
+    raise ValueError("rules must be a list of (regex, recipe) pairs; got a dict: pass list(rules.items()) (first "
+                     "match wins, in that order).")
   out = []
   for i, rule in enumerate(rules):
     if isinstance(rule, Rule):
@@ -98,6 +101,7 @@ class Report:
 
   @property
   def unmatched_layers(self) -> tuple[str, ...]:
+    """Paths of the layers no rule matched (they run their own computation)."""
     return tuple(l.path for l in self.layers if l.rule is None)
 
   @property

@@ -165,7 +165,8 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
     model: any NNX model; edited in place (each quantized layer's `dot_general` / `einsum_op` becomes a
       QuantizedDotGeneral / QuantizedEinsum holding its own "quant" stream). Parameters are untouched.
     rules: ordered (regex, recipe) pairs, first full match of the layer path ("blocks.0.attn.query") wins; a recipe
-      of None or "bf16" restores the layer's own computation. Layers no rule matches are left alone.
+      of None or "bf16" restores the layer's own computation. Layers no rule matches run their own computation too
+      (a layer quantized by an earlier call is restored: each call sets every layer).
     rngs: nnx.Rngs with a "quant" stream (or an int seed for one), needed when a recipe uses stochastic rounding.
 
   Returns:

@@ -48,7 +48,7 @@ def parse_spec(spec, presets: Mapping[str, Callable[..., Any]]) -> tuple[str, di
   """(preset name, keyword arguments) of a spec "name[:key=value,...]", checked against the preset's signature.
 
   Names are case-insensitive; values parse as CLI scalars (fp4jax.cli_values), tuples joined with '+'
-  ("rht_on=wgrad+dgrad"); a single `rht_on` string becomes a 1-tuple.
+  ("rht_on=wgrad+dgrad"); a single `rht_on` string becomes a 1-tuple, and `random_signs=none` is the sign mode.
   """
   name, _, args = str(spec).partition(":")
   name = name.strip().lower()
@@ -72,4 +72,6 @@ def parse_spec(spec, presets: Mapping[str, Callable[..., Any]]) -> tuple[str, di
       kwargs[k] = bool(v)
   if isinstance(kwargs.get("rht_on"), str):
     kwargs["rht_on"] = (kwargs["rht_on"],)
+  if "random_signs" in kwargs and kwargs["random_signs"] is None:  # the sign mode "none" (as names print it)
+    kwargs["random_signs"] = "none"
   return name, kwargs

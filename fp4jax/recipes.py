@@ -15,6 +15,7 @@ are static arguments of `jax.jit`: switching a model's recipe compiles once per 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal
 
 from fp4jax import formats
@@ -134,7 +135,7 @@ class Recipe:
       raise ValueError(f"fprop_rht_signs must be None or one of {RHT_SIGNS}; got {self.fprop_rht_signs!r}.")
     if self.backend not in BACKENDS:
       raise ValueError(f"backend must be one of {BACKENDS}; got {self.backend!r}.")
-    if self.random_bits not in (8, 32):
+    if self.random_bits not in (8, 32) or not isinstance(self.random_bits, numbers.Integral):  # 8.0: "nvfp4-sr8.0bit"
       raise ValueError(f"random_bits must be 8 or 32; got {self.random_bits!r}.")
     prng.check_sr_bits(self.sr_bits)
     if self.gemm_mode not in GEMM_MODES:
@@ -180,7 +181,9 @@ class Recipe:
           continue
         if field == "gemm_mode":
           old = recipe_names.gemm_tag(self.gemm_mode)
-          name = (name[:-len(old)] if old and name.endswith(old) else name) + recipe_names.gemm_tag(value)
+          # The old tag may sit before later tags ("nvfp4-gemm:f32+bf16fwd"): a stale one would name the wrong mode.
+          head, _, tail = name.rpartition(old) if old and old in name else ("", "", name)
+          name = head + tail + recipe_names.gemm_tag(value)
         else:
           name += f"+{field}" + (f"={value}" if isinstance(value, (bool, int, float, str)) or value is None else "")
       changes["name"] = name
@@ -397,5 +400,12 @@ def get_recipe(spec: str | Recipe) -> Recipe:
   """
   if isinstance(spec, Recipe):
     return spec
+  if not isinstance(spec, str):  # else its str() is parsed: "Unknown recipe '<function nvfp4 at 0x..>'"
+    preset = next((n for n, f in PRESETS.items() if f is spec), None)
+    if preset:
+      raise ValueError(f"got the preset function fp4jax.recipes.{preset}; a recipe is what it returns: "
+                       f"fp4jax.recipes.{preset}().")
+    raise ValueError(f"expected a Recipe (fp4jax.recipes.nvfp4()) or its name, e.g. 'nvfp4:rht_size=4'; got "
+                     f"{type(spec).__name__} {str(spec)[:80]!r}.")
   name, kwargs = recipe_names.parse_spec(spec, PRESETS)
   return PRESETS[name](**kwargs)

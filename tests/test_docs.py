@@ -58,6 +58,22 @@ def test_numerics_doc_has_the_linked_sections():
   assert headings == list(NUMERICS_SECTIONS)
 
 
+def test_readme_lists_every_train_config_group():
+  from fp4jax.pretrain import config  # pylint: disable=g-import-not-at-top
+  readme = " ".join((ROOT / "README.md").read_text().split())
+  listed = re.search(r"TrainConfig with groups ((?:`\w+`, )*`\w+`);", readme).group(1)
+  assert tuple(re.findall(r"`(\w+)`", listed)) == config.GROUPS
+
+
+def test_readme_layout_names_every_library_module():
+  layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1]
+  packages = {ROOT / "fp4jax", ROOT / "fp4jax" / "pretrain", ROOT / "fp4jax" / "analysis"}
+  missing = [str(p.relative_to(ROOT)) for p in sorted(_tracked_files(ROOT))
+             if p.parent in packages and p.suffix == ".py" and not p.name.startswith("__")
+             and f"`{p.name}`" not in layout]
+  assert not missing, f"README.md's Layout does not name {missing}"
+
+
 def test_pyproject_license_is_an_spdx_string():
   # setuptools deprecated the `{ text = ... }` table (builds warn now, and are to fail after 2027-02-18); the SPDX
   # string form needs setuptools >= 77 in the isolated build environment.

@@ -115,6 +115,31 @@ def test_linen_sr_recipe_needs_quant_rng():
     LinenMLP("nvfp4").apply({"params": _linen_params(x)}, x)
 
 
+class _ScannedDense(linen.Module):
+  """One fp4jax.linen.Dense per scan step, each on the same input (equal layers see equal GEMMs but for SR)."""
+
+  @linen.compact
+  def __call__(self, c, x):
+    return c, fp4jax.linen.Dense(D_IN, recipe="nvfp4", dtype=jnp.float32)(x)
+
+
+@pytest.mark.parametrize("split, noise", [(True, "per layer"), (False, "shared"), (None, "missing")])
+def test_linen_scan_draws_sr_noise_per_layer_only_with_quant_split(split, noise):
+  # README, "Quantizing a Flax model": list "quant": True in split_rngs.
+  rngs = {"params": True} | ({} if split is None else {"quant": split})
+  scan = linen.scan(_ScannedDense, variable_axes={"params": 0}, split_rngs=rngs, in_axes=linen.broadcast, length=2)
+  x = jax.random.normal(jax.random.key(0), (TOKENS, D_IN))
+  params = scan().init(jax.random.key(1), None, x)
+  params = jax.tree.map(lambda a: jnp.broadcast_to(a[:1], a.shape), params)  # two equal layers
+  loss = lambda p: jnp.sum(scan().apply(p, None, x, rngs={"quant": jax.random.key(2)})[1] ** 2)
+  if noise == "missing":
+    with pytest.raises(Exception, match='needs PRNG for "quant"'):
+      jax.grad(loss)(params)
+    return
+  g_LxKxN = np.asarray(jax.tree.leaves(jax.grad(loss)(params))[0])
+  assert np.array_equal(g_LxKxN[0], g_LxKxN[1]) == (noise == "shared")
+
+
 def test_nnx_layer_keys():
   """SR keys come from the layer's "quant" stream (fresh per call) or from key=; without either: ValueError."""
   x = jnp.asarray(np.random.default_rng(1).standard_normal((TOKENS, D_IN)), jnp.float32)

@@ -320,6 +320,7 @@ def test_linen_refusals_name_the_layer():
 @pytest.mark.parametrize("rules, match", [
     ("nvfp4", r"got the string 'nvfp4'\. For every layer: \[\('\.\*', 'nvfp4'\)\]"),
     (fp4jax.recipes.nvfp4(), r"\(for every layer: \[\('\.\*', recipe\)\]\); got Recipe"),
+    ({"up": "nvfp4"}, r"got a dict: pass list\(rules\.items\(\)\)"),
 ])
 def test_a_bare_recipe_instead_of_rules_says_how_to_quantize_every_layer(rules, match):
   with pytest.raises(ValueError, match=match):
@@ -380,3 +381,32 @@ def test_a_layer_whose_shape_the_recipe_cannot_run_is_refused_by_name_before_any
   with pytest.raises(ValueError, match=r"odd \(Linear\): .*blocks of 16 need K divisible by 16"):
     fp4jax.quantize_model(model, [(".*", "nvfp4")], rngs=0)
   assert model.good.dot_general is jax.lax.dot_general or model.good.dot_general is None  # untouched
+
+
+def test_linen_and_einsum_layers_the_recipe_cannot_run_are_named_at_call_time():
+  x = jnp.ones((4, 32))
+  qmodel = fp4jax.quantize_model(linen.Sequential([linen.Dense(24), linen.Dense(16)]), [(".*", "nvfp4")])
+  params = qmodel.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"^layers_0: fprop rhs: nvfp4 blocks of 16 need N divisible by 16; got N=24"):
+    qmodel.apply(params, x, rngs={"quant": jax.random.key(1)})
+  model = nnx.Sequential(nnx.Einsum("bd,dn->bn", (32, 24), rngs=nnx.Rngs(0)))
+  fp4jax.quantize_model(model, [(".*", "nvfp4")], rngs=0)  # the equation gives K and N only at call time
+  with pytest.raises(ValueError, match=r"^layers\.0: fprop rhs: .*N=24"):
+    model(x)
+
+
+def test_linen_quantize_model_refuses_rngs_and_says_where_keys_go():
+  with pytest.raises(ValueError, match=r"takes no rngs.*rngs=\{'quant': key\}"):
+    fp4jax.quantize_model(linen.Dense(D), [(".*", "nvfp4")], rngs=0)
+
+
+def test_a_second_call_sets_every_layer_including_those_no_rule_matches():
+  model = nnx.Sequential(nnx.Linear(D, D, rngs=nnx.Rngs(0)), nnx.Linear(D, D, rngs=nnx.Rngs(1)))
+  x = jax.random.normal(jax.random.key(2), (B * T, D))
+  y_plain = model(x)
+  fp4jax.quantize_model(model, [(".*", "nvfp4")], rngs=0)
+  report = fp4jax.quantize_model(model, [(r"layers\.0", "mxfp4:stochastic_rounding=false")])
+  assert report.quantized == {"layers.0": "mxfp4-sr"} and report.unmatched_layers == ("layers.1",)
+  assert model.layers[1].dot_general in (None, jax.lax.dot_general)  # what the report says: its own GEMM
+  fp4jax.quantize_model(model, [])
+  np.testing.assert_array_equal(np.asarray(model(x)), np.asarray(y_plain))

@@ -5,6 +5,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import fp4jax
@@ -79,6 +80,22 @@ def test_get_recipe_parses_cli_form():
   r = recipes.nvfp4()
   assert recipes.get_recipe(r) is r
   assert {recipes.get_recipe(n).name for n in recipes.RECIPE_NAMES} == set(recipes.RECIPE_NAMES)
+
+
+def test_replacing_the_gemm_mode_renames_a_switched_recipe():
+  switched = recipes.nvfp4(gemm_mode="f32").with_bf16(backward=False)
+  assert switched.name == "nvfp4-gemm:f32+bf16fwd"
+  assert switched.replace(gemm_mode="auto").name == "nvfp4+bf16fwd"
+  assert switched.replace(gemm_mode="bf16").name == "nvfp4+bf16fwd-gemm:bf16"
+  assert recipes.nvfp4(gemm_mode="f32").replace(gemm_mode="bf16").name == recipes.nvfp4(gemm_mode="bf16").name
+
+
+def test_every_sign_mode_has_a_cli_spelling():
+  # "none" parses as None elsewhere; here it is the mode the name "nvfp4-signs:none" shows.
+  for mode in recipes.RHT_SIGNS:
+    r = recipes.get_recipe(f"nvfp4:random_signs={mode}")
+    assert r == recipes.nvfp4(random_signs=mode) and r.rht_signs == mode
+  assert recipes.get_recipe("nvfp4:random_signs=false") == recipes.nvfp4(random_signs="none")
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -174,3 +191,27 @@ def test_names_tell_apart_recipes_that_differ():
 def test_options_that_would_change_nothing_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
     recipes.nvfp4(**kwargs)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("fp8:block_size=64.0", r"FP8 block_size must be a positive int; got 64\.0"),  # not a TypeError in reshape later
+    ("nvfp4:random_bits=8.0", r"random_bits must be 8 or 32; got 8\.0"),  # not a recipe named "nvfp4-sr8.0bit"
+])
+def test_float_spellings_of_int_options_are_refused(spec, match):
+  with pytest.raises(ValueError, match=match):
+    recipes.get_recipe(spec)
+  for fmt in (lambda: fp4jax.NVFP4(block_size=16.0), lambda: fp4jax.MXFP4(block_size=32.0),
+              lambda: fp4jax.MXFP8(block_size=32.0)):
+    with pytest.raises(ValueError, match="-element blocks; got block_size="):
+      fmt()
+  assert recipes.fp8(block_size=np.int64(64)).fprop.lhs.fmt.block_size == 64  # numpy ints are ints
+
+
+@pytest.mark.parametrize("spec, match", [
+    (recipes.nvfp4, r"got the preset function fp4jax\.recipes\.nvfp4; .*: fp4jax\.recipes\.nvfp4\(\)\.$"),
+    (fp4jax.NVFP4(), r"expected a Recipe .* or its name, .*; got NVFP4 \"NVFP4\(block_size=16"),  # a format
+    (16, r"got int '16'\.$"),
+])
+def test_a_recipe_that_is_not_a_recipe_or_a_string_is_named(spec, match):
+  with pytest.raises(ValueError, match=match):
+    recipes.get_recipe(spec)
