@@ -122,10 +122,11 @@ def _check_compatible(manager: ocp.CheckpointManager, step: int, abstract) -> No
   wanted = _array_specs(abstract)
   if stored == wanted:
     return
-  problems = [f"missing {k}" for k in sorted(set(wanted) - set(stored))]
-  problems += [f"unexpected {k}" for k in sorted(set(stored) - set(wanted))]
+  params_first = lambda k: (not k.startswith("params."), k)  # else the optimizer's copies fill the first five
+  problems = [f"missing {k}" for k in sorted(set(wanted) - set(stored), key=params_first)]
+  problems += [f"unexpected {k}" for k in sorted(set(stored) - set(wanted), key=params_first)]
   problems += [f"{k}: stored {stored[k][0]} {stored[k][1]}, expected {wanted[k][0]} {wanted[k][1]}"
-               for k in sorted(set(stored) & set(wanted)) if stored[k] != wanted[k]]
+               for k in sorted(set(stored) & set(wanted), key=params_first) if stored[k] != wanted[k]]
   more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
   raise StateMismatchError(f"Checkpoint {step} in {manager.directory} does not match this run's model/optimizer "
                         f"(config changed?): {'; '.join(problems[:5])}{more}.")

@@ -58,6 +58,9 @@ class EvalConfig:
 
   def __post_init__(self):
     _need_ints(self, 0, "every", "batches", "stats_every")
+    if self.stats_every and not self.batches:  # else the run fails at step 0 with an IndexError
+      raise ValueError(f"EvalConfig: stats_every={self.stats_every} needs eval_batches >= 1 (the statistics are "
+                       "taken on the first validation batch); got eval_batches=0.")
     if self.stats_format not in QUANT_STATS_FORMATS:
       raise ValueError(f"EvalConfig: stats_format must be one of {QUANT_STATS_FORMATS} (statistics count FP4 "
                        f"codes); got {self.stats_format!r}.")
@@ -138,6 +141,8 @@ class TrainConfig:
         raise ValueError(f"TrainConfig.{name} must be a {cls.__name__}; got {getattr(self, name)!r}.")
     _need_ints(self, 1, "steps", "batch_size")
     _need_ints(self, 0, "seed")
+    if self.seed >= 2**32:  # jax.random.key keeps the low 32 bits (without x64): 2**32 + k would rerun seed k's init
+      raise ValueError(f"TrainConfig: seed must be < 2**32; got {self.seed}.")
     if self.seq_len is not None:
       _need_ints(self, 1, "seq_len")
       if self.seq_len > self.model.max_seq_len:

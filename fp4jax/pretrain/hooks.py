@@ -1,12 +1,14 @@
 """What the training loop calls around each step: `Hook(fn, every=N)` and the `StepInfo` a hook sees.
 
 fp4jax.pretrain.trainer runs its own periodic work (validation, quantization statistics, checkpoints, the metrics
-log) as hooks too, and re-exports these names (trainer.Hook, trainer.StepInfo, trainer.record_hook).
+log) as hooks too, and re-exports these names (trainer.Hook, trainer.StepInfo, trainer.record_hook, trainer.as_hook).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +17,8 @@ from fp4jax.pretrain.steps import TrainState
 
 @dataclasses.dataclass
 class StepInfo:
-  """What a hook sees: the step index, the train state, and the step's metrics record (hooks may add to it).
+  """What a hook sees: the step index, the train state, and the step's metrics record (hooks may add to it: the
+  trainer writes it to metrics.jsonl after the hooks, on log_every steps, the last step and validation steps).
 
   Hooks before the update see `state` before step `step`; hooks after it see the updated state and the step's loss.
   `final` marks the one extra call after the last step (step == config.steps). The next step donates `state`
@@ -36,6 +39,12 @@ class Hook:
   fn: Callable[[StepInfo], None]
   every: int = 1
 
+  def __post_init__(self):
+    if not callable(self.fn):
+      raise TypeError(f"Hook: fn must be callable as fn(info); got {self.fn!r}.")
+    if not isinstance(self.every, numbers.Integral) or isinstance(self.every, bool) or self.every < 0:  # -1: never
+      raise ValueError(f"Hook: every must be an int >= 0 (0: only at the final call); got {self.every!r}.")
+
   def __call__(self, info: StepInfo) -> None:
     if info.final or (self.every > 0 and info.step % self.every == 0):
       self.fn(info)
@@ -44,3 +53,23 @@ class Hook:
 def record_hook(fn: Callable[[int, dict[str, Any]], None], every: int = 1) -> Hook:
   """A Hook from a callable (step, record) -> None, called after each step and once more at the end."""
   return Hook(lambda info: fn(info.step, info.record), every)
+
+
+def as_hook(hook: Hook | Callable[[int, dict[str, Any]], None]) -> Hook:
+  """`hook` itself, or `record_hook(hook)` for a callable (step, record) -> None.
+
+  A callable that cannot take (step, record), such as a Hook's fn(info) passed without Hook, is refused here,
+  before the run starts, rather than failing after the first step has compiled and run.
+  """
+  if isinstance(hook, Hook):
+    return hook
+  if not callable(hook):
+    raise TypeError(f"hooks must hold Hook objects or callables (step, record) -> None; got {hook!r}.")
+  try:
+    inspect.signature(hook).bind(0, {})
+  except TypeError:
+    raise TypeError(f"The hook {hook!r} cannot be called as fn(step, record): a bare callable gets the step and its "
+                    "metrics record; wrap a function of one StepInfo as Hook(fn, every=N).") from None
+  except ValueError:  # no signature to inspect (some builtins): it is called as given
+    pass
+  return record_hook(hook)

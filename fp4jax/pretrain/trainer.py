@@ -45,7 +45,7 @@ from fp4jax.pretrain import runfolder
 from fp4jax.pretrain import sharding as sharding_lib
 from fp4jax.pretrain.config import TrainConfig
 # Re-exported: trainer.Hook, trainer.build_model, ... (their homes are hooks.py and run_setup.py).
-from fp4jax.pretrain.hooks import Hook, StepInfo, record_hook
+from fp4jax.pretrain.hooks import Hook, StepInfo, as_hook, record_hook
 from fp4jax.pretrain.run_setup import build_model, initial_state, load_data, run_keys
 from fp4jax.pretrain.sharding import Placement
 from fp4jax.pretrain.steps import CompileCache, Phases, TrainState
@@ -115,8 +115,8 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
 
   hooks: `Hook`s (called after each step whose index is a multiple of `every`, and once at the end), or callables
     (step, record) -> None called after every step with that step's metrics record (the dict written to
-    metrics.jsonl: loss, lr, grad_norm, ..., val_loss / quant when computed) and once more for the final
-    evaluation record (step == config.steps).
+    metrics.jsonl after the hooks, so with what they add: loss, lr, grad_norm, ..., val_loss / quant when computed)
+    and once more for the final evaluation record (step == config.steps).
   Returns a summary: final_loss, final_val_loss (None without validation), val_losses {step: loss}, losses (this
     call's train losses), steps, start_step, tokens, wall_time, checkpoint_step, out, params (the final nnx.State),
     layer_recipes ({phase: {layer: recipe name}} for the phases this call ran).
@@ -125,6 +125,7 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
   finds no readable checkpoint (unreadable newer ones are moved aside, see fp4jax.pretrain.resume), RunLockedError
   when another run holds --out, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C.
   """
+  user_hooks = [as_hook(h) for h in hooks]  # a hook that cannot be called fails here, not after the first step
   log = log if log and distributed.is_main_process() else (lambda _: None)
   if config.mesh:  # a bad --mesh fails before the run folder is made
     sharding_lib.make_mesh(config.mesh)
@@ -133,10 +134,10 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
                                         process_index=jax.process_index(), process_count=jax.process_count())
   with lock:
     log(f"Run folder: {out.absolute()}")
-    return _train_locked(config, hooks, log, compile_cache, out)
+    return _train_locked(config, user_hooks, log, compile_cache, out)
 
 
-def _train_locked(config, hooks, log, compile_cache, out) -> dict[str, Any]:
+def _train_locked(config, user_hooks, log, compile_cache, out) -> dict[str, Any]:
   keys = run_keys(config.seed)
   model = build_model(config, keys["init"])
   optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
@@ -158,7 +159,6 @@ def _train_locked(config, hooks, log, compile_cache, out) -> dict[str, Any]:
     for line in _training_options_lines(config):
       log(line)
     log(f"Data: {dataset.source}")
-    user_hooks = [h if isinstance(h, Hook) else record_hook(h) for h in hooks]
     return _Loop(config, log, out, dataset, val, keys, phases, manager, start).run(state, user_hooks)
   finally:
     manager.wait_until_finished()
@@ -281,11 +281,21 @@ class _Loop:
 
       def write_metrics(info: StepInfo):
         r = info.record
-        due = info.step % config.logging.every == 0 or info.step == config.steps - 1 or info.final
-        if (due and not info.final) or "val_loss" in r or "quant" in r:
+        if info.final:  # only when something was measured: a val loss, statistics, a hook's numbers
+          due = set(r) > {"step", "phase"}
+        else:
+          due = (info.step % config.logging.every == 0 or info.step == config.steps - 1 or "val_loss" in r
+                 or "quant" in r)
+        if due:
           metrics_log.write(r)
 
-      after = [Hook(write_metrics), *user_hooks]
+      def after(info: StepInfo):
+        try:
+          for hook in user_hooks:
+            hook(info)
+        finally:  # after the user's hooks, so what they add to the record is logged; also when one raises
+          write_metrics(info)
+
       for step in range(self.start, config.steps):
         info = StepInfo(step, state, {"step": step, "phase": phases.phase(step)})
         if info.record["phase"] not in layer_recipes:
@@ -314,8 +324,7 @@ class _Loop:
           raise TrainingDiverged(step, loss, grad_norm, self.last_saved)
         state = info.state = new_state
         losses.append(loss)
-        for hook in after:
-          hook(info)
+        after(info)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}",
                         **({"val": f"{info.record['val_loss']:.4f}"} if "val_loss" in info.record else {}))
@@ -328,8 +337,10 @@ class _Loop:
 
       final = StepInfo(config.steps, state, {"step": config.steps, "phase": phases.phase(config.steps - 1)},
                        final=True)
-      for hook in [*before[1:], *after, before[0]]:  # the final checkpoint last, after the final record
+      for hook in before[1:]:
         hook(final)
+      after(final)
+      before[0](final)  # the final checkpoint last, after the final record
 
     wall = time.perf_counter() - t_start
     val_text = f", val_loss {self.val_losses[config.steps]:.4f}" if self.val else ""

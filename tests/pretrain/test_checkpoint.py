@@ -109,6 +109,20 @@ def test_restore_into_another_model_is_refused(data_config, tmp_path):
   manager.close()
 
 
+def test_a_mismatch_names_the_params_before_the_optimizer_copies(tmp_path):
+  def state(width):  # mu and nu sort before params, and would fill the five problems the error lists
+    params = {"blocks": {str(i): jnp.zeros((4, width)) for i in range(6)}}
+    return {"params": params, "opt_state": {"mu": params, "nu": params}, "step": jnp.asarray(1, jnp.int32)}
+
+  manager = ckpt.open_manager(tmp_path)
+  ckpt.save(manager, 1, state(4), {}, force=True)
+  manager.wait_until_finished()
+  with pytest.raises(ckpt.StateMismatchError, match=r"does not match [^:]*: params\.blocks\.0: stored \(4, 4\) "
+                     r"float32, expected \(4, 8\) float32;.*\(and 13 more\)"):
+    ckpt.restore(manager, state(8))
+  manager.close()
+
+
 def test_resume_without_checkpoints_is_a_clear_error(data_config, tmp_path):
   with pytest.raises(ckpt.CheckpointError, match="no checkpoints"):
     trainer.train(make_config(data_config, tmp_path / "never", resume=True), log=None)

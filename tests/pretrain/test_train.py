@@ -140,6 +140,24 @@ def test_different_seed_gives_different_run_and_hooks_run_every_n_steps(env, tmp
   assert not any(x.is_deleted() for x in kept[True])
 
 
+@pytest.mark.slow
+def test_what_hooks_add_to_the_record_is_logged_and_hook_errors_surface(env, tmp_path):
+  def add(step, record):  # a user's own metric, as StepInfo invites
+    record["tokens_seen"] = step * 8 * 32
+
+  run(env, make_config(env, tmp_path / "a", recipe="bf16", eval_batches=0), hooks=[add])
+  # Written after the hooks: every step's record and the final one (step == STEPS) carry the hook's number.
+  assert [r.get("tokens_seen") for r in metrics.read_metrics(tmp_path / "a")] == [s * 256 for s in range(STEPS + 1)]
+
+  def fail(info):
+    if info.step == 2:
+      raise KeyError("my metric")
+
+  with pytest.raises(KeyError, match="my metric"):  # the hook's own error, unwrapped
+    run(env, make_config(env, tmp_path / "b", recipe="bf16", eval_batches=0), hooks=[trainer.Hook(fail)])
+  assert [r["step"] for r in metrics.read_metrics(tmp_path / "b")] == [0, 1, 2]  # the failing step's record kept
+
+
 def test_a_test_not_marked_slow_cannot_train(env, tmp_path):
   """tests/conftest.py stops a fast test at its first train step, so `pytest -m "not slow"` stays quick."""
   with pytest.raises(AssertionError, match="mark it @pytest.mark.slow"):
@@ -154,6 +172,17 @@ def test_hook_is_due_on_multiples_of_every_and_at_the_end():
   hook(trainer.StepInfo(7, None, {}, final=True))
   trainer.Hook(lambda info: calls.append(-1), every=0)(trainer.StepInfo(0, None, {}))  # every=0: never
   assert calls == [0, 3, 6, 7]
+
+
+def test_hooks_that_cannot_run_are_refused_before_the_run(env, tmp_path):
+  with pytest.raises(ValueError, match="every must be an int >= 0"):
+    trainer.Hook(lambda info: None, every=-1)  # would silently never run
+  config = make_config(env, tmp_path / "run", recipe="bf16")
+  # A Hook's fn(info) passed bare is called as fn(step, record): refused before the run folder or a step exists.
+  with pytest.raises(TypeError, match="cannot be called as fn\\(step, record\\).*Hook\\(fn"):
+    run(env, config, hooks=[lambda info: None])
+  assert not (tmp_path / "run").exists()
+  assert trainer.as_hook(print).every == 1  # builtins without a signature pass as given
 
 
 @pytest.mark.slow
@@ -233,6 +262,8 @@ def test_missing_and_empty_corpus(env, tmp_path):
     ({"bf16_last": 5}, "exceeds"),
     ({"switch_at": 500}, "never reaches"),
     ({"stats_format": "fp8"}, "stats_format"),
+    ({"stats_every": 2, "eval_batches": 0}, "needs eval_batches"),
+    ({"seed": 2**32 + 5}, "seed must be < 2\\*\\*32"),  # else the init and SR keys of seed 5
 ])
 def test_bad_config_is_rejected(changes, match):
   with pytest.raises(ValueError, match=match):
