@@ -136,10 +136,15 @@ def restore(manager: ocp.CheckpointManager, target: dict[str, Any], step: int | 
             ) -> tuple[int, dict[str, Any], dict[str, Any]]:
   """(step, state, meta) from the checkpoint at `step` (default: latest).
 
-  `target` is a state pytree of the same structure (arrays or jax.ShapeDtypeStruct) giving shapes, dtypes and
-  shardings; a checkpoint whose structure, shapes or dtypes differ raises CheckpointError. Top-level None entries
+  `target` is a state dict (or the TrainState it comes from) of the same structure (arrays or jax.ShapeDtypeStruct)
+  giving shapes, dtypes and shardings; a checkpoint whose structure, shapes or dtypes differ raises CheckpointError. Top-level None entries
   of `target` (not stored, see `save`) come back as None.
   """
+  if hasattr(target, "_asdict"):  # a TrainState (NamedTuple): what `save` stores is its dict of fields
+    target = target._asdict()
+  if not isinstance(target, dict):
+    raise TypeError(f"checkpoint.restore: target must be a state dict (TrainState._asdict()) of arrays or "
+                    f"jax.ShapeDtypeStruct; got {type(target).__name__}.")
   step = _pick_step(manager, step)
   absent = [k for k, v in target.items() if v is None]
   target = {k: v for k, v in target.items() if v is not None}

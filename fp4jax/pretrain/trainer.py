@@ -125,6 +125,9 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
   finds no readable checkpoint (unreadable newer ones are moved aside, see fp4jax.pretrain.resume), RunLockedError
   when another run holds --out, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C.
   """
+  if isinstance(hooks, Hook) or callable(hooks):
+    raise TypeError(f"train(config, hooks): hooks is a list of Hooks or callables; got one {type(hooks).__name__}: "
+                    "pass [hook].")
   user_hooks = [as_hook(h) for h in hooks]  # a hook that cannot be called fails here, not after the first step
   log = log if log and distributed.is_main_process() else (lambda _: None)
   if config.mesh:  # a bad --mesh fails before the run folder is made

@@ -120,6 +120,11 @@ def test_a_mismatch_names_the_params_before_the_optimizer_copies(tmp_path):
   with pytest.raises(ckpt.StateMismatchError, match=r"does not match [^:]*: params\.blocks\.0: stored \(4, 4\) "
                      r"float32, expected \(4, 8\) float32;.*\(and 13 more\)"):
     ckpt.restore(manager, state(8))
+  # The TrainState a user holds works as the target too (save stores its dict of fields); other types are named.
+  step, restored, _ = ckpt.restore(manager, steps_lib.TrainState(**state(4)))
+  assert step == 1 and restored["osci"] is None and restored["params"]["blocks"]["0"].shape == (4, 4)
+  with pytest.raises(TypeError, match="state dict"):
+    ckpt.restore(manager, [state(4)])
   manager.close()
 
 

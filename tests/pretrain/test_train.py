@@ -181,6 +181,8 @@ def test_hooks_that_cannot_run_are_refused_before_the_run(env, tmp_path):
   # A Hook's fn(info) passed bare is called as fn(step, record): refused before the run folder or a step exists.
   with pytest.raises(TypeError, match="cannot be called as fn\\(step, record\\).*Hook\\(fn"):
     run(env, config, hooks=[lambda info: None])
+  with pytest.raises(TypeError, match=r"pass \[hook\]"):
+    run(env, config, hooks=trainer.Hook(lambda info: None))  # one Hook, not a list of them
   assert not (tmp_path / "run").exists()
   assert trainer.as_hook(print).every == 1  # builtins without a signature pass as given
 
