@@ -284,6 +284,7 @@ def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht
   unknown = set(rht_on) - set(GEMMS)
   if unknown:
     raise ValueError(f"rht_on entries must be among {GEMMS}; got {sorted(unknown)}.")
+  rht_on = tuple(g for g in GEMMS if g in rht_on)  # one name per recipe: "wgrad+dgrad" is "dgrad+wgrad"
   grad_rounding = "stochastic" if stochastic_rounding else "nearest"
 
   def op(rounding="nearest", block_2d=False, gemm="fprop"):

@@ -215,3 +215,10 @@ def test_float_spellings_of_int_options_are_refused(spec, match):
 def test_a_recipe_that_is_not_a_recipe_or_a_string_is_named(spec, match):
   with pytest.raises(ValueError, match=match):
     recipes.get_recipe(spec)
+
+
+def test_rht_on_order_and_repeats_do_not_change_the_recipe():
+  """The same GEMMs in another order are the same recipe: one name (runs, reports) and one compile (jit's static key)."""
+  a, b = recipes.get_recipe("nvfp4:rht_on=wgrad+dgrad"), recipes.get_recipe("nvfp4:rht_on=dgrad+wgrad+wgrad")
+  assert a == b and hash(a) == hash(b) and a.name == "nvfp4-rht@dgrad+wgrad"
+  assert recipes.nvfp4(rht_on=("wgrad",)) == recipes.nvfp4()
