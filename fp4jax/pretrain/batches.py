@@ -23,8 +23,16 @@ def _split_tokens(dataset: TokenDataset, split: str) -> np.ndarray:
   return dataset.train if split == "train" else dataset.val
 
 
+def _need_ints(**values) -> None:
+  # Checked up front: a float seq_len or seed otherwise fails deep in numpy (IndexError, TypeError).
+  for name, value in values.items():
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+      raise ValueError(f"{name} must be an int; got {value!r}.")
+
+
 def _check_batch_args(tokens, split, batch_size, seq_len, process_index, process_count) -> int:
   """Validates shapes and the process layout; returns rows per process."""
+  _need_ints(batch_size=batch_size, seq_len=seq_len, process_index=process_index, process_count=process_count)
   if batch_size < 1 or seq_len < 1:
     raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}.")
   if process_count < 1 or not 0 <= process_index < process_count:
@@ -61,6 +69,7 @@ def get_batch(
   """
   tokens = _split_tokens(dataset, split)
   b_local = _check_batch_args(tokens, split, batch_size, seq_len, process_index, process_count)
+  _need_ints(step=step, seed=seed)
   if seed < 0 or step < 0:
     raise ValueError(f"seed and step must be >= 0, got seed={seed}, step={step}.")
   rng = np.random.default_rng([seed, SPLITS[split], step])
@@ -85,6 +94,7 @@ def val_batches(
 
   Windows overlap when the val split is shorter than num_batches * batch_size * (seq_len + 1).
   """
+  _need_ints(num_batches=num_batches)
   if num_batches < 1:
     raise ValueError(f"num_batches must be >= 1, got {num_batches}.")
   tokens = dataset.val

@@ -48,6 +48,17 @@ class DataConfig:
   val_fraction: float = 0.05
   cache_dir: str | None = None  # default: $FP4JAX_CACHE or ~/.cache/fp4jax/data
 
+  def __post_init__(self):
+    # A path or a list of them (as corpus_files takes) is kept as the comma-separated string: hashable, JSON-able,
+    # and what load_dataset and the run metadata read.
+    if isinstance(self.corpus, os.PathLike):
+      object.__setattr__(self, "corpus", os.fspath(self.corpus))
+    elif isinstance(self.corpus, (list, tuple)):
+      entries = [os.fspath(e) for e in self.corpus]
+      if any("," in e for e in entries):
+        raise ValueError(f"Corpus paths may not contain a comma (it separates entries); got {entries}.")
+      object.__setattr__(self, "corpus", ",".join(entries))
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenDataset:

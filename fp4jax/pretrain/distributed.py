@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 
 import jax
@@ -48,9 +49,16 @@ class DistributedConfig:
   shutdown_timeout: int = 300
 
   def __post_init__(self):
-    host, colon, port = self.coordinator.rpartition(":")
-    if not colon or not host or not port.isdigit():
-      raise ValueError(f"{ENV_COORDINATOR} must be host:port; got {self.coordinator!r}.")
+    for name in ("num_processes", "process_id", "init_timeout", "heartbeat_timeout", "shutdown_timeout"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int; got {value!r}.")
+    # Checked here because JAX does not: with a port no peer can reach (0 binds a random one) or a host with a
+    # scheme or a space, every process waits init_timeout for the coordinator and then aborts.
+    host, colon, port = str(self.coordinator).rpartition(":")
+    if (not colon or not host or re.search(r"[\s/,]", host) or not re.fullmatch(r"[0-9]{1,5}", port)
+        or not 1 <= int(port) <= 65535):
+      raise ValueError(f"{ENV_COORDINATOR} must be host:port with a port in 1..65535; got {self.coordinator!r}.")
     if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
       raise ValueError(f"need {ENV_NUM_PROCESSES} >= 1 and 0 <= {ENV_PROCESS_ID} < {ENV_NUM_PROCESSES}; got "
                        f"{self.num_processes} and {self.process_id}.")
@@ -75,10 +83,9 @@ class DistributedConfig:
       text = env.get(name, "").strip()
       if not text:
         return default
-      try:
-        return int(text)
-      except ValueError:
-        raise ValueError(f"{name} must be an integer; got {text!r}.") from None
+      if not re.fullmatch(r"[+-]?[0-9]+", text):  # int() also reads "2_0" as 20 and non-ASCII digits
+        raise ValueError(f"{name} must be an integer; got {text!r}.")
+      return int(text)
 
     return cls(coordinator=env[ENV_COORDINATOR].strip(), num_processes=as_int(ENV_NUM_PROCESSES),
                process_id=as_int(ENV_PROCESS_ID), init_timeout=as_int(ENV_INIT_TIMEOUT, 300),

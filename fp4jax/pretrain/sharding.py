@@ -63,7 +63,7 @@ class MeshConfig:
   def __post_init__(self):
     for axis in AXES:
       size = getattr(self, axis)
-      if not isinstance(size, int) or size < 1:
+      if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"mesh axis {axis!r} must be a positive int; got {size!r}.")
 
   @property
@@ -77,6 +77,8 @@ class MeshConfig:
   @classmethod
   def parse(cls, spec: str | None) -> "MeshConfig":
     """From "data=2,fsdp=2,tensor=2" (missing axes are 1); None or "" means all devices on `data`."""
+    if spec is not None and not isinstance(spec, str):  # e.g. a jax Mesh, which would fail on .split
+      raise ValueError(f"mesh must be a string like 'data=2,fsdp=2,tensor=2' or a MeshConfig; got {spec!r}.")
     if not spec:
       return cls(data=jax.device_count())
     sizes = {}
@@ -85,6 +87,8 @@ class MeshConfig:
       name = name.strip()
       if not eq or name not in AXES:
         raise ValueError(f"bad mesh entry {item!r} in {spec!r}: expected axis=size with axis in {AXES}.")
+      if name in sizes:  # else the last one silently wins
+        raise ValueError(f"mesh axis {name!r} given more than once in {spec!r}.")
       try:
         sizes[name] = int(value)
       except ValueError:

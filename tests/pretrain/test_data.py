@@ -122,6 +122,20 @@ def test_user_file_and_list_corpus(text_folder, tmp_path):
   assert ds.train.size + ds.val.size == one.stat().st_size
 
 
+def test_path_and_list_corpus_in_config(text_folder, tmp_path):
+  # corpus_files takes paths and lists; the config must too (they once failed with AttributeError in load_dataset).
+  one = text_folder / "b.txt"
+  cache = str(tmp_path / "c")
+  by_str = data.load_dataset(data.DataConfig(corpus=f"{one},{text_folder / 'a.md'}", cache_dir=cache))
+  for corpus in ([one, text_folder / "a.md"], (str(one), text_folder / "a.md")):
+    cfg = data.DataConfig(corpus=corpus, cache_dir=cache)
+    assert cfg.corpus == f"{one},{text_folder / 'a.md'}" and hash(cfg)
+    np.testing.assert_array_equal(data.load_dataset(cfg).train, by_str.train)
+  assert data.DataConfig(corpus=one).corpus == str(one)
+  with pytest.raises(ValueError, match="comma"):
+    data.DataConfig(corpus=[tmp_path / "a,b"])
+
+
 def test_corpus_errors(tmp_path):
   missing = tmp_path / "nope"
   with pytest.raises(FileNotFoundError, match="nope"):
@@ -214,6 +228,14 @@ def test_batch_errors(shakespeare, text_folder, tmp_path):
     data.get_batch(small, "train", 0, batch_size=2, seq_len=small.train.size, seed=0)
   with pytest.raises(ValueError, match="val split length"):
     data.val_batches(small, batch_size=2, seq_len=small.val.size, num_batches=1)
+  for bad in ({"seq_len": 8.0}, {"batch_size": 2.0}, {"seed": 1.5}, {"step": True}):
+    with pytest.raises(ValueError, match="must be an int"):
+      data.get_batch(small, "train", **{"step": 0, "batch_size": 2, "seq_len": 8, "seed": 0, **bad})
+  with pytest.raises(ValueError, match="must be an int"):
+    data.val_batches(small, batch_size=2, seq_len=8, num_batches=1.0)
+  np.testing.assert_array_equal(  # numpy ints are ints
+      data.get_batch(small, "train", np.int64(3), batch_size=np.int32(2), seq_len=8, seed=np.uint32(1))["inputs"],
+      data.get_batch(small, "train", 3, batch_size=2, seq_len=8, seed=1)["inputs"])
   # The longest legal window fits exactly.
   b = data.get_batch(small, "val", 0, batch_size=2, seq_len=small.val.size - 1, seed=0)
   np.testing.assert_array_equal(b["inputs"][0], small.val[:-1])

@@ -138,6 +138,25 @@ def test_env_config_parsing():
     distributed.DistributedConfig("h", num_processes=2, process_id=0)
 
 
+@pytest.mark.parametrize("coordinator", ["h:0", "h:65536", "h:99999", "my host:1", "http://h:1", "a:1,b:2"])
+def test_malformed_coordinator_is_refused(coordinator):
+  # Once accepted: the processes then waited FP4JAX_INIT_TIMEOUT (300 s) for a coordinator none could reach.
+  with pytest.raises(ValueError, match="host:port"):
+    distributed.DistributedConfig.from_env({"FP4JAX_COORDINATOR": coordinator, "FP4JAX_NUM_PROCESSES": "2",
+                                            "FP4JAX_PROCESS_ID": "0"})
+
+
+def test_env_integers_are_plain_decimals():
+  env = {"FP4JAX_COORDINATOR": "[::1]:12377", "FP4JAX_NUM_PROCESSES": " 2 ", "FP4JAX_PROCESS_ID": "1"}
+  assert distributed.DistributedConfig.from_env(env).num_processes == 2
+  for bad in ("2_0", "2.0", "0x2", "²"):  # int() reads "2_0" as 20
+    with pytest.raises(ValueError, match="FP4JAX_NUM_PROCESSES must be an integer"):
+      distributed.DistributedConfig.from_env({**env, "FP4JAX_NUM_PROCESSES": bad})
+  for bad in ({"num_processes": "2"}, {"num_processes": 2.5}, {"process_id": True}, {"init_timeout": 1.5}):
+    with pytest.raises(ValueError, match="must be an int"):
+      distributed.DistributedConfig(**{"coordinator": "h:1", "num_processes": 2, "process_id": 0, **bad})
+
+
 def test_init_after_backend_started_is_a_clear_error():
   jax.devices()  # this pytest process already uses its backend
   with pytest.raises(RuntimeError, match="must run before anything uses a JAX backend"):

@@ -39,10 +39,20 @@ def test_parse_and_make_mesh():
     ("pipeline=8", "axis in"),
     ("data=two", "must be an int"),
     ("data=0,fsdp=8", "positive int"),
+    ("data=8,data=1", "more than once"),  # once silently the last: "mesh data=1 has 1 devices"
+    ("data=4,fsdp=2,Data=1", "axis in"),
 ])
 def test_bad_mesh(spec, match):
   with pytest.raises(ValueError, match=match):
     sharding.make_mesh(spec)
+
+
+def test_mesh_sizes_are_ints_and_specs_strings():
+  with pytest.raises(ValueError, match="positive int"):
+    sharding.MeshConfig(data=True, fsdp=8)
+  for spec in (jax.make_mesh((8, 1, 1), sharding.AXES), {"data": 8}, (8, 1, 1)):  # once AttributeError: 'split'
+    with pytest.raises(ValueError, match="must be a string like"):
+      sharding.make_mesh(spec)
 
 
 def test_rule_naming_unknown_axis():
