@@ -274,11 +274,6 @@ class MXFP4(_FP4Format):
     return f"{self.name}({self.scale_rule})"
 
   @property
-  def is_default(self) -> bool:
-    """Decodes as OCP MXFP4 (code x 2^e, no tensor factor): every rule but "tseng"."""
-    return self.scale_rule != "tseng"
-
-  @property
   def uses_std(self) -> bool:
     """Block scales follow from each block's standard deviation (QuEST), not its amax."""
     return self.scale_rule == "quest"

@@ -56,9 +56,12 @@ def _check_batch(batch: Mapping[str, Any], model: nnx.Module) -> tuple[jax.Array
   # Out-of-range ids do not raise inside jit: the embedding lookup returns NaN rows and the loss is silently NaN.
   vocab = getattr(getattr(model, "config", None), "vocab_size", None)
   for name, ids in (("inputs", tokens), ("targets", targets)):
-    if vocab is not None and ids.size and (int(jnp.min(ids)) < 0 or int(jnp.max(ids)) >= vocab):
+    if vocab is None or not ids.size:
+      continue
+    lo, hi = int(jnp.min(ids)), int(jnp.max(ids))
+    if lo < 0 or hi >= vocab:
       raise ValueError(f"batch {name} must be token ids in [0, {vocab}) (the model's vocab_size); got ids in "
-                       f"[{int(jnp.min(ids))}, {int(jnp.max(ids))}].")
+                       f"[{lo}, {hi}].")
   return tokens, targets
 
 

@@ -125,7 +125,7 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
   finds no readable checkpoint (unreadable newer ones are moved aside, see fp4jax.pretrain.resume), RunLockedError
   when another run holds --out, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C.
   """
-  if isinstance(hooks, Hook) or callable(hooks):
+  if callable(hooks):  # one Hook (callable) or function, not a list of them
     raise TypeError(f"train(config, hooks): hooks is a list of Hooks or callables; got one {type(hooks).__name__}: "
                     "pass [hook].")
   user_hooks = [as_hook(h) for h in hooks]  # a hook that cannot be called fails here, not after the first step
