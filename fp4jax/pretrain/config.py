@@ -27,6 +27,7 @@ from fp4jax.pretrain import data as data_lib
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import policy as policy_lib
 from fp4jax.pretrain import profiling
+from fp4jax.pretrain import sharding as sharding_lib
 from fp4jax.pretrain.optimizer import OptimizerConfig
 from fp4jax.pretrain.osci import OsciResetConfig
 from fp4jax.pretrain.outcontrol import OutControlConfig
@@ -141,6 +142,13 @@ class TrainConfig:
         raise ValueError(f"TrainConfig.{name} must be a {cls.__name__}; got {getattr(self, name)!r}.")
     _need_ints(self, 1, "steps", "batch_size")
     _need_ints(self, 0, "seed")
+    if isinstance(self.mesh, sharding_lib.MeshConfig):
+      object.__setattr__(self, "mesh", str(self.mesh))
+    if self.mesh:  # the spec's syntax and sizes now; whether they match the devices when the run starts
+      sharding_lib.MeshConfig.parse(self.mesh)
+    elif self.mesh not in (None, ""):
+      raise ValueError(f"TrainConfig: mesh must be a string like 'data=2,fsdp=2,tensor=2', a MeshConfig or None; "
+                       f"got {self.mesh!r}.")
     if self.seed >= 2**32:  # jax.random.key keeps the low 32 bits (without x64): 2**32 + k would rerun seed k's init
       raise ValueError(f"TrainConfig: seed must be < 2**32; got {self.seed}.")
     if self.seq_len is not None:

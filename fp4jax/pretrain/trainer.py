@@ -116,7 +116,8 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
   hooks: `Hook`s (called after each step whose index is a multiple of `every`, and once at the end), or callables
     (step, record) -> None called after every step with that step's metrics record (the dict written to
     metrics.jsonl after the hooks, so with what they add: loss, lr, grad_norm, ..., val_loss / quant when computed)
-    and once more for the final evaluation record (step == config.steps).
+    and once more for the final evaluation record (step == config.steps). A hook that raises ends the run with its
+    error, after a checkpoint of the state it saw (single-process runs), so a bug in a hook never loses the training.
   Returns a summary: final_loss, final_val_loss (None without validation), val_losses {step: loss}, losses (this
     call's train losses), steps, start_step, tokens, wall_time, checkpoint_step, out, params (the final nnx.State),
     layer_recipes ({phase: {layer: recipe name}} for the phases this call ran).
@@ -262,6 +263,20 @@ class _Loop:
     if ckpt.save(self.manager, step, state._asdict(), meta, force=force):
       self.last_saved = step
 
+  def save_after_hook_error(self, info: StepInfo):
+    """Keeps the trained state when a user hook raises after a step (or at the final call): its checkpoint is
+    saved before the error propagates, so a bug in a logging hook never costs the run. Single-process runs only:
+    the other processes of a multi-process run may not have raised, and a save needs all of them."""
+    step = info.step if info.final else info.step + 1
+    if jax.process_count() > 1:
+      self.log(f"A hook raised after step {step}: no checkpoint saved (a multi-process save needs every process); "
+               f"the last one is step {self.last_saved}.")
+      return
+    self.save(step, info.state, force=True)
+    self.manager.wait_until_finished()
+    self.log(f"A hook raised after step {step}: checkpoint of step {step} saved in {ckpt.checkpoint_dir(self.out)} "
+             "(resume with --resume).")
+
   def run(self, state: TrainState, user_hooks: list[Hook]) -> dict[str, Any]:
     config, phases = self.config, self.phases
     schedule = optimizer_lib.lr_schedule(config.optimizer, config.steps)
@@ -296,6 +311,9 @@ class _Loop:
         try:
           for hook in user_hooks:
             hook(info)
+        except Exception:
+          self.save_after_hook_error(info)
+          raise
         finally:  # after the user's hooks, so what they add to the record is logged; also when one raises
           write_metrics(info)
 

@@ -11,6 +11,7 @@ from fp4jax.pretrain import cli
 from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain import policy as policy_lib
+from fp4jax.pretrain import sharding
 from fp4jax.pretrain.config import TrainConfig
 
 
@@ -99,3 +100,27 @@ def test_a_recipe_whose_rht_does_not_tile_a_layer_fails_at_config_time_naming_th
   TrainConfig.from_options(model="tiny", recipe="quartet2:rht_size=32")
   # BF16 layers run no RHT: with every block in BF16 the same recipe is fine.
   TrainConfig.from_options(model="tiny", recipe="quartet2", bf16_first=2)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("dat=2", "axis in"),
+    ("data=two", "must be an int"),
+    ("data=0,fsdp=8", "positive int"),
+    ("data=8,data=1", "more than once"),
+    (8, "must be a string like"),
+    (0, "must be a string like"),
+])
+def test_a_bad_mesh_spec_fails_when_the_config_is_made(spec, match):
+  """Before any data loads or step compiles (the device count itself is checked when the run starts)."""
+  with pytest.raises(ValueError, match=match):
+    TrainConfig(mesh=spec)
+  with pytest.raises(ValueError, match=match):
+    TrainConfig.from_options(mesh=spec)
+
+
+def test_a_mesh_config_is_stored_as_its_spec():
+  config = TrainConfig(mesh=sharding.MeshConfig(data=2, fsdp=4))
+  assert config.mesh == "data=2,fsdp=4,tensor=1"
+  assert TrainConfig(mesh="fsdp=8").mesh == "fsdp=8" and TrainConfig().mesh is None
+  # A spec for more devices than this machine has is a valid config (it may run elsewhere).
+  assert TrainConfig(mesh="data=64").mesh == "data=64"

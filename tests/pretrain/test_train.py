@@ -140,22 +140,43 @@ def test_different_seed_gives_different_run_and_hooks_run_every_n_steps(env, tmp
   assert not any(x.is_deleted() for x in kept[True])
 
 
+def _checkpoint_steps(out):
+  manager = ckpt.open_manager(out, create=False)
+  try:
+    return ckpt.available_steps(manager)
+  finally:
+    manager.close()
+
+
 @pytest.mark.slow
-def test_what_hooks_add_to_the_record_is_logged_and_hook_errors_surface(env, tmp_path):
+def test_what_hooks_add_to_the_record_is_logged_and_hook_errors_surface_after_a_checkpoint(env, tmp_path):
   def add(step, record):  # a user's own metric, as StepInfo invites
     record["tokens_seen"] = step * 8 * 32
 
-  run(env, make_config(env, tmp_path / "a", recipe="bf16", eval_batches=0), hooks=[add])
+  straight = run(env, make_config(env, tmp_path / "a", recipe="bf16", eval_batches=0), hooks=[add])
   # Written after the hooks: every step's record and the final one (step == STEPS) carry the hook's number.
   assert [r.get("tokens_seen") for r in metrics.read_metrics(tmp_path / "a")] == [s * 256 for s in range(STEPS + 1)]
 
-  def fail(info):
-    if info.step == 2:
-      raise KeyError("my metric")
+  def fail_at(step):
+    def fail(info):
+      if info.step == step:
+        raise KeyError("my metric")
+    return trainer.Hook(fail)
 
+  config = make_config(env, tmp_path / "b", recipe="bf16", eval_batches=0)
   with pytest.raises(KeyError, match="my metric"):  # the hook's own error, unwrapped
-    run(env, make_config(env, tmp_path / "b", recipe="bf16", eval_batches=0), hooks=[trainer.Hook(fail)])
+    run(env, config, hooks=[fail_at(2)])
   assert [r["step"] for r in metrics.read_metrics(tmp_path / "b")] == [0, 1, 2]  # the failing step's record kept
+  # The state the hook saw (after step 2) was saved before the error surfaced, and resumes to the straight run.
+  assert _checkpoint_steps(tmp_path / "b") == [3]
+  resumed = run(env, config.replace(resume=True))
+  assert resumed["start_step"] == 3 and resumed["losses"] == straight["losses"][3:]
+  assert tree_equal(resumed["params"], straight["params"])
+
+  # A hook failing at the final call (step == STEPS) still leaves the final checkpoint.
+  with pytest.raises(KeyError, match="my metric"):
+    run(env, make_config(env, tmp_path / "c", recipe="bf16", eval_batches=0), hooks=[fail_at(STEPS)])
+  assert _checkpoint_steps(tmp_path / "c")[-1] == STEPS
 
 
 def test_a_test_not_marked_slow_cannot_train(env, tmp_path):
