@@ -56,9 +56,12 @@ def build_sweep(get_config: Callable[[str], Sweep], args: argparse.Namespace) ->
       kept = sorted(set(overrides) & set(run.overrides))
       if kept:
         print(f"Note: run {run.name!r} keeps its own {', '.join(kept)} (what the experiment varies).")
-  if args.runs:
-    sweep = sweep.select([n.strip() for n in args.runs.split(",") if n.strip()])
-  return sweep
+  return _select(sweep, args.runs)
+
+
+def _select(sweep: Sweep, runs: str | None) -> Sweep:
+  """The runs named in a --runs value ("a,b"), or the whole sweep without one."""
+  return sweep.select([n.strip() for n in runs.split(",") if n.strip()]) if runs else sweep
 
 
 def full_sweep_meta(get_config: Callable[[str], Sweep], args: argparse.Namespace) -> dict:
@@ -82,14 +85,27 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
   parser = make_parser(prog, doc)
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(argv)
+  if not args.out.strip():  # "" is the working directory: run folders and results.md would land there
+    parser.error("--out needs a folder name; got an empty one.")
+  if pathlib.Path(args.out).exists() and not pathlib.Path(args.out).is_dir():  # else a FileExistsError traceback
+    parser.error(f"--out {args.out} is a file, not a sweep folder.")
   fp4jax.pretrain.distributed.init_distributed()  # first JAX use; a no-op without the FP4JAX_* variables
   try:
-    sweep = build_sweep(get_config, args)
+    # The whole sweep too: --runs reruns some of its runs, and the others' folders must hold its settings.
+    full = build_sweep(get_config, argparse.Namespace(**dict(vars(args), runs=None)))
+    sweep = _select(full, args.runs)
   except ValueError as e:
     parser.error(str(e))
   sweep = sweep.replace(command=" ".join([prog] + [shlex.quote(a) for a in argv]))  # recorded in results.md
+  full = full.replace(command=sweep.command)
   if args.list:
     print(describe(sweep))
+    try:  # a listed sweep runs: settings its runs would refuse are refused here too
+      for run in sweep.runs:
+        sweep.config(run, 0, pathlib.Path(args.out) / run.name)
+    except ValueError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
     return 0
   print(describe(sweep))
   if args.merge_into and not (pathlib.Path(args.merge_into) / report.RESULTS_JSONL).is_file():
@@ -102,8 +118,8 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
       print(f"error: {e}", file=sys.stderr)
       return 2
   try:
-    run_sweep(sweep, args.out, progress=not args.quiet)
-  except ValueError as e:  # settings clash with a finished run, invalid combined settings
+    run_sweep(sweep, args.out, progress=not args.quiet, full=full if args.runs else None)
+  except (ValueError, FileNotFoundError) as e:  # settings clash with a finished run, invalid settings, no corpus
     print(f"error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:

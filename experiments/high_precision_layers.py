@@ -23,10 +23,12 @@ def get_config(preset: str) -> sweep.Sweep:
   """The BF16-layer sweep for `preset`: python -m experiments.high_precision_layers --preset PRESET --out DIR."""
   base = sweep.base_overrides(preset)
   runs = [sweep.Run("bf16", {"recipe": "bf16"}, "BF16"),
-          sweep.Run("none", {"recipe": "nvfp4"}, "NVFP4 everywhere")]
+          # Each run sets both counts (what the experiment varies), so a --set bf16_first/bf16_last cannot turn
+          # "none" or "first k" into another run's setting.
+          sweep.Run("none", {"recipe": "nvfp4", "bf16_first": 0, "bf16_last": 0}, "NVFP4 everywhere")]
   for k in KS[preset]:
-    runs += [sweep.Run(f"first{k}", {"recipe": "nvfp4", "bf16_first": k}, f"first {k} BF16"),
-             sweep.Run(f"last{k}", {"recipe": "nvfp4", "bf16_last": k}, f"last {k} BF16"),
+    runs += [sweep.Run(f"first{k}", {"recipe": "nvfp4", "bf16_first": k, "bf16_last": 0}, f"first {k} BF16"),
+             sweep.Run(f"last{k}", {"recipe": "nvfp4", "bf16_first": 0, "bf16_last": k}, f"last {k} BF16"),
              sweep.Run(f"first{k}_last{k}", {"recipe": "nvfp4", "bf16_first": k, "bf16_last": k},
                        f"first {k} + last {k} BF16")]
   if preset == "smoke":

@@ -35,6 +35,10 @@ def _check_same_sweep(stored, stored_meta: Mapping[str, Any], meta: Mapping[str,
   if stored_meta.get("base") != meta.get("base"):
     raise ValueError(f"The stored results in {stored} have other shared settings ({stored_meta.get('base')}) than "
                      f"this sweep ({meta.get('base')}); rerun the whole sweep instead.")
+  if meta.get("seeds") != stored_meta.get("seeds"):  # else the rerun runs replace all stored seeds with fewer/more
+    raise ValueError(f"The stored results in {stored} have {stored_meta.get('seeds')} seed(s) per run, this sweep "
+                     f"{meta.get('seeds')}: the merged table would mix seed counts; rerun with --seeds "
+                     f"{stored_meta.get('seeds')}.")
   if meta.get("reference") != stored_meta.get("reference"):
     raise ValueError(f"The stored results' reference {stored_meta.get('reference')!r} is not "
                      f"{meta.get('reference')!r}.")

@@ -23,7 +23,8 @@ def get_config(preset: str) -> sweep.Sweep:
   base = sweep.base_overrides(preset)
   base["bf16_last"] = sweep.HIGH_PRECISION_LAST[preset]
   runs = [sweep.Run("bf16", {"recipe": "bf16", "bf16_last": 0}, "BF16"),
-          sweep.Run("nvfp4", {"recipe": "nvfp4"}, "NVFP4, no switch")]
+          # switch_at=None is what this run varies: a --set switch_at=F must not switch the no-switch baseline.
+          sweep.Run("nvfp4", {"recipe": "nvfp4", "switch_at": None}, "NVFP4, no switch")]
   for f in FRACTIONS[preset]:
     pct = round(100 * f)
     runs += [sweep.Run(f"all_at{pct}", {"recipe": "nvfp4", "switch_at": f, "switch": "all"},

@@ -374,7 +374,8 @@ def write_report(folder: str | pathlib.Path, *, reference: str | None = None, wi
       raise ValueError(f"Reference run {reference!r} has no finished seeds under {folder}; runs: "
                        f"{sorted({r['run'] for r in rows})}.")
     meta = dict(meta, reference=reference)
-    _add_gaps(rows, reference)
+  # Always recomputed: a copied folder's results.jsonl holds the gaps to whatever --reference last wrote it.
+  _add_gaps(rows, meta.get("reference"))
   written = write_tables(folder, meta, rows, curves)
   written.append(_save(loss_curves_figure(meta, rows, curves, window), folder / LOSS_PNG))
   ref = meta.get("reference")
@@ -390,6 +391,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--reference", default=None, help="run the gaps are measured against (default: the sweep's)")
   parser.add_argument("--smooth", type=int, default=None, help="moving-average window in steps (default: 1/20 run)")
   args = parser.parse_args(argv)
+  if args.smooth is not None and args.smooth < 1:  # 0 silently meant the default; negatives labelled the plots
+    parser.error(f"--smooth must be a window of >= 1 steps; got {args.smooth}.")
   try:
     written = write_report(args.run_dir, reference=args.reference, window=args.smooth)
   except (FileNotFoundError, ValueError) as e:

@@ -36,7 +36,7 @@ from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
 
-from experiments.common import SUMMARY_FILE, SWEEP_FILE, jsonable
+from experiments.common import SUMMARY_FILE, SWEEP_FILE, fmt, jsonable
 
 PRESETS = ("smoke", "cpu", "gpu")
 LOG_FILE = "train.log"
@@ -297,30 +297,53 @@ def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
   return out
 
 
+def check_folders(sweep: Sweep, out: str | pathlib.Path, *, existing_only: bool = False
+                  ) -> dict[tuple[str, int], TrainConfig]:
+  """{(run, seed): config} of every job of `sweep`; raises ValueError if a finished or interrupted run folder under
+  `out` holds other settings (checked before anything runs). `existing_only`: only the jobs that left a folder
+  (the runs a --runs selection leaves out need not be valid under its settings)."""
+  configs = {}
+  for run in sweep.runs:
+    for seed in range(sweep.seeds):
+      folder = run_dir(out, run.name, seed)
+      if existing_only and not folder.is_dir():
+        continue
+      configs[run.name, seed] = config = sweep.config(run, seed, folder)
+      done = read_summary(folder)
+      if done is not None:
+        _check_same_settings(folder, done["config"], config)
+      elif fp4jax.pretrain.checkpoint.checkpoint_dir(folder).is_dir():
+        _check_same_unfinished(folder, config)
+  return configs
+
+
 def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], None] | None = print,
               progress: bool = True, compile_cache: steps_lib.CompileCache | None = None,
-              hooks_for: Callable[[str, int], Sequence[trainer.Hook]] | None = None) -> list[dict[str, Any]]:
+              hooks_for: Callable[[str, int], Sequence[trainer.Hook]] | None = None,
+              full: Sweep | None = None) -> list[dict[str, Any]]:
   """Runs every run x seed of `sweep` under `out` that has not finished yet; returns one record per job.
 
   Each record: run, seed, status ("skipped": finished before; "finished"; "diverged": stopped on a non-finite
   loss, recorded as a result), out, summary (the summary.json contents). Runs that left checkpoints resume from the
   latest one. A finished or interrupted run with different settings raises ValueError before anything runs.
-  `hooks_for(run, seed)` gives extra train hooks (tests use it to interrupt a sweep).
+  `hooks_for(run, seed)` gives extra train hooks (tests use it to interrupt a sweep). `full`: the whole sweep that
+  `sweep` selects runs of (--runs); its other runs' folders are checked too (the report reads every run folder
+  under `out`, so none may hold other settings) and sweep.json describes it (the report's run order and labels).
   """
   log = log or (lambda _: None)
   out = pathlib.Path(out)
+  previous = out / SWEEP_FILE
+  if previous.is_file():  # the report reads every run folder under `out`: two experiments' runs would mix there
+    other = json.loads(previous.read_text(encoding="utf-8")).get("experiment")
+    if other != sweep.experiment:
+      raise ValueError(f"{out} holds the {other!r} sweep ({SWEEP_FILE}), not {sweep.experiment!r}; its report "
+                       "would mix the two sweeps' runs: use another --out.")
   jobs = [(run, seed) for run in sweep.runs for seed in range(sweep.seeds)]
-  configs = {}
-  for run, seed in jobs:  # build and check every config before the first run starts
-    folder = run_dir(out, run.name, seed)
-    configs[run.name, seed] = config = sweep.config(run, seed, folder)
-    done = read_summary(folder)
-    if done is not None:
-      _check_same_settings(folder, done["config"], config)
-    elif fp4jax.pretrain.checkpoint.checkpoint_dir(folder).is_dir():
-      _check_same_unfinished(folder, config)
+  configs = check_folders(sweep, out)  # every config built and checked before the first run starts
+  if full is not None:
+    check_folders(full, out, existing_only=True)
   out.mkdir(parents=True, exist_ok=True)
-  _write_json(out / SWEEP_FILE, sweep.to_dict())
+  _write_json(out / SWEEP_FILE, (full if full is not None else sweep).to_dict())
   cache = compile_cache if compile_cache is not None else steps_lib.CompileCache()
 
   results = []
@@ -336,8 +359,12 @@ def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], Non
     _write_json(folder / SUMMARY_FILE, summary)
     results.append({"run": run.name, "seed": seed, "status": summary["status"], "out": str(folder),
                     "summary": summary})
-    what = (f"val_loss {summary['final_val_loss']:.4f}" if summary["status"] == "finished"
-            else f"DIVERGED at step {summary['diverged_step']}")
+    if summary["status"] != "finished":
+      what = f"DIVERGED at step {summary['diverged_step']}"
+    elif summary["final_val_loss"] is None:  # eval_batches=0: the run has no validation loss, and is still done
+      what = f"no val_loss (eval_batches=0), final train loss {fmt(summary['final_loss'])}"
+    else:
+      what = f"val_loss {summary['final_val_loss']:.4f}"
     message = f"{sweep.experiment}/{run.name} seed{seed}: {what} ({summary['wall_time']:.0f}s)"
     (tqdm.tqdm.write if progress else log)(message)
   return results

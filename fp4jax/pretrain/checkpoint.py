@@ -99,8 +99,9 @@ def restore_meta(manager: ocp.CheckpointManager, step: int | None = None) -> tup
                                  f"{_short(e)}. Nothing was deleted; --resume moves it aside and falls back to an "
                                  "earlier one.") from e
   meta = restored["meta"]
-  if not isinstance(meta, dict):
-    raise CorruptCheckpointError(f"Checkpoint {step} in {manager.directory} has malformed metadata: {meta!r}.")
+  if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):  # every reader needs the run's config
+    raise CorruptCheckpointError(f"Checkpoint {step} in {manager.directory} has malformed metadata (no run config): "
+                                 f"{repr(meta)[:200]}.")
   return step, meta
 
 
@@ -114,6 +115,8 @@ def _check_compatible(manager: ocp.CheckpointManager, step: int, abstract) -> No
   """Compares the stored array names, shapes and dtypes with the target's before reading any data."""
   try:
     stored_tree = manager.item_metadata(step)["state"]
+    if stored_tree is None:  # what orbax answers when state/_METADATA is gone: damaged, not another model
+      raise FileNotFoundError("the state's array metadata (_METADATA) is missing")
     stored = _array_specs(stored_tree)
   except Exception as e:  # damaged metadata surfaces as many exception types
     raise CorruptCheckpointError(f"Checkpoint {step} in {manager.directory} is unreadable (array metadata): "

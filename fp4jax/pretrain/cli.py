@@ -63,15 +63,22 @@ def config_from_args(argv: Sequence[str]):
   from fp4jax.pretrain import resume as resume_lib  # pylint: disable=g-import-not-at-top
   args = _train_parser().parse_args(list(argv))
   overrides = config_lib.config_overrides(args)
-  if "out" not in overrides:  # never a silent default folder: the run folder is the run's identity
+  # Never a silent default folder: the run folder is the run's identity ("" would be the working directory).
+  if not str(overrides.get("out", "")).strip():
     raise ValueError("fp4jax train needs --out DIR, the run folder (metrics.jsonl, checkpoints/); give a new folder "
                      "for a fresh run, or an existing run's folder with --resume.")
+  # Without --resume, --resume-step was ignored: a fresh run (with --overwrite: the checkpoints deleted) instead.
+  if overrides.get("resume_step") is not None and not overrides.get("resume"):
+    raise ValueError(f"--resume-step {overrides['resume_step']} only applies with --resume (resume from that "
+                     "checkpoint); without --resume the run would start afresh.")
   if args.keep_schedule and not overrides.get("resume"):
     raise ValueError("--keep-schedule only applies with --resume (it keeps the stored run's schedule shape).")
   if not overrides.get("resume"):
     return config_lib.config_from_overrides(overrides)
   _, meta = resume_lib.resume_meta(overrides["out"], overrides.get("resume_step"))
-  base = config_lib.TrainConfig.from_dict(meta["config"])
+  # The stored config holds how the run was last started: a stored --overwrite clashed with this --resume, and a
+  # stored --resume-step N made every later --resume go back to step N (moving the newer checkpoints aside).
+  base = config_lib.TrainConfig.from_dict(meta["config"]).replace(resume=False, resume_step=None, overwrite=False)
   config = config_lib.config_from_overrides(overrides, base=base)
   if args.keep_schedule:
     both = sorted(set(overrides) & set(resume_lib.SCHEDULE_FIELDS))

@@ -105,6 +105,9 @@ class CheckpointConfig:
     _need_ints(self, 1, "every", "keep")
     if self.resume_step is not None:
       _need_ints(self, 0, "resume_step")
+      if not self.resume:  # else ignored: a fresh run (with overwrite, one that deletes the checkpoint asked for)
+        raise ValueError(f"CheckpointConfig: resume_step={self.resume_step} only applies with resume=True (resume "
+                         "from that checkpoint); without it the run would start afresh.")
     if self.overwrite and self.resume:
       raise ValueError("CheckpointConfig: overwrite and resume exclude each other.")
 

@@ -67,7 +67,9 @@ def lr_schedule(config: OptimizerConfig, steps: int) -> optax.Schedule:
       tail = floor + (1.0 - floor) * (1.0 - shape)
     else:
       tail = jnp.float32(1.0)
-    return peak * warm * tail
+    # Broadcast: without warmup and decay every factor is a constant, and a caller passing many steps gets one LR
+    # per step, not one for all.
+    return jnp.broadcast_to(peak * warm * tail, s.shape)
 
   return schedule
 

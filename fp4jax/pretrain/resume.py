@@ -29,6 +29,7 @@ from fp4jax import gemm
 from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import distributed
 from fp4jax.pretrain import optimizer as optimizer_lib
+from fp4jax.pretrain import runfolder
 from fp4jax.pretrain.config import TrainConfig
 
 MOVED_DIR = "checkpoints_moved"
@@ -58,6 +59,7 @@ def resume_meta(out_dir: str | pathlib.Path, step: int | None = None) -> tuple[i
 
   Read-only (the training run itself moves damaged checkpoints aside, under the run folder's lock).
   """
+  runfolder.check_resumable(out_dir)  # the same error and advice as `train` gives for a folder with none
   manager = ckpt.open_manager(out_dir, create=False)
   try:
     if step is not None:
@@ -180,11 +182,17 @@ def gemm_mode_note(stored_mode: str | None, recipe) -> str | None:
           "across machines.")
 
 
+def _schedule_inputs(config: TrainConfig) -> tuple:
+  """What lr_schedule reads: AdamW's betas, weight decay or clipping change the run, not its schedule."""
+  o = config.optimizer
+  return config.steps, o.lr, o.min_lr_ratio, o.warmup_fraction, o.decay_fraction, o.decay_shape
+
+
 def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str | None:
   """What resuming the checkpoint of `stored` at `start` under `config` does to the schedule (None: nothing)."""
   old_switch = stored.policy.switch_step(stored.steps)
   new_switch = config.policy.switch_step(config.steps)
-  same_schedule = (stored.optimizer, stored.steps) == (config.optimizer, config.steps)  # what lr_schedule reads
+  same_schedule = _schedule_inputs(stored) == _schedule_inputs(config)
   if same_schedule and old_switch == new_switch:
     return None
   lr_old, lr_new = _lrs(stored, start + 1), _lrs(config, start + 1)

@@ -144,16 +144,37 @@ def acquire(out_dir: str | pathlib.Path, *, process_index: int = 0, process_coun
   return RunLock(path=path, fd=fd, stale=stale)
 
 
+def _has_checkpoints(ck_dir: pathlib.Path) -> bool:
+  """Whether `ck_dir` holds a finished checkpoint (a <step> folder). A save killed midway leaves only orbax's
+  <step>.orbax-checkpoint-tmp-* folder, which no reader sees: that is no checkpoint to resume from or protect."""
+  return ck_dir.is_dir() and any(p.name.isdigit() and p.is_dir() for p in ck_dir.iterdir())
+
+
 def _existing_run(out: pathlib.Path) -> list[pathlib.Path]:
-  """What a run left in `out` worth keeping: a checkpoint folder with anything in it, metrics with any record. A run
-  killed before its first step leaves both empty; that is no run to protect (nor one --resume could continue)."""
+  """What a run left in `out` worth keeping: a checkpoint folder with a finished checkpoint, metrics with any record.
+  A run killed before its first step leaves neither; that is no run to protect (nor one --resume could continue)."""
   ck_dir, metrics_file = ckpt.checkpoint_dir(out), out / METRICS_FILE
   found = []
-  if ck_dir.is_dir() and any(ck_dir.iterdir()):
+  if _has_checkpoints(ck_dir):
     found.append(ck_dir)
   if metrics_file.is_file() and metrics_file.stat().st_size > 0:
     found.append(metrics_file)
   return found
+
+
+def check_resumable(out_dir: str | pathlib.Path) -> None:
+  """Raises CheckpointError, saying what to do instead, unless `out_dir` holds a finished checkpoint."""
+  out = pathlib.Path(out_dir).expanduser()
+  ck_dir = ckpt.checkpoint_dir(out)
+  if _has_checkpoints(ck_dir):
+    return
+  if not ck_dir.is_dir():
+    what = f"{ck_dir} does not exist"
+  else:
+    what = f"{ck_dir} holds no finished checkpoint" if any(ck_dir.iterdir()) else f"{ck_dir} is empty"
+  hint = (" It holds metrics of a run stopped before its first checkpoint: pass --overwrite to start afresh."
+          if _existing_run(out) else " Run without --resume to start afresh.")
+  raise ckpt.CheckpointError(f"--resume: no checkpoints in {out} ({what}).{hint}")
 
 
 class PeerFailedError(ValueError):
@@ -198,14 +219,14 @@ def open_run_folder(out_dir: str | pathlib.Path, *, resume: bool, overwrite: boo
 
   error = None
   try:
-    if resume and not (ck_dir.is_dir() and any(ck_dir.iterdir())):
-      what = f"{ck_dir} does not exist" if not ck_dir.is_dir() else f"{ck_dir} is empty"
-      hint = (" It holds metrics of a run stopped before its first checkpoint: pass --overwrite to start afresh."
-              if _existing_run(out) else " Run without --resume to start afresh.")
-      raise ckpt.CheckpointError(f"--resume: no checkpoints in {out} ({what}).{hint}")
+    if resume:
+      check_resumable(out)
     refuse_existing()  # before creating the lock file, so a refused run leaves the folder as it was
     if pi == 0:
-      out.mkdir(parents=True, exist_ok=True)
+      try:
+        out.mkdir(parents=True, exist_ok=True)
+      except OSError as e:  # a file in the way, no permission: a usage error, not a traceback
+        raise ValueError(f"Cannot create the run folder {out}: {e.strerror or e}. Choose another --out.") from e
   except (ValueError, OSError) as e:
     error = e
   _agree(error, "to open the run folder", pi, pc)  # the others wait for process 0's mkdir

@@ -194,10 +194,13 @@ def _state_changes(out, resume_step, config) -> str:
   """Why a checkpoint may not fit: the settings that shape the state and differ from the stored run's."""
   stored = resume_lib.resume_meta(out, resume_step)[1]["config"]
   changed = [k for k in config_lib.result_differences(stored, config.to_dict()) if k.startswith(_STATE_OPTIONS)]
+  stored_clip = config_lib.TrainConfig.from_dict(stored).optimizer.grad_clip  # also reads older flat configs
+  if (stored_clip > 0) != (config.optimizer.grad_clip > 0):
+    changed.append("grad_clip")  # clipping on or off adds or drops a stage of the optimizer state
   said = f"This run changes {', '.join(changed)} from the stored run's. " if changed else ""
   return (f"{said}A resumed run keeps the stored model's shapes and the state that OutControl and OsciReset add: "
-          "neither can be switched on or off (nor OutControl's channel fraction changed) mid-run. Resume with the "
-          "stored settings, or start a new run in another --out.")
+          "neither can be switched on or off (nor OutControl's channel fraction changed) mid-run, nor gradient "
+          "clipping (--grad-clip 0 against > 0). Resume with the stored settings, or start a new run in another --out.")
 
 
 def _resume(config, state, out, log) -> tuple[int, TrainState]:
@@ -227,6 +230,10 @@ def _resume(config, state, out, log) -> tuple[int, TrainState]:
     changed = [c for c in changed if c not in ("steps", "warmup_fraction", "decay_fraction", "switch_at")]
   if changed:
     log(f"Note: resuming with changed settings {changed}; the run will differ from an uninterrupted one.")
+  stored_keep = meta["config"].get("checkpointing", {}).get("keep")
+  if isinstance(stored_keep, int) and config.checkpointing.keep < stored_keep:  # result-free, so not in `changed`
+    log(f"Note: this run keeps {config.checkpointing.keep} checkpoints (--keep-checkpoints), the stored run kept "
+        f"{stored_keep}: as it saves, the older checkpoints beyond the newest {config.checkpointing.keep} are deleted.")
   dropped = metrics_lib.truncate_metrics(out, start - 1) if distributed.is_main_process() else 0
   log(f"Resumed from step {start} in {out}" + (f" (dropped {dropped} later metric records)" if dropped else ""))
   return start, state

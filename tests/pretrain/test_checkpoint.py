@@ -153,6 +153,24 @@ def test_a_run_killed_before_its_first_step_leaves_no_run_to_protect(tmp_path):
     runfolder.open_run_folder(out, resume=True, overwrite=False, process_index=0, process_count=1)
 
 
+def test_a_save_killed_midway_is_no_checkpoint(tmp_path):
+  """kill -9 during the first save leaves only orbax's unfinished tmp folder: a fresh run used to be refused
+  ("pass --resume") while --resume found "No checkpoints" with no advice."""
+  out = tmp_path / "killed"
+  (out / ckpt.CHECKPOINT_DIR / "4.orbax-checkpoint-tmp-1700000000").mkdir(parents=True)
+  (out / metrics.METRICS_FILE).write_text('{"step": 0, "loss": 5.0}\n')
+  hint = r"holds no finished checkpoint\)\. It holds metrics of a run stopped before its first checkpoint"
+  with pytest.raises(ckpt.CheckpointError, match=hint):
+    runfolder.open_run_folder(out, resume=True, overwrite=False, process_index=0, process_count=1)
+  with pytest.raises(ckpt.CheckpointError, match=hint):
+    cli.config_from_args(["--resume", "--out", str(out)])
+  _, lock = runfolder.open_run_folder(out, resume=False, overwrite=True, process_index=0, process_count=1)
+  lock.release()
+  assert not (out / metrics.METRICS_FILE).exists()
+  _, lock = runfolder.open_run_folder(out, resume=False, overwrite=False, process_index=0, process_count=1)
+  lock.release()
+
+
 @pytest.mark.slow
 def test_corrupt_latest_is_moved_aside_and_the_previous_restored_bit_for_bit(data_config, tmp_path):
   config = make_config(data_config, tmp_path)
@@ -213,6 +231,32 @@ def test_resume_step_moves_later_checkpoints_aside(data_config, tmp_path):
   assert len(notes) == 2 and "comes after --resume-step 4" in notes[0]
 
 
+def test_a_checkpoint_missing_its_array_metadata_is_corrupt_not_another_model(data_config, tmp_path):
+  """A lost state/_METADATA (partial copy) once read as "does not match this run's model", so --resume refused to
+  fall back past it."""
+  config = make_config(data_config, tmp_path)
+  save_run(config)
+  (ckpt.checkpoint_dir(tmp_path) / "8" / "state" / "_METADATA").unlink()
+  manager = ckpt.open_manager(tmp_path, create=False)
+  with pytest.raises(ckpt.CorruptCheckpointError, match="_METADATA"):
+    ckpt.restore(manager, make_state(config), 8)
+  manager.close()
+  step, _, _ = resume_lib.restore_readable(tmp_path, make_state(config), log=lambda _: None)
+  assert step == 4
+  assert [p.name.split(".")[:2] for p in (tmp_path / resume_lib.MOVED_DIR).iterdir()] == [["8", "corrupt"]]
+
+
+def test_metadata_without_a_run_config_is_corrupt(data_config, tmp_path):
+  """Checkpoint metadata without the run's config (another tool's folder, a damaged file) once surfaced as a bare
+  KeyError from `fp4jax eval` and `--resume`; now it is a CorruptCheckpointError, skipped by resume_meta."""
+  config = make_config(data_config, tmp_path)
+  save_run(config)
+  (ckpt.checkpoint_dir(tmp_path) / "8" / "meta" / "metadata").write_text('{"step": 8}')
+  with pytest.raises(ckpt.CorruptCheckpointError, match="no run config"):
+    trainer.evaluate(tmp_path, 8)
+  assert resume_lib.resume_meta(tmp_path)[0] == 4
+
+
 @pytest.mark.slow
 def test_fresh_run_never_overwrites_an_existing_one(data_config, tmp_path):
   config = make_config(data_config, tmp_path)
@@ -249,3 +293,12 @@ def test_resume_with_a_changed_state_shape_names_the_changed_settings(data_confi
                                           "--outcontrol-start", "0", "--outcontrol-window", "2"])
   with pytest.raises(ckpt.StateMismatchError, match="changes outcontrol_fraction.*neither can be switched on or off"):
     trainer.train(with_outcontrol, log=None)
+
+
+def test_resume_switching_gradient_clipping_names_it(data_config, tmp_path):
+  """--grad-clip 0 on resume drops an optimizer stage; the refusal once blamed the model, OutControl or OsciReset."""
+  config = make_config(data_config, tmp_path, steps=8)
+  save_run(config, steps=(4,))
+  with pytest.raises(ckpt.StateMismatchError, match=r"(?s)This run changes grad_clip from the stored run's\..*nor "
+                     r"gradient clipping"):
+    trainer.train(config.replace(resume=True, grad_clip=0.0), log=None)

@@ -124,3 +124,12 @@ def test_a_mesh_config_is_stored_as_its_spec():
   assert TrainConfig(mesh="fsdp=8").mesh == "fsdp=8" and TrainConfig().mesh is None
   # A spec for more devices than this machine has is a valid config (it may run elsewhere).
   assert TrainConfig(mesh="data=64").mesh == "data=64"
+
+
+def test_resume_step_without_resume_is_refused():
+  """It was ignored: the run started afresh (and with overwrite=True deleted the checkpoint it named)."""
+  with pytest.raises(ValueError, match="only applies with resume=True"):
+    TrainConfig.from_options(resume_step=4)
+  with pytest.raises(ValueError, match="only applies with resume=True"):
+    TrainConfig.from_options(resume_step=4, overwrite=True)
+  assert TrainConfig.from_options(resume=True, resume_step=4).checkpointing.resume_step == 4

@@ -161,6 +161,28 @@ def test_schedule_note_says_what_a_new_steps_does():
   assert "the learning-rate schedule and the BF16 switch are recomputed for 200 steps" in switched
 
 
+def test_schedule_note_only_for_settings_the_schedule_reads():
+  """A new --weight-decay (or beta, eps, clip) once read as "the learning-rate schedule is recomputed ... this run
+  equals a fresh 100-step run", which it does not; the changed-settings note covers it instead."""
+  stored = TrainConfig.from_options(steps=100, lr=1.0, warmup_fraction=0.1, decay_fraction=0.2)
+  for change in (dict(weight_decay=0.0), dict(b1=0.8), dict(b2=0.99), dict(eps=1e-6), dict(grad_clip=0.5)):
+    assert resume_lib.schedule_note(stored, stored.replace(**change), 50) is None, change
+  for change in (dict(min_lr_ratio=0.1), dict(decay_shape="1-sqrt")):
+    assert "schedule is recomputed" in resume_lib.schedule_note(stored, stored.replace(**change), 50), change
+
+
+def test_schedule_note_for_a_constant_learning_rate():
+  """Without warmup and decay the schedule is one constant: it once came back as a scalar for any number of steps,
+  and the note's per-step comparison raised IndexError (e.g. `--steps 2`, then `--resume --steps 4`)."""
+  flat = dict(lr=1e-3, warmup_fraction=0.0, decay_fraction=0.0)
+  stored = TrainConfig.from_options(steps=2, **flat)
+  lrs = optimizer_lib.lr_schedule(stored.optimizer, 2)(np.arange(5))
+  assert lrs.shape == (5,) and np.all(np.asarray(lrs) == np.float32(1e-3))
+  longer = resume_lib.schedule_note(stored, stored.replace(steps=4), 2)
+  assert "recomputed for 4 steps" in longer and "Both schedules agree on steps 0..1" in longer
+  assert "new schedule" in resume_lib.schedule_note(stored, stored.replace(steps=4, lr=2e-3), 2)
+
+
 @pytest.mark.slow
 def test_cli_keep_schedule(env, tmp_path):
   trainer.train(make_config(env, tmp_path, steps=4), log=None, compile_cache=env["cache"])
@@ -170,3 +192,17 @@ def test_cli_keep_schedule(env, tmp_path):
     cli.config_from_args(["--resume", "--out", str(tmp_path), "--steps", "8", "--keep-schedule",
                           "--warmup-fraction", "0.5"])
   assert cli.config_from_args(["--resume", "--out", str(tmp_path), "--steps", "8"]).optimizer.warmup_fraction == 0.25
+
+
+@pytest.mark.slow
+def test_resume_with_fewer_kept_checkpoints_says_older_ones_go(env, tmp_path):
+  """A Python resume with the default keep=3 silently deleted the older checkpoints a keep=10 run had kept."""
+  trainer.train(make_config(env, tmp_path, steps=8, checkpoint_every=2, keep_checkpoints=10), log=None,
+                compile_cache=env["cache"])
+  log = []
+  trainer.train(make_config(env, tmp_path, steps=10, checkpoint_every=2, resume=True), log=log.append,
+                compile_cache=env["cache"])
+  assert any("keeps 3 checkpoints (--keep-checkpoints), the stored run kept 10" in line for line in log)
+  manager = ckpt.open_manager(tmp_path, create=False)
+  assert ckpt.available_steps(manager) == [6, 8, 10]  # what the note announced
+  manager.close()

@@ -107,6 +107,16 @@ def test_stale_and_unreadable_lock_files(tmp_path):
   assert runfolder.lock_path(tmp_path, 3, 4).name == "run.3.lock" and path.name == "run.lock"
 
 
+def test_an_out_that_cannot_be_a_folder_is_a_usage_error(tmp_path, capsys):
+  """A file at --out once ended `fp4jax train` in a FileExistsError traceback."""
+  (tmp_path / "x").write_text("not a folder")
+  with pytest.raises(ValueError, match="Cannot create the run folder .*File exists"):
+    runfolder.open_run_folder(tmp_path / "x", resume=False, overwrite=False, process_index=0, process_count=1)
+  assert cli.main(["train", "--out", str(tmp_path / "x" / "run"), "--steps", "2"]) == cli.EXIT_USAGE
+  assert "Cannot create the run folder" in capsys.readouterr().err
+  assert (tmp_path / "x").read_text() == "not a folder"
+
+
 def test_train_requires_out(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   assert cli.main(["train", "--steps", "2"]) == cli.EXIT_USAGE
