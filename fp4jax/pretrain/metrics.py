@@ -115,14 +115,22 @@ def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
   return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def truncate_metrics(out_dir: str | pathlib.Path, after_step: int) -> int:
-  """Drops step records beyond `after_step` (logged after the checkpoint a run resumes from); returns how many."""
+def truncate_metrics(out_dir: str | pathlib.Path, after_step: int, *,
+                     keep_dropped: str | pathlib.Path | None = None) -> int:
+  """Drops step records beyond `after_step` (logged after the checkpoint a run resumes from); returns how many.
+
+  keep_dropped: a file to write the dropped records to first (the records of a branch the run abandons).
+  """
   path = pathlib.Path(out_dir) / METRICS_FILE
   if not path.is_file():
     return 0
   lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
   keep = [line for line in lines if json.loads(line).get("step", -1) <= after_step]
   if len(keep) != len(lines):
+    if keep_dropped is not None:
+      keep_dropped = pathlib.Path(keep_dropped)
+      keep_dropped.parent.mkdir(parents=True, exist_ok=True)
+      keep_dropped.write_text("".join(line + "\n" for line in lines if line not in keep), encoding="utf-8")
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
     tmp.replace(path)

@@ -2,7 +2,8 @@
 
 Nothing here deletes a checkpoint. A checkpoint that cannot be read, and (with an explicit --resume-step) every
 checkpoint after the chosen one, is renamed into <out>/checkpoints_moved/<step>.<reason>.<UTC time>, where orbax no
-longer sees it and a later save can never overwrite it.
+longer sees it and a later save can never overwrite it. The metric records of steps an explicit --resume-step
+abandons go there too (metrics.after-resume-<step>.<UTC time>.jsonl).
 
 The learning-rate schedule and a fractional --switch-at are functions of --steps. Resuming with another --steps
 therefore starts a new schedule at the checkpoint's step: steps already taken followed the old one, so the result
@@ -37,19 +38,25 @@ MOVED_DIR = "checkpoints_moved"
 SCHEDULE_FIELDS = ("warmup_fraction", "decay_fraction", "switch_at")
 
 
+def moved_path(out_dir: str | pathlib.Path, name: str, suffix: str = "") -> pathlib.Path:
+  """A path <out>/checkpoints_moved/<name>.<UTC time>[.n]<suffix> that nothing holds yet (the folder may not exist)."""
+  root = pathlib.Path(out_dir).expanduser().absolute() / MOVED_DIR
+  stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+  dest = root / f"{name}.{stamp}{suffix}"
+  n = 1
+  while dest.exists():
+    n += 1
+    dest = root / f"{name}.{stamp}.{n}{suffix}"
+  return dest
+
+
 def move_aside(out_dir: str | pathlib.Path, step: int, reason: str) -> pathlib.Path:
   """Renames checkpoint `step` of the run in `out_dir` into <out>/checkpoints_moved/; returns its new path."""
   src = ckpt.checkpoint_dir(out_dir) / str(step)
   if not src.is_dir():
     raise ckpt.CheckpointError(f"Cannot move checkpoint {step} aside: {src} is not a folder.")
-  root = pathlib.Path(out_dir).expanduser().absolute() / MOVED_DIR
-  root.mkdir(exist_ok=True)
-  stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-  dest = root / f"{step}.{reason}.{stamp}"
-  n = 1
-  while dest.exists():
-    n += 1
-    dest = root / f"{step}.{reason}.{stamp}.{n}"
+  dest = moved_path(out_dir, f"{step}.{reason}")
+  dest.parent.mkdir(exist_ok=True)
   src.rename(dest)  # same file system: atomic, and the data is never copied or dropped
   return dest
 

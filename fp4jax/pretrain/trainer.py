@@ -219,7 +219,8 @@ def _resume(config, state, out, log) -> tuple[int, TrainState]:
   if start > config.steps:
     raise ValueError(f"Checkpoint step {start} is beyond --steps {config.steps}: resume from an earlier checkpoint "
                      f"with --resume-step N (N <= {config.steps}), or pass more --steps.")
-  schedule = resume_lib.schedule_note(TrainConfig.from_dict(meta["config"]), config, start)
+  stored = TrainConfig.from_dict(meta["config"])
+  schedule = resume_lib.schedule_note(stored, config, start)
   if schedule:
     log(schedule)
   note = resume_lib.gemm_mode_note(meta.get("gemm_mode"), config.policy.recipe)
@@ -230,12 +231,19 @@ def _resume(config, state, out, log) -> tuple[int, TrainState]:
     changed = [c for c in changed if c not in ("steps", "warmup_fraction", "decay_fraction", "switch_at")]
   if changed:
     log(f"Note: resuming with changed settings {changed}; the run will differ from an uninterrupted one.")
-  stored_keep = meta["config"].get("checkpointing", {}).get("keep")
-  if isinstance(stored_keep, int) and config.checkpointing.keep < stored_keep:  # result-free, so not in `changed`
+  stored_keep = stored.checkpointing.keep
+  if config.checkpointing.keep < stored_keep:  # result-free, so not in `changed`
     log(f"Note: this run keeps {config.checkpointing.keep} checkpoints (--keep-checkpoints), the stored run kept "
         f"{stored_keep}: as it saves, the older checkpoints beyond the newest {config.checkpointing.keep} are deleted.")
-  dropped = metrics_lib.truncate_metrics(out, start - 1) if distributed.is_main_process() else 0
-  log(f"Resumed from step {start} in {out}" + (f" (dropped {dropped} later metric records)" if dropped else ""))
+  dropped, kept_in = 0, None
+  if distributed.is_main_process():
+    # Going back with --resume-step abandons a branch: its records are kept beside its moved checkpoints. A plain
+    # resume drops only records the resumed steps write again, the same (resume is exact).
+    if resume_step is not None:
+      kept_in = resume_lib.moved_path(out, f"metrics.after-resume-{start}", ".jsonl")
+    dropped = metrics_lib.truncate_metrics(out, start - 1, keep_dropped=kept_in)
+  said = f" (dropped {dropped} later metric records" + (f", kept in {kept_in})" if resume_step is not None else ")")
+  log(f"Resumed from step {start} in {out}" + (said if dropped else ""))
   return start, state
 
 

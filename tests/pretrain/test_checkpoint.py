@@ -280,6 +280,12 @@ def test_metrics_after_the_resumed_step_are_dropped(tmp_path):
   records = metrics.read_metrics(tmp_path)
   assert [r["step"] for r in records] == list(range(6)) and records[3]["val_loss"] == "nan"
   json.dumps(records, allow_nan=False)  # strict JSON: non-finite values are stored as strings
+  kept = tmp_path / "moved" / "branch.jsonl"
+  assert metrics.truncate_metrics(tmp_path, 2, keep_dropped=kept) == 3
+  assert [json.loads(line)["step"] for line in kept.read_text().splitlines()] == [3, 4, 5]
+  assert [r["step"] for r in metrics.read_metrics(tmp_path)] == [0, 1, 2]
+  assert metrics.truncate_metrics(tmp_path, 2, keep_dropped=tmp_path / "none.jsonl") == 0
+  assert not (tmp_path / "none.jsonl").exists()  # nothing dropped, nothing written
 
 
 def test_resume_with_a_changed_state_shape_names_the_changed_settings(data_config, tmp_path):

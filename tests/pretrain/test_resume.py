@@ -3,6 +3,8 @@ previous one and loses nothing (the resumed run equals the uninterrupted one bit
 renamed); --resume-step N works with later (corrupt) checkpoints; a new --steps is reported as the new schedule it
 is, and --keep-schedule keeps the stored warmup/decay lengths exactly."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,11 +72,16 @@ def test_corrupt_checkpoints_fall_back_and_lose_nothing(env, tmp_path):
   # --resume-step 4 with a later corrupt checkpoint (the new 12, damaged again) and a readable one (8).
   (ck_dir / "12" / "meta" / "metadata").write_text("{not json")
   config = cli.config_from_args(["--resume", "--resume-step", "4", "--out", str(out)])
+  branch = [r for r in metrics.read_metrics(out) if r["step"] >= 4]
   resumed = trainer.train(config, log=None, compile_cache=env["cache"])
   assert resumed["start_step"] == 4 and resumed["losses"] == straight["losses"][4:]
   assert tree_equal(resumed["params"], straight["params"])
   names = sorted(p.name.split(".")[:2] for p in (out / resume_lib.MOVED_DIR).iterdir())
-  assert names == [["12", "after-resume-4"], ["12", "corrupt"], ["8", "after-resume-4"]]
+  assert names == [["12", "after-resume-4"], ["12", "corrupt"], ["8", "after-resume-4"],
+                   ["metrics", "after-resume-4"]]
+  # The abandoned branch's metric records are kept beside its checkpoints, not dropped.
+  kept = next((out / resume_lib.MOVED_DIR).glob("metrics.after-resume-4.*.jsonl"))
+  assert [json.loads(line) for line in kept.read_text().splitlines()] == branch
   manager = ckpt.open_manager(out, create=False)
   assert ckpt.available_steps(manager) == [4, 8, 12]
   manager.close()
