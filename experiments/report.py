@@ -136,18 +136,20 @@ def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
 
 
 def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-  """One dict per run (in row order): seeds, diverged, val loss mean/std, gap mean/std (%), tokens/s mean."""
+  """One dict per run (in row order): seeds, diverged, val loss mean/std, gap mean/std (%) over the gap_seeds seeds
+  whose reference run finished, tokens/s mean."""
   out = []
   for name in dict.fromkeys(r["run"] for r in rows):
     mine = [r for r in rows if r["run"] == name]
     done = [r for r in mine if r["status"] == "finished"]
     val_mean, val_std = _mean_std([r["final_val_loss"] for r in done])
-    gap_mean, gap_std = _mean_std([r.get("gap_pct") for r in done])
+    gaps = [r.get("gap_pct") for r in done if r.get("gap_pct") is not None]
+    gap_mean, gap_std = _mean_std(gaps)
     tps, _ = _mean_std([r.get("tokens_per_s") for r in mine])
     out.append({"run": name, "label": mine[0].get("label", name), "seeds": len(done),
                 "diverged": [r.get("diverged_step") for r in mine if r["status"] == "diverged"],
                 "val_loss_mean": val_mean, "val_loss_std": val_std, "gap_pct_mean": gap_mean,
-                "gap_pct_std": gap_std, "tokens_per_s": tps, "steps": mine[0].get("steps"),
+                "gap_pct_std": gap_std, "gap_seeds": len(gaps), "tokens_per_s": tps, "steps": mine[0].get("steps"),
                 "tokens": mine[0].get("tokens"), "bf16_blocks": mine[0].get("bf16_blocks")})
   return out
 
@@ -195,6 +197,8 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
     seeds = f"{a['seeds']}" + (f" (+{len(a['diverged'])} diverged at step "
                                f"{', '.join(map(str, a['diverged']))})" if a["diverged"] else "")
     gap = "reference" if a["run"] == reference else fmt(a["gap_pct_mean"], a["gap_pct_std"], 2, signed=True)
+    if a["run"] != reference and 0 < a["gap_seeds"] < a["seeds"]:  # the reference diverged (or is missing) there
+      gap += f" ({a['gap_seeds']} of {a['seeds']} seeds)"
     tps = f"{a['tokens_per_s']:.0f}" if a["tokens_per_s"] else "-"
     blocks = ",".join(map(str, a["bf16_blocks"])) if a["bf16_blocks"] else "none"
     table_rows.append([a["run"], setting, blocks, seeds, fmt(a["val_loss_mean"], a["val_loss_std"], 4), gap, tps])

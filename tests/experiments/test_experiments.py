@@ -262,6 +262,22 @@ def test_gaps_are_paired_by_seed_and_aggregated():
   assert agg["q"]["gap_pct_mean"] == pytest.approx(5.0)
   assert agg["q"]["gap_pct_std"] == pytest.approx(np.std([10.0, 0.0], ddof=1))
   assert agg["q"]["val_loss_mean"] == pytest.approx(2.6) and agg["d"]["diverged"] == [7] and agg["d"]["seeds"] == 0
+  assert agg["q"]["gap_seeds"] == 2
+
+
+def test_a_gap_over_fewer_seeds_than_the_run_has_says_so():
+  """Where the reference diverged on a seed, a run's gap averages fewer seeds than its val loss: the table says so."""
+  rows = [{"run": "bf16", "seed": 0, "status": "finished", "final_val_loss": 2.0},
+          {"run": "bf16", "seed": 1, "status": "diverged", "final_val_loss": None, "diverged_step": 3},
+          {"run": "q", "seed": 0, "status": "finished", "final_val_loss": 2.2},
+          {"run": "q", "seed": 1, "status": "finished", "final_val_loss": 3.0}]
+  for r in rows:
+    r.update(steps=5, tokens=640, experiment="x", preset="smoke", label=r["run"], overrides={})
+  report._add_gaps(rows, "bf16")  # pylint: disable=protected-access
+  agg = {a["run"]: a for a in report.aggregate(rows)}
+  assert agg["q"]["gap_seeds"] == 1 and agg["q"]["seeds"] == 2 and agg["q"]["gap_pct_mean"] == pytest.approx(10.0)
+  text = report.markdown_table({"reference": "bf16"}, rows)
+  assert "| +10.00 (1 of 2 seeds) |" in text
 
 
 def test_smooth_is_a_trailing_moving_average():
