@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from fp4jax import grids
+
 SELECT_METRICS = ("mse", "mae", "absmax")
 
 
@@ -80,7 +82,7 @@ def block_error(err, block, metric: str, zero=None):
   raise ValueError(f"select must be one of {SELECT_METRICS}; got {metric!r}.")
 
 
-def choose(x32, candidates, block, metric, round_fn, decode_fn, expand_fn, select_round_fn=None):
+def choose(x32, candidates, block, metric, round_fn, decode_fn, expand_fn, select_round_fn=None, amax_b=None):
   """Rounds `x32` under each candidate scaling and keeps, per block, the one with the smallest error.
 
   Args:
@@ -94,6 +96,10 @@ def choose(x32, candidates, block, metric, round_fn, decode_fn, expand_fn, selec
     expand_fn: per-block array -> repeated over each block (x32's shape).
     select_round_fn: if given, the errors are measured on its rounding (round-to-nearest), and `round_fn` then
       rounds the chosen scaling only: a choice that does not depend on `round_fn`'s random bits.
+    amax_b: the block amaxes (the scales' shape); if given, each block's values and input are scaled by the power
+      of two 2^-floor(log2 amax_b) before the error is measured (exact), so that the errors' squares and sums
+      neither overflow (|x| above ~1e19: every error inf) nor underflow (below ~1e-19: every error 0), which made
+      both candidates tie and 4/6 fall back to "6" on every block of a huge or tiny tensor.
 
   Returns:
     (element values, chosen stored scales, chosen per-block decode factors (a tuple), chosen candidate per block).
@@ -101,11 +107,17 @@ def choose(x32, candidates, block, metric, round_fn, decode_fn, expand_fn, selec
   # Block decode scales are never negative (NaN < 0 is False), which XLA cannot know: a runtime 0 for `rounded`.
   zero = jnp.any(candidates[0].decode[0] < 0).astype(jnp.uint32)
   judge = select_round_fn or round_fn
+  if amax_b is None:
+    unit, x_unit = None, x32
+  else:  # each product is exact, so the rounding of the difference and the candidates' order keep their bits
+    unit = expand_fn(grids.pow2(-jnp.clip(grids.exponent_of(amax_b), -126, 126)))
+    x_unit = x32 * unit
   best = None
   for i, sc in enumerate(candidates):
     (encode,) = sc.encode
     values = judge(x32 * expand_fn(encode))
-    err = block_error(rounded(decode_fn(values, sc), zero) - x32, block, metric, zero)
+    deq = rounded(decode_fn(values, sc), zero)
+    err = block_error((deq if unit is None else deq * unit) - x_unit, block, metric, zero)
     if best is None:
       best = (values, sc.stored, sc.decode, jnp.zeros(err.shape, jnp.int32), err, encode)
       continue

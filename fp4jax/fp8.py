@@ -9,8 +9,12 @@ from fp4jax.grids import E4M3_MAX
 
 
 def scales(amax_b):
-  """(decode scale amax/448, encode factor 448/amax) per block, both float32; amax == 0 gives 1 and 1."""
+  """(decode scale amax/448, encode factor 448/amax) per block, both float32; amax == 0 gives 1 and 1.
+
+  The encode factor is clamped to the largest float32 (as NVFP4's block encode scale): below amax 448 / FLT_MAX
+  (~1.3e-36) it would be inf, and a zero (or flushed subnormal) element times inf is NaN.
+  """
   zero = amax_b == 0
   decode = jnp.where(zero, jnp.float32(1.0), grids.divide_by_constant(amax_b, E4M3_MAX))
-  encode = jnp.where(zero, jnp.float32(1.0), jnp.float32(E4M3_MAX) / amax_b)
+  encode = jnp.where(zero, jnp.float32(1.0), jnp.minimum(jnp.float32(E4M3_MAX) / amax_b, grids.FLT_MAX))
   return decode, encode

@@ -204,6 +204,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   outliers = jnp.asarray(outliers)
   _check_idx(outliers, k)
   out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+  if lhs.size == 0 or rhs.size == 0:  # nothing to quantize (an empty batch): lax's result, as fp4jax.dot_general
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=out_dtype)
 
   def gemm(lhs, rhs, outliers, key):
     w_KxN = rhs if r == 0 else rhs.T

@@ -21,6 +21,7 @@ from fp4jax import explicit_axes
 from fp4jax import four_over_six
 from fp4jax import grids
 from fp4jax import keys
+from fp4jax import mxfp4
 from fp4jax import prng
 from fp4jax import rounding as rounding_lib
 from fp4jax import qarray as qarray_lib
@@ -132,7 +133,7 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False
     return _quantize_eden(x32, fmt, block, rounding, key, random_bits, amax_b, amax, values, sr_bits)
   candidates = fmt.scaling_candidates(amax_b, amax)
   if candidates is not None:
-    return _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, amax, values, sr_bits)
+    return _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, amax, values, sr_bits, amax_b)
   if fmt.uses_std:
     scaling = fmt.scaling_from_std(blocks.block_std(x32, block, amax_b), amax_b)
   else:
@@ -157,7 +158,7 @@ def _quantize_elements_of(y, fmt, scaling, block, rounding, key, random_bits, va
   return codes, scales, amax, decode
 
 
-def _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, amax, values, sr_bits):
+def _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, amax, values, sr_bits, amax_b):
   """_quantize_elements for formats that choose per block among candidate scalings (NVFP4 4/6: four_over_six.py)."""
   round_fn = lambda y: rounding_lib.round_e2m1(y, rounding=rounding, key=key, random_bits=random_bits,
                                                sr_bits=sr_bits)
@@ -165,7 +166,7 @@ def _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, 
   expand_fn = lambda s: blocks.expand_blocks(s, block)
   select_round_fn = rounding_lib.round_e2m1_nearest if fmt.select_on == "nearest" and rounding != "nearest" else None
   elements, stored, dec, _ = four_over_six.choose(x32, candidates, block, fmt.select, round_fn, decode_fn, expand_fn,
-                                                  select_round_fn)
+                                                  select_round_fn, amax_b)
   scaling = formats.Scaling(stored, (), dec, candidates[0].tensor_decode)
   decode = lambda v: _decode(v, scaling, block)
   return (elements if values else grids.e2m1_codes(elements)), stored, amax, decode
@@ -383,6 +384,11 @@ def quantization_error(x, fmt, **kwargs) -> jax.Array:
   """Relative Frobenius error ||fake_quant(x) - x|| / ||x|| in float32."""
   x32 = jnp.asarray(x).astype(jnp.float32)
   err = fake_quant(x, fmt, **kwargs).astype(jnp.float32) - x32
+  # Both norms scaled by the same power of two (exact, so the ratio keeps its bits) to max |x| < 1: squares of
+  # |x| > ~1.8e19 overflow to inf (NaN ratio), and of |x| < ~1e-19 underflow to 0 (a ratio of 0).
+  amax = jnp.max(jnp.abs(x32))
+  _, e = jnp.frexp(jnp.where(jnp.isfinite(amax) & (amax > 0), amax, jnp.float32(1.0)))
+  err, x32 = mxfp4.scale_by_pow2(err, -e), mxfp4.scale_by_pow2(x32, -e)
   return jnp.linalg.norm(err) / jnp.maximum(jnp.linalg.norm(x32), jnp.finfo(jnp.float32).tiny)
 
 

@@ -89,15 +89,13 @@ def test_checkpoint_saved_on_one_mesh_resumes_on_another(env):
   np.testing.assert_allclose(second["losses"], first["losses"][2:], rtol=2e-2)
 
 
-@pytest.mark.parametrize("mesh, match", [
-    ("data=4", "has 4 devices but 8"),
-    ("data=2,expert=4", "axis in"),
-])
-def test_bad_mesh_is_a_clear_error(env, mesh, match):
-  config = _config(env, "bad_" + mesh.replace(",", "_").replace("=", ""), mesh=mesh)
-  with pytest.raises(ValueError, match=match):
+def test_bad_mesh_is_a_clear_error(env):
+  config = _config(env, "bad_data4", mesh="data=4")
+  with pytest.raises(ValueError, match="has 4 devices but 8"):
     _run(env, config)
   assert not os.path.exists(config.out)  # refused before the run folder is made
+  with pytest.raises(ValueError, match="axis in"):  # a spec that is no mesh at all: refused as the config is made
+    _config(env, "bad_expert", mesh="data=2,expert=4")
 
 
 def test_block_straddling_a_shard_is_a_clear_error(env):
