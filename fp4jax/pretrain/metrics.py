@@ -125,12 +125,13 @@ def truncate_metrics(out_dir: str | pathlib.Path, after_step: int, *,
   if not path.is_file():
     return 0
   lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-  keep = [line for line in lines if json.loads(line).get("step", -1) <= after_step]
+  later = [json.loads(line).get("step", -1) > after_step for line in lines]
+  keep = [line for line, drop in zip(lines, later) if not drop]
   if len(keep) != len(lines):
     if keep_dropped is not None:
       keep_dropped = pathlib.Path(keep_dropped)
       keep_dropped.parent.mkdir(parents=True, exist_ok=True)
-      keep_dropped.write_text("".join(line + "\n" for line in lines if line not in keep), encoding="utf-8")
+      keep_dropped.write_text("".join(line + "\n" for line, drop in zip(lines, later) if drop), encoding="utf-8")
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
     tmp.replace(path)
