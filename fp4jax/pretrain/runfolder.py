@@ -4,8 +4,9 @@
 never outlive a dead process on the same machine. The holder writes its pid, host, start time and command into the
 file and empties it on a clean exit; a non-empty file found with the lock free is therefore the trace of a run that
 died (killed, crashed, machine lost), which `acquire` reports before taking the lock over. In a multi-process run
-each process locks its own file (run.<process>.lock), so a second multi-process run on the same folder is refused
-by every process alike.
+process 0 locks run.lock, as a single-process run does, and each other process its own run.<process>.lock: a
+second run on the same folder is refused whether it has one process or several (before 2026-12-04 process 0 of a
+multi-process run locked run.0.lock, so a single-process run and a multi-process one could share a folder).
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ class RunLockedError(ValueError):
 
 
 def lock_path(out_dir: str | pathlib.Path, process_index: int = 0, process_count: int = 1) -> pathlib.Path:
-  """The lock file of process `process_index` in `out_dir`."""
-  name = LOCK_FILE if process_count == 1 else f"run.{process_index}.lock"
+  """The lock file of process `process_index` in `out_dir`: run.lock for process 0 (whatever the process count, so
+  single- and multi-process runs exclude each other), run.<i>.lock for the others of a multi-process run."""
+  if process_index == 0 or process_count == 1:
+    return pathlib.Path(out_dir).expanduser().absolute() / LOCK_FILE
+  name = f"run.{process_index}.lock"
   return pathlib.Path(out_dir).expanduser().absolute() / name
 
 
@@ -202,9 +206,9 @@ def open_run_folder(out_dir: str | pathlib.Path, *, resume: bool, overwrite: boo
   A fresh run (neither `resume` nor `overwrite`) is refused, without touching anything, where a run already is;
   `overwrite` deletes that run's checkpoints and metrics once the lock is held; `resume` needs checkpoints.
 
-  Multi-process runs (process_index/process_count default to JAX's): every process checks and locks its own
-  run.<i>.lock, and all agree on the outcome (one refusing makes all raise); only process 0 creates the folder and
-  deletes an overwritten run, the others waiting for it.
+  Multi-process runs (process_index/process_count default to JAX's): every process checks and locks its own lock
+  file (run.lock for process 0, run.<i>.lock for the others), and all agree on the outcome (one refusing makes all
+  raise); only process 0 creates the folder and deletes an overwritten run, the others waiting for it.
   """
   pi = jax.process_index() if process_index is None else process_index
   pc = jax.process_count() if process_count is None else process_count

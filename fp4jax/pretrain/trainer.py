@@ -9,8 +9,9 @@ rounding included.
 Multi-process runs (fp4jax.pretrain.distributed.init_distributed first): every process runs this same loop on its
 own rows of each batch; process 0 alone writes metrics.jsonl and the log (each checkpoint holds the config),
 creates or clears the run folder and moves superseded checkpoints aside, while all processes save and restore the
-orbax checkpoints together (each holds its own run.<i>.lock). A Ctrl-C on any process stops all of them after the
-same step. Unreadable checkpoints are not skipped in multi-process runs (see fp4jax.pretrain.resume).
+orbax checkpoints together (process 0 holds run.lock, each other process its own run.<i>.lock). A Ctrl-C on any
+process stops all of them after the same step. Unreadable checkpoints are not skipped in multi-process runs (see
+fp4jax.pretrain.resume).
 """
 
 from __future__ import annotations

@@ -229,7 +229,7 @@ def test_run_folder_other_processes_wait_and_leave_the_folder_to_process_0(tmp_p
   waits.clear()
   path, lock = runfolder.open_run_folder(out, resume=False, overwrite=True, process_index=0, process_count=2)
   with lock:
-    assert lock.path.name == "run.0.lock" and waits == [False, False, False]
+    assert lock.path.name == "run.lock" and waits == [False, False, False]
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
 
 
@@ -267,7 +267,7 @@ def test_two_processes_match_one_process(runs):
   assert [json.loads(line)["step"] for line in lines] == list(range(STEPS))  # one writer, one line per step
   assert not (runs / "two" / "config.json").exists()  # each checkpoint holds the config
   assert resume.resume_meta(runs / "two")[1]["config"]["mesh"] == "data=2,fsdp=2"
-  assert sorted(p.name for p in (runs / "two").glob("run*.lock")) == ["run.0.lock", "run.1.lock"]
+  assert sorted(p.name for p in (runs / "two").glob("run*.lock")) == ["run.1.lock", "run.lock"]
   assert sorted(int(p.name) for p in (runs / "two" / "checkpoints").iterdir()) == [8, 16]
   assert "Done: step 16" in (runs / "two.0.log").read_text()
   assert "Done: step" not in (runs / "two.1.log").read_text()  # only process 0 logs

@@ -107,6 +107,20 @@ def test_stale_and_unreadable_lock_files(tmp_path):
   assert runfolder.lock_path(tmp_path, 3, 4).name == "run.3.lock" and path.name == "run.lock"
 
 
+def test_single_and_multi_process_runs_exclude_each_other(tmp_path):
+  """Process 0 of a multi-process run locks the file a single-process run does (they once locked different files
+  and could write one folder together)."""
+  assert runfolder.lock_path(tmp_path, 0, 2) == runfolder.lock_path(tmp_path)
+  with runfolder.acquire(tmp_path):
+    with pytest.raises(runfolder.RunLockedError, match="in use by another fp4jax run"):
+      runfolder.acquire(tmp_path, process_index=0, process_count=2)
+    with runfolder.acquire(tmp_path, process_index=1, process_count=2):  # its own file: free
+      pass
+  with runfolder.acquire(tmp_path, process_index=0, process_count=4):
+    with pytest.raises(runfolder.RunLockedError, match="in use by another fp4jax run"):
+      runfolder.acquire(tmp_path)
+
+
 def test_an_out_that_cannot_be_a_folder_is_a_usage_error(tmp_path, capsys):
   """A file at --out once ended `fp4jax train` in a FileExistsError traceback."""
   (tmp_path / "x").write_text("not a folder")
