@@ -56,7 +56,8 @@ def _row(summary: Mapping[str, Any]) -> dict[str, Any]:
 def collect(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[tuple[str, int], dict]]:
   """(meta, rows, curves) of the sweep in `folder` from its run folders; raises FileNotFoundError if none finished.
 
-  meta: sweep.json contents (or {} if absent); rows: one dict per finished run x seed, in sweep order;
+  meta: sweep.json contents (or {} if absent), with "left_out" listing run folders of seeds beyond its "seeds"
+  (an earlier command's, not read); rows: one dict per finished run x seed, in sweep order;
   curves: {(run, seed): {"step", "loss", "val_step", "val_loss"} numpy arrays}; a validation loss at step s is
   measured before update s (after s steps), the final one at s == steps.
   """
@@ -73,6 +74,14 @@ def collect(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[str, 
           f"experiments.probes --out {folder} --report-only` (`python -m experiments.probes recipes --out {folder} "
           f"--report-only` for the recipe probes).")
     raise FileNotFoundError(f"No finished runs (*/seed*/{SUMMARY_FILE}) under {folder}.")
+  seeds = meta.get("seeds")
+  if isinstance(seeds, int) and not isinstance(seeds, bool):
+    # Folders of seeds beyond the sweep's --seeds (left by an earlier command with more) are not this sweep's runs.
+    left_out = sorted(k for k in found if k[1] >= seeds)
+    if left_out and len(left_out) < len(found):
+      meta = dict(meta, left_out=[f"{run}/seed{seed}" for run, seed in left_out])
+      for k in left_out:
+        del found[k]
   rows, curves = [], {}
   for name in _ordered_runs(meta, [k[0] for k in found]):
     for (run, seed) in sorted(k for k in found if k[0] == name):
@@ -182,6 +191,9 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
   if meta.get("command"):
     lines += [f"Command: `{meta['command']}`", ""]
   lines += [f"{first['steps']} steps, {_count(first['tokens'])} tokens per run, up to {n_seeds} seed(s) per run."]
+  if meta.get("left_out"):
+    lines += [f"Left out: {', '.join(meta['left_out'])} (seeds beyond this sweep's {meta.get('seeds')}, from an "
+              "earlier command; rerun with more --seeds to include them)."]
   shared, unless_own = _shared_settings(meta)
   if shared:
     lines += [f"Shared settings: `{json.dumps(shared)}`."]

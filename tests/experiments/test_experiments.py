@@ -344,3 +344,25 @@ def test_report_redraws_a_copied_results_folder(tmp_path):
   written = report.write_report(folder)
   assert (folder / report.RESULTS_MD).read_text(encoding="utf-8") == before
   assert folder / report.LOSS_PNG in written and (folder / report.LOSS_PNG).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_report_leaves_out_seeds_beyond_the_sweeps_and_says_so(tmp_path):
+  """A rerun with fewer --seeds into the same --out left the earlier command's extra seed folders there; the report
+  counted them as this sweep's runs."""
+  (tmp_path / "sweep.json").write_text(json.dumps(
+      {"experiment": "x", "seeds": 2, "reference": "a", "runs": [{"name": "a"}, {"name": "b"}]}))
+  for run, losses in (("a", [2.0, 2.2, 9.0]), ("b", [2.1, 2.3, 9.0])):
+    for seed, loss in enumerate(losses):
+      folder = tmp_path / run / f"seed{seed}"
+      folder.mkdir(parents=True)
+      (folder / "summary.json").write_text(json.dumps(
+          {"run": run, "seed": seed, "status": "finished", "final_val_loss": loss, "steps": 4, "tokens": 64,
+           "experiment": "x", "preset": "smoke", "label": run, "overrides": {}}))
+      (folder / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": loss, "val_loss": loss}) + "\n")
+  meta, rows, curves = report.collect(tmp_path)
+  assert [(r["run"], r["seed"]) for r in rows] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+  assert set(curves) == {("a", 0), ("a", 1), ("b", 0), ("b", 1)}
+  assert meta["left_out"] == ["a/seed2", "b/seed2"]
+  text = report.markdown_table(meta, rows)
+  assert "up to 2 seed(s) per run" in text and "Left out: a/seed2, b/seed2 (seeds beyond this sweep's 2" in text
+  assert "| 2 | 2.1000 ± 0.1414 |" in text  # a: the mean over seeds 0 and 1 only
