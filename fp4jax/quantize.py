@@ -217,7 +217,8 @@ def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = 
     key: JAX PRNG key for stochastic rounding; the same key gives the same bits. With sr_bits "hash", also a
       fp4jax.prng.HashSeed derived from a key (the same bits as that key).
     random_bits: 32 for full-width uniforms, 8 for hardware-style 8 random bits per element.
-    pad: zero-pad blocked axes up to a multiple of the block size instead of raising.
+    pad: zero-pad blocked axes up to a multiple of the block size instead of raising. The zeros never change an
+      amax, but they do count in a block's standard deviation (MXFP4 scale_rule 'quest').
     sr_bits: the stochastic-rounding bit generator: "hash" (counter-based, fused; the default) or "threefry"
       (jax.random.bits); see fp4jax.prng.
 
