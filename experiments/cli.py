@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import fp4jax.pretrain.distributed
 import fp4jax.pretrain.model
+from fp4jax.pretrain import compile_cache
 
 from experiments import merge
 from experiments import report
@@ -90,6 +91,7 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
   if pathlib.Path(args.out).exists() and not pathlib.Path(args.out).is_dir():  # else a FileExistsError traceback
     parser.error(f"--out {args.out} is a file, not a sweep folder.")
   fp4jax.pretrain.distributed.init_distributed()  # first JAX use; a no-op without the FP4JAX_* variables
+  compile_cache.enable(log=lambda line: print(line, file=sys.stderr))  # before the first compile
   try:
     # The whole sweep too: --runs reruns some of its runs, and the others' folders must hold its settings.
     full = build_sweep(get_config, argparse.Namespace(**dict(vars(args), runs=None)))

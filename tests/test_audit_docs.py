@@ -202,7 +202,7 @@ def test_experiment_modules_named_in_the_readme_exist():
 def test_paths_named_in_the_docs_exist():
   missing = []
   for doc, text in DOCS.items():
-    for path in set(re.findall(r"\b((?:fp4jax|tests|benchmarks|experiments|pallas_kernels|notebooks|docs)/"
+    for path in set(re.findall(r"(?<![/~.])\b((?:fp4jax|tests|benchmarks|experiments|pallas_kernels|notebooks|docs)/"
                                r"[\w/.-]*\w)", text)):
       if not (ROOT / path).exists():
         missing.append(f"{doc}: {path}")

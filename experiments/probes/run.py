@@ -150,8 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--list", action="store_true", help="print the preset's settings and the base run's config, "
                       "run nothing")
   args = parser.parse_args(argv)
-  from fp4jax.pretrain import distributed  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import compile_cache, distributed  # pylint: disable=g-import-not-at-top
   distributed.init_distributed()  # before any JAX use; a no-op without the FP4JAX_* variables
+  compile_cache.enable(log=lambda line: print(line, file=sys.stderr))  # before the first compile
   try:
     if args.list:
       preset = presets.get_preset(args.preset)

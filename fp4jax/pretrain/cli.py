@@ -18,6 +18,9 @@ new end (exact continuation only from a checkpoint taken before the old decay be
 Multi-process (one process per host, all with the same arguments; see fp4jax.pretrain.distributed):
   FP4JAX_COORDINATOR=host0:12377 FP4JAX_NUM_PROCESSES=2 FP4JAX_PROCESS_ID=0 fp4jax train --mesh data=2,fsdp=2 ...
 
+Compiled steps are kept in a cache folder, one per CPU type (~/.cache/fp4jax/xla-<cpu id>; FP4JAX_COMPILE_CACHE=DIR
+picks another, FP4JAX_COMPILE_CACHE=off none; see fp4jax.pretrain.compile_cache): a rerun skips the compile.
+
 Exit codes: 0 done, 1 training diverged, 2 bad arguments/config/data or unusable checkpoint, 3 another process of
 a multi-process run failed, 130 interrupted.
 """
@@ -134,7 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"fp4jax: error: could not join the multi-process run: {str(e)[:500]}", file=sys.stderr)
     return EXIT_PEER_FAILED
   import jax  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import compile_cache  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
+  if not {"-h", "--help"} & set(argv):
+    compile_cache.enable(log=lambda line: print(line, file=sys.stderr))  # before the first compile
   try:
     return COMMANDS[argv[0]](argv[1:])
   except jax.errors.JaxRuntimeError as e:

@@ -1,0 +1,103 @@
+"""A persistent compilation cache for the command-line entry points, on by default.
+
+Compiling the train and eval steps is most of a short CPU run: `fp4jax train --model tiny --recipe nvfp4 --steps 20`
+took 15-29 s with a cold cache and 6-8 s with a warm one (2 cores, benchmarks/RESULTS.md). JAX can keep compiled
+programs on disk (`jax_compilation_cache_dir`). Its key covers the program, the jax/jaxlib versions, the XLA flags
+and the device kind, but on CPU not the instruction set, so a folder shared by two CPU types could hand one a
+program built for the other: the default folder is named after this machine's CPU. A cached program is the one a
+fresh compile gives, so the results are the same bits.
+
+`fp4jax train|eval`, `python -m experiments.NAME` and the probes call `enable` before their first compile; `import
+fp4jax` never does (a library must not write to the user's home on import). Settings, in order of precedence:
+  JAX_COMPILATION_CACHE_DIR=DIR   (or jax.config's jax_compilation_cache_dir) JAX's own setting: left alone
+  FP4JAX_COMPILE_CACHE=off        no persistent cache (also 0, false, no, none)
+  FP4JAX_COMPILE_CACHE=DIR        this folder (shared by several CPU types, it is the user's choice)
+  default                         $XDG_CACHE_HOME/fp4jax/xla-<cpu id> (XDG_CACHE_HOME defaults to ~/.cache)
+The folder is kept under MAX_BYTES: when it holds more, the least recently written programs are deleted first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import platform
+from collections.abc import Callable
+
+import jax
+
+ENV = "FP4JAX_COMPILE_CACHE"
+OFF = ("off", "0", "false", "no", "none")
+MAX_BYTES = 2 * 2**30
+
+
+def cpu_id() -> str:
+  """A short stable name of this CPU type: a hash of the machine type, the CPU model and its feature flags."""
+  parts = [platform.machine(), platform.processor()]
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+      for line in f:
+        key = line.split(":", 1)[0].strip()
+        if key in ("model name", "flags", "Features", "CPU part", "CPU implementer"):
+          parts.append(line.strip())
+        elif not line.strip() and len(parts) > 2:  # the first processor's block is enough
+          break
+  except OSError:  # not Linux: the platform module's names only
+    pass
+  return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
+def default_dir() -> pathlib.Path:
+  """$XDG_CACHE_HOME/fp4jax/xla-<cpu id>, XDG_CACHE_HOME defaulting to ~/.cache."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return pathlib.Path(base) / "fp4jax" / f"xla-{cpu_id()}"
+
+
+def prune(folder: pathlib.Path, max_bytes: int = MAX_BYTES) -> int:
+  """Deletes the least recently written files of `folder` until it holds at most `max_bytes`; returns how many.
+
+  Files another process deletes or writes meanwhile are skipped: a cache file missing when JAX looks is a miss.
+  """
+  entries = []
+  for p in folder.iterdir():
+    try:
+      st = p.stat()
+    except OSError:
+      continue
+    if p.is_file():
+      entries.append((st.st_mtime, st.st_size, p))
+  total = sum(size for _, size, _ in entries)
+  removed = 0
+  for _, size, p in sorted(entries, key=lambda e: e[0]):
+    if total <= max_bytes:
+      break
+    try:
+      p.unlink()
+    except OSError:
+      continue
+    total -= size
+    removed += 1
+  return removed
+
+
+def enable(log: Callable[[str], None] | None = None) -> pathlib.Path | None:
+  """Turns on JAX's persistent compilation cache as the module docstring says; returns the folder (None if off).
+
+  Call it before the first compile of the process: JAX opens its cache at the first compile and keeps it.
+  """
+  configured = jax.config.jax_compilation_cache_dir
+  if configured:
+    return pathlib.Path(configured)
+  setting = os.environ.get(ENV, "").strip()
+  if setting.lower() in OFF:
+    return None
+  folder = pathlib.Path(setting).expanduser() if setting else default_dir()
+  try:
+    folder.mkdir(parents=True, exist_ok=True)
+    prune(folder)
+  except OSError as e:  # a read-only home, a file in the way: run without the cache
+    if log is not None:
+      log(f"Note: no compilation cache ({folder}: {e.strerror or e}); set {ENV}=DIR or {ENV}=off.")
+    return None
+  jax.config.update("jax_compilation_cache_dir", str(folder))
+  return folder
