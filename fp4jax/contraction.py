@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from fp4jax import explicit_axes
 from fp4jax import recipes as recipes_lib
+from fp4jax.dot_general import check_axes_in_range
 from fp4jax.dot_general import check_layer_shape
 from fp4jax.dot_general import dot_general as quantized_gemm
 
@@ -42,6 +43,8 @@ def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_el
   if tuple(lb) or tuple(rb):
     raise ValueError(f"{where}: a batched contraction (dimension_numbers={dimension_numbers}) is not a linear "
                      f"layer; keep it in high precision.")
+  check_axes_in_range(lc, lhs.ndim, "lhs contracting", dimension_numbers, where)
+  check_axes_in_range(rc, rhs.ndim, "rhs contracting", dimension_numbers, where)
   lc = tuple(int(a) % lhs.ndim for a in lc)
   rc = tuple(int(a) % rhs.ndim for a in rc)
   if not lc or len(lc) != len(rc) or len(set(lc)) != len(lc) or len(set(rc)) != len(rc):
@@ -109,17 +112,20 @@ def einsum_as_dot_general(equation: str, lhs_ndim: int, rhs_ndim: int):
 
 
 def linear_einsum(equation, lhs, rhs, precision=None, preferred_element_type=None, *, recipe, key=None,
-                  where: str = "einsum"):
-  """jnp.einsum(equation, lhs, rhs) for a linear-layer equation, its GEMMs quantized by `recipe`."""
+                  where: str = "einsum", out_sharding=None):
+  """jnp.einsum(equation, lhs, rhs) for a linear-layer equation, its GEMMs quantized by `recipe`. `out_sharding` as
+  for jnp.einsum (nnx.Einsum passes its call's), with operands over Explicit mesh axes as for linear_dot_general."""
   try:
     dims, perm = einsum_as_dot_general(equation, lhs.ndim, rhs.ndim)
   except ValueError as e:
     raise ValueError(f"{where}: {e}") from None
   if explicit_axes.explicit_axes(lhs, rhs):  # the output transpose too runs with the axes made Auto
-    out = jax.eval_shape(lambda a, b: jnp.einsum(equation, a, b, preferred_element_type=preferred_element_type),
-                         lhs, rhs)
+    if out_sharding is None:
+      out_sharding = jax.eval_shape(
+          lambda a, b: jnp.einsum(equation, a, b, preferred_element_type=preferred_element_type), lhs, rhs).sharding
     run = lambda lhs, rhs, key: linear_einsum(equation, lhs, rhs, precision, preferred_element_type,
                                               recipe=recipe, key=key, where=where)
-    return explicit_axes.run_auto(run, (lhs, rhs, key), out.sharding)
-  y = linear_dot_general(lhs, rhs, dims, precision, preferred_element_type, recipe=recipe, key=key, where=where)
-  return _moved(y, perm)
+    return explicit_axes.run_auto(run, (lhs, rhs, key), out_sharding)
+  y = _moved(linear_dot_general(lhs, rhs, dims, precision, preferred_element_type, recipe=recipe, key=key,
+                                where=where), perm)
+  return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)

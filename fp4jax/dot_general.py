@@ -367,17 +367,29 @@ _qmatmul_jit = jax.jit(_qmatmul, static_argnums=(3,))
 
 # --- the public drop-in -------------------------------------------------------------------------------------------
 
+def check_axes_in_range(axes, ndim: int, what: str, dimension_numbers, where: str = "fp4jax.dot_general"):
+  """Raises a ValueError unless every axis in `axes` indexes an operand of rank `ndim` (negative ones count from the
+  end): taken modulo the rank, an axis out of range would silently name another one (3 on a 2D weight: axis 1)."""
+  bad = [a for a in axes if not -ndim <= int(a) < ndim]
+  if bad:
+    raise ValueError(f"{where}: {what} axes {bad} are out of range for rank {ndim} (dimension_numbers="
+                     f"{dimension_numbers}); use axes in [0, {ndim}).")
+
+
 def _canonical_weight_axes(lhs, rhs, dimension_numbers):
   """Checks the dimension numbers describe a linear layer; returns the rhs contracting axis (0: [K,N], 1: [N,K])."""
   (lc, rc), (lb, rb) = dimension_numbers
   lc, rc, lb, rb = tuple(lc), tuple(rc), tuple(lb), tuple(rb)
+  check_axes_in_range(lc + lb, lhs.ndim, "lhs", dimension_numbers)
+  check_axes_in_range(rc + rb, rhs.ndim, "rhs", dimension_numbers)
   if lb or rb:
     raise ValueError(f"fp4jax.dot_general quantizes linear layers; batch dimensions are not supported "
                      f"(got dimension_numbers={dimension_numbers}). Keep batched GEMMs (attention) in high precision.")
   if rhs.ndim != 2 or len(lc) != 1 or len(rc) != 1 or lc[0] % lhs.ndim != lhs.ndim - 1:
     raise ValueError(f"fp4jax.dot_general expects activations [..., K] contracted on their last axis with a "
                      f"weight [K, N] or [N, K]; got lhs {lhs.shape}, rhs {rhs.shape}, dimension_numbers="
-                     f"{dimension_numbers}.")
+                     f"{dimension_numbers}. fp4jax.quantized_dot_general(recipe) takes any linear layer's layout "
+                     f"(contracted axes anywhere, several of them, kernels of any rank).")
   r = rc[0] % 2
   if lhs.shape[-1] != rhs.shape[r]:
     raise ValueError(f"contraction sizes differ: lhs {lhs.shape} axis -1 has {lhs.shape[-1]}, rhs {rhs.shape} "

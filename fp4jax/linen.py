@@ -34,12 +34,14 @@ class Dense(nn.Module):
     recipe = recipes_lib.get_recipe(self.recipe if self.recipe is not None else "bf16")
     kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
     key = self.make_rng("quant") if recipe.needs_key else None
-    x = x.astype(self.dtype)
-    kernel = kernel if recipe.is_quantized else kernel.astype(self.dtype)
+    # dtype=None (Flax's "infer"): the promoted input and parameter dtype, as nn.Dense; x.astype(None) is float32.
+    dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
+    x = x.astype(dtype)
+    kernel = kernel if recipe.is_quantized else kernel.astype(dtype)
     y = dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), recipe=recipe, key=key,
-                                    preferred_element_type=jnp.float32).astype(self.dtype)
+                    preferred_element_type=jnp.float32).astype(dtype)
     if self.use_bias:
-      y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(self.dtype)
+      y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(dtype)
     return y
 
 

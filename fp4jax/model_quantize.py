@@ -46,6 +46,10 @@ def compile_rules(rules) -> tuple[Rule, ...]:
     if isinstance(rule, Rule):
       out.append(rule)
       continue
+    if isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], re.Pattern):
+      # Rules keep the pattern string (reports print it); taking .pattern would drop the compiled flags.
+      raise ValueError(f"rule {i}: pass the regex as a string, not a compiled re.Pattern: {rule[0].pattern!r} "
+                       f"(flags inline, e.g. '(?i)attn.*').")
     if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
       raise ValueError(f"rule {i} must be a (regex, recipe) pair; got {rule!r}.")
     pattern, recipe = rule

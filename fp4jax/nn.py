@@ -56,20 +56,22 @@ class Linear(nnx.Module):
         raise ValueError(f"recipe {recipe.name!r} needs randomness: pass key= or build the layer with "
                          f"nnx.Rngs(params=..., quant=...).")
       key = self.quant_rngs()
-    x_xK = x_xK.astype(self.dtype)
+    # dtype=None (Flax's "infer"): the promoted input and parameter dtype, as nnx.Linear; x.astype(None) is float32.
+    dtype = self.dtype if self.dtype is not None else jnp.result_type(x_xK.dtype, self.kernel.dtype)
+    x_xK = x_xK.astype(dtype)
     if self.record_inputs:
       self.sow(nnx.Intermediate, "x_sq_norms", outcontrol.channel_sq_norms(x_xK))
     # Quantized recipes quantize the float32 master weight directly, so the weight gradient stays float32.
-    kernel = self.kernel[...] if recipe.is_quantized else self.kernel[...].astype(self.dtype)
+    kernel = self.kernel[...] if recipe.is_quantized else self.kernel[...].astype(dtype)
     dims = (((x_xK.ndim - 1,), (0,)), ((), ()))
     if self.outliers is not None:
       y = outcontrol.dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=jnp.float32,
                                  outliers=self.outliers)
     else:
       y = dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=jnp.float32)
-    y = y.astype(self.dtype)
+    y = y.astype(dtype)
     if self.bias is not None:
-      y = y + self.bias[...].astype(self.dtype)
+      y = y + self.bias[...].astype(dtype)
     return y
 
 
@@ -100,9 +102,10 @@ class QuantizedDotGeneral(nnx.Module):
 class QuantizedEinsum(QuantizedDotGeneral):
   """An `einsum_op` for nnx.Einsum: a linear-layer equation as one quantized GEMM (others refused, naming the layer)."""
 
-  def __call__(self, equation, lhs, rhs, precision=None, preferred_element_type=None, **unused):
+  def __call__(self, equation, lhs, rhs, precision=None, preferred_element_type=None, *, out_sharding=None,
+               **unused):
     return contraction.linear_einsum(equation, lhs, rhs, precision, preferred_element_type, recipe=self.recipe,
-                                     key=self._key(), where=self.path)
+                                     key=self._key(), where=self.path, out_sharding=out_sharding)
 
 
 def _check_layer(module, path: str) -> None:
