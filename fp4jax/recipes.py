@@ -41,7 +41,9 @@ class OperandConfig:
   rht: bool = False
   pad: bool = False  # zero-pad the contraction axis to the block size (FP8's 128-blocks on small layers)
   # Backward operands only (Dgrad's W, Wgrad's x): quantize the dequantized Fprop operand instead of the
-  # high-precision tensor, so the backward sees the forward's quantized values (TetraJet-v2, Quartet II).
+  # high-precision tensor, so the backward sees the forward's quantized values (TetraJet-v2, Quartet II), in the
+  # operand's dtype: a bfloat16 x's dequantized values are rounded to bfloat16 first (Quartet II's code does the same;
+  # TetraJet-v2's kernels keep float32: ~1 % of the re-quantized codes differ, see recipes_beyond.tetrajet_v2).
   requantize: bool = False
   # Fprop operands only: the straight-through gradient of this operand is zeroed where its quantizer saturated
   # (|x / s| >= the element max), in the basis the quantizer saw (before the inverse Fprop RHT): QuEST's mask.

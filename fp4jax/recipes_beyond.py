@@ -48,6 +48,13 @@ def tetrajet_v2(*, rht_size: int = 16, double_block: bool = True, stochastic_rou
   blocks along the contraction axis. Forward: round to nearest. Backward: both GEMMs see the output gradient and
   the Fprop operands dequantized, transposed and re-quantized, all with an RHT of size `rht_size` (fresh signs per
   call) along the contraction axis and stochastic rounding.
+
+  Two differences from the authors' kernels (kernels/csrc/quant_fp4.cu, olmo/quantization_real/linear.py):
+    * The dequantized Fprop x is re-quantized in x's dtype: in a bfloat16 model its values are rounded to bfloat16
+      before the RHT, where the kernels keep float32. On a bfloat16 x of 128 tokens x 32 channels, 1.2 % of the
+      re-quantized codes differ, and dW's error against the straight-through gradient measured 13.9 % against the
+      kernels' 14.0 % (no worse). A float32 x gives the kernels' operands.
+    * Dgrad and Wgrad share one RHT sign vector per call; the reference draws one per GEMM (seed_dx, seed_dw).
   """
   lib = _recipes()
   fmt = formats.NVFP4(double_block=double_block)
