@@ -31,7 +31,7 @@ class Linear(nnx.Module):
   from the "quant" stream of the `rngs` the layer was built with.
   OutControl (fp4jax.outcontrol; set by the training step): `outliers` (int array [k] or None) are input channels
   run in MXFP8; with `record_inputs` each call sows its input's per-channel sum of squares as the nnx.Intermediate
-  "x_sq_norms".
+  "x_sq_norms". A call's `out_sharding` is the output's sharding, as for nnx.Linear.
   """
 
   def __init__(self, in_features: int, out_features: int, *, recipe: recipes_lib.Recipe | str | None = None,
@@ -47,7 +47,7 @@ class Linear(nnx.Module):
     self.outliers = nnx.data(None)
     self.record_inputs = False
 
-  def __call__(self, x_xK, *, key=None):
+  def __call__(self, x_xK, *, key=None, out_sharding=None):
     if x_xK.shape[-1] != self.in_features:
       raise ValueError(f"Linear expects inputs [..., {self.in_features}]; got shape {x_xK.shape}.")
     recipe = recipes_lib.get_recipe(self.recipe)  # a name assigned after construction works too
@@ -66,9 +66,10 @@ class Linear(nnx.Module):
     dims = (((x_xK.ndim - 1,), (0,)), ((), ()))
     if self.outliers is not None:
       y = outcontrol.dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=jnp.float32,
-                                 outliers=self.outliers)
+                                 outliers=self.outliers, out_sharding=out_sharding)
     else:
-      y = dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=jnp.float32)
+      y = dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=jnp.float32,
+                      out_sharding=out_sharding)
     y = y.astype(dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(dtype)

@@ -183,16 +183,17 @@ _split_matmul_jit = jax.jit(_split_matmul, static_argnums=(4,))  # as dot_genera
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, recipe, key=None,
-                outliers=None):
+                outliers=None, out_sharding=None):
   """fp4jax.dot_general with OutControl: the input channels `outliers` (int array [k]) run in MXFP8.
 
   outliers=None (or an unquantized recipe) is exactly fp4jax.dot_general. The indices are distinct channels of the
   contraction axis K; k is static. Known indices that repeat or leave [0, K) are refused; traced ones are not
-  checked (an out-of-range one gathers NaN).
+  checked (an out-of-range one gathers NaN). `out_sharding` as for fp4jax.dot_general.
   """
   recipe = recipes_lib.get_recipe(recipe)
   if outliers is None or not recipe.is_quantized:
-    return plain_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key)
+    return plain_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key,
+                             out_sharding=out_sharding)
   if key is not None:
     check_layer_key(key, "key")
   r = _canonical_weight_axes(lhs, rhs, dimension_numbers)
@@ -205,11 +206,13 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   _check_idx(outliers, k)
   out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
   if lhs.size == 0 or rhs.size == 0:  # nothing to quantize (an empty batch): lax's result, as fp4jax.dot_general
-    return jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=out_dtype)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=out_dtype,
+                               out_sharding=out_sharding)
 
   def gemm(lhs, rhs, outliers, key):
     w_KxN = rhs if r == 0 else rhs.T
     y_MxN = _split_matmul_jit(lhs.reshape(-1, k), w_KxN, outliers, key, recipe)
     return y_MxN.reshape(*lhs.shape[:-1], n).astype(out_dtype)
 
-  return explicit_axes.run_gemm(gemm, (lhs, rhs, outliers, key), lhs, rhs, dimension_numbers, out_dtype)
+  return explicit_axes.run_gemm(gemm, (lhs, rhs, outliers, key), lhs, rhs, dimension_numbers, out_dtype,
+                                out_sharding)

@@ -106,3 +106,20 @@ def test_a_compiled_regex_rule_is_refused_saying_to_pass_the_string():
   import re  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match=r"rule 0: pass the regex as a string.*'attn\.\*'"):
     fp4jax.model_quantize.compile_rules([(re.compile(r"attn.*"), "nvfp4")])
+
+
+def test_linear_takes_out_sharding_as_nnx_linear_does_outcontrol_too():
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py simulates 8)")
+  x = jax.random.normal(jax.random.key(0), (8, 64))
+  layer = fp4jax.nn.Linear(64, 32, recipe=RNE, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  explicit = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  want = np.asarray(layer(x))
+  for outliers in (None, jnp.asarray([3, 17])):
+    layer.outliers = outliers
+    with jax.set_mesh(explicit):
+      xs = jax.device_put(x, NamedSharding(explicit, P("data", None)))
+      y = layer(xs, out_sharding=P("data", "model"))
+    assert y.sharding.spec == P("data", "model"), outliers
+    if outliers is None:
+      np.testing.assert_array_equal(np.asarray(y), want)
