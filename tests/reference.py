@@ -26,6 +26,14 @@ def f32(v):
     return np.asarray(v, dtype=np.float64).astype(np.float32).astype(np.float64)
 
 
+def assert_values_equal(got, want):
+  """Float values equal exactly, and zeros with the same sign (np.testing.assert_array_equal takes -0 == +0)."""
+  got, want = np.asarray(got).astype(np.float64), np.asarray(want, np.float64)
+  np.testing.assert_array_equal(got, want)
+  zero = want == 0
+  np.testing.assert_array_equal(np.signbit(got[zero]), np.signbit(want[zero]), err_msg="the sign of a zero differs")
+
+
 def as_f64(x):
   """Upcast a float32/bfloat16/float16 array (numpy, ml_dtypes or jax) to float64."""
   return np.asarray(x).astype(np.float32).astype(np.float64)
@@ -146,13 +154,13 @@ def nvfp4_quantize(x, axis=-1, block_2d=False, block=16):
 
 
 def nvfp4_dequantize(codes, scales, amax, axis=-1, block_2d=False, block=16):
-  """Reference NVFP4 dequantize: f32(f32(code * s_b) * f32(amax / 2688)); 0 when amax == 0."""
+  """Reference NVFP4 dequantize: f32(f32(code * s_b) * f32(amax / 2688)); signed zeros when amax == 0."""
   axis = axis % np.ndim(codes)
   s = expand(np.asarray(scales, dtype=np.float64), block, axis, block_2d)
   with np.errstate(over="ignore", invalid="ignore"):
     out = f32(f32(e2m1_value(codes) * s) * f32(np.float64(amax) / NVFP4_GLOBAL))
-  if amax == 0:
-    out = np.zeros_like(out)
+  if amax == 0:  # zeros, each with its code's sign (-0 * 0 * 0 is -0)
+    out = np.copysign(np.zeros_like(out), e2m1_value(codes))
   return out
 
 
