@@ -75,6 +75,21 @@ def e2m1_neighbours(v):
   return lo, hi
 
 
+def e2m1_sr(y, bits, random_bits=32):
+  """Signed E2M1 values of stochastically rounded `y` (float64): up where the uniform from the uint32 `bits` is below
+  p = (|y| - lo) / (hi - lo). 32 random bits: the top 24 / 2^24 against p; 8: the top 8 against floor(256 p)."""
+  a = np.minimum(np.abs(np.asarray(y, np.float64)), 6.0)
+  lo, hi = e2m1_neighbours(a)
+  p = np.where(hi > lo, (a - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0)
+  bits = np.asarray(bits).astype(np.uint64)
+  if random_bits == 32:
+    up = (bits >> 8).astype(np.float64) * 2.0**-24 < p
+  else:
+    up = (bits >> 24).astype(np.float64) < np.floor(p * 256.0)
+  mag = np.where(up, hi, lo)
+  return np.where(np.signbit(y), -mag, mag)
+
+
 def e4m3_rne(v):
   """Round to float8_e4m3fn with RNE, saturating at +-448 (inf -> 448, NaN stays NaN)."""
   v = np.asarray(v, dtype=np.float64)

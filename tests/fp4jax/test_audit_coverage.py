@@ -321,20 +321,6 @@ def test_nan_and_inf_make_every_value_nan(fmt, axis, block_2d, dtype):
 # ---------------------------------------------------------------- 3. stochastic rounding given the bits
 
 
-def reference_sr(scaled, bits, random_bits):
-  """Signed E2M1 values of SR(scaled): up where the uniform from `bits` is below p = (|y| - lo) / (hi - lo)."""
-  a = np.minimum(np.abs(scaled), 6.0)
-  lo, hi = ref.e2m1_neighbours(a)
-  p = np.where(hi > lo, (a - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0)
-  bits = np.asarray(bits).astype(np.uint64)
-  if random_bits == 32:
-    up = (bits >> 8).astype(np.float64) * 2.0**-24 < p
-  else:
-    up = (bits >> 24).astype(np.float64) < np.floor(p * 256.0)
-  mag = np.where(up, hi, lo)
-  return np.where(np.signbit(scaled), -mag, mag)
-
-
 def _four_over_six_sr(x, bits, random_bits, axis=-1):
   """4/6 under SR: both candidates rounded with the same bits, each block keeps the smaller-MSE one (ties: "6")."""
   r = rref.nvfp4_variant(x, axis=axis, four_over_six=True)
@@ -342,7 +328,7 @@ def _four_over_six_sr(x, bits, random_bits, axis=-1):
   t_dec = ref.f32(amax / ref.f32(6.0 * 256.0))
   cands = []
   for s_b, scaled in zip(r["candidate_scales"], r["candidate_scaled"]):
-    v = reference_sr(scaled, bits, random_bits)
+    v = ref.e2m1_sr(scaled, bits, random_bits)
     deq = ref.f32(ref.f32(v * ref.expand(s_b, 16, axis % x.ndim, False)) * t_dec)
     err = rref.block_error(ref.f32(deq - x), 16, axis % x.ndim, False, "mse")
     cands.append((v, s_b, deq, err))
@@ -383,7 +369,7 @@ def test_stochastic_rounding_matches_numpy_given_the_bits(fmt, shape, axis, bloc
     assert 0 < r["choice"].mean() < 1  # both candidates are chosen somewhere
   else:
     r = reference(fmt, xp, axis, block_2d)
-    want_values, want_scales = reference_sr(r["scaled"], bits, random_bits), r["scales"]
+    want_values, want_scales = ref.e2m1_sr(r["scaled"], bits, random_bits), r["scales"]
     want_deq = None
   codes = np.asarray(q.unpacked_codes())
   np.testing.assert_array_equal(ref.e2m1_value(codes), want_values)

@@ -26,20 +26,6 @@ def _edge_magnitudes():
   return np.concatenate([base, ups, downs]).astype(np.float32)
 
 
-def _reference_sr(y, bits, random_bits):
-  """Signed SR values of float32 `y` in float64: up where the uniform from `bits` is below p."""
-  a = np.minimum(np.abs(y.astype(np.float64)), 6.0)
-  lo, hi = ref.e2m1_neighbours(a)
-  p = np.where(hi > lo, (a - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0)
-  bits = bits.astype(np.uint64)
-  if random_bits == 32:
-    up = (bits >> 8).astype(np.float64) * 2.0**-24 < p
-  else:
-    up = (bits >> 24).astype(np.float64) < np.floor(p * 256.0)
-  mag = np.where(up, hi, lo)
-  return np.where(np.signbit(y), -mag, mag)
-
-
 @pytest.mark.parametrize("random_bits", [32, 8])
 @pytest.mark.parametrize("sr_bits", ["hash", "threefry"])
 def test_round_e2m1_stochastic_matches_numpy_given_the_bits(random_bits, sr_bits):
@@ -51,7 +37,7 @@ def test_round_e2m1_stochastic_matches_numpy_given_the_bits(random_bits, sr_bits
   bits = np.asarray(fp4jax.prng.random_bits(key, y.shape, sr_bits))
   got = np.asarray(jax.jit(lambda v: fp4jax.rounding.round_e2m1_stochastic(v, key, random_bits, sr_bits))(
       jnp.asarray(y)))
-  want = _reference_sr(y, bits, random_bits)
+  want = ref.e2m1_sr(y, bits, random_bits)
   np.testing.assert_array_equal(got.astype(np.float64), want)
   np.testing.assert_array_equal(np.signbit(got), np.signbit(y))  # -0 stays -0
   codes = np.asarray(jax.jit(lambda v: fp4jax.rounding.e2m1_codes_stochastic(v, key, random_bits, sr_bits))(
@@ -80,7 +66,7 @@ def test_nvfp4_stochastic_quantize_matches_numpy_given_the_bits(random_bits):
   q = jax.jit(lambda v: fp4jax.quantize(v, FMT, **kw))(jnp.asarray(x))
   r = ref.nvfp4_quantize(x)
   bits = np.asarray(fp4jax.prng.random_bits(key, x.shape))
-  want = _reference_sr(r["scaled"].astype(np.float32), bits, random_bits)
+  want = ref.e2m1_sr(r["scaled"].astype(np.float32), bits, random_bits)
   np.testing.assert_array_equal(ref.e2m1_value(ref.unpack_codes(np.asarray(q.codes), -1)), want)
   np.testing.assert_array_equal(ref.as_f64(q.scales), r["scales"])
   fq = np.asarray(jax.jit(lambda v: fp4jax.fake_quant(v, FMT, **kw))(jnp.asarray(x)))
