@@ -26,12 +26,19 @@ def f32(v):
     return np.asarray(v, dtype=np.float64).astype(np.float32).astype(np.float64)
 
 
-def assert_values_equal(got, want):
-  """Float values equal exactly, and zeros with the same sign (np.testing.assert_array_equal takes -0 == +0)."""
-  got, want = np.asarray(got).astype(np.float64), np.asarray(want, np.float64)
-  np.testing.assert_array_equal(got, want)
-  zero = want == 0
-  np.testing.assert_array_equal(np.signbit(got[zero]), np.signbit(want[zero]), err_msg="the sign of a zero differs")
+def assert_same_bits(got, want, what="values", sign_of_zero=True):
+  """float32 bit patterns equal (so -0 != +0, which np.testing.assert_array_equal lets pass); NaN positions equal
+  (payloads free). sign_of_zero=False: values only."""
+  got = np.asarray(got).astype(np.float32)
+  want = np.asarray(want).astype(np.float32)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=what)
+  ok = ~np.isnan(want)
+  if sign_of_zero:
+    bad = got.view(np.uint32)[ok] != want.view(np.uint32)[ok]
+    assert not np.any(bad), f"{what}: {bad.sum()} values differ, first got {got[ok][bad][:4]} want {want[ok][bad][:4]}"
+  else:
+    np.testing.assert_array_equal(got[ok], want[ok], err_msg=what)
 
 
 def as_f64(x):
@@ -75,18 +82,21 @@ def e2m1_neighbours(v):
   return lo, hi
 
 
+def sr_up(p, bits, random_bits=32):
+  """Stochastic rounding's decision: True where the uniform from the uint32 `bits` is below the round-up probability
+  p. 32 random bits: the top 24 / 2^24 against p; 8: the top 8 against floor(256 p)."""
+  bits = np.asarray(bits).astype(np.uint64)
+  if random_bits == 32:
+    return (bits >> 8).astype(np.float64) * 2.0**-24 < p
+  return (bits >> 24).astype(np.float64) < np.floor(p * 256.0)
+
+
 def e2m1_sr(y, bits, random_bits=32):
-  """Signed E2M1 values of stochastically rounded `y` (float64): up where the uniform from the uint32 `bits` is below
-  p = (|y| - lo) / (hi - lo). 32 random bits: the top 24 / 2^24 against p; 8: the top 8 against floor(256 p)."""
+  """Signed E2M1 values of stochastically rounded `y` (float64): up (sr_up) with p = (|y| - lo) / (hi - lo)."""
   a = np.minimum(np.abs(np.asarray(y, np.float64)), 6.0)
   lo, hi = e2m1_neighbours(a)
   p = np.where(hi > lo, (a - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0)
-  bits = np.asarray(bits).astype(np.uint64)
-  if random_bits == 32:
-    up = (bits >> 8).astype(np.float64) * 2.0**-24 < p
-  else:
-    up = (bits >> 24).astype(np.float64) < np.floor(p * 256.0)
-  mag = np.where(up, hi, lo)
+  mag = np.where(sr_up(p, bits, random_bits), hi, lo)
   return np.where(np.signbit(y), -mag, mag)
 
 

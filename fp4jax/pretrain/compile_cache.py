@@ -1,11 +1,11 @@
 """A persistent compilation cache for the command-line entry points, on by default.
 
 Compiling the train and eval steps is most of a short CPU run: `fp4jax train --model tiny --recipe nvfp4 --steps 20`
-took 18-19 s without the cache and 7.6 s with it warm, to the same final loss bits (2 cores, benchmarks/RESULTS.md). JAX can keep compiled
-programs on disk (`jax_compilation_cache_dir`). Its key covers the program, the jax/jaxlib versions, the XLA flags
-and the device kind, but on CPU not the instruction set, so a folder shared by two CPU types could hand one a
-program built for the other: the default folder is named after this machine's CPU. A cached program is the one a
-fresh compile gives, so the results are the same bits.
+took 18-19 s without the cache and 7.6 s with it warm, to the same final loss bits (2 cores, benchmarks/RESULTS.md).
+JAX can keep compiled programs on disk (`jax_compilation_cache_dir`). Its key covers the program, the jax/jaxlib
+versions, the XLA flags and the device kind, but on CPU not the instruction set, so a folder shared by two CPU types
+could hand one a program built for the other: the default folder is named after this machine's CPU. A cached program
+is the one a fresh compile gives, so the results are the same bits.
 
 `fp4jax train|eval`, `python -m experiments.NAME` and the probes call `enable` before their first compile; `import
 fp4jax` never does (a library must not write to the user's home on import). Settings, in order of precedence:
@@ -26,24 +26,17 @@ from collections.abc import Callable
 
 import jax
 
+from fp4jax import gemm
+
 ENV = "FP4JAX_COMPILE_CACHE"
 OFF = ("off", "0", "false", "no", "none")
 MAX_BYTES = 2 * 2**30
 
 
 def cpu_id() -> str:
-  """A short stable name of this CPU type: a hash of the machine type, the CPU model and its feature flags."""
-  parts = [platform.machine(), platform.processor()]
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-      for line in f:
-        key = line.split(":", 1)[0].strip()
-        if key in ("model name", "flags", "Features", "CPU part", "CPU implementer"):
-          parts.append(line.strip())
-        elif not line.strip() and len(parts) > 2:  # the first processor's block is enough
-          break
-  except OSError:  # not Linux: the platform module's names only
-    pass
+  """A short stable name of this CPU type: a hash of the machine type and the CPU's feature flags (the instruction
+  sets XLA:CPU compiles for)."""
+  parts = [platform.machine(), platform.processor(), " ".join(sorted(gemm.cpu_flags()))]
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
 

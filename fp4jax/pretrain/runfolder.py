@@ -39,9 +39,8 @@ class RunLockedError(ValueError):
 def lock_path(out_dir: str | pathlib.Path, process_index: int = 0, process_count: int = 1) -> pathlib.Path:
   """The lock file of process `process_index` in `out_dir`: run.lock for process 0 (whatever the process count, so
   single- and multi-process runs exclude each other), run.<i>.lock for the others of a multi-process run."""
-  if process_index == 0 or process_count == 1:
-    return pathlib.Path(out_dir).expanduser().absolute() / LOCK_FILE
-  name = f"run.{process_index}.lock"
+  del process_count  # process 0 of any run, single or multi-process, holds run.lock
+  name = LOCK_FILE if process_index == 0 else f"run.{process_index}.lock"
   return pathlib.Path(out_dir).expanduser().absolute() / name
 
 

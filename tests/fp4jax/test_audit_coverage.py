@@ -135,20 +135,6 @@ def reference(fmt, x, axis=-1, block_2d=False):
   return r
 
 
-def assert_same_bits(got, want, what, sign_of_zero=True):
-  """float32 bit patterns equal (so -0 != +0); NaN positions equal (payloads free). sign_of_zero=False: values."""
-  got = np.asarray(got).astype(np.float32)
-  want = np.asarray(want).astype(np.float32)
-  assert got.shape == want.shape, (what, got.shape, want.shape)
-  np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=what)
-  ok = ~np.isnan(want)
-  if sign_of_zero:
-    bad = got.view(np.uint32)[ok] != want.view(np.uint32)[ok]
-    assert not np.any(bad), f"{what}: {bad.sum()} values differ, first got {got[ok][bad][:4]} want {want[ok][bad][:4]}"
-  else:
-    np.testing.assert_array_equal(got[ok], want[ok], err_msg=what)
-
-
 # ---------------------------------------------------------------- jitted entry points (one compile per setting)
 
 
@@ -192,21 +178,21 @@ def check_against_reference(x, fmt, axis=-1, block_2d=False, pad=False, r=None):
   want = np.asarray(r["dequant"])[crop]
   deq = _dequantize(q, jnp.float32)
   assert deq.dtype == jnp.float32 and deq.shape == x.shape
-  assert_same_bits(deq, want, "dequantize", sign)
+  ref.assert_same_bits(deq, want, "dequantize", sign)
   fq = _jit("fake_quant", fmt, **kw)(x)
   assert fq.dtype == x.dtype and fq.shape == x.shape
   # fake_quant returns x's dtype: the float32 dequantized values cast, bit for bit.
-  assert_same_bits(np.asarray(fq.astype(jnp.float32)), np.asarray(deq.astype(x.dtype).astype(jnp.float32)),
+  ref.assert_same_bits(np.asarray(fq.astype(jnp.float32)), np.asarray(deq.astype(x.dtype).astype(jnp.float32)),
                    "fake_quant vs dequantize", True)
   el, sc, amax, block = quantize_elements(x, fmt, **kw)
   if fmt.is_fp4:
     np.testing.assert_array_equal(np.asarray(el, np.float64), ref.e2m1_value(codes), err_msg="elements vs codes")
     np.testing.assert_array_equal(np.signbit(np.asarray(el)), codes >= 8, err_msg="sign of elements")
   else:
-    assert_same_bits(el, codes, "elements vs E4M3 codes")
+    ref.assert_same_bits(el, codes, "elements vs E4M3 codes")
   np.testing.assert_array_equal(np.asarray(sc).astype(np.float64).reshape(scales.shape), scales)
   np.testing.assert_array_equal(np.asarray(amax), np.asarray(q.amax))
-  assert_same_bits(_decode(el, fmt, sc, amax, tuple(block), tuple(x.shape), jnp.float32), deq,
+  ref.assert_same_bits(_decode(el, fmt, sc, amax, tuple(block), tuple(x.shape), jnp.float32), deq,
                    "decode_elements vs dequantize", True)
   return q, r, np.asarray(deq)
 
@@ -334,8 +320,8 @@ def _four_over_six_sr(x, bits, random_bits, axis=-1):
     cands.append((v, s_b, deq, err))
   four = cands[1][3] < cands[0][3]
   wide = ref.expand(four, 16, axis % x.ndim, False)
-  return {"choice": four, "values": np.where(wide, cands[1][0], cands[0][0]), "scales": np.where(four, cands[1][1], cands[0][1]),
-          "dequant": np.where(wide, cands[1][2], cands[0][2])}
+  return {"choice": four, "values": np.where(wide, cands[1][0], cands[0][0]),
+          "scales": np.where(four, cands[1][1], cands[0][1]), "dequant": np.where(wide, cands[1][2], cands[0][2])}
 
 
 SR_CONFIGS = [  # (fmt, shape, axis, block_2d, pad, random_bits, sr_bits)
@@ -377,12 +363,12 @@ def test_stochastic_rounding_matches_numpy_given_the_bits(fmt, shape, axis, bloc
   np.testing.assert_array_equal(np.asarray(q.scales).astype(np.float64), want_scales)
   deq = _dequantize(q, jnp.float32)
   if want_deq is not None:
-    assert_same_bits(deq, want_deq[tuple(slice(0, n) for n in x.shape)], "4/6 SR dequantize")
+    ref.assert_same_bits(deq, want_deq[tuple(slice(0, n) for n in x.shape)], "4/6 SR dequantize")
   fq = fp4jax.fake_quant(jnp.asarray(x), fmt, key=key, **kw)
-  assert_same_bits(fq, deq, "fake_quant vs dequantize")
+  ref.assert_same_bits(fq, deq, "fake_quant vs dequantize")
   el, sc, amax, block = quantize_elements(jnp.asarray(x), fmt, key=key, **kw)
   np.testing.assert_array_equal(np.asarray(el, np.float64), want_values)
-  assert_same_bits(_decode(el, fmt, sc, amax, tuple(block), tuple(x.shape), jnp.float32), deq, "decode_elements")
+  ref.assert_same_bits(_decode(el, fmt, sc, amax, tuple(block), tuple(x.shape), jnp.float32), deq, "decode_elements")
   # The decisions really depend on the bits: another key moves some codes.
   q2 = fp4jax.quantize(jnp.asarray(x), fmt, key=jax.random.key(18), **kw)
   assert np.mean(np.asarray(q2.codes) != np.asarray(q.codes)) > 0.05
@@ -395,12 +381,7 @@ def _e4m3_sr(s, bits, random_bits):
   lo = grid[idx]
   hi = np.where(lo == s, lo, grid[np.minimum(idx + 1, len(grid) - 1)])
   p = np.where(hi > lo, ref.f32((s - lo) / np.where(hi > lo, hi - lo, 1.0)), 0.0)
-  bits = np.asarray(bits).astype(np.uint64)
-  if random_bits == 32:
-    up = (bits >> 8).astype(np.float64) * 2.0**-24 < p
-  else:
-    up = (bits >> 24).astype(np.float64) < np.floor(p * 256.0)
-  return np.where(up, hi, lo)
+  return np.where(ref.sr_up(p, bits, random_bits), hi, lo)
 
 
 @GROUP_B
@@ -423,8 +404,8 @@ def test_eden_stochastic_scales_match_numpy_given_the_bits(axis, random_bits, sr
   assert np.any(want != r["scales"]) and np.any(want != other)  # SR moves scales, and the bits matter
   t_dec = ref.f32(r["amax"] / ref.f32(rref.EDEN_ELEM_MAX * 255.99))
   deq = ref.f32(ref.f32(ref.e2m1_value(r["codes"]) * ref.expand(want, 16, axis % 2, False)) * t_dec)
-  assert_same_bits(_dequantize(q, jnp.float32), deq, "EDEN SR dequantize")
-  assert_same_bits(fp4jax.fake_quant(jnp.asarray(x), EDEN, key=key, **kw), deq, "EDEN SR fake_quant")
+  ref.assert_same_bits(_dequantize(q, jnp.float32), deq, "EDEN SR dequantize")
+  ref.assert_same_bits(fp4jax.fake_quant(jnp.asarray(x), EDEN, key=key, **kw), deq, "EDEN SR fake_quant")
 
 
 # ---------------------------------------------------------------- 4. pad=True against the reference

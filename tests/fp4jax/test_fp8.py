@@ -103,8 +103,8 @@ def assert_matches_reference(q, x, scaling, axis, block_2d=False):
   np.testing.assert_array_equal(np.asarray(q.scales).astype(np.float64).reshape(np.shape(r["scales"])), r["scales"])
   np.testing.assert_array_equal(np.float64(q.amax), r["amax"])
   want = ref.fp8_dequantize(r["codes"], r["scales"], scaling=scaling, axis=axis, block_2d=block_2d)
-  ref.assert_values_equal(fp4jax.dequantize(q), want)
-  ref.assert_values_equal(_dequantize_jit(q), want)
+  ref.assert_same_bits(fp4jax.dequantize(q), want)
+  ref.assert_same_bits(_dequantize_jit(q), want)
 
 
 def test_ties_case_hits_midpoints():

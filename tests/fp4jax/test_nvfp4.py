@@ -187,7 +187,7 @@ def assert_matches_reference(q, x, axis, block_2d=False):
   deq = np.asarray(fp4jax.dequantize(q))
   assert deq.dtype == np.float32 and deq.shape == x.shape
   want = ref.nvfp4_dequantize(r["codes"], r["scales"], r["amax"], axis=axis, block_2d=block_2d)
-  ref.assert_values_equal(deq, want)
+  ref.assert_same_bits(deq, want)
   return r
 
 
