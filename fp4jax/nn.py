@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fp4jax.dot_general import cast_output
 from fp4jax.dot_general import check_layer_shape
 from fp4jax.dot_general import dot_general
 from fp4jax import contraction
@@ -70,7 +71,8 @@ class Linear(nnx.Module):
     else:
       y = dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=jnp.float32,
                       out_sharding=out_sharding)
-    y = y.astype(dtype)
+    # cast_output: its transpose hands the backward rule dY as the bfloat16 values it is (see its docstring).
+    y = cast_output(y, jnp.dtype(dtype)) if recipe.is_quantized else y.astype(dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(dtype)
     return y

@@ -38,6 +38,7 @@ from fp4jax import formats
 from fp4jax import recipes as recipes_lib
 from fp4jax.dot_general import (Operands, _canonical_weight_axes, _first_order_only, check_layer_key,
                                 check_layer_shape, dgrad, fprop, layer_operands, rule_keys, wgrad)
+from fp4jax.dot_general import cast_output
 from fp4jax.dot_general import dot_general as plain_dot_general
 from fp4jax.gemm import f32_values as _values
 from fp4jax.quantize import quantize
@@ -212,7 +213,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   def gemm(lhs, rhs, outliers, key):
     w_KxN = rhs if r == 0 else rhs.T
     y_MxN = _split_matmul_jit(lhs.reshape(-1, k), w_KxN, outliers, key, recipe)
-    return y_MxN.reshape(*lhs.shape[:-1], n).astype(out_dtype)
+    return cast_output(y_MxN.reshape(*lhs.shape[:-1], n), jnp.dtype(out_dtype))
 
   return explicit_axes.run_gemm(gemm, (lhs, rhs, outliers, key), lhs, rhs, dimension_numbers, out_dtype,
                                 out_sharding)

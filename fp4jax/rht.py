@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4jax import explicit_axes
+from fp4jax import grids
 
 # The sign vector hard-coded by the NVFP4 reference implementation (d = 16), shared by all layers for the run.
 REFERENCE_SIGNS_16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -140,7 +141,7 @@ def _random_hadamard_jit(x, signs, *, size, axis, inverse, as_dot):
     if not as_dot:
       y = _mix(tiles, h, tiles.ndim - 1)
     else:
-      y = jnp.einsum("...j,ji->...i", tiles.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST)
+      y = jnp.einsum("...j,ji->...i", grids.exact_float32(tiles), h, precision=jax.lax.Precision.HIGHEST)
     return y.reshape(x.shape).astype(out_dtype)
   # Another axis (Wgrad's token axis): H^T applied to [P, size, Q] tiles in place. Moving the axis last instead costs
   # two full transposes (~3x slower on XLA:CPU); both forms add the same products in the same order (bit-identical,
@@ -150,14 +151,8 @@ def _random_hadamard_jit(x, signs, *, size, axis, inverse, as_dot):
   if not as_dot:
     y = _mix(tiles, h, 1)
   else:
-    y = jnp.einsum("ji,ajk->aik", h, tiles.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    y = jnp.einsum("ji,ajk->aik", h, grids.exact_float32(tiles), precision=jax.lax.Precision.HIGHEST)
   return y.reshape(x.shape).astype(out_dtype)
-
-
-def _bf16_bits_to_f32(t):
-  """float32 values of bfloat16 `t`, exactly, from the bits (a bfloat16 is the top half of a float32)."""
-  bits = jax.lax.bitcast_convert_type(t, jnp.uint16).astype(jnp.uint32)
-  return jax.lax.bitcast_convert_type(jax.lax.shift_left(bits, jnp.uint32(16)), jnp.float32)
 
 
 def _mix(tiles, h, j_axis):
@@ -171,16 +166,16 @@ def _mix(tiles, h, j_axis):
   (tested against a NumPy sum in it); the dot's is its backend's: the same bits there, but on an AVX2 machine (AMD
   Zen 3) XLA:CPU's dot adds sequentially and the forms differ in the last bits. Other sizes keep the dot.
 
-  Narrower tiles are widened inside the loop: a float32 copy read by 16 slices would be written out as its own pass,
-  because XLA:CPU fuses a producer into at most 15 differently-indexed users (its code-duplication limit). So 15
-  terms slice the converted tiles and the last widens its own slice (bfloat16 from the bits, which XLA does not fold
-  back into the shared convert; it keeps that one 1/16-size slice in memory).
+  Narrower tiles are widened from their bits (grids.exact_float32: on XLA:GPU a cast would let a fused bfloat16
+  producer's rounding be dropped). A float32 copy read by 16 slices would be written out as its own pass, because
+  XLA:CPU fuses a producer into at most 15 differently-indexed users (its code-duplication limit); so 15 terms slice
+  the widened tiles and the last widens its own slice (XLA keeps that one 1/16-size slice in memory).
   """
-  wide = tiles.astype(jnp.float32)
+  wide = grids.exact_float32(tiles)
 
   def term(j):
-    if j == FUSED_SIZE - 1 and tiles.dtype == jnp.bfloat16:
-      t_j = _bf16_bits_to_f32(jax.lax.slice_in_dim(tiles, j, j + 1, axis=j_axis))
+    if j == FUSED_SIZE - 1 and tiles.dtype != jnp.float32:
+      t_j = grids.exact_float32(jax.lax.slice_in_dim(tiles, j, j + 1, axis=j_axis))
     else:
       t_j = jax.lax.slice_in_dim(wide, j, j + 1, axis=j_axis)
     row = h[j].reshape([-1 if a == j_axis else 1 for a in range(tiles.ndim)])

@@ -350,7 +350,7 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
 
   h_mat = _rht_matrix(rht_size, rht_signs) if rht_size is not None else None
   if rht_size is None:
-    amax = jnp.max(jnp.abs(xp.astype(jnp.float32)))
+    amax = jnp.max(jnp.abs(grids.exact_float32(xp)))
   else:
     amax = rht_amax_call(x_view, h_mat, plan, interpret=interpret)
   s_enc = nvfp4.global_encode_scale(amax)

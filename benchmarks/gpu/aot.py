@@ -118,6 +118,35 @@ def _train_step_case(recipe: str, **model_overrides):
   return step_with_compiled_kernels, (state, batch, jax.random.key(0))
 
 
+def bf16_roundings_kept() -> list[tuple[str, int]]:
+  """(case, bfloat16 converts left in XLA:GPU's optimized HLO, bfloat16 roundings the case has) for fp4jax's
+  quantizers fed by bfloat16 casts in the same jit. XLA:GPU's excess-precision rewrite deletes float32 -> bfloat16
+  -> float32 convert pairs; a missing convert is a rounding the quantizer skipped (what the first H200 run showed
+  for the RHT's output). fp4jax widens narrow inputs from their bits (fp4jax.grids.exact_float32), which keeps
+  each one."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import fp4jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  topo = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x1")
+  mesh = topologies.make_mesh(topo=topo, mesh_shape=(1,), axis_names=("x",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  x32 = jax.ShapeDtypeStruct((1024, 1536), jnp.float32, sharding=sharding)
+  cast = lambda x: (x * 2).astype(jnp.bfloat16)
+  cases = {  # name: (fn, roundings: the cast, and the RHT's output)
+      "quantize(cast)": (lambda x: fp4jax.quantize(cast(x), "nvfp4").codes, 1),
+      "quantize(RHT(cast)) along axis 0, SR": (lambda x: fp4jax.quantize(
+          fp4jax.random_hadamard(cast(x), size=16, axis=0), "nvfp4", axis=0, rounding="stochastic",
+          key=jax.random.key(0)).codes, 2),
+  }
+  out = []
+  for name, (fn, roundings) in cases.items():
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      text = jax.jit(fn).lower(x32).compile().as_text()
+    out.append((name, len(re.findall(r"= bf16\[[0-9,]*\]\{[^}]*\} convert\(", text)), roundings))
+  return out
+
+
 def compile_all(out_dir: str | None = None) -> list[tuple[str, bool, str]]:
   """Compiles every case; returns (name, ok, detail) with the kernels' grid/threads/shared memory or the error."""
   dump = out_dir or tempfile.mkdtemp(prefix="fp4jax_aot_")

@@ -40,3 +40,11 @@ def test_train_step_cases_lower_for_cuda(recipe, scan_layers):
   # With scan_layers the kernels sit in the layer loops' bodies (the forward's and the backward's); without, the
   # Pallas path has no loop at all.
   assert ("stablehlo.while" in text) == scan_layers or not recipe.endswith("pallas")
+
+
+def test_xla_gpu_keeps_the_bf16_roundings_in_front_of_the_quantizers():
+  ok, why = aot.supported()
+  if not ok:
+    pytest.skip(f"no deviceless cuda compilation here: {why}")
+  kept = aot.bf16_roundings_kept()
+  assert all(n >= need for _, n, need in kept), kept
