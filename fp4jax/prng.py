@@ -101,12 +101,17 @@ def seeds_from_keys(keys_N) -> jax.Array:
   return jax.vmap(seed_from_key)(keys_N)
 
 
-def element_index(shape) -> jax.Array:
-  """uint32 row-major index of every element of an array of `shape` (an iota XLA fuses into its consumer)."""
+def check_index_range(shape) -> None:
+  """ValueError unless every element of an array of `shape` has a uint32 row-major index (the hash's counter)."""
   size = int(np.prod(shape, dtype=np.int64))
   if size > 2**32:
     raise ValueError(f"the hash generator indexes elements with 32 bits; a tensor of shape {tuple(shape)} has "
                      f"{size} elements. Use sr_bits='threefry', or split the tensor.")
+
+
+def element_index(shape) -> jax.Array:
+  """uint32 row-major index of every element of an array of `shape` (an iota XLA fuses into its consumer)."""
+  check_index_range(shape)
   idx = jnp.zeros(shape, jnp.uint32)
   stride = 1
   for d in reversed(range(len(shape))):

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,3 +66,24 @@ def test_timed_recipes_pin_their_gemm_modes():
   assert recipes["nvfp4 xla bf16"].gemm_mode == "bf16"
   assert recipes[gpu_model.REFERENCE].gemm_mode == "f32"
   assert recipes["nvfp4 pallas"].backend == "pallas" and not recipes["bf16"].is_quantized
+
+
+def test_bits_round_trip_on_cpu(tmp_path, monkeypatch):
+  """benchmarks/gpu/bits.py: what a run saves compares equal on the machine that saved it, and a flipped code
+  byte or scale is counted (the GPU check relies on both)."""
+  from benchmarks.gpu import bits  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(bits, "SHAPE", (32, 64))
+  monkeypatch.setattr(bits, "CONFIGS", {k: bits.CONFIGS[k] for k in ("row_rne_bf16_ties", "col_rht_sr_bf16")})
+  bits.save(str(tmp_path), "default", xla_only=False)
+  rows = bits.compare(str(tmp_path))
+  assert {(c, p) for _, c, p, _, _ in rows} == {("row_rne_bf16_ties", "xla"), ("row_rne_bf16_ties", "kernel"),
+                                               ("col_rht_sr_bf16", "xla"), ("col_rht_sr_bf16", "kernel")}
+  assert all(dc == 0 and ds == 0 for *_, dc, ds in rows), rows
+  path = tmp_path / "bits_default.npz"
+  saved = dict(np.load(path))
+  saved["col_rht_sr_bf16.kernel.codes"][3, 5] ^= 0x10
+  saved["col_rht_sr_bf16.kernel.scales"][0, 0] ^= 0x01
+  np.savez(path, **saved)
+  flipped = {(c, p): (dc, ds) for _, c, p, dc, ds in bits.compare(str(tmp_path))}
+  assert flipped[("col_rht_sr_bf16", "kernel")] == (1, 1)
+  assert flipped[("col_rht_sr_bf16", "xla")] == (0, 0)

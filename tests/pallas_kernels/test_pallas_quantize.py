@@ -94,6 +94,30 @@ def test_stochastic_rounding_bit_identical():
   assert not np.array_equal(np.asarray(a.codes), np.asarray(b.codes)), "different keys must give different draws"
 
 
+def test_in_kernel_hash_bits_on_multi_tile_grids():
+  """The hash generator's bits are computed in the kernel from its tile's element indices: every grid axis
+  (P > 1, several row and column tiles), the RHT's padding rows, 8-bit draws, a HashSeed and pad=True must give
+  fp4jax.quantize's codes; threefry still reads XLA's bits."""
+  k = jax.random.key(7)
+  seed = fp4jax.prng.HashSeed(fp4jax.prng.seed_from_key(jax.random.key(8)))
+  cases = [
+      ("SR row, 4x4 tiles", _input((64, 256), jnp.bfloat16, 50), dict(rounding="stochastic", key=k, tile=(16, 64))),
+      ("SR col of 3D (P=3), 4x2 tiles", _input((3, 64, 32), jnp.float32, 51),
+       dict(axis=1, rounding="stochastic", key=k, tile=(16, 16))),
+      ("SR8 2d, 2x2 tiles", _input((64, 64), jnp.float32, 52),
+       dict(block_2d=True, rounding="stochastic", key=k, random_bits=8, tile=(32, 32))),
+      ("SR RHT16 col, padded cols", _input((32, 3), jnp.float32, 53), dict(axis=0, rht_size=16, rounding="stochastic",
+                                                                          key=k)),
+      ("SR RHT16 row, padded rows", _input((1, 32), jnp.bfloat16, 54), dict(rht_size=16, rounding="stochastic",
+                                                                            key=k)),
+      ("SR pad=True", _input((8, 40), jnp.float32, 55), dict(rounding="stochastic", key=k, pad=True, tile=(4, 16))),
+      ("SR HashSeed", _input((32, 64), jnp.float32, 56), dict(rounding="stochastic", key=seed, tile=(16, 32))),
+      ("SR threefry", _input((32, 64), jnp.float32, 57), dict(rounding="stochastic", key=k, sr_bits="threefry",
+                                                              tile=(16, 32))),
+  ]
+  _check_group(cases)
+
+
 def test_rht_bit_identical():
   k = jax.random.key(3)
   cases = [
