@@ -49,9 +49,11 @@ for entry in $SECTIONS; do
     if [ -n "$DRY" ]; then continue; fi  # its CPU counterpart is tests/fp4jax/test_excess_precision.py
     # Two processes: XLA's flags are read once per process.
     timeout -k 5 $(( limit * 2 / 3 )) "$PY" -m benchmarks.gpu.bits --out "$OUT" --tag default > "$OUT/bits.log" 2>&1
+    rc=$?
     XLA_FLAGS="--xla_allow_excess_precision=false" timeout -k 5 $(( limit / 3 )) "$PY" -m benchmarks.gpu.bits \
       --out "$OUT" --tag noexcess --xla-only >> "$OUT/bits.log" 2>&1
-    rc=$?
+    rc2=$?
+    if [ "$rc" -eq 0 ]; then rc=$rc2; fi
   else
     timeout -k 5 "$limit" "$PY" benchmarks/gpu_bench.py "$name" --out "$OUT" --budget "$limit" $DRY \
       > "$OUT/$name.log" 2>&1

@@ -25,6 +25,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from benchmarks.gpu import report  # noqa: E402  pylint: disable=wrong-import-position
+
 SHAPE = (1024, 1024)  # ~6 MB of codes per run: what comes back from a lent GPU is limited
 # name: (quantize kwargs, RHT size or None, input dtype)
 CONFIGS = {
@@ -106,6 +108,13 @@ def save(out: str, tag: str, xla_only: bool) -> None:
       with open(os.path.join(out, f"hlo_{tag}.txt"), "a", encoding="utf-8") as f:
         f.write(f"#### {name}\n" + _xla_fn(name).lower(x, key).compile().as_text())
     np.savez_compressed(path, **saved)
+    if not xla_only:  # a first look on the device: the kernel against the XLA path (the CPU comparison decides)
+      dc = int(np.sum(saved[f"{name}.kernel.codes"] != saved[f"{name}.xla.codes"]))
+      ds = int(np.sum(saved[f"{name}.kernel.scales"] != saved[f"{name}.xla.scales"]))
+      report.append_row(out, dict(section="bits", name=f"bits {name} kernel vs xla", value=dc, unit="code bytes",
+                                  baseline=None, base_name="", ratio=None, err=dc / saved[f"{name}.xla.codes"].size,
+                                  ok=None, note=f"scales differing {ds}; saved to {os.path.basename(path)} for "
+                                                f"`python -m benchmarks.gpu.bits --compare`"))
     print(f"{name}: {time.time() - t0:.1f} s", flush=True)
 
 

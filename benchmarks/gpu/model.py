@@ -5,7 +5,8 @@ bf16 recipe and nvfp4 on the xla path in its default bf16-operand GEMM mode, in 
 reference) and on the Pallas backend. Quantized rows compare (dx, dW) with the float32-mode reference run on the
 same key (same stochastic-rounding draws); the bf16 row with a float32 HIGHEST layer.
 `train`: `fp4jax.pretrain` train steps (AdamW, real batches) of the `small` model and of a 2-layer slice of the
-paper's 1.2B model (d_model 2048, 1024-token sequences): median step time per recipe relative to bf16, and the
+paper's 1.2B model (d_model 2048, 1024-token sequences): 30 timed steps in 3 blocks of 10, the median block's step
+time per recipe relative to bf16 (and the smallest block against bf16's smallest: min and median), and the
 first step's loss of each quantized row compared with the first quantized row's (bf16 vs nvfp4 shown as is), and
 the loss after the timed steps (two batches, alternating), so that no speed is read without what the step learns.
 """
@@ -16,7 +17,8 @@ from benchmarks.gpu import report
 
 
 SMALL_BATCH_SEQ = (32, 128)  # the `small` model's train rows: sequences x tokens
-REFERENCE = "nvfp4 xla f32"  # the quantized rows' reference: dequantized float32 operands at HIGHEST precision
+REFERENCE = "nvfp4 xla f32"
+TIMING_BLOCKS = 3  # train rows: timed steps in 3 blocks; the row reports the median block and the min ratio  # the quantized rows' reference: dequantized float32 operands at HIGHEST precision
 
 
 def _recipes():
@@ -134,12 +136,13 @@ def run_train(sec: report.Section) -> None:
     models = {"tiny": (model_lib.get_model_config("tiny"), 2, 32, 1)}
     plan = [("tiny", r) for r in recipes[:2]]
   else:
-    models = {"small": (model_lib.get_model_config("small"), *SMALL_BATCH_SEQ, 10),
+    models = {"small": (model_lib.get_model_config("small"), *SMALL_BATCH_SEQ, 30),
               "paper_1b x2 layers": (model_lib.get_model_config("paper_1b", n_layers=2, max_seq_len=1024), 8, 1024,
-                                     10)}
+                                     30)}
     # Priority order: nvfp4 vs bf16 on both models first, then the other backends.
     plan = [(m, r) for m in models for r in recipes[:2]] + [(m, r) for m in models for r in recipes[2:]]
-  base, ref_loss = {}, {}
+  n_blocks = 1 if sec.dry else TIMING_BLOCKS
+  base, base_min, ref_loss = {}, {}, {}
   for model_name, (name, recipe) in plan:
     model_config, batch, seq, steps = models[model_name]
     label = f"train step {model_name} {name} (batch {batch} x {seq})"
@@ -158,9 +161,11 @@ def run_train(sec: report.Section) -> None:
         if first is None:
           first = float(metrics["loss"])  # same init, batch and key for every recipe of a model
       last = float(metrics["loss"])
-      t = statistics.median(times)
+      per_block = len(times) // n_blocks
+      blocks = [statistics.median(times[b * per_block:(b + 1) * per_block]) for b in range(n_blocks)]
+      t = statistics.median(blocks)
       if name == "bf16":
-        base[model_name] = t
+        base[model_name], base_min[model_name] = t, min(blocks)
       # Same init, batch and key for every recipe of a model: the quantized rows' first losses differ only by the
       # GEMM's summation order (bf16 vs f32 mode) or backend, so each is checked against the first one measured.
       quantized = [(n, v) for (m, n), v in ref_loss.items() if m == model_name and n != "bf16"]
@@ -172,6 +177,10 @@ def run_train(sec: report.Section) -> None:
         b = ref_loss[(model_name, "bf16")]
         note += f"; vs bf16 {abs(first - b) / abs(b):.2g}"
       note += f"; loss after {2 + steps} steps {last:.5g}"
+      if n_blocks > 1:
+        note += f"; block medians {'/'.join(f'{b * 1e3:.3g}' for b in blocks)} ms"
+        if model_name in base_min and name != "bf16":
+          note += f"; min ratio {min(blocks) / base_min[model_name]:.3g}"
       ok = bool(np.isfinite(first)) and err < 1e-3
       b_ms = base[model_name] * 1e3 if model_name in base else None
       sec.add(label, t * 1e3, "ms", b_ms, "bf16 ms", err=err, ok=ok, note=note)

@@ -79,6 +79,8 @@ def test_bits_round_trip_on_cpu(tmp_path, monkeypatch):
   assert {(c, p) for _, c, p, _, _ in rows} == {("row_rne_bf16_ties", "xla"), ("row_rne_bf16_ties", "kernel"),
                                                ("col_rht_sr_bf16", "xla"), ("col_rht_sr_bf16", "kernel")}
   assert all(dc == 0 and ds == 0 for *_, dc, ds in rows), rows
+  on_device = {r["name"]: r["value"] for r in report.read_rows(str(tmp_path)) if r["section"] == "bits"}
+  assert on_device == {"bits row_rne_bf16_ties kernel vs xla": 0, "bits col_rht_sr_bf16 kernel vs xla": 0}
   path = tmp_path / "bits_default.npz"
   saved = dict(np.load(path))
   saved["col_rht_sr_bf16.kernel.codes"][3, 5] ^= 0x10
