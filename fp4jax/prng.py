@@ -134,8 +134,13 @@ def random_bits(key, shape, sr_bits: str = "hash") -> jax.Array:
   """
   check_sr_bits(sr_bits)
   shape = tuple(shape)
-  if isinstance(key, HashSeed):
-    return hash_bits(check_hash_seed(key, sr_bits).words, element_index(shape))
-  if sr_bits == "threefry":
+  if sr_bits == "threefry" and not isinstance(key, HashSeed):
     return jax.random.bits(key, shape, jnp.uint32)
-  return hash_bits(seed_from_key(key), element_index(shape))
+  return hash_bits(hash_seed(key, sr_bits), element_index(shape))
+
+
+def hash_seed(key, sr_bits: str = "hash") -> jax.Array:
+  """The hash generator's uint32 [2] seed for `key`: a HashSeed's own words (checked), else drawn from the key."""
+  if isinstance(key, HashSeed):
+    return check_hash_seed(key, sr_bits).words
+  return seed_from_key(key)

@@ -388,8 +388,7 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
   if rounding == "stochastic" and sr_bits == "hash":
     # The hash generator's bits are computed in the kernel from (seed, element index): exactly fp4jax.rounding's.
     prng.check_index_range(shape)
-    seed = (prng.check_hash_seed(key, sr_bits).words if isinstance(key, prng.HashSeed)
-            else prng.seed_from_key(key))
+    seed = prng.hash_seed(key, sr_bits)
   elif rounding == "stochastic":
     bits = prng.random_bits(key, shape, sr_bits)  # exactly fp4jax.rounding's draw
     if random_bits == 8:
