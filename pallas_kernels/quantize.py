@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from fp4jax import division
 from fp4jax import formats
 from fp4jax import grids
 from fp4jax import nvfp4
@@ -382,7 +383,7 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
   else:
     amax = rht_amax_call(x_view, h_mat, plan, interpret=interpret)
   s_enc = nvfp4.global_encode_scale(amax)
-  scal = jnp.stack([s_enc * jnp.float32(1.0 / 6.0), jnp.float32(1.0) / s_enc])
+  scal = jnp.stack([s_enc * jnp.float32(1.0 / 6.0), division.divide(jnp.float32(1.0), s_enc)])
 
   bits_view = seed = None
   if rounding == "stochastic" and sr_bits == "hash":

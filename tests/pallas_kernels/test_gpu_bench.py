@@ -89,3 +89,17 @@ def test_bits_round_trip_on_cpu(tmp_path, monkeypatch):
   flipped = {(c, p): (dc, ds) for _, c, p, dc, ds in bits.compare(str(tmp_path))}
   assert flipped[("col_rht_sr_bf16", "kernel")] == (1, 1)
   assert flipped[("col_rht_sr_bf16", "xla")] == (0, 0)
+
+
+def test_mismatch_round_trip_on_cpu(tmp_path):
+  """benchmarks/gpu/mismatch.py: the saved 16-row groups reproduce the CPU's codes, and a flipped code shows."""
+  from benchmarks.gpu import mismatch  # pylint: disable=g-import-not-at-top
+  mismatch.save(str(tmp_path), dry=True)
+  rows = mismatch.compare(str(tmp_path))
+  assert len(rows) == 8 and all(n == 0 for _, _, n in rows)
+  path = tmp_path / "mismatch.npz"
+  saved = dict(np.load(path))
+  saved["2d_rne.bf16.device.64x64.xla.codes"][3, 5] ^= 0x10
+  np.savez_compressed(path, **saved)
+  flipped = {(c, p): n for c, p, n in mismatch.compare(str(tmp_path))}
+  assert flipped[("2d_rne.bf16.device.64x64", "xla")] == 1 and flipped[("2d_rne.bf16.device.64x64", "kernel")] == 0
