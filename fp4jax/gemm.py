@@ -54,7 +54,8 @@ def _unit_parts(fmt, scales, amax):
     # Dequantizing with amax = the format's global range (2688 for NVIDIA's rule) multiplies by a global scale of
     # exactly 1 and skips no other step.
     r = fmt.global_range
-    return fmt, scales, jnp.full_like(amax, r), poison(nvfp4.global_decode_scale(amax, r))
+    # Poisoned before the division, so the NaN check joins the division's scalar kernel (NaN / r is NaN).
+    return fmt, scales, jnp.full_like(amax, r), nvfp4.global_decode_scale(poison(amax), r)
   if isinstance(fmt, formats.MXFP4):  # code x 2^e, and Tseng's 4/3 ("tseng") as the per-tensor factor
     return formats.MXFP4(), scales, amax, jnp.float32(fmt.tensor_factor)  # every rule stores the same E8M0 scales
   if jnp.ndim(scales) == 0:  # FP8 with per-tensor scaling
