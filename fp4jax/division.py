@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 _SIGN = 0x80000000
+_MAGNITUDE = 0x7FFFFFFF
 _INF_BITS = 0x7F800000
 _NAN_BITS = 0x7FC00000
 _MANTISSA = 0x007FFFFF
@@ -46,17 +47,19 @@ def _floor_quotient(num, den, approx):
   The platform's float32 division gives a candidate within a few ulps (XLA:GPU: div.full.f32, <= 2 ulp); the exact
   residual R = num * 2^24 - candidate * den stays below 2^31 for candidates within ~30 ulps, so uint32 arithmetic
   that wraps modulo 2^32 computes it exactly, and floor(R / den) (approximate, then fixed up by one) moves the
-  candidate to the floor. The operands are below 2^25 with at most 24 significant bits, so both float32 conversions are exact.
+  candidate to the floor. The operands are below 2^25 with at most 24 significant bits, so both float32 conversions
+  are exact.
   """
   fnum, fden = num.astype(jnp.float32), den.astype(jnp.float32)
   q = jnp.clip(approx(fnum, fden), 0.5, 4.0) * jnp.float32(2.0**24)  # an integer below 2^26: exact in float32
   cand = q.astype(jnp.uint32)
   r = jax.lax.bitcast_convert_type(jax.lax.shift_left(num, _u32(24)) - cand * den, jnp.int32)
+  iden = den.astype(jnp.int32)
   d = jnp.floor(approx(r.astype(jnp.float32), fden)).astype(jnp.int32)
-  r = r - d * den.astype(jnp.int32)
-  low, high = r < 0, r >= den.astype(jnp.int32)  # the approximate floor can be one off either way
+  r = r - d * iden
+  low, high = r < 0, r >= iden  # the approximate floor can be one off either way
   d = d - low.astype(jnp.int32) + high.astype(jnp.int32)
-  r = jnp.where(low, r + den.astype(jnp.int32), jnp.where(high, r - den.astype(jnp.int32), r))
+  r = jnp.where(low, r + iden, jnp.where(high, r - iden, r))
   return cand + d.astype(jnp.uint32), r != 0
 
 
@@ -87,7 +90,7 @@ def divide_by_bits(a, b, approx=jnp.divide):
   ba = jax.lax.bitcast_convert_type(a, jnp.uint32)
   bb = jax.lax.bitcast_convert_type(b, jnp.uint32)
   sign = (ba ^ bb) & _u32(_SIGN)
-  ma, mb = ba & _u32(~_SIGN & 0xFFFFFFFF), bb & _u32(~_SIGN & 0xFFFFFFFF)
+  ma, mb = ba & _u32(_MAGNITUDE), bb & _u32(_MAGNITUDE)
   sig_a, e_a = _significand_and_exponent(ma)
   sig_b, e_b = _significand_and_exponent(mb)
   small = sig_a < sig_b  # quotient of significands below 1: take one more bit of the numerator

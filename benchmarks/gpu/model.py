@@ -17,8 +17,8 @@ from benchmarks.gpu import report
 
 
 SMALL_BATCH_SEQ = (32, 128)  # the `small` model's train rows: sequences x tokens
-REFERENCE = "nvfp4 xla f32"
-TIMING_BLOCKS = 3  # train rows: timed steps in 3 blocks; the row reports the median block and the min ratio  # the quantized rows' reference: dequantized float32 operands at HIGHEST precision
+REFERENCE = "nvfp4 xla f32"  # the quantized rows' reference: dequantized float32 operands at HIGHEST precision
+TIMING_BLOCKS = 3  # train rows: timed steps in 3 blocks; the row reports the median block and the min ratio
 
 
 def _recipes():

@@ -48,8 +48,8 @@ def _assert_ieee_quotients(a, b, divider):
   nan = np.isnan(want)
   np.testing.assert_array_equal(np.isnan(got), nan)
   bad = got.view(np.uint32)[~nan] != want.view(np.uint32)[~nan]  # bit for bit: -0, subnormals and inf too
-  assert not bad.any(), (f"{divider} candidates: {bad.sum()} quotients differ, e.g. {a[~nan][bad][:3]} / {b[~nan][bad][:3]}: "
-                         f"{got[~nan][bad][:3]} vs {want[~nan][bad][:3]}")
+  assert not bad.any(), (f"{divider} candidates: {bad.sum()} quotients differ, e.g. {a[~nan][bad][:3]} / "
+                         f"{b[~nan][bad][:3]}: {got[~nan][bad][:3]} vs {want[~nan][bad][:3]}")
 
 
 def test_divide_by_bits_on_random_bit_patterns():
