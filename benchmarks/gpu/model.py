@@ -1,4 +1,4 @@
-"""Sections `linear` and `train`: one quantized linear layer and whole training steps, nvfp4 against bf16.
+"""Sections `linear`, `train` and `repeat`: one quantized linear layer and whole training steps, nvfp4 against bf16.
 
 `linear`: jitted value_and_grad of sum(y * G) for y = x W (x bf16 [T, D_in], W float32 [D_in, D_out]) under the
 bf16 recipe and nvfp4 on the xla path in its default bf16-operand GEMM mode, in its float32 HIGHEST mode (the
@@ -9,6 +9,8 @@ paper's 1.2B model (d_model 2048, 1024-token sequences): 30 timed steps in 3 blo
 time per recipe relative to bf16 (and the smallest block against bf16's smallest: min and median), and the
 first step's loss of each quantized row compared with the first quantized row's (bf16 vs nvfp4 shown as is), and
 the loss after the timed steps (two batches, alternating), so that no speed is read without what the step learns.
+`repeat`: the priority train rows (bf16 and nvfp4, both models) in each of several separate processes, then one
+row per train row with the min and median of its ratio over the processes (issue 12 asks for >= 3 runs).
 """
 
 from __future__ import annotations
@@ -124,28 +126,45 @@ def _dataset(sec: report.Section):
                              source="random bytes")
 
 
+def _train_plan(dry: bool, priority_only: bool = False):
+  """(models {name: (config, batch, seq, timed steps)}, [(model name, (label, recipe))] in priority order)."""
+  from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top
+  recipes = _recipes()
+  if dry:  # interpret-mode kernels in a whole model are slow on CPU; test_backend_pallas covers that path
+    models = {"tiny": (model_lib.get_model_config("tiny"), 2, 32, 1)}
+    return models, [("tiny", r) for r in recipes[:2]]
+  models = {"small": (model_lib.get_model_config("small"), *SMALL_BATCH_SEQ, 30),
+            "paper_1b x2 layers": (model_lib.get_model_config("paper_1b", n_layers=2, max_seq_len=1024), 8, 1024,
+                                   30)}
+  # Priority order: nvfp4 vs bf16 on both models first, then the other backends.
+  plan = [(m, r) for m in models for r in recipes[:2]]
+  return models, plan if priority_only else plan + [(m, r) for m in models for r in recipes[2:]]
+
+
 def run_train(sec: report.Section) -> None:
+  models, plan = _train_plan(sec.dry)
+  _time_train_steps(sec, models, plan)
+
+
+def run_repeat(sec: report.Section) -> None:
+  """Section `repeat`: the `train` section's priority rows (bf16 and nvfp4 on both models) once more, as run
+  `sec.run` of several separate processes (benchmarks/gpu.sh starts them, sharing one compilation cache, so only
+  the first compiles); `summarize_runs` then reports each ratio's min and median over the processes."""
+  models, plan = _train_plan(sec.dry, priority_only=True)
+  _time_train_steps(sec, models, plan, prefix=f"run {sec.run}: ")
+
+
+def _time_train_steps(sec: report.Section, models, plan, prefix: str = "") -> None:
   import statistics  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top
   dataset = _dataset(sec)
-  recipes = _recipes()
-  if sec.dry:  # interpret-mode kernels in a whole model are slow on CPU; test_backend_pallas covers that path
-    models = {"tiny": (model_lib.get_model_config("tiny"), 2, 32, 1)}
-    plan = [("tiny", r) for r in recipes[:2]]
-  else:
-    models = {"small": (model_lib.get_model_config("small"), *SMALL_BATCH_SEQ, 30),
-              "paper_1b x2 layers": (model_lib.get_model_config("paper_1b", n_layers=2, max_seq_len=1024), 8, 1024,
-                                     30)}
-    # Priority order: nvfp4 vs bf16 on both models first, then the other backends.
-    plan = [(m, r) for m in models for r in recipes[:2]] + [(m, r) for m in models for r in recipes[2:]]
   n_blocks = 1 if sec.dry else TIMING_BLOCKS
   base, base_min, ref_loss = {}, {}, {}
   for model_name, (name, recipe) in plan:
     model_config, batch, seq, steps = models[model_name]
-    label = f"train step {model_name} {name} (batch {batch} x {seq})"
+    label = f"{prefix}train step {model_name} {name} (batch {batch} x {seq})"
     if not sec.has_time(25):
       sec.skip(label, "time budget")
       continue
@@ -183,6 +202,41 @@ def run_train(sec: report.Section) -> None:
           note += f"; min ratio {min(blocks) / base_min[model_name]:.3g}"
       ok = bool(np.isfinite(first)) and err < 1e-3
       b_ms = base[model_name] * 1e3 if model_name in base else None
-      sec.add(label, t * 1e3, "ms", b_ms, "bf16 ms", err=err, ok=ok, note=note)
+      min_ratio = min(blocks) / base_min[model_name] if model_name in base_min else None
+      sec.add(label, t * 1e3, "ms", b_ms, "bf16 ms", err=err, ok=ok, note=note, min_ratio=min_ratio,
+              final_loss=last)
     except Exception as e:  # pylint: disable=broad-except
       sec.fail(label, e)
+
+
+def summarize_runs(out: str) -> list[dict]:
+  """Appends one row per train row that the `repeat` section's processes measured: the median and the min of its
+  step-time ratio to bf16 over the runs (each run's ratio is its median block's; "min block" is the smallest over
+  every run of its fastest block against bf16's fastest), with each run's loss after the timed steps. Returns them."""
+  import re  # pylint: disable=g-import-not-at-top
+  import statistics  # pylint: disable=g-import-not-at-top
+  by_label = {}
+  for r in report.read_rows(out):
+    m = re.match(r"run (\d+): (.*)", r["name"]) if r["section"] == "repeat" else None
+    if m and r.get("ratio") is not None:
+      by_label.setdefault(m.group(2), {})[int(m.group(1))] = r  # a rerun of the same process number replaces it
+  sec = report.Section("repeat", out, deadline=float("inf"), dry=False)
+  added = []
+  for label, runs in by_label.items():
+    order = sorted(runs)
+    ratios = [runs[k]["ratio"] for k in order]
+    mins = [runs[k]["min_ratio"] for k in order if runs[k].get("min_ratio") is not None]
+    losses = [runs[k].get("final_loss") for k in order]
+    note = (f"runs {'/'.join(str(k) for k in order)}: ratios {'/'.join(f'{v:.3g}' for v in ratios)}; "
+            f"median {statistics.median(ratios):.3g}, min {min(ratios):.3g}")
+    if mins:
+      note += f"; min block ratio {min(mins):.3g}"
+    if all(v is not None for v in losses):
+      note += f"; loss after the timed steps {'/'.join(f'{v:.5g}' for v in losses)}"
+    step_ms = [runs[k]["value"] for k in order]
+    note += f"; step ms {'/'.join(f'{v:.4g}' for v in step_ms)}"
+    row = sec.add(f"over {len(order)} runs: {label}", statistics.median(ratios), "x (median ratio)", 1.0,
+                  "bf16 of each run", ok=all(runs[k].get("ok") for k in order), note=note,
+                  median_ratio=statistics.median(ratios), min_ratio=min(ratios), runs=len(order))
+    added.append(row)
+  return added

@@ -24,6 +24,7 @@ class Section:
   out: str
   deadline: float
   dry: bool
+  run: int = 0  # the `repeat` section: which of its separate processes this is (labels its rows "run K: ...")
 
   def time_left(self) -> float:
     return self.deadline - time.time()
@@ -32,11 +33,12 @@ class Section:
     """Whether `need_s` seconds remain; dry runs always proceed (their rows are tiny)."""
     return self.dry or self.time_left() >= need_s
 
-  def add(self, name, value=None, unit="", baseline=None, base_name="", err=None, ok=None, note=""):
+  def add(self, name, value=None, unit="", baseline=None, base_name="", err=None, ok=None, note="", **extra):
+    """Appends one row (COLUMNS, then `extra` keys, which the JSON keeps and the markdown table leaves out)."""
     ratio = value / baseline if isinstance(value, (int, float)) and isinstance(baseline, (int, float)) and baseline \
         else None
     row = dict(section=self.name, name=name, value=value, unit=unit, baseline=baseline, base_name=base_name,
-               ratio=ratio, err=err, ok=ok, note=note)
+               ratio=ratio, err=err, ok=ok, note=note, **extra)
     append_row(self.out, row)
     print(format_row(row), flush=True)
     return row

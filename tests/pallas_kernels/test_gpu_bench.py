@@ -54,7 +54,7 @@ def test_budget_skips_sections_cleanly(tmp_path):
 def test_full_dry_run(tmp_path):
   _, rows = _run(tmp_path, "--dry")
   sections = {r["section"] for r in rows}
-  assert sections == {"env", "check", "gemm", "quant", "tiles", "linear", "train"}
+  assert sections == {"env", "check", "gemm", "quant", "tiles", "linear", "train", "repeat"}
   failed = [r for r in rows if r["ok"] is False]
   assert not failed, failed
 
@@ -103,3 +103,35 @@ def test_mismatch_round_trip_on_cpu(tmp_path):
   np.savez_compressed(path, **saved)
   flipped = {(c, p): n for c, p, n in mismatch.compare(str(tmp_path))}
   assert flipped[("2d_rne.bf16.device.64x64", "xla")] == 1 and flipped[("2d_rne.bf16.device.64x64", "kernel")] == 0
+
+
+def test_summarize_runs_reports_min_and_median_over_processes(tmp_path):
+  """The `repeat` section's aggregate: per train row, the median and min of the per-run ratios; a rerun of the same
+  process number replaces its rows; rows of other sections and rows without a ratio are ignored."""
+  out = str(tmp_path)
+  label = "train step small nvfp4 xla bf16 (batch 32 x 128)"
+  for run, (ms, base, min_ratio, loss) in enumerate([(5.0, 4.0, 1.2, 2.51), (6.0, 4.0, 1.4, 2.52),
+                                                     (5.2, 4.0, 1.25, 2.53)], start=1):
+    sec = report.Section("repeat", out, deadline=float("inf"), dry=False, run=run)
+    sec.add(f"run {run}: {label}", ms, "ms", base, "bf16 ms", ok=True, min_ratio=min_ratio, final_loss=loss)
+  report.Section("train", out, float("inf"), False).add(label, 9.0, "ms", 1.0, "bf16 ms", ok=True)  # not a run
+  report.Section("repeat", out, float("inf"), False).add("run 2: other (skipped)", note="skipped: time budget")
+  # Process 2 started again (a rerun of gpu.sh into the same folder): its new row replaces the old one.
+  report.Section("repeat", out, float("inf"), False, run=2).add(f"run 2: {label}", 4.8, "ms", 4.0, "bf16 ms",
+                                                                ok=True, min_ratio=1.15, final_loss=2.5)
+  [row] = gpu_model.summarize_runs(out)
+  assert row["name"] == f"over 3 runs: {label}"
+  assert row["median_ratio"] == pytest.approx(1.25) and row["min_ratio"] == pytest.approx(1.2)
+  assert row["ratio"] == pytest.approx(1.25) and row["ok"] is True and row["runs"] == 3
+  assert "ratios 1.25/1.2/1.3" in row["note"] and "min block ratio 1.15" in row["note"]
+  assert "loss after the timed steps 2.51/2.5/2.53" in row["note"]
+  assert report.read_rows(out)[-1] == json.loads(json.dumps(row))  # appended to the rows as well
+
+
+@pytest.mark.slow
+def test_repeat_section_runs_separate_processes(tmp_path):
+  _, rows = _run(tmp_path, "--dry", "--sections", "repeat")
+  runs = {r["name"].split(":")[0] for r in rows if r["name"].startswith("run ")}
+  assert runs == {"run 1", "run 2", "run 3"}
+  over = [r for r in rows if r["name"].startswith("over 3 runs: ")]
+  assert len(over) == 2 and all(r["ok"] and r["min_ratio"] <= r["median_ratio"] for r in over), over
