@@ -10,16 +10,23 @@ time per recipe relative to bf16 (and the smallest block against bf16's smallest
 first step's loss of each quantized row compared with the first quantized row's (bf16 vs nvfp4 shown as is), and
 the loss after the timed steps (two batches, alternating), so that no speed is read without what the step learns.
 `repeat`: the priority train rows (bf16 and nvfp4, both models) in each of several separate processes, then one
-row per train row with the min and median of its ratio over the processes (issue 12 asks for >= 3 runs).
+row per train row with the min and median of its ratio over the processes (issue 12 asks for >= 3 runs); plus the
+`small` nvfp4 step traced with the platform's inexact float32 divide (`native_division`), whose ratio against the
+nvfp4 row is what the exact scale division (fp4jax.division) costs the step.
 """
 
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 from benchmarks.gpu import report
 
 
 SMALL_BATCH_SEQ = (32, 128)  # the `small` model's train rows: sequences x tokens
 REFERENCE = "nvfp4 xla f32"  # the quantized rows' reference: dequantized float32 operands at HIGHEST precision
+# The `repeat` section's extra row: nvfp4 traced with XLA's own float32 divide for the scale quotients.
+NATIVE_DIVISION = "nvfp4 xla bf16, native division"
 TIMING_BLOCKS = 3  # train rows: timed steps in 3 blocks; the row reports the median block and the min ratio
 
 
@@ -132,13 +139,32 @@ def _train_plan(dry: bool, priority_only: bool = False):
   recipes = _recipes()
   if dry:  # interpret-mode kernels in a whole model are slow on CPU; test_backend_pallas covers that path
     models = {"tiny": (model_lib.get_model_config("tiny"), 2, 32, 1)}
-    return models, [("tiny", r) for r in recipes[:2]]
+    extra = [("tiny", (NATIVE_DIVISION, recipes[1][1]))] if priority_only else []
+    return models, [("tiny", r) for r in recipes[:2]] + extra
   models = {"small": (model_lib.get_model_config("small"), *SMALL_BATCH_SEQ, 30),
             "paper_1b x2 layers": (model_lib.get_model_config("paper_1b", n_layers=2, max_seq_len=1024), 8, 1024,
                                    30)}
   # Priority order: nvfp4 vs bf16 on both models first, then the other backends.
   plan = [(m, r) for m in models for r in recipes[:2]]
-  return models, plan if priority_only else plan + [(m, r) for m in models for r in recipes[2:]]
+  if priority_only:  # and what the exact scale division costs the step (last: it clears JAX's trace caches)
+    return models, plan + [("small", (NATIVE_DIVISION, recipes[1][1]))]
+  return models, plan + [(m, r) for m in models for r in recipes[2:]]
+
+
+@contextlib.contextmanager
+def native_division():
+  """Traces fp4jax's scale quotients with the platform's own float32 divide (XLA:GPU: `div.full.f32`, up to 2 ulp
+  off) instead of `fp4jax.division.divide_by_bits`: the row timed under it shows what the exact division costs a
+  step. JAX's trace caches are cleared on entry and on exit, so no jaxpr traced inside (nested jits cache theirs)
+  leaks into another row."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from fp4jax import division  # pylint: disable=g-import-not-at-top
+  jax.clear_caches()
+  try:
+    with mock.patch.object(division, "divide_by_bits", lambda a, b, approx=None: jax.numpy.divide(a, b)):
+      yield
+  finally:
+    jax.clear_caches()
 
 
 def run_train(sec: report.Section) -> None:
@@ -171,14 +197,15 @@ def _time_train_steps(sec: report.Section, models, plan, prefix: str = "") -> No
     try:
       step, state, batches, key = _train_setup(model_config, recipe, batch, seq, dataset)
       first, times = None, []
-      for i in range(2 + steps):  # 2 warm-up steps (compile), then timed ones
-        t0 = time.perf_counter()
-        state, metrics = step(state, batches[i % 2], jax.random.fold_in(key, i))
-        jax.block_until_ready(metrics)
-        if i >= 2:
-          times.append(time.perf_counter() - t0)
-        if first is None:
-          first = float(metrics["loss"])  # same init, batch and key for every recipe of a model
+      with native_division() if name == NATIVE_DIVISION else contextlib.nullcontext():
+        for i in range(2 + steps):  # 2 warm-up steps (compile), then timed ones
+          t0 = time.perf_counter()
+          state, metrics = step(state, batches[i % 2], jax.random.fold_in(key, i))
+          jax.block_until_ready(metrics)
+          if i >= 2:
+            times.append(time.perf_counter() - t0)
+          if first is None:
+            first = float(metrics["loss"])  # same init, batch and key for every recipe of a model
       last = float(metrics["loss"])
       per_block = len(times) // n_blocks
       blocks = [statistics.median(times[b * per_block:(b + 1) * per_block]) for b in range(n_blocks)]

@@ -134,4 +134,26 @@ def test_repeat_section_runs_separate_processes(tmp_path):
   runs = {r["name"].split(":")[0] for r in rows if r["name"].startswith("run ")}
   assert runs == {"run 1", "run 2", "run 3"}
   over = [r for r in rows if r["name"].startswith("over 3 runs: ")]
-  assert len(over) == 2 and all(r["ok"] and r["min_ratio"] <= r["median_ratio"] for r in over), over
+  assert len(over) == 3 and all(r["ok"] and r["min_ratio"] <= r["median_ratio"] for r in over), over
+  assert any(gpu_model.NATIVE_DIVISION in r["name"] for r in over)
+
+
+def test_native_division_row_traces_the_platform_divide_and_does_not_leak():
+  """The `repeat` section's cost-of-exactness row: lowered for the GPU inside `native_division`, an NVFP4 quantizer
+  divides natively (no integer correction, whose clz marks it); before and after, the exact form is lowered, even
+  though the quantizer's nested jit was traced (and cached) in between."""
+  import jax
+  import jax.numpy as jnp
+  import fp4jax
+
+  def lowered():
+    f = lambda x: fp4jax.quantize(x, "nvfp4").scales
+    return jax.jit(f).trace(jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+  assert "count_leading_zeros" in lowered()
+  with gpu_model.native_division():
+    assert "count_leading_zeros" not in lowered() and "divide" in lowered()
+  assert "count_leading_zeros" in lowered()
+  recipes = {label for _, (label, _) in gpu_model._train_plan(dry=True, priority_only=True)[1]}
+  assert gpu_model.NATIVE_DIVISION in recipes
