@@ -10,9 +10,11 @@ time per recipe relative to bf16 (and the smallest block against bf16's smallest
 first step's loss of each quantized row compared with the first quantized row's (bf16 vs nvfp4 shown as is), and
 the loss after the timed steps (two batches, alternating), so that no speed is read without what the step learns.
 `repeat`: the priority train rows (bf16 and nvfp4, both models) in each of several separate processes, then one
-row per train row with the min and median of its ratio over the processes (issue 12 asks for >= 3 runs); plus the
-`small` nvfp4 step traced with the platform's inexact float32 divide (`native_division`), whose ratio against the
-nvfp4 row is what the exact scale division (fp4jax.division) costs the step.
+row per train row with the min and median of its ratio over the processes (issue 12 asks for >= 3 runs); plus each
+model's nvfp4 step traced with the platform's inexact float32 divide (`native_division`), whose ratio against the
+nvfp4 row is what the exact scale division (fp4jax.division) costs the step: on sm_90 XLA recomputes some scalar and
+per-block quotients in per-element kernels (the 2D weight quantizers, the Wgrad output scaling), ~70 integer
+operations per quotient per element, which should show on the 1B slice's large weights if anywhere.
 """
 
 from __future__ import annotations
@@ -146,8 +148,8 @@ def _train_plan(dry: bool, priority_only: bool = False):
                                    30)}
   # Priority order: nvfp4 vs bf16 on both models first, then the other backends.
   plan = [(m, r) for m in models for r in recipes[:2]]
-  if priority_only:  # and what the exact scale division costs the step (last: it clears JAX's trace caches)
-    return models, plan + [("small", (NATIVE_DIVISION, recipes[1][1]))]
+  if priority_only:  # and what the exact scale division costs each step (last: they clear JAX's trace caches)
+    return models, plan + [(m, (NATIVE_DIVISION, recipes[1][1])) for m in models]
   return models, plan + [(m, r) for m in models for r in recipes[2:]]
 
 
