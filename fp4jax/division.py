@@ -7,10 +7,12 @@ XLA:CPU divides as IEEE 754 says (round to nearest even). XLA:GPU does not: it c
 fp4jax.quantize differed from the CPU (and from the Pallas kernel, which divides with `div.rn.f32`) in 0.02-0.05 %
 of the codes of bfloat16 tensors drawn on the device.
 
-So `divide` uses the native divide on the CPU and, on every other platform, `divide_by_bits`: the platform's
-division proposes the quotient of the operands' significands, an exact integer residual corrects it, and the
-rounding to nearest even is done by hand, which integer arithmetic makes exact everywhere. About 70 operations
-with no loop, spent only on per-block and per-tensor scales (1/16 of the elements or fewer), never per element.
+So `divide` picks per platform: the native divide on the CPU; on NVIDIA and AMD GPUs `divide_in_float64`, the
+float64 quotient (IEEE-exact there) rounded to float32, which is the correctly rounded float32 quotient; elsewhere
+`divide_by_bits`: the platform's division proposes the quotient of the operands' significands, an exact integer
+residual corrects it, and the rounding to nearest even is done by hand (~70 operations, no loop). All of them are
+spent only on per-block and per-tensor scales (1/16 of the elements or fewer); where XLA:GPU would recompute one
+in every element of its consumer (the quantizers' scalings, the GEMM factors), `computed_once` keeps it out.
 """
 
 from __future__ import annotations
@@ -106,6 +108,37 @@ def divide_by_bits(a, b, approx=jnp.divide):
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _widen_exactly(x):
+  """float32 `x` as float64 from its bits (call under jax.enable_x64): not a convert, which XLA:GPU's
+  excess-precision rewrite would delete after a float64 -> float32 rounding (SimplifyFPConversions)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  field = jax.lax.shift_right_logical(bits, _u32(23)) & _u32(0xFF)
+  frac = bits & _u32(_MANTISSA)
+  sig = jnp.where(field == 0, frac, frac | _u32(_HIDDEN)).astype(jnp.float64)  # < 2^24: exact
+  # 2^(field - 150) (2^-149 for subnormals) as float64 bits: the product below is exact.
+  exp = (jnp.maximum(field, _u32(1)).astype(jnp.uint64) + jnp.uint64(1023 - 150))
+  value = sig * jax.lax.bitcast_convert_type(jax.lax.shift_left(exp, jnp.uint64(52)), jnp.float64)
+  value = jnp.where(field == 0xFF, jnp.where(frac == 0, jnp.float64(jnp.inf), jnp.float64(jnp.nan)), value)
+  return jnp.where((bits & _u32(_SIGN)) != 0, -value, value)
+
+
+def divide_in_float64(a, b):
+  """a / b for float32 a, b, correctly rounded: the float64 quotient (IEEE-exact on NVIDIA and AMD GPUs, as PTX
+  div.rn.f64) rounded to float32. Rounding twice is harmless here: float64 carries 53 >= 2 * 24 + 2 bits, enough for
+  every quotient of float32 operands (Figueroa, "When is double rounding innocuous?", 1995), subnormal results
+  included, and no float32 quotient over- or underflows float64. Traced with 64-bit types switched on for just
+  these few operations; the operands are widened from their bits (_widen_exactly)."""
+  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+  with jax.enable_x64(True):
+    q = _widen_exactly(a) / _widen_exactly(b)
+    # A float32-subnormal quotient is rounded to its multiple of 2^-149 here and assembled from bits: a converting
+    # or multiplying float32 unit may flush it to zero (XLA:CPU does; a 2^-149 multiple below 2^23 is exact).
+    m = jnp.round(jnp.abs(q) * jnp.float64(2.0**149)).astype(jnp.uint32)  # round half to even
+    sign = jnp.where(jnp.signbit(q), _u32(_SIGN), _u32(0))
+    tiny = jax.lax.bitcast_convert_type(m | sign, jnp.float32)
+    return jnp.where(jnp.abs(q) < jnp.float64(2.0**-126), tiny, q.astype(jnp.float32))
+
+
 def _cpu_divide(a, b):
   """XLA:CPU's IEEE divide, kept from XLA's rewrite of a division by a constant or by a broadcast (scalar or row)
   into a multiplication by the rounded reciprocal (off by an ulp for about half of all inputs): the divisor is made
@@ -114,12 +147,27 @@ def _cpu_divide(a, b):
   return a / jnp.where(jnp.isnan(a), a, b)
 
 
+def computed_once(*quotients):
+  """The arguments unchanged; off the CPU behind an optimization barrier, so that each is computed once.
+
+  XLA:GPU fuses a scalar or per-block producer into every per-element kernel that reads it when it deems the
+  producer cheap, and it did so with these quotients: compiled for sm_90, the `small` nvfp4 train step recomputed
+  per-tensor and per-block scale quotients in every element of the 2D weight quantizers and of Wgrad's output
+  scaling (with `divide_by_bits`, ~70 integer operations per quotient per element). Behind the barrier they are
+  computed in the per-block and scalar kernels. XLA:CPU does not duplicate its native divide (fp4jax.quantize's
+  pitfalls), so the CPU gets no barrier and its programs stay as they were. Returns a tuple (one per argument).
+  """
+  return jax.lax.platform_dependent(*quotients, cpu=lambda *q: q,
+                                    default=lambda *q: tuple(jax.lax.optimization_barrier(q)))
+
+
 @jax.custom_jvp
 def divide(a, b):
   """a / b in float32 (broadcast together), correctly rounded on every backend and under jax.vmap: XLA's divide on
-  the CPU, `divide_by_bits` elsewhere."""
+  the CPU, `divide_in_float64` on NVIDIA and AMD GPUs, `divide_by_bits` elsewhere (TPU)."""
   a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-  return jax.lax.platform_dependent(a, b, cpu=_cpu_divide, default=divide_by_bits)
+  return jax.lax.platform_dependent(a, b, cpu=_cpu_divide, cuda=divide_in_float64, rocm=divide_in_float64,
+                                    default=divide_by_bits)
 
 
 @divide.defjvp

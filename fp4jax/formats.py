@@ -20,6 +20,7 @@ from typing import Literal, Union
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax import division
 from fp4jax import grids
 from fp4jax import mxfp4
 from fp4jax import nvfp4
@@ -209,6 +210,7 @@ class NVFP4(_FP4Format):
     s_b, encode = nvfp4.scales(amax_b, amax, global_range=self.global_range, inv_target=_f32(1.0 / target),
                                round_up=self.scale_rule == "up")
     t_dec = nvfp4.global_decode_scale(amax, self.global_range)
+    s_b, encode, t_dec = division.computed_once(s_b, encode, t_dec)  # once per block / tensor, not per element
     # s_b is exactly an E4M3 value: decoding with it equals decoding the stored float8 scale (NaN aside, which the
     # quantizer maps to a NaN tensor anyway). Per-group decode scales are applied per block, after s_b.
     if jnp.ndim(amax):

@@ -19,4 +19,4 @@ def scales(amax_b):
   decode = jnp.where(zero, jnp.float32(1.0), grids.divide_by_constant(amax_b, E4M3_MAX))
   encode = jnp.where(zero, jnp.float32(1.0),
                      jnp.minimum(division.divide(jnp.float32(E4M3_MAX), amax_b), grids.FLT_MAX))
-  return decode, encode
+  return division.computed_once(decode, encode)  # once per block, not per element (off the CPU)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fp4jax import division
 from fp4jax import formats
 from fp4jax import nvfp4
 from fp4jax import recipes as recipes_lib
@@ -171,5 +172,6 @@ def gemm(a, b, contract, recipe):
                                   preferred_element_type=jnp.float32)
       else:
         out = jax.lax.dot_general(av[0], bv[0], dims, preferred_element_type=jnp.float32)
-      return (out * av[1]) * bv[1]  # two products, not one: a * b of two tiny or huge factors may over/underflow
+      fa, fb = division.computed_once(av[1], bv[1])  # quotients: not recomputed per output element off the CPU
+      return (out * fa) * fb  # two products, not one: a * b of two tiny or huge factors may over/underflow
   return jax.lax.dot_general(f32_values(a), f32_values(b), dims, precision=_HIGHEST, preferred_element_type=jnp.float32)

@@ -156,14 +156,16 @@ def _train_plan(dry: bool, priority_only: bool = False):
 @contextlib.contextmanager
 def native_division():
   """Traces fp4jax's scale quotients with the platform's own float32 divide (XLA:GPU: `div.full.f32`, up to 2 ulp
-  off) instead of `fp4jax.division.divide_by_bits`: the row timed under it shows what the exact division costs a
-  step. JAX's trace caches are cleared on entry and on exit, so no jaxpr traced inside (nested jits cache theirs)
+  off) instead of the correctly rounded ones of `fp4jax.division` (float64 on GPUs, `divide_by_bits` elsewhere):
+  the row timed under it shows what the exact division costs a step. JAX's trace caches are cleared on entry and on exit, so no jaxpr traced inside (nested jits cache theirs)
   leaks into another row."""
   import jax  # pylint: disable=g-import-not-at-top
   from fp4jax import division  # pylint: disable=g-import-not-at-top
+  native = lambda a, b, approx=None: jax.numpy.divide(a, b)
   jax.clear_caches()
   try:
-    with mock.patch.object(division, "divide_by_bits", lambda a, b, approx=None: jax.numpy.divide(a, b)):
+    with mock.patch.object(division, "divide_in_float64", native), mock.patch.object(division, "divide_by_bits",
+                                                                                         native):
       yield
   finally:
     jax.clear_caches()

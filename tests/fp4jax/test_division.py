@@ -9,6 +9,8 @@ candidate quotients, and the quantizers are checked to divide only through it (o
 divider gets exact).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +32,8 @@ def off_by_ulps(max_ulps: int):
   return approx
 
 
-_DIVIDERS = {"exact": jax.jit(division.divide_by_bits),
+_DIVIDERS = {"float64": jax.jit(division.divide_in_float64),  # what GPUs run; the others what TPUs would
+             "exact": jax.jit(division.divide_by_bits),
              "2 ulp": jax.jit(lambda a, b: division.divide_by_bits(a, b, off_by_ulps(2))),
              "24 ulp": jax.jit(lambda a, b: division.divide_by_bits(a, b, off_by_ulps(24)))}
 
@@ -102,12 +105,25 @@ def test_divide_broadcasts_matches_cpu_division_and_differentiates():
   np.testing.assert_allclose(db, -a / (a + 3.0) ** 2, rtol=1e-5)
 
 
-def test_off_the_cpu_divide_lowers_to_integer_division():
+def test_each_platform_lowers_its_division():
   f = jax.jit(division.divide)
   x = jnp.ones((16,), jnp.float32)
-  cuda = f.trace(x, x).lower(lowering_platforms=("cuda",)).as_text()
-  cpu = f.trace(x, x).lower(lowering_platforms=("cpu",)).as_text()
-  assert "count_leading_zeros" in cuda and "count_leading_zeros" not in cpu
+  text = {p: f.trace(x, x).lower(lowering_platforms=(p,)).as_text() for p in ("cpu", "cuda", "rocm", "tpu")}
+  for p in ("cuda", "rocm"):  # the float64 quotient
+    assert "tensor<16xf64>" in text[p] and "count_leading_zeros" not in text[p], p
+  assert "count_leading_zeros" in text["tpu"] and "f64" not in text["tpu"]  # the integer correction
+  assert "count_leading_zeros" not in text["cpu"] and "f64" not in text["cpu"]  # XLA:CPU's own divide
+
+
+def test_float64_division_widens_its_operands_from_bits():
+  """A chain of divisions (S_dec = 1 / (2688 / amax)) lowered for the GPU converts no float32 to float64: XLA:GPU's
+  excess-precision rewrite would delete such a convert after the float64 -> float32 rounding of the first quotient,
+  and the second division would read the unrounded quotient (the bfloat16 bug of the first H200 run, in float64)."""
+  chain = lambda amax: division.divide(1.0, division.divide(2688.0, amax))
+  text = jax.jit(chain).trace(jnp.float32(3.0)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "tensor<f64>" in text
+  assert not re.search(r"stablehlo\.convert %\S+ : \(tensor<f32>\) -> tensor<f64>", text), text
+  np.testing.assert_array_equal(np.asarray(chain(jnp.float32(3.0))), np.float32(1) / (np.float32(2688) / np.float32(3)))
 
 
 def raw_float_divisions(fn, *args) -> int:
@@ -166,3 +182,73 @@ def test_quantizers_divide_only_by_powers_of_two_outside_division(fmt, kw, allow
   key = jax.random.key(0) if kw.get("rounding") else None
   fmt = fp4jax.formats.NVFP4(scale_rule="eden") if fmt == "nvfp4_eden" else fmt
   assert raw_float_divisions(lambda x: fp4jax.quantize(x, fmt, key=key, **kw).codes, X) <= allowed
+
+
+def _lowered(fn, args, platform):
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _layer_fwd_bwd(x, w):
+  """One nvfp4 linear layer's forward and backward (2D weight blocks, Wgrad's output scaling, SR on dY)."""
+  loss = lambda x, w: jnp.sum(fp4jax.dot_general(x, w, (((1,), (0,)), ((), ())), recipe="nvfp4",
+                                                 key=jax.random.key(0), preferred_element_type=jnp.float32))
+  return jax.grad(loss, argnums=(0, 1))(x, w)
+
+
+_ONCE_CASES = [
+    ("NVFP4 2D weight blocks", lambda x: fp4jax.quantize(x, "nvfp4", block_2d=True).codes, (X,)),
+    ("NVFP4 rows, SR", lambda x: fp4jax.quantize(x, "nvfp4", rounding="stochastic", key=jax.random.key(1)).codes,
+     (X,)),
+    ("FP8 blocks", lambda x: fp4jax.fake_quant(x, "fp8"), (X,)),
+    ("nvfp4 layer fwd+bwd (bf16-mode GEMM factors)", _layer_fwd_bwd, (X[:, :64].T, X[:, :64])),
+]
+
+
+@pytest.mark.parametrize("name,fn,args", _ONCE_CASES, ids=[c[0] for c in _ONCE_CASES])
+def test_quotients_computed_once_off_the_cpu_only(name, fn, args):
+  """Off the CPU, every scale quotient a quantizer or a GEMM factor broadcasts sits behind an optimization barrier
+  (else XLA:GPU recomputes its ~70 integer operations in every element of the consumer); the CPU's programs have
+  none (its native divide is not duplicated), so they are the ones measured and recorded before."""
+  assert "optimization_barrier" in _lowered(fn, args, "cuda"), name
+  assert "optimization_barrier" not in _lowered(fn, args, "cpu"), name
+
+
+def test_computed_once_returns_its_arguments():
+  a, b = jnp.float32(3.0), jnp.arange(4, dtype=jnp.float32)
+  out = jax.jit(division.computed_once)(a, b)
+  assert isinstance(out, tuple) and len(out) == 2
+  np.testing.assert_array_equal(out[0], a) and np.testing.assert_array_equal(out[1], b)
+
+
+# What marks a quotient in XLA's optimized HLO: a float64 divide (divide_in_float64), or divide_by_bits' clz.
+_QUOTIENT_MARK = r"f64\[[\d,]*\]\S* divide\(|count-leading-zeros\("
+
+
+def test_no_quotient_is_recomputed_per_element_on_sm90():
+  """Compiled for sm_90 without a GPU (XLA's deviceless AOT; needs jax >= 0.11 with a CUDA plugin, else skipped):
+  in one nvfp4 layer's forward and backward, no kernel that writes as many values as a weight or an activation
+  contains a quotient; per-block and scalar kernels do (and some must: the test would pass on no division)."""
+  import re
+  from benchmarks.gpu import aot
+  ok, why = aot.supported()
+  if not ok:
+    pytest.skip(f"no deviceless CUDA compile here: {why}")
+  from jax.experimental import topologies
+  topo = topologies.get_topology_desc(platform="cuda", target_config=aot.H100_TARGET_CONFIG, topology="1x1x1")
+  mesh = topologies.make_mesh(topo=topo, mesh_shape=(1,), axis_names=("x",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  # At this size XLA:GPU put the weight quantizer's quotients into its per-element kernel (bf16[1024,1024]) until
+  # the quotients went behind computed_once's barrier; per-block arrays here have at most 1024^2 / 16 entries.
+  args = (jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=sharding),
+          jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=sharding))
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    text = jax.jit(_layer_fwd_bwd).lower(*args).compile().as_text()
+  bodies = dict(re.findall(r"\n%?([\w.\-]+) \([^\n]*\{\n(.*?)\n\}", text, re.S))
+  entry = text[text.index("ENTRY"):]
+  per_element = []
+  for shape, called in re.findall(r"= (\(.*?\)|\S+) fusion\([^\n]*calls=%?([\w.\-]+)", entry):
+    sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\[([\d,]*)\]", shape)]
+    if max(sizes) >= 1024 * 1024 // 4 and re.search(_QUOTIENT_MARK, bodies.get(called, "")):
+      per_element.append((shape, called))
+  assert not per_element, per_element
+  assert re.search(_QUOTIENT_MARK, text)
