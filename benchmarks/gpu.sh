@@ -65,7 +65,10 @@ for entry in $SECTIONS; do
     : > "$OUT/repeat.log"
     for k in $(seq 1 "$RUNS"); do
       run_left=$(( limit - ($(date +%s) - section_start) ))
-      if [ "$run_left" -lt 15 ]; then echo "repeat: run $k not started, ${run_left} s left" >> "$OUT/repeat.log"; break; fi
+      if [ "$run_left" -lt 15 ]; then
+        echo "repeat: run $k not started, ${run_left} s left" >> "$OUT/repeat.log"
+        break
+      fi
       JAX_COMPILATION_CACHE_DIR="$CACHE" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 timeout -k 5 "$run_left" \
         "$PY" benchmarks/gpu_bench.py repeat --run "$k" --out "$OUT" --budget "$run_left" $DRY >> "$OUT/repeat.log" 2>&1
       rk=$?

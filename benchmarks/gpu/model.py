@@ -157,8 +157,8 @@ def _train_plan(dry: bool, priority_only: bool = False):
 def native_division():
   """Traces fp4jax's scale quotients with the platform's own float32 divide (XLA:GPU: `div.full.f32`, up to 2 ulp
   off) instead of the correctly rounded ones of `fp4jax.division` (float64 on GPUs, `divide_by_bits` elsewhere):
-  the row timed under it shows what the exact division costs a step. JAX's trace caches are cleared on entry and on exit, so no jaxpr traced inside (nested jits cache theirs)
-  leaks into another row."""
+  the row timed under it shows what the exact division costs a step. JAX's trace caches are cleared on entry and
+  on exit, so no jaxpr traced inside (nested jits cache theirs) leaks into another row."""
   import jax  # pylint: disable=g-import-not-at-top
   from fp4jax import division  # pylint: disable=g-import-not-at-top
   native = lambda a, b, approx=None: jax.numpy.divide(a, b)
@@ -266,6 +266,11 @@ def summarize_runs(out: str) -> list[dict]:
       note += f"; loss after the timed steps {'/'.join(f'{v:.5g}' for v in losses)}"
     step_ms = [runs[k]["value"] for k in order]
     note += f"; step ms {'/'.join(f'{v:.4g}' for v in step_ms)}"
+    exact = by_label.get(label.replace(NATIVE_DIVISION, _recipes()[1][0])) if NATIVE_DIVISION in label else None
+    common = [k for k in order if exact and k in exact]
+    if common:  # the exact division's cost: the nvfp4 step over this one, run by run (same process, same machine)
+      cost = [exact[k]["value"] / runs[k]["value"] for k in common]
+      note += f"; exact division / native: {'/'.join(f'{v:.3g}' for v in cost)} (median {statistics.median(cost):.3g})"
     row = sec.add(f"over {len(order)} runs: {label}", statistics.median(ratios), "x (median ratio)", 1.0,
                   "bf16 of each run", ok=all(runs[k].get("ok") for k in order), note=note,
                   median_ratio=statistics.median(ratios), min_ratio=min(ratios), runs=len(order))

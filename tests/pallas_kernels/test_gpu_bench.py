@@ -119,13 +119,19 @@ def test_summarize_runs_reports_min_and_median_over_processes(tmp_path):
   # Process 2 started again (a rerun of gpu.sh into the same folder): its new row replaces the old one.
   report.Section("repeat", out, float("inf"), False, run=2).add(f"run 2: {label}", 4.8, "ms", 4.0, "bf16 ms",
                                                                 ok=True, min_ratio=1.15, final_loss=2.5)
-  [row] = gpu_model.summarize_runs(out)
+  native = label.replace("nvfp4 xla bf16", gpu_model.NATIVE_DIVISION)
+  for run, ms in ((1, 4.0), (3, 5.2)):  # run 2 did not reach this row
+    report.Section("repeat", out, float("inf"), False, run=run).add(f"run {run}: {native}", ms, "ms", 4.0, "bf16 ms",
+                                                                    ok=True)
+  row, native_row = gpu_model.summarize_runs(out)
+  assert native_row["name"] == f"over 2 runs: {native}" and native_row["median_ratio"] == pytest.approx(1.15)
+  assert "exact division / native: 1.25/1 (median 1.12)" in native_row["note"], native_row["note"]
   assert row["name"] == f"over 3 runs: {label}"
   assert row["median_ratio"] == pytest.approx(1.25) and row["min_ratio"] == pytest.approx(1.2)
   assert row["ratio"] == pytest.approx(1.25) and row["ok"] is True and row["runs"] == 3
   assert "ratios 1.25/1.2/1.3" in row["note"] and "min block ratio 1.15" in row["note"]
   assert "loss after the timed steps 2.51/2.5/2.53" in row["note"]
-  assert report.read_rows(out)[-1] == json.loads(json.dumps(row))  # appended to the rows as well
+  assert report.read_rows(out)[-1] == json.loads(json.dumps(native_row))  # appended to the rows as well
 
 
 @pytest.mark.slow
