@@ -57,6 +57,12 @@ def test_full_dry_run(tmp_path):
   assert sections == {"env", "check", "gemm", "quant", "tiles", "linear", "train", "repeat"}
   failed = [r for r in rows if r["ok"] is False]
   assert not failed, failed
+  # `repeat`: three separate processes, then one summary row per train row (the native-division one included).
+  runs = {r["name"].split(":")[0] for r in rows if r["name"].startswith("run ")}
+  assert runs == {"run 1", "run 2", "run 3"}
+  over = [r for r in rows if r["name"].startswith("over 3 runs: ")]
+  assert len(over) == 3 and all(r["ok"] and r["min_ratio"] <= r["median_ratio"] for r in over), over
+  assert any(gpu_model.NATIVE_DIVISION in r["name"] for r in over)
 
 
 def test_timed_recipes_pin_their_gemm_modes():
@@ -132,16 +138,6 @@ def test_summarize_runs_reports_min_and_median_over_processes(tmp_path):
   assert "ratios 1.25/1.2/1.3" in row["note"] and "min block ratio 1.15" in row["note"]
   assert "loss after the timed steps 2.51/2.5/2.53" in row["note"]
   assert report.read_rows(out)[-1] == json.loads(json.dumps(native_row))  # appended to the rows as well
-
-
-@pytest.mark.slow
-def test_repeat_section_runs_separate_processes(tmp_path):
-  _, rows = _run(tmp_path, "--dry", "--sections", "repeat")
-  runs = {r["name"].split(":")[0] for r in rows if r["name"].startswith("run ")}
-  assert runs == {"run 1", "run 2", "run 3"}
-  over = [r for r in rows if r["name"].startswith("over 3 runs: ")]
-  assert len(over) == 3 and all(r["ok"] and r["min_ratio"] <= r["median_ratio"] for r in over), over
-  assert any(gpu_model.NATIVE_DIVISION in r["name"] for r in over)
 
 
 def test_native_division_row_traces_the_platform_divide_and_does_not_leak():
