@@ -43,6 +43,7 @@ if [ -z "$DRY" ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 CACHE=$(mktemp -d "${TMPDIR:-/tmp}/fp4jax-gpu-cache.XXXXXX")
 trap 'rm -rf "$CACHE"' EXIT
+with_cache() { JAX_COMPILATION_CACHE_DIR="$CACHE" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 "$@"; }
 start=$(date +%s)
 for entry in $SECTIONS; do
   name="${entry%%:*}"; limit="${entry##*:}"
@@ -69,8 +70,8 @@ for entry in $SECTIONS; do
         echo "repeat: run $k not started, ${run_left} s left" >> "$OUT/repeat.log"
         break
       fi
-      JAX_COMPILATION_CACHE_DIR="$CACHE" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 timeout -k 5 "$run_left" \
-        "$PY" benchmarks/gpu_bench.py repeat --run "$k" --out "$OUT" --budget "$run_left" $DRY >> "$OUT/repeat.log" 2>&1
+      with_cache timeout -k 5 "$run_left" "$PY" benchmarks/gpu_bench.py repeat --run "$k" --out "$OUT" \
+        --budget "$run_left" $DRY >> "$OUT/repeat.log" 2>&1
       rk=$?
       if [ "$rk" -ne 0 ] && [ "$rc" -eq 0 ]; then rc=$rk; fi
     done
@@ -84,12 +85,10 @@ for entry in $SECTIONS; do
       --out "$OUT" --tag noexcess --xla-only >> "$OUT/bits.log" 2>&1
     rc2=$?
     if [ "$rc" -eq 0 ]; then rc=$rc2; fi
-  elif [ "$name" = train ]; then
-    JAX_COMPILATION_CACHE_DIR="$CACHE" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 timeout -k 5 "$limit" \
-      "$PY" benchmarks/gpu_bench.py train --out "$OUT" --budget "$limit" $DRY > "$OUT/train.log" 2>&1
-    rc=$?
   else
-    timeout -k 5 "$limit" "$PY" benchmarks/gpu_bench.py "$name" --out "$OUT" --budget "$limit" $DRY \
+    cache=""
+    if [ "$name" = train ]; then cache=with_cache; fi  # `repeat` loads what `train` compiled
+    $cache timeout -k 5 "$limit" "$PY" benchmarks/gpu_bench.py "$name" --out "$OUT" --budget "$limit" $DRY \
       > "$OUT/$name.log" 2>&1
     rc=$?
   fi

@@ -133,10 +133,11 @@ def divide_in_float64(a, b):
     q = _widen_exactly(a) / _widen_exactly(b)
     # A float32-subnormal quotient is rounded to its multiple of 2^-149 here and assembled from bits: a converting
     # or multiplying float32 unit may flush it to zero (XLA:CPU does; a 2^-149 multiple below 2^23 is exact).
-    m = jnp.round(jnp.abs(q) * jnp.float64(2.0**149)).astype(jnp.uint32)  # round half to even
+    mag = jnp.abs(q)
+    m = jnp.round(mag * jnp.float64(2.0**149)).astype(jnp.uint32)  # round half to even
     sign = jnp.where(jnp.signbit(q), _u32(_SIGN), _u32(0))
     tiny = jax.lax.bitcast_convert_type(m | sign, jnp.float32)
-    return jnp.where(jnp.abs(q) < jnp.float64(2.0**-126), tiny, q.astype(jnp.float32))
+    return jnp.where(mag < jnp.float64(2.0**-126), tiny, q.astype(jnp.float32))
 
 
 def _cpu_divide(a, b):

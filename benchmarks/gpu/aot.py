@@ -118,6 +118,24 @@ def _train_step_case(recipe: str, **model_overrides):
   return step_with_compiled_kernels, (state, batch, jax.random.key(0))
 
 
+def _sm90_mesh():
+  """(a compile-only one-device mesh of H100_TARGET_CONFIG, the replicated sharding on it)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  topo = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x1")
+  mesh = topologies.make_mesh(topo=topo, mesh_shape=(1,), axis_names=("x",))
+  return mesh, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def compiled_hlo(fn, *args) -> str:
+  """XLA's optimized HLO text of `jax.jit(fn)` compiled for sm_90 without a GPU; `args` give shapes and dtypes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  mesh, sharding = _sm90_mesh()
+  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the Triton lowering asks it for the GPU kind
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
 def bf16_roundings_kept() -> list[tuple[str, int]]:
   """(case, bfloat16 converts left in XLA:GPU's optimized HLO, bfloat16 roundings the case has) for fp4jax's
   quantizers fed by bfloat16 casts in the same jit. XLA:GPU's excess-precision rewrite deletes float32 -> bfloat16
@@ -127,11 +145,7 @@ def bf16_roundings_kept() -> list[tuple[str, int]]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import fp4jax  # pylint: disable=g-import-not-at-top
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  topo = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x1")
-  mesh = topologies.make_mesh(topo=topo, mesh_shape=(1,), axis_names=("x",))
-  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  x32 = jax.ShapeDtypeStruct((1024, 1536), jnp.float32, sharding=sharding)
+  x32 = jax.ShapeDtypeStruct((1024, 1536), jnp.float32)
   cast = lambda x: (x * 2).astype(jnp.bfloat16)
   cases = {  # name: (fn, roundings: the cast, and the RHT's output)
       "quantize(cast)": (lambda x: fp4jax.quantize(cast(x), "nvfp4").codes, 1),
@@ -141,8 +155,7 @@ def bf16_roundings_kept() -> list[tuple[str, int]]:
   }
   out = []
   for name, (fn, roundings) in cases.items():
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      text = jax.jit(fn).lower(x32).compile().as_text()
+    text = compiled_hlo(fn, x32)
     out.append((name, len(re.findall(r"= bf16\[[0-9,]*\]\{[^}]*\} convert\(", text)), roundings))
   return out
 
@@ -154,10 +167,7 @@ def compile_all(out_dir: str | None = None) -> list[tuple[str, bool, str]]:
   # another test may already have done.
   options = {"xla_dump_to": dump}
   import jax  # pylint: disable=g-import-not-at-top
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  topo = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x1")
-  mesh = topologies.make_mesh(topo=topo, mesh_shape=(1,), axis_names=("x",))
-  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  mesh, sharding = _sm90_mesh()
   results = []
   for name, fn, args in cases():
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)

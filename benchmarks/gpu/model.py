@@ -12,9 +12,7 @@ the loss after the timed steps (two batches, alternating), so that no speed is r
 `repeat`: the priority train rows (bf16 and nvfp4, both models) in each of several separate processes, then one
 row per train row with the min and median of its ratio over the processes (issue 12 asks for >= 3 runs); plus each
 model's nvfp4 step traced with the platform's inexact float32 divide (`native_division`), whose ratio against the
-nvfp4 row is what the exact scale division (fp4jax.division) costs the step: on sm_90 XLA recomputes some scalar and
-per-block quotients in per-element kernels (the 2D weight quantizers, the Wgrad output scaling), ~70 integer
-operations per quotient per element, which should show on the 1B slice's large weights if anywhere.
+nvfp4 row is what the exact scale division (fp4jax.division: float64 quotients on GPUs) costs the step.
 """
 
 from __future__ import annotations
@@ -27,8 +25,9 @@ from benchmarks.gpu import report
 
 SMALL_BATCH_SEQ = (32, 128)  # the `small` model's train rows: sequences x tokens
 REFERENCE = "nvfp4 xla f32"  # the quantized rows' reference: dequantized float32 operands at HIGHEST precision
+NVFP4 = "nvfp4 xla bf16"  # the default nvfp4 train row: the xla path, bf16-operand GEMMs
 # The `repeat` section's extra row: nvfp4 traced with XLA's own float32 divide for the scale quotients.
-NATIVE_DIVISION = "nvfp4 xla bf16, native division"
+NATIVE_DIVISION = f"{NVFP4}, native division"
 TIMING_BLOCKS = 3  # train rows: timed steps in 3 blocks; the row reports the median block and the min ratio
 
 
@@ -37,7 +36,7 @@ def _recipes():
   float32 reference GEMM mode, the Pallas backend."""
   import fp4jax  # pylint: disable=g-import-not-at-top
   nvfp4 = fp4jax.recipes.nvfp4()
-  return [("bf16", fp4jax.recipes.bf16()), ("nvfp4 xla bf16", nvfp4.replace(gemm_mode="bf16")),
+  return [("bf16", fp4jax.recipes.bf16()), (NVFP4, nvfp4.replace(gemm_mode="bf16")),
           (REFERENCE, nvfp4.replace(gemm_mode="f32")), ("nvfp4 pallas", nvfp4.replace(backend="pallas"))]
 
 
@@ -227,13 +226,13 @@ def _time_train_steps(sec: report.Section, models, plan, prefix: str = "") -> No
         b = ref_loss[(model_name, "bf16")]
         note += f"; vs bf16 {abs(first - b) / abs(b):.2g}"
       note += f"; loss after {2 + steps} steps {last:.5g}"
+      min_ratio = min(blocks) / base_min[model_name] if model_name in base_min else None
       if n_blocks > 1:
         note += f"; block medians {'/'.join(f'{b * 1e3:.3g}' for b in blocks)} ms"
-        if model_name in base_min and name != "bf16":
-          note += f"; min ratio {min(blocks) / base_min[model_name]:.3g}"
+        if min_ratio is not None and name != "bf16":
+          note += f"; min ratio {min_ratio:.3g}"
       ok = bool(np.isfinite(first)) and err < 1e-3
       b_ms = base[model_name] * 1e3 if model_name in base else None
-      min_ratio = min(blocks) / base_min[model_name] if model_name in base_min else None
       sec.add(label, t * 1e3, "ms", b_ms, "bf16 ms", err=err, ok=ok, note=note, min_ratio=min_ratio,
               final_loss=last)
     except Exception as e:  # pylint: disable=broad-except
@@ -258,21 +257,22 @@ def summarize_runs(out: str) -> list[dict]:
     ratios = [runs[k]["ratio"] for k in order]
     mins = [runs[k]["min_ratio"] for k in order if runs[k].get("min_ratio") is not None]
     losses = [runs[k].get("final_loss") for k in order]
+    median = statistics.median(ratios)
     note = (f"runs {'/'.join(str(k) for k in order)}: ratios {'/'.join(f'{v:.3g}' for v in ratios)}; "
-            f"median {statistics.median(ratios):.3g}, min {min(ratios):.3g}")
+            f"median {median:.3g}, min {min(ratios):.3g}")
     if mins:
       note += f"; min block ratio {min(mins):.3g}"
     if all(v is not None for v in losses):
       note += f"; loss after the timed steps {'/'.join(f'{v:.5g}' for v in losses)}"
     step_ms = [runs[k]["value"] for k in order]
     note += f"; step ms {'/'.join(f'{v:.4g}' for v in step_ms)}"
-    exact = by_label.get(label.replace(NATIVE_DIVISION, _recipes()[1][0])) if NATIVE_DIVISION in label else None
+    exact = by_label.get(label.replace(NATIVE_DIVISION, NVFP4)) if NATIVE_DIVISION in label else None
     common = [k for k in order if exact and k in exact]
     if common:  # the exact division's cost: the nvfp4 step over this one, run by run (same process, same machine)
       cost = [exact[k]["value"] / runs[k]["value"] for k in common]
       note += f"; exact division / native: {'/'.join(f'{v:.3g}' for v in cost)} (median {statistics.median(cost):.3g})"
-    row = sec.add(f"over {len(order)} runs: {label}", statistics.median(ratios), "x (median ratio)", 1.0,
-                  "bf16 of each run", ok=all(runs[k].get("ok") for k in order), note=note,
-                  median_ratio=statistics.median(ratios), min_ratio=min(ratios), runs=len(order))
+    row = sec.add(f"over {len(order)} runs: {label}", median, "x (median ratio)", 1.0, "bf16 of each run",
+                  ok=all(runs[k].get("ok") for k in order), note=note, median_ratio=median, min_ratio=min(ratios),
+                  runs=len(order))
     added.append(row)
   return added

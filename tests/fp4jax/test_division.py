@@ -233,16 +233,10 @@ def test_no_quotient_is_recomputed_per_element_on_sm90():
   ok, why = aot.supported()
   if not ok:
     pytest.skip(f"no deviceless CUDA compile here: {why}")
-  from jax.experimental import topologies
-  topo = topologies.get_topology_desc(platform="cuda", target_config=aot.H100_TARGET_CONFIG, topology="1x1x1")
-  mesh = topologies.make_mesh(topo=topo, mesh_shape=(1,), axis_names=("x",))
-  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   # At this size XLA:GPU put the weight quantizer's quotients into its per-element kernel (bf16[1024,1024]) until
   # the quotients went behind computed_once's barrier; per-block arrays here have at most 1024^2 / 16 entries.
-  args = (jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=sharding),
-          jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=sharding))
-  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    text = jax.jit(_layer_fwd_bwd).lower(*args).compile().as_text()
+  text = aot.compiled_hlo(_layer_fwd_bwd, jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16),
+                          jax.ShapeDtypeStruct((1024, 1024), jnp.float32))
   bodies = dict(re.findall(r"\n%?([\w.\-]+) \([^\n]*\{\n(.*?)\n\}", text, re.S))
   entry = text[text.index("ENTRY"):]
   per_element = []
