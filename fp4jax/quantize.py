@@ -22,6 +22,7 @@ from fp4jax import four_over_six
 from fp4jax import grids
 from fp4jax import keys
 from fp4jax import mxfp4
+from fp4jax import no_gradient
 from fp4jax import prng
 from fp4jax import rounding as rounding_lib
 from fp4jax import qarray as qarray_lib
@@ -224,8 +225,9 @@ def quantize(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = 
 
   Returns:
     A QArray. NaN anywhere makes amax NaN; NaN or inf anywhere makes the whole dequantized tensor non-finite.
-    No gradient flows through it (the codes are integers); `fake_quant` has the straight-through one. Under
-    jax.vmap each item is quantized as if alone (its own amax), and the QArray's arrays carry the batch axes.
+    Not differentiable: reverse-mode autodiff that reaches it raises a TypeError (its gradient would be zero: the
+    codes are integers); `fake_quant` has the straight-through gradient. Under jax.vmap each item is quantized as
+    if alone (its own amax), and the QArray's arrays carry the batch axes.
   """
   return _quantize(x, fmt, axis, block_2d, rounding, key, random_bits, pad, sr_bits, clip_mask=False)[0]
 
@@ -242,8 +244,10 @@ def quantize_with_clip_mask(x, fmt, *, axis: int = -1, block_2d: bool = False, r
 
 def _quantize(x, fmt, axis, block_2d, rounding, key, random_bits, pad, sr_bits, clip_mask):
   fmt, x, axis = _checked(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
-  run = functools.partial(_quantize_jit, fmt=fmt, axis=axis, block_2d=block_2d, rounding=rounding,
-                          random_bits=random_bits, pad=pad, sr_bits=sr_bits, clip_mask=clip_mask)
+  settings = dict(fmt=fmt, axis=axis, block_2d=block_2d, rounding=rounding, random_bits=random_bits, pad=pad,
+                  sr_bits=sr_bits, clip_mask=clip_mask)
+  name = "fp4jax.quantize_with_clip_mask" if clip_mask else "fp4jax.quantize"
+  run = lambda x, key: no_gradient.refusing_gradient(x, key, _quantize_jit, name, tuple(settings.items()))
   return _on_auto_axes(run, x, key)
 
 
@@ -311,8 +315,25 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
 @functools.partial(jax.jit, static_argnames="dtype")
 def _dequantize_jit(q: QArray, *, dtype):
   block = _block_of(q)
-  return decode_elements(q.fmt.unpack(q.codes, q.axis), q.fmt, q.scales.reshape(_scale_shape(q.shape, block)),
-                         q.amax, block, q.orig_shape, dtype)
+  values = decode_elements(q.fmt.unpack(q.codes, q.axis), q.fmt, q.scales.reshape(_scale_shape(q.shape, block)),
+                           q.amax, block, q.orig_shape, dtype)
+  return _tied_to(values, q.amax)
+
+
+@jax.custom_jvp
+def _tied_to(values, amax):
+  """`values`, given a zero tangent from `amax`. A format whose stored fields are all integers (MXFP4's E8M0 scales)
+  would otherwise stop a cotangent silently before the quantizer that made the QArray; through amax it reaches that
+  quantizer, which refuses it (fp4jax.no_gradient). Outside differentiation this is the identity: no operations."""
+  del amax
+  return values
+
+
+@_tied_to.defjvp
+def _tied_to_jvp(primals, tangents):
+  values, _ = primals
+  d_values, d_amax = tangents
+  return values, d_values + jnp.zeros_like(d_values) * jnp.sum(d_amax).astype(d_values.dtype)
 
 
 def decode_elements(elements, fmt, scales, amax, block, orig_shape, dtype=jnp.float32) -> jax.Array:
@@ -328,11 +349,14 @@ def quantize_elements(x, fmt, *, axis: int = -1, block_2d: bool = False, roundin
   (E2M1 or E4M3, float32, x's padded shape) that `quantize(x, ...)` stores as codes, `scales` its stored block
   scales shaped [.., S_i / B_i, ..], and `decode_elements(elements, fmt, scales, amax, block, x.shape)` equals
   `dequantize(quantize(x, ...))` bit for bit, without packing and unpacking codes (XLA fuses a quantize-dequantize
-  chain into one loop that recomputes each packed byte's two codes per element: ~3-10x slower on XLA:CPU)."""
+  chain into one loop that recomputes each packed byte's two codes per element: ~3-10x slower on XLA:CPU).
+  Not differentiable, as quantize: reverse-mode autodiff that reaches it raises a TypeError."""
   fmt, x, axis = _checked(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
   block = block_shape(fmt, x.ndim, axis, block_2d) if _blocked_axes(fmt, x.ndim, axis, block_2d) else None
-  run = functools.partial(_quantize_elements_jit, fmt=fmt, axis=axis, block_2d=block_2d, rounding=rounding,
-                          random_bits=random_bits, pad=pad, sr_bits=sr_bits)
+  settings = dict(fmt=fmt, axis=axis, block_2d=block_2d, rounding=rounding, random_bits=random_bits, pad=pad,
+                  sr_bits=sr_bits)
+  run = lambda x, key: no_gradient.refusing_gradient(x, key, _quantize_elements_jit, "fp4jax.quantize_elements",
+                                                     tuple(settings.items()))
   elements, scales, amax = _on_auto_axes(run, x, key)
   return elements, scales, amax, (block or elements.shape)
 
@@ -354,7 +378,7 @@ def fake_quant(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str 
 
   Differentiable with the straight-through estimator: the gradient is the identity (the cotangent passes through
   unchanged), as in quantization-aware training, since the rounding's own derivative is zero almost everywhere
-  (without it jax.grad would return zeros). `quantize` has no gradient: its codes are integers. For QuEST's clipped
+  (without it jax.grad would return zeros). `quantize` has none: differentiating through it raises. For QuEST's clipped
   estimator, multiply the cotangent by the mask of `quantize_with_clip_mask`.
   """
   fmt, x, axis = _checked(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)

@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 from fp4jax import division
 from fp4jax import formats
 from fp4jax import grids
+from fp4jax import no_gradient
 from fp4jax import nvfp4
 from fp4jax import rht as rht_lib
 from fp4jax import prng
@@ -350,14 +351,22 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
     tile: (rows, cols) of the kernel's [P, R, C] view tile; powers of two. None picks one.
     sr_bits: the stochastic-rounding bit generator, as in fp4jax.quantize ("hash" or "threefry").
 
-  Not differentiable (integer outputs; gradients stop at x). Call it inside a custom_vjp rule.
+  Not differentiable, as fp4jax.quantize: reverse-mode autodiff that reaches it raises a TypeError (its gradient
+  would be zero; JAX never traces into the kernel). Call it inside a custom_vjp rule, as fp4jax.dot_general does.
   """
-  # Codes and scales are integers: nothing to differentiate. Stopping the gradient keeps jax.grad of callers from
-  # tracing into the kernel; straight-through or quantized backward rules belong to the caller's custom_vjp
-  # (as in fp4jax.dot_general).
-  x = jax.lax.stop_gradient(jnp.asarray(x))
+  x = jnp.asarray(x)
   axis = _check(x, axis, block_2d, rounding, key, random_bits, rht_size)
-  interpret = platform.resolve_interpret(interpret)
+  settings = dict(axis=axis, block_2d=block_2d, rounding=rounding, rht_size=rht_size,
+                  interpret=platform.resolve_interpret(interpret), random_bits=random_bits, pad=pad, tile=tile,
+                  sr_bits=sr_bits)
+  rht_signs = None if rht_signs is None else jnp.asarray(rht_signs)
+  return no_gradient.refusing_gradient(x, (key, rht_signs), _quantize_nvfp4, "pallas_kernels.quantize_nvfp4",
+                                       tuple(settings.items()))
+
+
+def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, random_bits, pad, tile, sr_bits):
+  """quantize_nvfp4's computation on checked arguments; `keys` is (key, rht_signs)."""
+  key, rht_signs = keys
   blocked = (x.ndim - 2, x.ndim - 1) if block_2d else (axis,)
   shape = _padded_shape(x.shape, blocked, pad)
   if rht_size is not None and shape[axis] % rht_size:
