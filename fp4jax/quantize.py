@@ -355,8 +355,8 @@ def quantize_elements(x, fmt, *, axis: int = -1, block_2d: bool = False, roundin
   block = block_shape(fmt, x.ndim, axis, block_2d) if _blocked_axes(fmt, x.ndim, axis, block_2d) else None
   settings = dict(fmt=fmt, axis=axis, block_2d=block_2d, rounding=rounding, random_bits=random_bits, pad=pad,
                   sr_bits=sr_bits)
-  run = lambda x, key: no_gradient.refusing_gradient(x, key, _quantize_elements_jit, "fp4jax.quantize_elements",
-                                                     tuple(settings.items()))
+  name = "fp4jax.quantize.quantize_elements"
+  run = lambda x, key: no_gradient.refusing_gradient(x, key, _quantize_elements_jit, name, tuple(settings.items()))
   elements, scales, amax = _on_auto_axes(run, x, key)
   return elements, scales, amax, (block or elements.shape)
 

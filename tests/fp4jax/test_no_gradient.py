@@ -26,7 +26,7 @@ CASES = {
 QUANTIZERS = {
     "fp4jax.quantize": lambda x, kw: fp4jax.dequantize(fp4jax.quantize(x, **kw)),
     "fp4jax.quantize_with_clip_mask": lambda x, kw: fp4jax.dequantize(fp4jax.quantize_with_clip_mask(x, **kw)[0]),
-    "fp4jax.quantize_elements": lambda x, kw: quantize_lib.quantize_elements(x, **kw)[0],
+    "fp4jax.quantize.quantize_elements": lambda x, kw: quantize_lib.quantize_elements(x, **kw)[0],
     "amax of fp4jax.quantize": lambda x, kw: fp4jax.quantize(x, **kw).amax,
 }
 
@@ -40,8 +40,8 @@ def _x(shape=(32, 64), seed=0):
 def test_grad_through_a_quantizer_raises_naming_it(name, case):
   fn, kw = QUANTIZERS[name], CASES[case]
   loss = lambda x: jnp.sum(fn(x, kw))
-  expected = name.split()[-1]
-  with pytest.raises(TypeError, match=f"{expected} has no gradient.*fake_quant"):
+  expected = re.escape(name.split()[-1])
+  with pytest.raises(TypeError, match=f"^{expected} has no gradient.*fake_quant"):
     jax.grad(loss)(_x())
 
 
