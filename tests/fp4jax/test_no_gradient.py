@@ -50,6 +50,8 @@ def test_under_jit_vmap_and_value_and_grad_too():
   for transform in (lambda f: jax.jit(jax.grad(f)), lambda f: jax.vmap(jax.grad(f)), jax.value_and_grad):
     with pytest.raises(TypeError, match="fp4jax.quantize has no gradient"):
       transform(loss)(_x((4, 32, 16)))
+  with jax.disable_jit(), pytest.raises(TypeError, match="fp4jax.quantize has no gradient"):
+    jax.grad(loss)(_x((32, 16)))  # op by op: x is still a tracer of the differentiation
 
 
 def test_statistics_returned_as_aux_and_stop_gradient_inputs_run_as_before():
