@@ -244,10 +244,9 @@ def quantize_with_clip_mask(x, fmt, *, axis: int = -1, block_2d: bool = False, r
 
 def _quantize(x, fmt, axis, block_2d, rounding, key, random_bits, pad, sr_bits, clip_mask):
   fmt, x, axis = _checked(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
-  settings = dict(fmt=fmt, axis=axis, block_2d=block_2d, rounding=rounding, random_bits=random_bits, pad=pad,
-                  sr_bits=sr_bits, clip_mask=clip_mask)
+  settings = _static(fmt, axis, block_2d, rounding, random_bits, pad, sr_bits, clip_mask=clip_mask)
   name = "fp4jax.quantize_with_clip_mask" if clip_mask else "fp4jax.quantize"
-  run = lambda x, key: no_gradient.refusing_gradient(x, key, _quantize_jit, name, tuple(settings.items()))
+  run = lambda x, key: no_gradient.refusing_gradient(x, key, _quantize_jit, name, settings)
   return _on_auto_axes(run, x, key)
 
 
@@ -270,6 +269,11 @@ def _checked(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits):
 # array: 1.5 s for the first call, 12-17 ms for later ones, against 0.2 s and under 1 ms jitted). Inside a trace the
 # nested jit is inlined. `jax.disable_jit()` restores op-by-op execution.
 _SETTINGS = ("fmt", "axis", "block_2d", "rounding", "random_bits", "pad", "sr_bits")
+
+
+def _static(*values, **extra) -> tuple:
+  """The jitted bodies' static arguments (`_SETTINGS` in order, then `extra`) as hashable (name, value) pairs."""
+  return tuple(zip(_SETTINGS, values)) + tuple(extra.items())
 
 
 @functools.partial(jax.jit, static_argnames=_SETTINGS + ("clip_mask",))
@@ -353,10 +357,9 @@ def quantize_elements(x, fmt, *, axis: int = -1, block_2d: bool = False, roundin
   Not differentiable, as quantize: reverse-mode autodiff that reaches it raises a TypeError."""
   fmt, x, axis = _checked(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
   block = block_shape(fmt, x.ndim, axis, block_2d) if _blocked_axes(fmt, x.ndim, axis, block_2d) else None
-  settings = dict(fmt=fmt, axis=axis, block_2d=block_2d, rounding=rounding, random_bits=random_bits, pad=pad,
-                  sr_bits=sr_bits)
+  settings = _static(fmt, axis, block_2d, rounding, random_bits, pad, sr_bits)
   name = "fp4jax.quantize.quantize_elements"
-  run = lambda x, key: no_gradient.refusing_gradient(x, key, _quantize_elements_jit, name, tuple(settings.items()))
+  run = lambda x, key: no_gradient.refusing_gradient(x, key, _quantize_elements_jit, name, settings)
   elements, scales, amax = _on_auto_axes(run, x, key)
   return elements, scales, amax, (block or elements.shape)
 

@@ -127,13 +127,18 @@ def _sm90_mesh():
   return mesh, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def compiled_hlo(fn, *args) -> str:
-  """XLA's optimized HLO text of `jax.jit(fn)` compiled for sm_90 without a GPU; `args` give shapes and dtypes."""
+def compile_sm90(fn, *args, compiler_options=None):
+  """`jax.jit(fn)` compiled for sm_90 without a GPU; `args` give shapes and dtypes."""
   import jax  # pylint: disable=g-import-not-at-top
   mesh, sharding = _sm90_mesh()
   args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the Triton lowering asks it for the GPU kind
-    return jax.jit(fn).lower(*args).compile().as_text()
+    return jax.jit(fn).lower(*args).compile(compiler_options=compiler_options)
+
+
+def compiled_hlo(fn, *args) -> str:
+  """XLA's optimized HLO text of `jax.jit(fn)` compiled for sm_90 without a GPU; `args` give shapes and dtypes."""
+  return compile_sm90(fn, *args).as_text()
 
 
 def bf16_roundings_kept() -> list[tuple[str, int]]:
@@ -166,16 +171,12 @@ def compile_all(out_dir: str | None = None) -> list[tuple[str, bool, str]]:
   # Per compile, not in XLA_FLAGS: those are read once, when jax starts its first backend, which in a test worker
   # another test may already have done.
   options = {"xla_dump_to": dump}
-  import jax  # pylint: disable=g-import-not-at-top
-  mesh, sharding = _sm90_mesh()
   results = []
   for name, fn, args in cases():
-    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     before = set(glob.glob(os.path.join(dump, "*thunk_sequence.txt")))
     t0 = time.time()
     try:
-      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the Triton lowering asks it for the GPU kind
-        jax.jit(fn).lower(*args).compile(compiler_options=options)
+      compile_sm90(fn, *args, compiler_options=options)
       kernels, launches = [], 0
       for path in sorted(set(glob.glob(os.path.join(dump, "*thunk_sequence.txt"))) - before):
         with open(path, encoding="utf-8") as f:

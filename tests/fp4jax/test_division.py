@@ -105,10 +105,13 @@ def test_divide_broadcasts_matches_cpu_division_and_differentiates():
   np.testing.assert_allclose(db, -a / (a + 3.0) ** 2, rtol=1e-5)
 
 
+def _lowered(fn, args, platform):
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
 def test_each_platform_lowers_its_division():
-  f = jax.jit(division.divide)
   x = jnp.ones((16,), jnp.float32)
-  text = {p: f.trace(x, x).lower(lowering_platforms=(p,)).as_text() for p in ("cpu", "cuda", "rocm", "tpu")}
+  text = {p: _lowered(division.divide, (x, x), p) for p in ("cpu", "cuda", "rocm", "tpu")}
   for p in ("cuda", "rocm"):  # the float64 quotient
     assert "tensor<16xf64>" in text[p] and "count_leading_zeros" not in text[p], p
   assert "count_leading_zeros" in text["tpu"] and "f64" not in text["tpu"]  # the integer correction
@@ -120,7 +123,7 @@ def test_float64_division_widens_its_operands_from_bits():
   excess-precision rewrite would delete such a convert after the float64 -> float32 rounding of the first quotient,
   and the second division would read the unrounded quotient (the bfloat16 bug of the first H200 run, in float64)."""
   chain = lambda amax: division.divide(1.0, division.divide(2688.0, amax))
-  text = jax.jit(chain).trace(jnp.float32(3.0)).lower(lowering_platforms=("cuda",)).as_text()
+  text = _lowered(chain, (jnp.float32(3.0),), "cuda")
   assert "tensor<f64>" in text
   assert not re.search(r"stablehlo\.convert %\S+ : \(tensor<f32>\) -> tensor<f64>", text), text
   np.testing.assert_array_equal(np.asarray(chain(jnp.float32(3.0))), np.float32(1) / (np.float32(2688) / np.float32(3)))
@@ -184,10 +187,6 @@ def test_quantizers_divide_only_by_powers_of_two_outside_division(fmt, kw, allow
   assert raw_float_divisions(lambda x: fp4jax.quantize(x, fmt, key=key, **kw).codes, X) <= allowed
 
 
-def _lowered(fn, args, platform):
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-
-
 def _layer_fwd_bwd(x, w):
   """One nvfp4 linear layer's forward and backward (2D weight blocks, Wgrad's output scaling, SR on dY)."""
   loss = lambda x, w: jnp.sum(fp4jax.dot_general(x, w, (((1,), (0,)), ((), ())), recipe="nvfp4",
@@ -217,7 +216,8 @@ def test_computed_once_returns_its_arguments():
   a, b = jnp.float32(3.0), jnp.arange(4, dtype=jnp.float32)
   out = jax.jit(division.computed_once)(a, b)
   assert isinstance(out, tuple) and len(out) == 2
-  np.testing.assert_array_equal(out[0], a) and np.testing.assert_array_equal(out[1], b)
+  np.testing.assert_array_equal(out[0], a)
+  np.testing.assert_array_equal(out[1], b)
 
 
 # What marks a quotient in XLA's optimized HLO: a float64 divide (divide_in_float64), or divide_by_bits' clz.
@@ -228,7 +228,6 @@ def test_no_quotient_is_recomputed_per_element_on_sm90():
   """Compiled for sm_90 without a GPU (XLA's deviceless AOT; needs jax >= 0.11 with a CUDA plugin, else skipped):
   in one nvfp4 layer's forward and backward, no kernel that writes as many values as a weight or an activation
   contains a quotient; per-block and scalar kernels do (and some must: the test would pass on no division)."""
-  import re
   from benchmarks.gpu import aot
   ok, why = aot.supported()
   if not ok:
