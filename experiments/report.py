@@ -94,8 +94,9 @@ def collect(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[str, 
 
 def _curve(run_folder: pathlib.Path) -> dict[str, np.ndarray]:
   """Train loss per logged step and validation loss per evaluated step (taken before that step's update)."""
-  path = run_folder / "metrics.jsonl"
-  records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+  # Imported here: the rest of the report (and redrawing a copied results folder) runs without JAX.
+  from fp4jax.pretrain import metrics  # pylint: disable=import-outside-toplevel
+  records = metrics.read_metrics(run_folder)  # an unfinished last line (a killed run) left out
   steps = [r for r in records if "loss" in r]
   vals = [r for r in records if "val_loss" in r]
   return {"step": np.array([r["step"] for r in steps], int), "loss": np.array([r["loss"] for r in steps], float),
@@ -215,6 +216,8 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
     blocks = ",".join(map(str, a["bf16_blocks"])) if a["bf16_blocks"] else "none"
     table_rows.append([a["run"], setting, blocks, seeds, fmt(a["val_loss_mean"], a["val_loss_std"], 4), gap, tps])
   lines += [table(["run", "setting", "BF16 blocks", "seeds", "final val loss", gap_head, "tokens/s"], table_rows)]
+  if reference and not any(a["run"] == reference and a["seeds"] for a in agg):
+    lines += ["", f"No gaps: the reference run {reference!r} has no finished seed here."]
   lines += ["", "Final val loss: mean ± std over seeds on fixed held-out batches. Gap: (val loss - reference val "
             "loss) / reference val loss, computed per seed against the reference run with the same seed (same "
             "initialisation and data order), then mean ± std. Tokens/s: median training throughput of the CPU/XLA "
@@ -381,6 +384,8 @@ def write_report(folder: str | pathlib.Path, *, reference: str | None = None, wi
   is redrawn from its results.jsonl and curves.csv.
   """
   folder = pathlib.Path(folder)
+  if not folder.is_dir():
+    raise FileNotFoundError(f"{folder} does not exist (or is not a folder): give a sweep's --out folder.")
   if not any(folder.glob("*/seed*/summary.json")) and (folder / RESULTS_JSONL).is_file():
     meta, rows, curves = read_results(folder)
   else:

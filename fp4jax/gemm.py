@@ -153,6 +153,18 @@ def resolve_gemm_mode(recipe: recipes_lib.Recipe) -> str:
   return auto_gemm_mode(jax.default_backend(), cpu_flags())
 
 
+def scale_output(out, fa, fb):
+  """(out * fa) * fb: the bf16-unit GEMM's output times both operands' factors (amax / 2688 for NVFP4).
+
+  Two products, not out * (fa * fb): fa * fb of two tiny or huge factors may over/underflow. Where out * fa
+  overflows although the result fits (a huge activation amax against a small weight amax: |y| above about
+  FLT_MAX * amax_w / 2688), the factors are applied the other way round; everywhere else the bits are those of
+  (out * fa) * fb.
+  """
+  t = out * fa
+  return jnp.where(jnp.isinf(t) & jnp.isfinite(out), (out * fb) * fa, t * fb)
+
+
 def gemm(a, b, contract, recipe):
   """a . b contracting axes `contract` = (a_axis, b_axis), float32 accumulation, in the recipe's GEMM mode."""
   if recipe.backend == "pallas" and isinstance(a, QArray) and isinstance(b, QArray):
@@ -173,5 +185,5 @@ def gemm(a, b, contract, recipe):
       else:
         out = jax.lax.dot_general(av[0], bv[0], dims, preferred_element_type=jnp.float32)
       fa, fb = division.computed_once(av[1], bv[1])  # quotients: not recomputed per output element off the CPU
-      return (out * fa) * fb  # two products, not one: a * b of two tiny or huge factors may over/underflow
+      return scale_output(out, fa, fb)
   return jax.lax.dot_general(f32_values(a), f32_values(b), dims, precision=_HIGHEST, preferred_element_type=jnp.float32)

@@ -26,7 +26,14 @@ def scale_exponent(amax_b, scale_rule: str):
   e = e_frexp - 1 - 2
   if scale_rule == "ceil":
     e = e + (mantissa > 0.75).astype(e.dtype)
+  return _clamped(e, amax_b)
+
+
+def _clamped(e, amax_b):
+  """e clamped to E8M0's range; a zero block gets the smallest exponent and an infinite one the largest (log2 of
+  inf is inf; frexp(inf) gives exponent 0, which would scale the block's finite elements into saturation)."""
   e = jnp.where(amax_b > 0, e, E8M0_MIN_EXPONENT)
+  e = jnp.where(amax_b == jnp.inf, E8M0_MAX_EXPONENT, e)
   return jnp.clip(e, E8M0_MIN_EXPONENT, E8M0_MAX_EXPONENT)
 
 
@@ -35,8 +42,7 @@ def e4m3_scale_exponent(amax_b):
   saturates. With amax_b = m * 2^E (m in [0.5, 1)) and 448 = 0.875 * 2^9: e = E - 9, plus 1 when m > 0.875."""
   mantissa, e_frexp = jnp.frexp(amax_b)
   e = e_frexp - 9 + (mantissa > 0.875).astype(e_frexp.dtype)
-  e = jnp.where(amax_b > 0, e, E8M0_MIN_EXPONENT)
-  return jnp.clip(e, E8M0_MIN_EXPONENT, E8M0_MAX_EXPONENT)
+  return _clamped(e, amax_b)
 
 
 def scale_by_pow2(x, e):

@@ -64,6 +64,9 @@ def resolve_signs(size: int, signs=None) -> jax.Array:
   if isinstance(signs, jax.Array) and jax.dtypes.issubdtype(signs.dtype, jax.dtypes.prng_key):
     return jax.random.rademacher(signs, (size,), dtype=jnp.float32)
   signs = jnp.asarray(signs)
+  if signs.dtype == jnp.bool_:  # True/False would pass as 1/0, and a 0 is no sign
+    raise ValueError("RHT signs must be numbers +1 or -1 (or a PRNG key); got a bool array: pass e.g. "
+                     "jnp.where(mask, 1.0, -1.0).")
   if signs.dtype == jnp.uint32 and signs.shape == (2,):  # raw (legacy) PRNG key
     return jax.random.rademacher(signs, (size,), dtype=jnp.float32)
   if signs.shape != (size,):

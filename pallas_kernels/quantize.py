@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from fp4jax import blocks
 from fp4jax import division
 from fp4jax import formats
 from fp4jax import grids
@@ -250,7 +251,7 @@ def rht_amax_call(x_view, h_mat, plan: Plan, *, interpret: bool):
       compiler_params=platform.compiler_params(num_warps=4, num_stages=2),
       name="nvfp4_rht_amax",
   )(x_view, h_mat)
-  return jnp.max(partial)
+  return blocks.tensor_amax(partial)  # jnp.max's float max may drop NaN (XLA:CPU: YNNPACK)
 
 
 def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, random_bits: int, interpret: bool,
@@ -388,7 +389,8 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
 
   h_mat = _rht_matrix(rht_size, rht_signs) if rht_size is not None else None
   if rht_size is None:
-    amax = jnp.max(jnp.abs(grids.exact_float32(xp)))
+    # NaN-propagating, as fp4jax's: a float max over >= 4096 elements goes to YNNPACK on XLA:CPU, which drops NaN.
+    amax = blocks.tensor_amax(jnp.abs(grids.exact_float32(xp)))
   else:
     amax = rht_amax_call(x_view, h_mat, plan, interpret=interpret)
   s_enc = nvfp4.global_encode_scale(amax)

@@ -71,19 +71,23 @@ def recipe_variants() -> dict[str, recipes_lib.Recipe]:
 # --- small reductions --------------------------------------------------------------------------------------------
 
 def rel_error(a, ref) -> jax.Array:
-  """||a - ref|| / ||ref|| in float32 (0 when both are zero, inf when only ref is)."""
+  """||a - ref|| / ||ref|| in float32 (0 when both are zero, inf when ref is zero and a is not; NaN when either
+  holds a NaN: a diverged tensor must not score as exact)."""
   a, ref = jnp.asarray(a, jnp.float32), jnp.asarray(ref, jnp.float32)
   num, den = jnp.linalg.norm(a - ref), jnp.linalg.norm(ref)
-  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
+  out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
+  return jnp.where(jnp.isnan(num) | jnp.isnan(den), jnp.nan, out)
 
 
 def cosine(a, b) -> jax.Array:
-  """Cosine similarity of two tensors as flat vectors (1 when both are zero, 0 when only one is)."""
+  """Cosine similarity of two tensors as flat vectors (1 when both are zero, 0 when only one is, NaN when either
+  holds a NaN)."""
   a, b = jnp.ravel(jnp.asarray(a, jnp.float32)), jnp.ravel(jnp.asarray(b, jnp.float32))
   na, nb = jnp.linalg.norm(a), jnp.linalg.norm(b)
   den = na * nb
-  return jnp.where(den > 0, jnp.dot(a, b, precision=_HIGHEST) / jnp.where(den > 0, den, 1.0),
-                   jnp.where((na == 0) & (nb == 0), 1.0, 0.0))
+  out = jnp.where(den > 0, jnp.dot(a, b, precision=_HIGHEST) / jnp.where(den > 0, den, 1.0),
+                  jnp.where((na == 0) & (nb == 0), 1.0, 0.0))
+  return jnp.where(jnp.isnan(na) | jnp.isnan(nb), jnp.nan, out)
 
 
 def standard_error(values) -> float:

@@ -92,13 +92,21 @@ def val_batches(
   runs that differ in those are scored on other tokens (a batch-size or context-length sweep's val losses are not
   comparable to each other; the training loss at equal tokens is).
 
-  Windows overlap when the val split is shorter than num_batches * batch_size * (seq_len + 1).
+  Windows overlap when the val split is shorter than num_batches * batch_size * (seq_len + 1). More windows than
+  the split has start positions would score some windows twice (and a large --eval-batches would run for ages
+  with nothing to show): a ValueError says how many batches fit.
   """
   _need_ints(num_batches=num_batches)
   if num_batches < 1:
     raise ValueError(f"num_batches must be >= 1, got {num_batches}.")
   tokens = dataset.val
   b_local = _check_batch_args(tokens, "val", batch_size, seq_len, process_index, process_count)
+  distinct = tokens.size - seq_len  # start positions of a (seq_len + 1)-token window
+  if num_batches * batch_size > distinct:
+    raise ValueError(f"{num_batches} validation batches (--eval-batches) of {batch_size} windows ask for "
+                     f"{num_batches * batch_size} windows, but the validation split ({tokens.size} tokens) has only "
+                     f"{distinct} distinct windows of seq_len+1={seq_len + 1} tokens: use --eval-batches "
+                     f"{max(1, distinct // batch_size)} or fewer, or a larger --data.val_fraction or corpus.")
   starts = np.linspace(0, tokens.size - seq_len - 1, num_batches * batch_size).round().astype(np.int64)
   starts_NxB = starts.reshape(num_batches, batch_size)
   lo = process_index * b_local

@@ -72,7 +72,7 @@ class LogConfig:
   """How often metrics.jsonl gets a record, the progress bar, and a profiler trace of a few steps."""
 
   every: int = option(1, "write metrics every N steps", flag="log_every", result_free=True)
-  progress: bool = option(True, "tqdm progress bar", result_free=True)
+  progress: bool = option(True, "tqdm progress bar (off: a log line per validation instead)", result_free=True)
   profile: str | None = option(None, "trace steps START:STOP (STOP not included) with jax.profiler into "
                                "<out>/profile, for TensorBoard or Perfetto; e.g. 5:8 (step 0 compiles)",
                                result_free=True)

@@ -105,33 +105,67 @@ class MetricsLog:
     self.close()
 
 
+def parse_records(text: str, path: str | pathlib.Path = METRICS_FILE) -> tuple[list[dict[str, Any]], str | None]:
+  """(records, torn) of a metrics.jsonl text: one JSON object per line.
+
+  A last line that has no newline and does not parse is a record whose write a dying process cut short (killed,
+  out of memory, disk full): it is returned as `torn`, not as an error, so the run can still be read and resumed.
+  Any other line that does not parse is a ValueError naming the file and line.
+  """
+  lines, torn = _parse_lines(text, path)
+  return [record for _, record in lines], torn
+
+
+def _parse_lines(text, path):
+  """([(line, record)], torn last line or None): parse_records, keeping each record's line as written."""
+  lines = text.split("\n")
+  last = len(lines) - 1  # the text after the final newline ("" for a complete file)
+  parsed, torn = [], None
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      parsed.append((line, json.loads(line)))
+    except json.JSONDecodeError as e:
+      if i == last:
+        torn = line
+        continue
+      raise ValueError(f"{path}, line {i + 1}: not a JSON record ({e.msg}): {line[:80]!r}") from None
+  return parsed, torn
+
+
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
-  """All records of a metrics.jsonl file (or of <path>/metrics.jsonl for a run folder)."""
+  """All records of a metrics.jsonl file (or of <path>/metrics.jsonl for a run folder); an unfinished last line
+  (a write cut short, see parse_records) is left out."""
   path = pathlib.Path(path)
   if path.is_dir():
     path = path / METRICS_FILE
   if not path.is_file():
     raise FileNotFoundError(f"No metrics file at {path}.")
-  return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+  return parse_records(path.read_text(encoding="utf-8"), path)[0]
 
 
 def truncate_metrics(out_dir: str | pathlib.Path, after_step: int, *,
-                     keep_dropped: str | pathlib.Path | None = None) -> int:
+                     keep_dropped: str | pathlib.Path | None = None, log=None) -> int:
   """Drops step records beyond `after_step` (logged after the checkpoint a run resumes from); returns how many.
 
   keep_dropped: a file to write the dropped records to first (the records of a branch the run abandons).
+  An unfinished last line (a write cut short, see parse_records) is removed too, said through `log` if given.
   """
   path = pathlib.Path(out_dir) / METRICS_FILE
   if not path.is_file():
     return 0
-  lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-  later = [json.loads(line).get("step", -1) > after_step for line in lines]
+  parsed, torn = _parse_lines(path.read_text(encoding="utf-8"), path)
+  lines = [line for line, _ in parsed]
+  later = [record.get("step", -1) > after_step for _, record in parsed]
   keep = [line for line, drop in zip(lines, later) if not drop]
-  if len(keep) != len(lines):
-    if keep_dropped is not None:
+  if len(keep) != len(lines) or torn is not None:  # a torn last line goes too: the run appends after it
+    if keep_dropped is not None and len(keep) != len(lines):
       keep_dropped = pathlib.Path(keep_dropped)
       keep_dropped.parent.mkdir(parents=True, exist_ok=True)
       keep_dropped.write_text("".join(line + "\n" for line, drop in zip(lines, later) if drop), encoding="utf-8")
+    if torn is not None and log is not None:
+      log(f"Note: the last line of {path} was cut short (a process died writing it); removed: {torn[:80]!r}")
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
     tmp.replace(path)

@@ -91,6 +91,12 @@ class ModelConfig:
         ok = False
       if not ok or not isinstance(value, str):
         raise ValueError(f"ModelConfig.{field} must name a float dtype like 'bfloat16'; got {value!r}.")
+      if jnp.dtype(value).itemsize == 8 and not jax.config.jax_enable_x64:  # else JAX silently makes it float32
+        raise ValueError(f"ModelConfig.{field}={value!r} needs 64-bit JAX (JAX_ENABLE_X64=1); without it the "
+                         "arrays would be float32.")
+      if jnp.dtype(value).itemsize == 1:
+        raise ValueError(f"ModelConfig.{field}={value!r}: an 8-bit float is a storage format, not a dtype to "
+                         "compute or keep master weights in (FP8 GEMMs are a recipe: --recipe fp8).")
     for field in ("remat", "scan_layers"):
       if not isinstance(getattr(self, field), bool):
         raise ValueError(f"ModelConfig.{field} must be a bool; got {getattr(self, field)!r}.")

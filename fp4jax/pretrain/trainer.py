@@ -232,6 +232,10 @@ def _resume(config, state, out, log) -> tuple[int, TrainState]:
     changed = [c for c in changed if c not in ("steps", "warmup_fraction", "decay_fraction", "switch_at")]
   if changed:
     log(f"Note: resuming with changed settings {changed}; the run will differ from an uninterrupted one.")
+  windows = lambda c: (c.batch_size, c.train_seq_len, c.evaluation.batches)
+  if stored.evaluation.batches and config.evaluation.batches and windows(stored) != windows(config):
+    log(f"Note: the validation windows follow batch_size, seq_len and eval_batches, so from step {start} on "
+        "val_loss is measured on other windows: not comparable with the val_loss logged before.")
   stored_keep = stored.checkpointing.keep
   if config.checkpointing.keep < stored_keep:  # result-free, so not in `changed`
     log(f"Note: this run keeps {config.checkpointing.keep} checkpoints (--keep-checkpoints), the stored run kept "
@@ -242,7 +246,7 @@ def _resume(config, state, out, log) -> tuple[int, TrainState]:
     # resume drops only records the resumed steps write again, the same (resume is exact).
     if resume_step is not None:
       kept_in = resume_lib.moved_path(out, f"metrics.after-resume-{start}", ".jsonl")
-    dropped = metrics_lib.truncate_metrics(out, start - 1, keep_dropped=kept_in)
+    dropped = metrics_lib.truncate_metrics(out, start - 1, keep_dropped=kept_in, log=log)
   said = f" (dropped {dropped} later metric records" + (f", kept in {kept_in})" if resume_step is not None else ")")
   log(f"Resumed from step {start} in {out}" + (said if dropped else ""))
   return start, state
@@ -308,6 +312,8 @@ class _Loop:
     main = distributed.is_main_process()
     bar = tqdm.tqdm(total=config.steps, initial=self.start, disable=not (config.logging.progress and main), unit="step",
                     dynamic_ncols=True)
+    # Without the bar a run would be silent until it ends: each validation gets a log line instead.
+    log_validation = self.log if bar.disable else (lambda _: None)
     metrics_file = metrics_lib.MetricsLog(self.out) if main else contextlib.nullcontext(_NO_METRICS)
     # Every process traces its own devices (profiling.trace_dir); the main one says where.
     profiler = profiling.StepProfiler(config.logging.profile_window, self.out, self.log if main else lambda _: None)
@@ -365,6 +371,9 @@ class _Loop:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}",
                         **({"val": f"{info.record['val_loss']:.4f}"} if "val_loss" in info.record else {}))
+        if "val_loss" in info.record:
+          log_validation(f"step {step}/{config.steps}: loss {loss:.4f}, val_loss {info.record['val_loss']:.4f}, "
+                         f"{info.record['tokens_per_s']:.0f} tokens/s")
         # All processes stop after the same step, so the checkpoint below is saved by all of them together.
         if distributed.any_process(interrupted.is_set()):
           self.save(step + 1, state, force=True)

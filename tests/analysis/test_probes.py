@@ -203,6 +203,21 @@ def test_bad_inputs_raise():
     model_probes.capture_layer_tensors(model, {"inputs": np.zeros((2, 8), np.int32)})
 
 
+def test_error_measures_of_edge_cases():
+  """A NaN reference scored 0 error and cosine 0 before: a diverged layer looked exact."""
+  nan, one = jnp.array([jnp.nan, 1.0]), jnp.ones(2)
+  assert np.isnan(float(probes.rel_error(one, nan))) and np.isnan(float(probes.rel_error(nan, one)))
+  assert np.isnan(float(probes.cosine(nan, one))) and np.isnan(float(probes.cosine(one, nan)))
+  zero = jnp.zeros(2)
+  assert float(probes.rel_error(zero, zero)) == 0.0 and float(probes.rel_error(one, zero)) == np.inf
+  assert float(probes.cosine(zero, zero)) == 1.0 and float(probes.cosine(one, zero)) == 0.0
+  assert float(probes.rel_error(2 * one, one)) == 1.0 and float(probes.cosine(one, -one)) == pytest.approx(-1.0)
+  t = random_tensors()
+  r = probes.probe_layer(probes.LayerTensors(t.x_MxK.at[0, 0].set(jnp.nan), t.w_KxN, t.dy_MxN), "nvfp4",
+                         jax.random.key(0), num_draws=2)
+  assert np.isnan(float(r["fprop_err"])) and np.all(np.isnan(r["wgrad_err"])), r
+
+
 def test_probes_pin_auto_gemm_mode_to_the_float32_reference():
   """"auto" is bf16 (summation order differs from f32): probes run f32 so stored results reproduce bit for bit."""
   assert probes.as_probed("nvfp4").gemm_mode == "f32"

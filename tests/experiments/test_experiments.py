@@ -277,7 +277,17 @@ def test_a_gap_over_fewer_seeds_than_the_run_has_says_so():
   agg = {a["run"]: a for a in report.aggregate(rows)}
   assert agg["q"]["gap_seeds"] == 1 and agg["q"]["seeds"] == 2 and agg["q"]["gap_pct_mean"] == pytest.approx(10.0)
   text = report.markdown_table({"reference": "bf16"}, rows)
-  assert "| +10.00 (1 of 2 seeds) |" in text
+  assert "| +10.00 (1 of 2 seeds) |" in text and "No gaps" not in text
+  # The reference with no finished seed at all: every gap is "-", and the table says why.
+  rows = [r for r in rows if r["run"] != "bf16" or r["status"] == "diverged"]
+  report._add_gaps(rows, "bf16")  # pylint: disable=protected-access
+  assert "No gaps: the reference run 'bf16' has no finished seed here." in report.markdown_table(
+      {"reference": "bf16"}, rows)
+
+
+def test_report_on_a_missing_folder_says_it_does_not_exist(tmp_path, capsys):
+  assert report.main([str(tmp_path / "nope")]) == 2
+  assert "does not exist" in capsys.readouterr().err
 
 
 def test_smooth_is_a_trailing_moving_average():

@@ -304,6 +304,27 @@ def test_nan_and_inf_make_every_value_nan(fmt, axis, block_2d, dtype):
       assert np.all(np.isnan(out)), f"{what} {bad}: {np.sum(~np.isnan(out))} values are not NaN"
 
 
+MX_INF_CONFIGS = [c for c in NON_FINITE_CONFIGS if isinstance(c[0], (fp4jax.MXFP4, fp4jax.MXFP8))]
+
+
+@pytest.mark.parametrize("fmt,axis,block_2d,dtype", MX_INF_CONFIGS, ids=[_cfg_id(c) for c in MX_INF_CONFIGS])
+def test_mx_blocks_holding_an_infinity_store_what_the_reference_stores(fmt, axis, block_2d, dtype):
+  """A block with +-inf gets E8M0's largest exponent (log2 inf = inf, clamped to 127), so its finite elements
+  scale to zero codes instead of saturating (frexp(inf) gave exponent 0 before: a scale of 2^-3 with OCP's rule);
+  the other blocks keep theirs. Dequantized, the tensor is NaN either way (the test above)."""
+  for bad in (np.inf, -np.inf):
+    x = edge_tensor()
+    x[7, 77] = bad
+    x = _cast(x, dtype)
+    q = _jit("quantize", fmt, axis=axis, block_2d=block_2d, pad=False)(x)
+    r = reference(fmt, x, axis, block_2d)
+    assert np.max(r["scales"]) == 2.0**127  # the construction hits the case
+    np.testing.assert_array_equal(np.asarray(q.scales).astype(np.float64), r["scales"], err_msg=f"scales {bad}")
+    codes = _stored_codes(q)
+    want = r["codes"].astype(np.float64)
+    np.testing.assert_array_equal(codes.astype(np.float64), want, err_msg=f"codes {bad}")
+
+
 # ---------------------------------------------------------------- 3. stochastic rounding given the bits
 
 

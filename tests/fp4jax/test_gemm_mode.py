@@ -100,6 +100,24 @@ def test_non_finite_tensor_poisons_the_bf16_product_like_dequantize():
   del values
 
 
+def test_a_huge_activation_against_a_small_weight_stays_finite_in_bf16_mode():
+  """The output factors went on as (out * fa) * fb only: with amax_x ~ 1e36 and amax_w ~ 0.03, out * fa overflowed
+  for |y| above ~1e33 and 222 of 256 outputs were inf where the f32 mode gives the finite product (max 1.2e35)."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((16, 16)) * 1e36, jnp.float32)
+  w = jnp.asarray(rng.standard_normal((16, 16)) * 0.01, jnp.float32)
+  ys = {m: np.asarray(fp4jax.dot_general(x, w, DN, recipe=recipes.nvfp4(gemm_mode=m), key=jax.random.key(0)))
+        for m in ("f32", "bf16")}
+  assert np.all(np.isfinite(ys["f32"])) and np.all(np.isfinite(ys["bf16"]))
+  np.testing.assert_allclose(ys["bf16"], ys["f32"], rtol=0, atol=16 * EPS * np.max(np.abs(ys["f32"])))
+  # In range, the bits are (out * fa) * fb's; the other order only where that overflows.
+  out = jnp.asarray([[3.0e38, -1.5e3, 0.0, jnp.inf]], jnp.float32)
+  fa, fb = jnp.float32(1e10), jnp.float32(3e-12)
+  got = np.asarray(gemm.scale_output(out, fa, fb))
+  np.testing.assert_array_equal(got[0, 1:], np.asarray((out * fa) * fb)[0, 1:])
+  assert got[0, 0] == np.float32(np.float32(3.0e38) * fb) * np.float32(1e10) and np.isfinite(got[0, 0])
+
+
 def test_fp8_block_scales_are_not_exact_in_bf16_so_the_gemm_stays_f32():
   """FP8's float32 block scales (amax / 448) have no exact bf16 form: "bf16" mode runs the reference GEMM."""
   x, w, g = _inputs(2)

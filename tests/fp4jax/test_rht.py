@@ -140,6 +140,9 @@ def test_bad_signs_raise():
     fp4jax.random_hadamard(jnp.ones((4, 32)), size=16, signs=jnp.array([0.0, 1.0] * 8))
   with pytest.raises(ValueError, match=r"\+1 or -1"):
     fp4jax.random_hadamard(jnp.ones((4, 32)), size=16, signs=np.full(16, 0.5))
+  for mask in (jnp.ones(16, bool), jnp.zeros(16, bool)):  # all True passed as all +1 before: refused by type
+    with pytest.raises(ValueError, match="bool array"):
+      fp4jax.random_hadamard(jnp.ones((4, 32)), size=16, signs=mask)
   # Traced signs cannot be checked before they exist; valid ones work under jit.
   y = jax.jit(lambda s: fp4jax.random_hadamard(jnp.ones((1, 16)), size=16, signs=s))(jnp.array([1.0, -1.0] * 8))
   np.testing.assert_allclose(np.linalg.norm(np.asarray(y)), 4.0, rtol=1e-6)

@@ -288,6 +288,28 @@ def test_metrics_after_the_resumed_step_are_dropped(tmp_path):
   assert not (tmp_path / "none.jsonl").exists()  # nothing dropped, nothing written
 
 
+def test_a_metrics_line_cut_short_is_left_out_and_removed_on_resume(tmp_path):
+  """A killed run can leave its last record half-written: readers skip it, truncating (resume) removes it and says
+  so; a broken line anywhere else is an error naming the file and line."""
+  with metrics.MetricsLog(tmp_path) as log:
+    for step in range(4):
+      log.write({"step": step, "loss": float(step)})
+  path = tmp_path / metrics.METRICS_FILE
+  complete = path.read_text()
+  path.write_text(complete + '{"step": 4, "lo')
+  assert [r["step"] for r in metrics.read_metrics(tmp_path)] == [0, 1, 2, 3]
+  notes = []
+  assert metrics.truncate_metrics(tmp_path, 10, log=notes.append, keep_dropped=tmp_path / "branch.jsonl") == 0
+  assert path.read_text() == complete and len(notes) == 1 and "cut short" in notes[0]
+  assert not (tmp_path / "branch.jsonl").exists()  # no record dropped: no branch file
+  assert metrics.truncate_metrics(tmp_path, 10, log=notes.append) == 0 and len(notes) == 1  # nothing more to say
+  path.write_text(complete + '{"step": 4, "lo\n' + '{"step": 5, "loss": 5.0}\n')
+  with pytest.raises(ValueError, match=r"metrics.jsonl, line 5: not a JSON record"):
+    metrics.read_metrics(tmp_path)
+  with pytest.raises(ValueError, match="line 5"):
+    metrics.truncate_metrics(tmp_path, 2)
+
+
 def test_resume_with_a_changed_state_shape_names_the_changed_settings(data_config, tmp_path):
   config = make_config(data_config, tmp_path, steps=8, recipe="nvfp4")
   save_run(config, steps=(4,))

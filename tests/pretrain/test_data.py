@@ -233,6 +233,11 @@ def test_batch_errors(shakespeare, text_folder, tmp_path):
       data.get_batch(small, "train", **{"step": 0, "batch_size": 2, "seq_len": 8, "seed": 0, **bad})
   with pytest.raises(ValueError, match="must be an int"):
     data.val_batches(small, batch_size=2, seq_len=8, num_batches=1.0)
+  # More windows than start positions would score windows twice: refused, naming how many batches fit.
+  fits = (small.val.size - 8) // 2
+  assert len(data.val_batches(small, batch_size=2, seq_len=8, num_batches=fits)) == fits
+  with pytest.raises(ValueError, match=rf"only {small.val.size - 8} distinct windows.*--eval-batches {fits} or fewer"):
+    data.val_batches(small, batch_size=2, seq_len=8, num_batches=fits + 1)
   np.testing.assert_array_equal(  # numpy ints are ints
       data.get_batch(small, "train", np.int64(3), batch_size=np.int32(2), seq_len=8, seed=np.uint32(1))["inputs"],
       data.get_batch(small, "train", 3, batch_size=2, seq_len=8, seed=1)["inputs"])

@@ -148,6 +148,8 @@ def test_rope_is_relative_and_norm_preserving():
     (dict(vocab_size=2.5), "vocab_size"),
     (dict(dtype="int8"), "dtype"),
     (dict(param_dtype="nonsense"), "param_dtype"),
+    (dict(dtype="float64"), "dtype='float64' needs 64-bit JAX"),  # JAX would silently run it as float32
+    (dict(param_dtype="float8_e4m3fn"), "param_dtype='float8_e4m3fn': an 8-bit float"),
     (dict(norm_eps=0.0), "norm_eps"),
 ])
 def test_bad_config_raises_naming_field(overrides, field):

@@ -49,6 +49,8 @@ def test_corrupt_checkpoints_fall_back_and_lose_nothing(env, tmp_path):
   ck_dir = ckpt.checkpoint_dir(out)
   zero_array_data(ck_dir / "12")
   corrupt = snapshot(ck_dir / "12")
+  with open(out / metrics.METRICS_FILE, "a", encoding="utf-8") as f:  # and a record the dying process cut short
+    f.write('{"step": 12, "loss": ')
 
   # --resume: 12 is unreadable, so the run restarts from 8, and reproduces steps 8..11 bit for bit.
   log = []
@@ -67,6 +69,7 @@ def test_corrupt_checkpoints_fall_back_and_lose_nothing(env, tmp_path):
   assert [p.name.split(".")[:2] for p in moved] == [["12", "corrupt"]]
   assert snapshot(moved[0]) == corrupt  # kept, renamed, byte for byte
   assert any("Moved checkpoint 12 aside" in line for line in log)
+  assert any("was cut short" in line for line in log)
   assert [r["loss"] for r in metrics.read_metrics(out)] == straight["losses"]
 
   # --resume-step 4 with a later corrupt checkpoint (the new 12, damaged again) and a readable one (8).
@@ -203,13 +206,15 @@ def test_cli_keep_schedule(env, tmp_path):
 
 @pytest.mark.slow
 def test_resume_with_fewer_kept_checkpoints_says_older_ones_go(env, tmp_path):
-  """A Python resume with the default keep=3 silently deleted the older checkpoints a keep=10 run had kept."""
-  trainer.train(make_config(env, tmp_path, steps=8, checkpoint_every=2, keep_checkpoints=10), log=None,
-                compile_cache=env["cache"])
+  """A Python resume with the default keep=3 silently deleted the older checkpoints a keep=10 run had kept.
+  Another eval_batches (or batch_size, seq_len) moves the validation windows: said too."""
+  trainer.train(make_config(env, tmp_path, steps=8, checkpoint_every=2, keep_checkpoints=10, eval_batches=1),
+                log=None, compile_cache=env["cache"])
   log = []
-  trainer.train(make_config(env, tmp_path, steps=10, checkpoint_every=2, resume=True), log=log.append,
-                compile_cache=env["cache"])
+  trainer.train(make_config(env, tmp_path, steps=10, checkpoint_every=2, resume=True, eval_batches=2),
+                log=log.append, compile_cache=env["cache"])
   assert any("keeps 3 checkpoints (--keep-checkpoints), the stored run kept 10" in line for line in log)
+  assert any("from step 8 on val_loss is measured on other windows" in line for line in log)
   manager = ckpt.open_manager(tmp_path, create=False)
   assert ckpt.available_steps(manager) == [6, 8, 10]  # what the note announced
   manager.close()

@@ -43,8 +43,12 @@ def make_config(env, out, **changes) -> TrainConfig:
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "mxfp4", "fp8"])
 def test_loss_drops_with_each_recipe(env, tmp_path, recipe):
   # Statistics and validation checked with bf16 only: each compiles its own forward of the quantized graph.
-  extra = dict(stats_every=8) if recipe == "bf16" else dict(eval_batches=0)
-  summary = run(env, make_config(env, tmp_path / recipe, recipe=recipe, **extra))
+  extra = dict(stats_every=8, eval_every=8) if recipe == "bf16" else dict(eval_batches=0)
+  logged = []  # without the progress bar, each validation before the last gets a log line
+  summary = trainer.train(make_config(env, tmp_path / recipe, recipe=recipe, **extra), log=logged.append,
+                          compile_cache=env["cache"])
+  assert [line.split(":")[0] for line in logged if line.startswith("step ")] == (
+      [f"step {s}/{STEPS}" for s in (0, 8)] if recipe == "bf16" else [])
   losses = summary["losses"]
   assert len(losses) == STEPS and all(np.isfinite(losses))
   assert np.mean(losses[-4:]) < losses[0] - 1.5, losses
