@@ -42,6 +42,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from fp4jax import formats
@@ -295,6 +296,8 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
     use_blackwell: None = native block-scaled MMA (jax.nn.scaled_matmul) when the GPU has compute capability
       >= 10 and both operands are NVFP4 with 1D blocks; False = always the Pallas kernel.
   """
+  if not (isinstance(contract, (tuple, list)) and len(contract) == 2):
+    raise ValueError(f"fp4_matmul: contract is (a's contraction axis, b's), e.g. (1, 0); got {contract!r}.")
   op_a, op_b = _operand(a, contract[0], "a"), _operand(b, contract[1], "b")
   m, k = a.shape[1 - op_a.contract], a.shape[op_a.contract]
   n, k_b = b.shape[1 - op_b.contract], b.shape[op_b.contract]
@@ -322,8 +325,9 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
                        f"{q.fmt.block_size} along blocked axes.")
   if split_k is None:
     split_k = default_split_k(m, n, k, (bm, bn, bk), interpret)
-  if not isinstance(split_k, int) or split_k < 1:
+  if isinstance(split_k, bool) or not isinstance(split_k, (int, np.integer)) or split_k < 1:
     raise ValueError(f"fp4_matmul: split_k must be a positive int; got {split_k!r}.")
+  split_k = int(split_k)  # a static launch parameter: a plain int also for numpy integers
   kq = bk * split_k
   mp, np_, kp = -(-m // bm) * bm, -(-n // bn) * bn, -(-k // kq) * kq
   a_codes, a_scales = _pad_operand(a, op_a, mp, kp)

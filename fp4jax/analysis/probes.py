@@ -98,9 +98,10 @@ def standard_error(values) -> float:
 
 def bias_levels(num_draws: int) -> tuple[int, ...]:
   """Group sizes K = 1, 2, 4, ..., num_draws / 2: every level has at least two disjoint groups (for an error bar)."""
-  if not isinstance(num_draws, int) or num_draws < 2 or num_draws & (num_draws - 1):
+  if isinstance(num_draws, bool) or not isinstance(num_draws, (int, np.integer)) or num_draws < 2 or (
+      num_draws & (num_draws - 1)):
     raise ValueError(f"num_draws must be a power of two >= 2; got {num_draws!r}.")
-  return tuple(2**l for l in range(int(math.log2(num_draws))))
+  return tuple(2**l for l in range(int(math.log2(int(num_draws)))))
 
 
 # --- one layer's GEMM inputs ------------------------------------------------------------------------------------

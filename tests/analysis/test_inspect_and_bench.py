@@ -116,6 +116,15 @@ def test_compare_formats_zero_and_nan_inputs_agree_across_columns():
   assert all(np.isnan(r["rel_error"]) and np.isnan(r["snr_db"]) for r in nan)
 
 
+def test_compare_formats_refuses_what_it_cannot_measure():
+  """Zero signs passed the +-1 check (made inside the trace, where they have no values) and gave rel_error 1.0;
+  an empty list failed in np.stack."""
+  with pytest.raises(ValueError, match=r"\+1 or -1"):
+    fp4_inspect.compare_formats(jnp.ones((4, 32)), ["nvfp4"], signs=jnp.zeros(16))
+  with pytest.raises(ValueError, match="at least one format"):
+    fp4_inspect.compare_formats(jnp.ones((4, 32)), [])
+
+
 def test_sample_tensor():
   x = np.asarray(fp4_inspect.sample_tensor(seed=4, rows=1000, cols=128, outliers=3, outlier_scale=40.0))
   col_rms = np.sqrt(np.mean(x**2, axis=0))

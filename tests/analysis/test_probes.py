@@ -190,6 +190,10 @@ def test_bad_inputs_raise():
   t = random_tensors()
   with pytest.raises(ValueError, match="power of two"):
     probes.probe_layer(t, "nvfp4", jax.random.key(0), num_draws=6)
+  assert probes.bias_levels(np.int64(4)) == (1, 2)  # numpy integers are integers
+  for bad in (True, 4.0):
+    with pytest.raises(ValueError, match="power of two"):
+      probes.bias_levels(bad)
   with pytest.raises(ValueError, match="x \\[M, K\\]"):
     probes.probe_layer(probes.LayerTensors(t.x_MxK, t.w_KxN[:32], t.dy_MxN), "nvfp4", jax.random.key(0))
   with pytest.raises(ValueError, match="need K divisible by 16"):  # the rule's check, not "pass pad=True"

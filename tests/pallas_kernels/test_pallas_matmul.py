@@ -214,7 +214,11 @@ def test_bad_operands_raise():
   with pytest.raises(ValueError, match="block size"):
     call(_abstract((16, 64), "mxfp4", axis=1), _abstract((64, 32), "mxfp4", axis=1, block_2d=True),
          tiles=(16, 16, 32))
-  assert call(a, b).shape == (16, 16)
+  with pytest.raises(ValueError, match=r"contract is \(a's contraction axis, b's\)"):  # was a bare IndexError
+    call(a, b, contract=(1,))
+  with pytest.raises(ValueError, match="split_k must be a positive int"):
+    call(a, b, split_k=0)
+  assert call(a, b).shape == (16, 16) and call(a, b, split_k=np.int64(1)).shape == (16, 16)
 
 
 def test_scale_rules_beyond_nvidias():
