@@ -110,7 +110,7 @@ def compare_formats(x, fmts=DEFAULT_FORMATS, *, rht_size: int = 16, axis: int = 
     fmt_list.append(formats.get_format(fmt))
   if not fmt_list:
     raise ValueError("compare_formats needs at least one format in fmts.")
-  if signs is not None:  # checked here: inside _measure_all's trace the values (+-1?) cannot be
+  if signs is not None:  # checked here, outside _measure_all's trace, where the +-1 values can be read
     signs = rht.resolve_signs(rht_size, signs)
   use_rht = (False, True)
   stats = np.asarray(_measure_all(x, tuple(fmt_list), rht_size, axis, use_rht, signs), np.float64)

@@ -105,19 +105,13 @@ class MetricsLog:
     self.close()
 
 
-def parse_records(text: str, path: str | pathlib.Path = METRICS_FILE) -> tuple[list[dict[str, Any]], str | None]:
-  """(records, torn) of a metrics.jsonl text: one JSON object per line.
+def _parse_lines(text, path):
+  """([(line as written, record)], torn) of a metrics.jsonl text: one JSON object per line.
 
   A last line that has no newline and does not parse is a record whose write a dying process cut short (killed,
-  out of memory, disk full): it is returned as `torn`, not as an error, so the run can still be read and resumed.
+  out of memory, disk full): it comes back as `torn`, not as an error, so the run can still be read and resumed.
   Any other line that does not parse is a ValueError naming the file and line.
   """
-  lines, torn = _parse_lines(text, path)
-  return [record for _, record in lines], torn
-
-
-def _parse_lines(text, path):
-  """([(line, record)], torn last line or None): parse_records, keeping each record's line as written."""
   lines = text.split("\n")
   last = len(lines) - 1  # the text after the final newline ("" for a complete file)
   parsed, torn = [], None
@@ -136,13 +130,13 @@ def _parse_lines(text, path):
 
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
   """All records of a metrics.jsonl file (or of <path>/metrics.jsonl for a run folder); an unfinished last line
-  (a write cut short, see parse_records) is left out."""
+  (a write cut short, see _parse_lines) is left out."""
   path = pathlib.Path(path)
   if path.is_dir():
     path = path / METRICS_FILE
   if not path.is_file():
     raise FileNotFoundError(f"No metrics file at {path}.")
-  return parse_records(path.read_text(encoding="utf-8"), path)[0]
+  return [record for _, record in _parse_lines(path.read_text(encoding="utf-8"), path)[0]]
 
 
 def truncate_metrics(out_dir: str | pathlib.Path, after_step: int, *,
@@ -150,7 +144,7 @@ def truncate_metrics(out_dir: str | pathlib.Path, after_step: int, *,
   """Drops step records beyond `after_step` (logged after the checkpoint a run resumes from); returns how many.
 
   keep_dropped: a file to write the dropped records to first (the records of a branch the run abandons).
-  An unfinished last line (a write cut short, see parse_records) is removed too, said through `log` if given.
+  An unfinished last line (a write cut short, see _parse_lines) is removed too, said through `log` if given.
   """
   path = pathlib.Path(out_dir) / METRICS_FILE
   if not path.is_file():
