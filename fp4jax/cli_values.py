@@ -55,6 +55,9 @@ def parse_number(text) -> int | float | None:
     raise BadValue(f"expected a number, got {text!r}") from None
 
 
+MAX_LIST_RANGE = 65536  # indices in one "a-b" range of parse_int_list (block indices: a model's depth)
+
+
 def parse_int_list(text) -> tuple[int, ...]:
   """ "3,5,7-9" -> (3, 5, 7, 8, 9); "" -> ()."""
   if isinstance(text, (tuple, list)):
@@ -69,6 +72,8 @@ def parse_int_list(text) -> tuple[int, ...]:
     lo, hi = int(match.group(1)), int(match.group(2) or match.group(1))
     if hi < lo:
       raise BadValue(f"bad range {part!r}: end before start")
+    if hi - lo >= MAX_LIST_RANGE:  # expanding 0-30000000 took 3 GB before the list's users could refuse it
+      raise BadValue(f"range {part!r} holds {hi - lo + 1} indices; ranges are limited to {MAX_LIST_RANGE}")
     out.extend(range(lo, hi + 1))
   return tuple(out)
 

@@ -64,14 +64,14 @@ def derive_layer_keys(key) -> LayerKeys:
     if prng.batches_exactly(key):
       return jax.vmap(derive_layer_keys)(key)
     return jax.tree.map(lambda *a: jnp.stack(a), *[derive_layer_keys(k) for k in key])
-  k = prng.fold_in_many(keys.check_key(key, "key"), _TAGS)
+  k = prng.fold_in_many(keys.check_layer_stream_key(key, "key"), _TAGS)
   return LayerKeys(k, prng.seeds_from_keys(k))
 
 
 def check_layer_key(key, name: str = "key"):
   """Returns `key` if it is one PRNG key or the LayerKeys of one, else raises a ValueError naming `name`."""
   if not isinstance(key, LayerKeys):
-    return keys.check_key(key, name)
+    return keys.check_layer_stream_key(key, name)
   n = len(_TAGS)
   k_shape, s_shape = jnp.shape(key.keys), jnp.shape(key.seeds)
   typed = keys.is_typed_key(key.keys)

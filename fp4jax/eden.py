@@ -3,10 +3,13 @@
 After round-to-nearest, each group of 128 elements along the blocked axis (8 NVFP4 blocks; `formats.NVFP4.eden_group`,
 Quartet II's Hadamard size) gets the factor
 S = sum(y^2) / sum(y * q(y)) (y: elements on the E2M1 scale, q(y): their rounded values; 1 when the denominator is 0)
-multiplied into its 8 block scales, which are then rounded stochastically to a neighbouring E4M3 value. Following a
-random rotation (the RHT) this makes the dequantized tensor unbiased in expectation at group level, without
+multiplied into its 8 block scales, which are then rounded stochastically to a neighbouring E4M3 value, without
 stochastic rounding of the elements (IST-DASLab/Quartet-II, src/models/quantization/quantizers/nvfp4_triton.py,
 `eden_1x16s_fp4_kernel`). Sums are float32 in a fixed pairwise order (four_over_six.block_error's).
+
+Following a random rotation (the RHT) this is unbiased at group level, E<x, x_hat> = |x|^2, only where the group's
+block scales are equal: y is in units of each block's own scale, so with unequal scales the unweighted sums leave a
+bias of about -6e-4 of |x|^2 on Gaussian data (docs/numerics.md). The published rule is kept as it is.
 """
 
 from __future__ import annotations

@@ -96,9 +96,9 @@ class NVFP4(_FP4Format):
     each 1x128 group (8 blocks along the blocked axis) instead of the whole tensor, so one outlier only coarsens
     its own group. The QArray then stores one amax per group (float32, the scales' shape with the blocked axis
     divided by 8, rounded up). 1D blocks only.
-  eden_group: elements per MS-EDEN correction group (a multiple of 16; "eden" only). Quartet II corrects over each
-    Hadamard tile (IST-DASLab/Quartet-II, schemes/quartet_2.py, `eden_1x16s_fp4_kernel`), so a recipe's RHT size
-    must equal it (checked by fp4jax.Recipe); 128 is the paper's.
+  eden_group: elements per MS-EDEN correction group (16 times a power of two; "eden" only). Quartet II corrects
+    over each Hadamard tile (IST-DASLab/Quartet-II, schemes/quartet_2.py, `eden_1x16s_fp4_kernel`), so a recipe's
+    RHT size must equal it (checked by fp4jax.Recipe); 128 is the paper's.
   """
 
   block_size: int = 16
@@ -126,8 +126,10 @@ class NVFP4(_FP4Format):
       if not isinstance(getattr(self, flag), bool):
         raise ValueError(f"NVFP4 {flag} must be True or False; got {getattr(self, flag)!r}.")
     g = self.eden_group
-    if not isinstance(g, int) or isinstance(g, bool) or g < 16 or g % 16:
-      raise ValueError(f"NVFP4 eden_group must be a positive multiple of 16; got {g!r}.")
+    if not isinstance(g, numbers.Integral) or isinstance(g, bool) or g < 16 or g % 16 or (g // 16) & (g // 16 - 1):
+      raise ValueError(f"NVFP4 eden_group must be 16 times a power of two (16, 32, 64, 128, ...): the correction "
+                       f"sums its blocks pairwise; got {g!r}.")
+    object.__setattr__(self, "eden_group", int(g))  # np.int64(128) names and compares as 128
     if g != 128 and self.scale_rule != "eden":
       raise ValueError(f"NVFP4 eden_group applies to scale_rule='eden' only; got eden_group={g} with "
                        f"scale_rule={self.scale_rule!r}.")

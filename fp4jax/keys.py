@@ -24,6 +24,29 @@ def is_key(key) -> bool:
   return key.dtype == jnp.uint32 and key.shape == (_raw_key_words(),)
 
 
+def _impl_name(key) -> str:
+  """The PRNG implementation of `key`: a typed key's own, the configured default for raw key data."""
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return str(jax.random.key_impl(key))
+  return jax.config.jax_default_prng_impl
+
+
+def check_layer_stream_key(key, name: str = "key"):
+  """`check_key`, refusing keys of the "unsafe_rbg" implementation for a layer's key (fp4jax.dot_general).
+
+  A layer's key is a chain of fold_ins over (step, layer, GEMM tag) (the trainer's, the Flax layers' rng streams,
+  dot_general's tags). unsafe_rbg's fold_in(k, d) is k XOR g(d): the chain would not depend on the order of its
+  values and equal values would cancel, giving two layers the same stochastic-rounding bits at every step.
+  """
+  check_key(key, name)
+  if _impl_name(key) == "unsafe_rbg":
+    raise ValueError(f"{name}: keys of the unsafe_rbg PRNG cannot derive fp4jax's per-layer streams (its fold_in is "
+                     "a XOR, so streams folded in another order or twice coincide and layers would share "
+                     "stochastic-rounding bits); use the default threefry2x32 or rbg (jax_default_prng_impl, or "
+                     "jax.random.key(seed, impl='rbg')).")
+  return key
+
+
 def check_key(key, name: str = "key"):
   """Returns `key` if it is one PRNG key, else raises a ValueError naming the argument `name`."""
   if is_key(key):

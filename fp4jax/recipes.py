@@ -58,7 +58,8 @@ class OperandConfig:
       return "bf16"
     fmt, b = self.fmt, self.fmt.block_size
     layout = "tensor" if fmt.per_tensor else f"{b}x{b}" if self.block_2d else f"1x{b}"
-    parts = [fmt.label, layout, "SR" if self.rounding == "stochastic" else "RNE"]
+    sr = "RNE, SR scales" if getattr(fmt, "scale_rule", None) == "eden" else "SR"  # EDEN's elements round to nearest
+    parts = [fmt.label, layout, sr if self.rounding == "stochastic" else "RNE"]
     if self.rht:
       parts.append("RHT")
     if self.requantize:

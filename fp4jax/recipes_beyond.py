@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from fp4jax import formats
 from fp4jax import recipe_names
+from fp4jax import rht as rht_lib
 
 if TYPE_CHECKING:
   from fp4jax.recipes import Recipe
@@ -19,6 +20,13 @@ def _recipes():
   """fp4jax.recipes, imported when a preset is called: it imports this module at load time (no import cycle)."""
   from fp4jax import recipes  # pylint: disable=g-import-not-at-top
   return recipes
+
+
+def _check_switches(**switches) -> None:
+  """A CLI typo ("stochastic_rounding=flase") parses to a truthy string: refuse it rather than silently switch on."""
+  for flag, value in switches.items():
+    if not isinstance(value, bool):
+      raise ValueError(f"{flag} must be True or False; got {value!r}.")
 
 
 def _speed_tags(stochastic: bool, sr_bits: str, gemm_mode: str) -> str:
@@ -56,6 +64,7 @@ def tetrajet_v2(*, rht_size: int = 16, double_block: bool = True, stochastic_rou
       kernels' 14.0 % (no worse). A float32 x gives the kernels' operands.
     * Dgrad and Wgrad share one RHT sign vector per call; the reference draws one per GEMM (seed_dx, seed_dw).
   """
+  _check_switches(double_block=double_block, stochastic_rounding=stochastic_rounding)
   lib = _recipes()
   fmt = formats.NVFP4(double_block=double_block)
   sr = "stochastic" if stochastic_rounding else "nearest"
@@ -79,8 +88,10 @@ def quartet2(*, four_over_six: bool = False, rht_size: int = 128, stochastic_sca
   correction over each Hadamard tile (eden_group = rht_size) and stochastically rounded block scales
   (`formats.NVFP4` scale_rule "eden"; their random bits come from `sr_bits`'s generator).
   """
+  _check_switches(four_over_six=four_over_six, stochastic_scales=stochastic_scales)
   lib = _recipes()
   fwd = lib.OperandConfig(fmt=formats.NVFP4(scale_rule="4over6") if four_over_six else formats.NVFP4())
+  rht_lib.check_size(rht_size)
   if rht_size < 16:
     raise ValueError(f"quartet2: the EDEN correction runs over each Hadamard tile of whole 16-element blocks; "
                      f"rht_size must be >= 16, got {rht_size}.")
@@ -110,6 +121,7 @@ def quartet(*, rht_size: int = 32, stochastic_rounding: bool = True, random_bits
   Fprop basis along K, are masked and transformed back. The released CUDA kernels round the backward to nearest
   (`stochastic_rounding=False`).
   """
+  _check_switches(stochastic_rounding=stochastic_rounding)
   if backend == "pallas":
     raise ValueError("quartet: the Pallas kernels have neither QuEST's clip mask nor Tseng's 4/3 decode; use "
                      "backend='xla'.")

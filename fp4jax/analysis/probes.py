@@ -240,8 +240,8 @@ def _operands_need_key(recipe) -> bool:
   """Whether layer_operands depends on the layer key (then each draw rebuilds them, as the rule does per call):
   per-call RHT signs, or stochastic rounding of Dgrad's W or Wgrad's x (re-quantized Fprop operands)."""
   sr = lambda op: op.quantized and op.rounding == "stochastic"
-  return (recipe.rht_signs == "per_call" or (sr(recipe.dgrad.rhs) and not recipe.dgrad_reuses_weight)
-          or sr(recipe.wgrad.rhs))
+  per_call = any(recipe.signs_of(g) == "per_call" for g in ("fprop", "dgrad", "wgrad"))  # Fprop's may differ
+  return per_call or (sr(recipe.dgrad.rhs) and not recipe.dgrad_reuses_weight) or sr(recipe.wgrad.rhs)
 
 
 def _probe_layer(x_MxK, w_KxN, dy_MxN, key, recipe, num_draws):

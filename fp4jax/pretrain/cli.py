@@ -78,7 +78,7 @@ def config_from_args(argv: Sequence[str]):
     raise ValueError("--keep-schedule only applies with --resume (it keeps the stored run's schedule shape).")
   if not overrides.get("resume"):
     return config_lib.config_from_overrides(overrides)
-  _, meta = resume_lib.resume_meta(overrides["out"], overrides.get("resume_step"))
+  start, meta = resume_lib.resume_meta(overrides["out"], overrides.get("resume_step"))
   # The stored config holds how the run was last started: a stored --overwrite clashed with this --resume, and a
   # stored --resume-step N made every later --resume go back to step N (moving the newer checkpoints aside).
   base = config_lib.TrainConfig.from_dict(meta["config"]).replace(resume=False, resume_step=None, overwrite=False)
@@ -88,7 +88,7 @@ def config_from_args(argv: Sequence[str]):
     if both:
       raise ValueError(f"--keep-schedule sets {list(resume_lib.SCHEDULE_FIELDS)} from the stored run; do not "
                        f"also pass {['--' + f.replace('_', '-') for f in both]}.")
-    config = resume_lib.keep_schedule(base, config)
+    config = resume_lib.keep_schedule(base, config, start)
   return config
 
 

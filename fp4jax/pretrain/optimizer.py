@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,8 @@ class OptimizerConfig:
   """AdamW with a warmup-stable-decay schedule and global-norm clipping; fractions are of the run's steps."""
 
   lr: float = option(3e-3, "peak learning rate")
-  min_lr_ratio: float = option(0.0, "final LR as a fraction of the peak")
+  min_lr_ratio: float = option(0.0, "LR floor as a fraction of the peak, reached at step --steps (one past the "
+                                    "last update)")
   warmup_fraction: float = option(0.05, "linear warmup, fraction of steps")
   decay_fraction: float = option(0.2, "decay over the last fraction of steps")
   decay_shape: str = option("linear", "decay shape: linear | 1-sqrt")
@@ -33,6 +35,9 @@ class OptimizerConfig:
       if not ok:
         raise ValueError(f"OptimizerConfig: {message}")
 
+    for name in ("lr", "eps", "weight_decay", "grad_clip"):  # inf: eps=inf freezes every weight without a word
+      need(math.isfinite(getattr(self, name)), f"{name} must be finite; got {getattr(self, name)!r}"
+           + (" (0 turns clipping off)." if name == "grad_clip" else "."))
     need(self.lr > 0, f"lr must be > 0; got {self.lr!r}.")
     need(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio must lie in [0, 1]; got {self.min_lr_ratio!r}.")
     for name in ("warmup_fraction", "decay_fraction"):

@@ -83,6 +83,9 @@ class PrecisionPolicy:
         raise ValueError(f"PrecisionPolicy.switch_at must be None, a float in (0, 1) or an int step >= 0; got {s!r}.")
     if self.switch not in SWITCH_MODES:
       raise ValueError(f"PrecisionPolicy.switch must be one of {SWITCH_MODES}; got {self.switch!r}.")
+    if self.switch != "all" and s is None:
+      raise ValueError(f"PrecisionPolicy.switch={self.switch!r} says what switches, but there is no switch: set "
+                       "switch_at (--switch-at) too.")
 
   def switch_step(self, total_steps: int | None = None) -> int | None:
     """The first step that runs switched, or None without a switch. A fraction needs `total_steps`."""
@@ -94,6 +97,9 @@ class PrecisionPolicy:
       if total_steps is None:
         raise ValueError(f"switch_at={self.switch_at} is a fraction of the run: total_steps is required.")
       step = round(self.switch_at * total_steps)
+      if step == 0:  # a fraction means a late switch; step 0 would silently make the whole run BF16
+        raise ValueError(f"switch_at={self.switch_at} of a {total_steps}-step run rounds to step 0, which would run "
+                         "all of it switched; pass a larger fraction, an int step, or the BF16 recipe itself.")
     else:
       step = self.switch_at
     if total_steps is not None and step >= total_steps:
@@ -114,7 +120,8 @@ class PrecisionPolicy:
         raise ValueError(f"PrecisionPolicy.{field}={getattr(self, field)} exceeds the model's {n_layers} blocks.")
     bad = [b for b in self.blocks if b >= n_layers]
     if bad:
-      raise ValueError(f"PrecisionPolicy.blocks {bad} out of range for a model with {n_layers} blocks.")
+      shown = bad if len(bad) <= 8 else f"[{', '.join(map(str, bad[:4]))}, ..., {bad[-1]}] ({len(bad)} indices)"
+      raise ValueError(f"PrecisionPolicy.blocks {shown} out of range for a model with {n_layers} blocks.")
     chosen = set(range(self.first)) | set(range(n_layers - self.last, n_layers)) | set(self.blocks)
     return tuple(sorted(chosen))
 
@@ -153,8 +160,9 @@ class PrecisionPolicy:
       layer.recipe = recipes[name]
     return recipes
 
-  def describe(self, n_layers: int, layer_names: Sequence[str] | None = None) -> str:
-    """Readable summary: the BF16 blocks (and layers, given names), the recipe table and the switch."""
+  def describe(self, n_layers: int, layer_names: Sequence[str] | None = None, total_steps: int | None = None) -> str:
+    """Readable summary: the BF16 blocks (and layers, given names), the recipe table and the switch (with the step a
+    fraction resolves to, given `total_steps`)."""
     blocks = self.bf16_blocks(n_layers)
     lines = [f"Precision policy: recipe {self._recipe_label()}",
              f"BF16 blocks: {list(blocks) if blocks else 'none'} ({len(blocks)} of {n_layers} blocks"
@@ -169,6 +177,8 @@ class PrecisionPolicy:
       lines.append("Switch: none")
     else:
       when = f"{self.switch_at:.0%} of the run" if isinstance(self.switch_at, float) else f"step {self.switch_at}"
+      if isinstance(self.switch_at, float) and total_steps is not None:
+        when += f" (step {self.switch_step(total_steps)} of {total_steps})"
       what = "forward (Fprop) to BF16" if self.switch == "forward" else "all GEMMs to BF16"
       lines.append(f"Switch: at {when}, {what}")
     lines += ["Recipe:", str(self.recipe)]

@@ -9,7 +9,9 @@ The learning-rate schedule and a fractional --switch-at are functions of --steps
 therefore starts a new schedule at the checkpoint's step: steps already taken followed the old one, so the result
 equals neither the old run continued nor a fresh run of the new length (unless both schedules agree on the steps
 taken). `keep_schedule` keeps the old run's warmup and decay lengths (and the switch's distance from the end) in
-steps, which is the usual way to lengthen a warmup-stable-decay run from a checkpoint taken before its decay.
+steps, which is the usual way to lengthen a warmup-stable-decay run from a checkpoint taken before its decay. A run
+that has switched to BF16 is not switched back: `keep_schedule` keeps a past switch where it was, and a --steps that
+would move it past the checkpoint is refused (`check_switch_kept`).
 
 Multi-process runs: process 0 alone moves checkpoints aside, the others waiting for it. Falling back past an
 unreadable checkpoint is refused there (processes could disagree on which checkpoint reads, and would then restore
@@ -147,11 +149,12 @@ def restore_readable(out_dir: str | pathlib.Path, target: dict[str, Any], step: 
   return result
 
 
-def keep_schedule(stored: TrainConfig, config: TrainConfig) -> TrainConfig:
+def keep_schedule(stored: TrainConfig, config: TrainConfig, start: int | None = None) -> TrainConfig:
   """`config` with the warmup and decay lengths of `stored` in steps, and a --switch-at as far from the end.
 
   For a new --steps on resume: the stable phase absorbs the difference, so a checkpoint taken before the old decay
-  continues exactly as the old schedule would have until the (moved) decay starts.
+  continues exactly as the old schedule would have until the (moved) decay starts. A switch the stored run had
+  already made before the checkpoint's step `start` stays where it was (a run does not switch back).
   """
   if config.steps == stored.steps:
     return config
@@ -163,7 +166,8 @@ def keep_schedule(stored: TrainConfig, config: TrainConfig) -> TrainConfig:
   changes: dict[str, Any] = {"warmup_fraction": warmup / config.steps, "decay_fraction": decay / config.steps}
   switch = stored.policy.switch_step(stored.steps)
   if switch is not None:
-    changes["switch_at"] = max(config.steps - (stored.steps - switch), 0)
+    switched = start is not None and switch < start
+    changes["switch_at"] = switch if switched else max(config.steps - (stored.steps - switch), 0)
   return config.replace(**changes)
 
 
@@ -195,6 +199,22 @@ def _schedule_inputs(config: TrainConfig) -> tuple:
   return config.steps, o.lr, o.min_lr_ratio, o.warmup_fraction, o.decay_fraction, o.decay_shape
 
 
+def check_switch_kept(stored: TrainConfig, config: TrainConfig, start: int) -> None:
+  """Refuses a resume that would take a run which has switched to BF16 back to its quantized recipe.
+
+  A fractional --switch-at follows --steps (and --keep-schedule keeps the switch's distance from the end), so a
+  longer run moves the switch later; the steps between the checkpoint and the new switch would run quantized again.
+  """
+  old_switch = stored.policy.switch_step(stored.steps)
+  new_switch = config.policy.switch_step(config.steps)
+  if old_switch is None or old_switch >= start or new_switch is None or new_switch <= start:
+    return
+  span = f"step {start}" if new_switch == start + 1 else f"steps {start}..{new_switch - 1}"
+  raise ValueError(f"The stored run switched to BF16 at step {old_switch}; resuming at step {start} with --steps "
+                   f"{config.steps} moves the switch to step {new_switch}, so {span} would run "
+                   f"{config.policy.recipe.name} again. To stay in BF16, pass --switch-at {old_switch} (an int step).")
+
+
 def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str | None:
   """What resuming the checkpoint of `stored` at `start` under `config` does to the schedule (None: nothing)."""
   old_switch = stored.policy.switch_step(stored.steps)
@@ -220,4 +240,7 @@ def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str |
                  f"neither the stored run continued nor a fresh {config.steps}-step run.")
   if start >= stored.steps and stored.optimizer.decay_fraction > 0 and lr_new[start] > lr_old[start - 1]:
     lines.append("The stored run had finished its decay; the learning rate rises again.")
+  if new_switch is None and old_switch is not None and old_switch < start:
+    lines.append(f"The stored run switched to BF16 at step {old_switch}; without --switch-at, steps from {start} on "
+                 f"run {config.policy.recipe.name} again.")
   return " ".join(lines)

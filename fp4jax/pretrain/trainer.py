@@ -160,7 +160,7 @@ def _train_locked(config, user_hooks, log, compile_cache, out) -> dict[str, Any]
   manager = ckpt.open_manager(out, max_to_keep=config.checkpointing.keep,
                               save_interval_steps=config.checkpointing.every)
   try:
-    log(config.policy.describe(config.model.n_layers, list(model.linear_layers())))
+    log(config.policy.describe(config.model.n_layers, list(model.linear_layers()), config.steps))
     for line in _training_options_lines(config):
       log(line)
     log(f"Data: {dataset.source}")
@@ -221,6 +221,7 @@ def _resume(config, state, out, log) -> tuple[int, TrainState]:
     raise ValueError(f"Checkpoint step {start} is beyond --steps {config.steps}: resume from an earlier checkpoint "
                      f"with --resume-step N (N <= {config.steps}), or pass more --steps.")
   stored = TrainConfig.from_dict(meta["config"])
+  resume_lib.check_switch_kept(stored, config, start)
   schedule = resume_lib.schedule_note(stored, config, start)
   if schedule:
     log(schedule)

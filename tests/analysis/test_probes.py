@@ -2,6 +2,7 @@
 1/sqrt(K) decay of stochastic rounding, the chain-rule gap of 1D weights, the rule's GEMMs reproduced bit for bit,
 capture vs autodiff."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,6 +134,15 @@ def test_key_dependent_backward_operands_are_rebuilt_per_draw():
   assert probes._operands_need_key(recipes.tetrajet_v2().replace(rht_signs="fixed"))  # pylint: disable=protected-access
   assert not probes._operands_need_key(  # pylint: disable=protected-access
       recipes.tetrajet_v2(stochastic_rounding=False).replace(rht_signs="fixed"))
+  # Per-call Fprop signs alone (fixed backward signs, no SR on the re-quantized operands): each draw reused the
+  # base key's operands while the inverse transform took the draw's key (dgrad error 1.4 where the rule's is 0.38).
+  q = recipes.quartet()
+  rne = lambda op: dataclasses.replace(op, rounding="nearest")
+  only_fprop = q.replace(rht_signs="fixed", fprop_rht_signs="per_call",
+                         dgrad=recipes.GemmConfig(q.dgrad.lhs, rne(q.dgrad.rhs)),
+                         wgrad=recipes.GemmConfig(q.wgrad.lhs, rne(q.wgrad.rhs)))
+  assert probes._operands_need_key(only_fprop)  # pylint: disable=protected-access
+  assert not probes._operands_need_key(only_fprop.replace(fprop_rht_signs="none"))  # pylint: disable=protected-access
 
 
 @pytest.fixture(scope="module")

@@ -43,13 +43,26 @@ def test_eden_group_differing_from_the_rht_size_is_refused():
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(scale_rule="eden", eden_group=24), "multiple of 16"),
-    (dict(scale_rule="eden", eden_group=0), "multiple of 16"),
+    (dict(scale_rule="eden", eden_group=24), "16 times a power of two"),
+    (dict(scale_rule="eden", eden_group=0), "16 times a power of two"),
+    # Multiples of 16 whose block count is no power of two: accepted before, then quantize failed inside the
+    # pairwise sum ("block of 3 elements").
+    (dict(scale_rule="eden", eden_group=48), "16 times a power of two"),
+    (dict(scale_rule="eden", eden_group=96), "16 times a power of two"),
     (dict(scale_rule="nearest", eden_group=64), "scale_rule='eden' only"),
 ])
 def test_bad_eden_group_raises(changes, match):
   with pytest.raises(ValueError, match=match):
     fp4jax.NVFP4(**changes)
+
+
+def test_numpy_integer_groups_and_rht_sizes_are_plain_ints():
+  """np.int64(128) was refused as an eden_group ("must be a positive multiple of 16; got np.int64(128)"), which
+  quartet2(rht_size=np.int64(128)) passed on; a float size is refused as an RHT size, not as a group."""
+  assert fp4jax.NVFP4(scale_rule="eden", eden_group=np.int64(64)) == fp4jax.NVFP4(scale_rule="eden", eden_group=64)
+  assert fp4jax.recipes.quartet2(rht_size=np.int64(128)) == fp4jax.recipes.quartet2()
+  with pytest.raises(ValueError, match="RHT size must be a power of two"):
+    fp4jax.recipes.quartet2(rht_size=128.0)
 
 
 def test_eden_group_survives_the_recipe_json_round_trip():

@@ -5,6 +5,7 @@ derives all of a layer call's in one batched evaluation, and a model all of its 
 """
 
 import collections
+import functools
 import importlib
 
 import jax
@@ -17,6 +18,7 @@ import fp4jax
 dg = importlib.import_module("fp4jax.dot_general")  # the module (fp4jax.dot_general is the function)
 from fp4jax import prng
 from fp4jax import recipes
+from fp4jax import rht
 
 DN = (((1,), (0,)), ((), ()))
 # SR of dY (nvfp4), SR of every backward operand (TetraJet-v2), per-call RHT signs, the threefry generator.
@@ -121,3 +123,31 @@ def test_malformed_layer_keys_are_refused_naming_the_argument():
       fp4jax.dot_general(x, w, DN, recipe="nvfp4", key=b)
   with pytest.raises(ValueError, match="key must be one JAX PRNG key"):
     dg.derive_layer_keys(3)
+
+
+def test_unsafe_rbg_keys_are_refused_for_layer_streams():
+  """unsafe_rbg's fold_in is a XOR (order-free, and folding a value twice cancels), so the chain of fold_ins over
+  (step, layer, GEMM tag) gave two layers the same SR bits at every step; its keys are refused for layers."""
+  k = jax.random.key(0, impl="unsafe_rbg")
+  fold = lambda k, *d: jax.random.key_data(functools.reduce(jax.random.fold_in, d, k))
+  np.testing.assert_array_equal(fold(k, 3, 5), fold(k, 5, 3))  # why: not a hash of the order
+  x, w, _ = _inputs()
+  with pytest.raises(ValueError, match="unsafe_rbg PRNG cannot derive"):
+    fp4jax.dot_general(x, w, DN, recipe="nvfp4", key=k)
+  with pytest.raises(ValueError, match="unsafe_rbg PRNG cannot derive"):
+    dg.derive_layer_keys(k)
+  with jax.default_prng_impl("unsafe_rbg"):  # raw key data follows the configured implementation
+    with pytest.raises(ValueError, match="unsafe_rbg PRNG cannot derive"):
+      dg.derive_layer_keys(jax.random.PRNGKey(0))
+  rbg = jax.random.key(0, impl="rbg")
+  assert np.all(np.isfinite(np.asarray(fp4jax.dot_general(x, w, DN, recipe="nvfp4", key=rbg))))
+
+
+def test_raw_rbg_keys_draw_the_signs_their_typed_keys_draw():
+  """Raw rbg key data is uint32[4]: it was taken for a sign vector at rht_size=4 (|dW| inf) and refused at 16."""
+  with jax.default_prng_impl("rbg"):
+    raw = jax.random.PRNGKey(0)
+    assert raw.shape == (4,)
+    for size in (4, 16):
+      np.testing.assert_array_equal(rht.resolve_signs(size, raw),
+                                    rht.resolve_signs(size, jax.random.wrap_key_data(raw)))

@@ -26,6 +26,9 @@ def test_flat_options_land_in_their_groups():
     config.replace(learning_rate=1.0)
   with pytest.raises(ValueError, match="OptimizerConfig: lr must be > 0"):
     config.replace(lr=0.0)
+  for name in ("lr", "eps", "weight_decay", "grad_clip"):  # eps=inf trained with every Adam update 0
+    with pytest.raises(ValueError, match=f"OptimizerConfig: {name} must be finite; got inf"):
+      config.replace(**{name: float("inf")})
   with pytest.raises(ValueError, match="exceeds the model's 3 blocks"):
     config.replace(bf16_last=4)
 

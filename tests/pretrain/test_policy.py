@@ -101,6 +101,14 @@ def test_switch_errors():
     PrecisionPolicy(switch_at=0.8).phase(0)
   with pytest.raises(ValueError, match="never reaches"):
     PrecisionPolicy(switch_at=100).phase(0, 100)
+  # A fraction that rounds to step 0 made the whole run BF16 (bit-identical to --recipe bf16), logged as a switch
+  # "at 5% of the run"; an int step 0 still says so explicitly.
+  with pytest.raises(ValueError, match="rounds to step 0"):
+    PrecisionPolicy(switch_at=0.05).switch_step(10)
+  assert PrecisionPolicy(switch_at=0.05).switch_step(20) == 1
+  # --switch forward without --switch-at was accepted and did nothing.
+  with pytest.raises(ValueError, match="set switch_at"):
+    PrecisionPolicy(switch="forward")
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -171,6 +179,11 @@ def test_policy_from_strings():
   for bad in (dict(blocks="3-1"), dict(blocks="a"), dict(first="x"), dict(switch_at="soon")):
     with pytest.raises(ValueError):
       policy_from_strings("nvfp4", **bad)
+  # A huge range was expanded before anything checked it: 3 GB and a 290 MB error message for 0-30000000.
+  with pytest.raises(ValueError, match="holds 30000001 indices"):
+    policy_from_strings("nvfp4", blocks="0-30000000")
+  with pytest.raises(ValueError, match=r"blocks \[2, 3, 4, 5, \.\.\., 999\] \(998 indices\) out of range"):
+    policy_from_strings("nvfp4", blocks="2-999").bf16_blocks(2)
 
 
 def test_describe_mentions_blocks_switch_and_recipe():
@@ -178,8 +191,9 @@ def test_describe_mentions_blocks_switch_and_recipe():
   text = policy.describe(62, [f"blocks.{i}.{s}" for i in range(62) for s in model_lib.SUBLAYERS])
   assert "[0, 1, 54, 55, 56, 57, 58, 59, 60, 61]" in text
   assert "10 of 62 blocks" in text and "70 of 434" in text
-  assert "82%" in text and "all GEMMs" in text
+  assert "82%" in text and "all GEMMs" in text and "(step" not in text
   assert NVFP4.table() in text
+  assert "Switch: at 82% of the run (step 820 of 1000), all GEMMs" in policy.describe(62, total_steps=1000)
 
 
 def test_recipe_stored_before_sr_bits_existed_resumes_with_threefry():

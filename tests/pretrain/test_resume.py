@@ -136,6 +136,22 @@ def test_keep_schedule_keeps_warmup_decay_and_switch_in_steps():
     resume_lib.keep_schedule(stored, stored.replace(steps=25))
 
 
+def test_a_run_that_switched_to_bf16_is_not_switched_back():
+  """Lengthening a run past its switch moved a fractional switch later: steps 6..12 of a 20-step resume of a 10-step
+  run switched at step 3 ran NVFP4 again, and the switch happened twice."""
+  stored = TrainConfig.from_options(steps=10, switch_at=0.3)
+  with pytest.raises(ValueError, match=r"switched to BF16 at step 3; .* moves the switch to step 6, so steps 4\.\.5"):
+    resume_lib.check_switch_kept(stored, stored.replace(steps=20), 4)
+  resume_lib.check_switch_kept(stored, stored.replace(steps=20), 3)  # not switched yet at the checkpoint
+  resume_lib.check_switch_kept(stored, stored.replace(steps=20, switch_at=3), 6)
+  # --keep-schedule keeps a switch already made where it was, and one still ahead as far from the end.
+  assert resume_lib.keep_schedule(stored, stored.replace(steps=20), 6).policy.switch_step(20) == 3
+  assert resume_lib.keep_schedule(stored, stored.replace(steps=20), 2).policy.switch_step(20) == 13
+  # Dropping the switch on resume is allowed, and said.
+  note = resume_lib.schedule_note(stored, stored.replace(steps=20, switch_at=None), 6)
+  assert "switched to BF16 at step 3; without --switch-at, steps from 6 on run nvfp4 again" in note
+
+
 def test_checkpoint_meta_records_the_gemm_mode_auto_resolved_to(env, tmp_path):
   config = make_config(env, tmp_path, recipe="nvfp4")
   meta = trainer._checkpoint_meta(config, 0, 0)
@@ -195,9 +211,13 @@ def test_schedule_note_for_a_constant_learning_rate():
 
 @pytest.mark.slow
 def test_cli_keep_schedule(env, tmp_path):
-  trainer.train(make_config(env, tmp_path, steps=4), log=None, compile_cache=env["cache"])
+  trainer.train(make_config(env, tmp_path, steps=4, switch_at=0.5), log=None, compile_cache=env["cache"])
   config = cli.config_from_args(["--resume", "--out", str(tmp_path), "--steps", "8", "--keep-schedule"])
   assert config.steps == 8 and config.optimizer.warmup_fraction == 1 / 8 and config.optimizer.decay_fraction == 1 / 8
+  assert config.policy.switch_at == 2  # switched at step 2 before the step-4 checkpoint: it stays there
+  longer = cli.config_from_args(["--resume", "--out", str(tmp_path), "--steps", "10"])  # the switch moves to 5
+  with pytest.raises(ValueError, match="so step 4 would run bf16 again"):
+    trainer.train(longer, log=None, compile_cache=env["cache"])
   with pytest.raises(ValueError, match="do not also pass \\['--warmup-fraction'\\]"):
     cli.config_from_args(["--resume", "--out", str(tmp_path), "--steps", "8", "--keep-schedule",
                           "--warmup-fraction", "0.5"])
