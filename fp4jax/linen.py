@@ -90,17 +90,23 @@ class QuantizedModel:
     rule = self.rules[i] if i is not None else None
     if rule is None or not rule.quantizes or module.is_initializing():
       return next_fun(*args, **kwargs)
+    if _is_ours(module.dot_general):  # a subclass's super().__call__: this call already set it and drew its key
+      return next_fun(*args, **kwargs)
     if module.dot_general is not None or module.dot_general_cls is not None:
-      raise ValueError(f"{path}: this {type(module).__name__} already has a custom dot_general; quantize_model "
-                       f"will not replace it.")
+      raise ValueError(f"{model_quantize.shown(path)}: this {type(module).__name__} already has a custom "
+                       "dot_general; quantize_model will not replace it.")
     key = module.make_rng("quant") if rule.recipe.needs_key else None
     # Linen modules are frozen dataclasses: set the field for this call only (the module is this apply's own).
     object.__setattr__(module, "dot_general", functools.partial(
-        contraction.linear_dot_general, recipe=rule.recipe, key=key, where=path))
+        contraction.linear_dot_general, recipe=rule.recipe, key=key, where=model_quantize.shown(path)))
     try:
       return next_fun(*args, **kwargs)
     finally:
       object.__setattr__(module, "dot_general", None)
+
+
+def _is_ours(dot_general) -> bool:
+  return isinstance(dot_general, functools.partial) and dot_general.func is contraction.linear_dot_general
 
 
 def quantize_model(model: nn.Module, rules, *, rngs=None) -> QuantizedModel:

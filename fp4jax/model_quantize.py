@@ -77,6 +77,11 @@ def path_name(parts) -> str:
   return ".".join(str(p) for p in parts)
 
 
+def shown(path: str) -> str:
+  """A layer path for messages: the model itself (a layer quantized on its own) has the empty path."""
+  return path or "(the model itself)"
+
+
 class Layer(NamedTuple):
   path: str
   kind: str  # the layer's class name
@@ -115,13 +120,13 @@ class Report:
     return tuple(r.pattern for i, r in enumerate(self.rules) if i not in used)
 
   def __str__(self):
-    width = max([len(l.path) for l in self.layers] + [5])
+    width = max([len(shown(l.path)) for l in self.layers] + [5])
     lines = [f"quantize_model: {len(self.quantized)} of {len(self.layers)} linear layers quantized"]
     for l in self.layers:
       rule = self.rules[l.rule] if l.rule is not None else None
       what = ("no rule: left alone" if rule is None else
               f"rule {l.rule} '{rule.pattern}': " + (rule.recipe.name if rule.quantizes else "left alone"))
-      lines.append(f"  {l.path:<{width}}  {l.kind:<14} {what}")
+      lines.append(f"  {shown(l.path):<{width}}  {l.kind:<14} {what}")
     unused = self.unused_rules
     quoted = ", ".join(f"'{p}'" for p in unused)
     lines.append(f"rules that matched no layer: {quoted}" if unused else

@@ -42,7 +42,10 @@ class Linear(nnx.Module):
     self.recipe = recipes_lib.get_recipe(recipe if recipe is not None else "bf16")
     self.dtype, self.param_dtype = dtype, param_dtype
     self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
-    self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else nnx.data(None)
+    # The bias draws a params key it does not need, as nnx.Linear's bias_init does, so that later layers built from
+    # the same nnx.Rngs initialise as in a model of nnx.Linear layers.
+    self.bias = nnx.Param(nnx.initializers.zeros(rngs.params(), (out_features,), param_dtype)) if use_bias \
+        else nnx.data(None)
     # Only an explicit "quant" stream: nnx.Rngs falls back to its default stream for unknown names.
     self.quant_rngs = rngs["quant"].fork() if "quant" in rngs else nnx.data(None)
     self.outliers = nnx.data(None)
@@ -121,7 +124,7 @@ def _check_layer(module, path: str) -> None:
       equation = module.einsum_str.replace(" ", "")
       lhs_ndim = len(equation.split(",")[0].replace("...", ""))
       try:
-        contraction.einsum_as_dot_general(equation, lhs_ndim, module.kernel.ndim)
+        contraction.einsum_as_dot_general(equation, lhs_ndim, len(module.kernel_shape))  # one layer's, unstacked
       except ValueError as e:
         raise ValueError(f"{path} (nnx.Einsum): {e} Keep it out of the quantized rules (a None rule).") from None
     return
@@ -142,8 +145,8 @@ def _stack_shape(module) -> tuple[int, ...]:
     own = 2
   elif isinstance(module, nnx.LinearGeneral):
     own = len(module.in_features) + len(module.out_features)
-  else:  # Einsum: its kernel_shape is the stacked one too
-    return ()
+  else:  # Einsum: kernel_shape is one layer's (nnx.vmap stacks the kernel, not the attribute)
+    own = len(module.kernel_shape)
   return tuple(module.kernel.shape[:module.kernel.ndim - own])
 
 
@@ -153,6 +156,12 @@ def _quant_stream(rngs: nnx.Rngs, stack_shape: tuple[int, ...]):
   if not stack_shape:
     return rngs["quant"].fork()
   return rngs["quant"].split(stack_shape)
+
+
+def _stream_of(module):
+  """The "quant" stream an earlier quantize_model call gave `module`, or None."""
+  op = getattr(module, "einsum_op" if isinstance(module, nnx.Einsum) else "dot_general")
+  return op.quant_rngs if isinstance(op, QuantizedDotGeneral) else None
 
 
 def _layer_shape(module) -> tuple[int, int] | None:
@@ -172,8 +181,17 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
       QuantizedDotGeneral / QuantizedEinsum holding its own "quant" stream). Parameters are untouched.
     rules: ordered (regex, recipe) pairs, first full match of the layer path ("blocks.0.attn.query") wins; a recipe
       of None or "bf16" restores the layer's own computation. Layers no rule matches run their own computation too
-      (a layer quantized by an earlier call is restored: each call sets every layer).
+      (a layer quantized by an earlier call is restored: each call sets every layer). A layer that an earlier call
+      quantized with a stream and this one quantizes again keeps that stream, so its keys continue (they do not
+      restart at the seed); restore it first (a None rule) to reseed it.
     rngs: nnx.Rngs with a "quant" stream (or an int seed for one), needed when a recipe uses stochastic rounding.
+
+  The streams are model state (`nnx.RngKey` / `nnx.RngCount` under each quantized layer's `dot_general` or
+  `einsum_op`), not parameters: a checkpoint of `nnx.state(model)` holds them and restores into a model quantized
+  the same way; to restore into the plain model, save or restore `nnx.state(model, nnx.Param)`. Under `nnx.scan`
+  with a layer broadcast (`in_axes=None`), NNX hands every step the stream as it was and discards the advance, so
+  every call and step would draw the same key (as it does for nnx.Dropout): pass the model as `nnx.Carry`, or
+  pass keys yourself.
 
   Returns:
     A Report (print it) of which layer matched which rule and which rules matched nothing.
@@ -189,12 +207,14 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
     i = model_quantize.first_match(rules, path)
     layers.append(model_quantize.Layer(path, type(module).__name__, i))
     plan.append((module, path, rules[i] if i is not None else None))
-  needs_key = [path for _, path, rule in plan if rule is not None and rule.quantizes and rule.recipe.needs_key]
+  needs_key = [model_quantize.shown(path) for module, path, rule in plan
+               if rule is not None and rule.quantizes and rule.recipe.needs_key and _stream_of(module) is None]
   if needs_key and (rngs is None or "quant" not in rngs):
     raise ValueError(f"the recipes of {needs_key[:3]}{'...' if len(needs_key) > 3 else ''} use stochastic rounding: "
                      f"pass rngs=nnx.Rngs(quant=seed) (or rngs=seed) so each call draws a fresh key.")
   for module, path, rule in plan:  # check every layer before editing any
     if rule is not None and rule.quantizes:
+      path = model_quantize.shown(path)
       _check_layer(module, path)
       shape = _layer_shape(module)
       if shape is not None:
@@ -212,6 +232,10 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
         setattr(module, attr, nnx.static(original))
       continue
     op = QuantizedEinsum if attr == "einsum_op" else QuantizedDotGeneral
-    stream = _quant_stream(rngs, _stack_shape(module)) if rule.recipe.needs_key else None
-    setattr(module, attr, nnx.data(op(rule.recipe, path, stream, original)))
+    # A layer quantized by an earlier call keeps its stream: a late switch continues its keys instead of replaying
+    # them from the seed (restore the layer with a None rule first to reseed it).
+    kept = _stream_of(module)
+    stream = (kept if kept is not None else _quant_stream(rngs, _stack_shape(module))) if rule.recipe.needs_key \
+        else None
+    setattr(module, attr, nnx.data(op(rule.recipe, model_quantize.shown(path), stream, original)))
   return model_quantize.Report(rules, tuple(layers))

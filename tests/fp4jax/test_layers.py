@@ -157,6 +157,18 @@ def test_nnx_layer_keys():
     layer(x, key=1)
 
 
+def test_nnx_layers_initialise_as_nnx_linear_from_the_same_rngs():
+  """With use_bias=True the layer drew no key for its zero bias, so a second layer built from the same nnx.Rngs got
+  another kernel than nnx.Linear's."""
+  def two(make):
+    rngs = nnx.Rngs(0)
+    return make(32, 32, use_bias=True, rngs=rngs), make(32, 16, use_bias=True, rngs=rngs)
+
+  for ours, theirs in zip(two(fp4jax.nn.Linear), two(nnx.Linear)):
+    np.testing.assert_array_equal(ours.kernel[...], theirs.kernel[...])
+    np.testing.assert_array_equal(ours.bias[...], theirs.bias[...])
+
+
 def test_flax_nnx_linear_with_quantized_dot_general():
   """flax.nnx.Linear(dot_general=fp4jax.quantized_dot_general(recipe, fixed_key_every_call=key)) runs the recipe's
   GEMMs (with one key for every call: a test-only opt-in; without it an SR recipe is refused)."""

@@ -330,11 +330,11 @@ def test_a_bare_recipe_instead_of_rules_says_how_to_quantize_every_layer(rules, 
 class _Stack(nnx.Module):
   """Flax's scan-over-layers idiom: layers stacked by nnx.vmap, run by nnx.scan."""
 
-  def __init__(self, n, rngs):
+  def __init__(self, n, rngs, einsum=False):
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
-      return nnx.Linear(D, D, rngs=rngs)
+      return nnx.Einsum("bd,dh->bh", (D, D), rngs=rngs) if einsum else nnx.Linear(D, D, rngs=rngs)
 
     self.layers = make(rngs)
 
@@ -410,3 +410,65 @@ def test_a_second_call_sets_every_layer_including_those_no_rule_matches():
   assert model.layers[1].dot_general in (None, jax.lax.dot_general)  # what the report says: its own GEMM
   fp4jax.quantize_model(model, [])
   np.testing.assert_array_equal(np.asarray(model(x)), np.asarray(y_plain))
+
+
+def test_stacked_einsum_layers_get_one_stream_each():
+  """A stacked nnx.Einsum was refused ("does not match operands of rank 2 and 3": the check took the stacked
+  kernel's rank) and would have shared one stream: its kernel_shape is one layer's, not the stack's."""
+  model = _Stack(3, nnx.Rngs(0), einsum=True)
+  fp4jax.quantize_model(model, [(".*", "nvfp4")], rngs=0)
+  keys = jax.random.key_data(model.layers.einsum_op.quant_rngs.key[...])
+  assert keys.shape[0] == 3 and len({tuple(np.asarray(k).ravel()) for k in keys}) == 3
+  x = jax.random.normal(jax.random.key(1), (B * T, D))
+  grad = lambda m: np.asarray(nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m)["layers"]["kernel"][...])
+  g1, g2 = grad(model), grad(model)
+  assert g1.shape == (3, D, D) and np.all(np.isfinite(g1)) and not np.array_equal(g1, g2)
+  np.testing.assert_array_equal(np.asarray(model.layers.einsum_op.quant_rngs.count[...]), [2, 2, 2])
+
+
+def test_quantizing_again_continues_each_layers_stream():
+  """A late switch by a second quantize_model call with the same seed restarted every layer's keys at the seed, so
+  the steps after it replayed the noise of the first steps in order."""
+  model = nnx.Sequential(nnx.Linear(D, D, rngs=nnx.Rngs(0)), nnx.Linear(D, D, rngs=nnx.Rngs(1)))
+  x = jax.random.normal(jax.random.key(2), (B * T, D))
+  fp4jax.quantize_model(model, [(".*", "nvfp4")], rngs=0)
+  stream = lambda: model.layers[0].dot_general.quant_rngs
+  first_key = jax.random.key_data(stream()())  # draws key 0 by hand
+  model(x)  # draws key 1
+  fp4jax.quantize_model(model, [(r"layers\.1", None), (".*", "nvfp4")], rngs=0)  # layer 1 to its own GEMM
+  assert int(stream().count[...]) == 2
+  assert not np.array_equal(jax.random.key_data(stream()()), first_key)
+  fp4jax.quantize_model(model, [(r"layers\.1", None), (".*", "nvfp4")])  # every SR layer has a stream: no rngs
+  assert int(stream().count[...]) == 3
+  fp4jax.quantize_model(model, [])  # restored: the next quantization reseeds
+  fp4jax.quantize_model(model, [(".*", "nvfp4")], rngs=0)
+  np.testing.assert_array_equal(jax.random.key_data(stream()()), first_key)
+
+
+def test_a_layer_quantized_on_its_own_is_named_in_messages():
+  with pytest.raises(ValueError, match=r"^\(the model itself\) \(Linear\): .*K divisible by 16"):
+    fp4jax.quantize_model(nnx.Linear(3, 32, rngs=nnx.Rngs(0)), [(".*", "nvfp4")], rngs=0)
+  with pytest.raises(ValueError, match=r"the recipes of \['\(the model itself\)'\] use stochastic rounding"):
+    fp4jax.quantize_model(nnx.Linear(32, 32, rngs=nnx.Rngs(0)), [(".*", "nvfp4")])
+  report = fp4jax.quantize_model(nnx.Linear(32, 32, rngs=nnx.Rngs(0)), [(".*", "nvfp4")], rngs=0)
+  assert "(the model itself)  Linear" in str(report)
+
+
+def test_linen_dense_subclass_calling_super_is_quantized_once():
+  """A Dense subclass whose __call__ calls super().__call__ was refused ("already has a custom dot_general": the
+  second interception saw the first's) and would have drawn two keys per call."""
+  class ScaledDense(linen.Dense):
+    def __call__(self, x):
+      return super().__call__(x) * 2.0
+
+  x = jax.random.normal(jax.random.key(0), (8, 32))
+  scaled = fp4jax.quantize_model(ScaledDense(32), [(".*", "nvfp4")])
+  plain = fp4jax.quantize_model(linen.Dense(32), [(".*", "nvfp4")])
+  params = plain.init(jax.random.key(1), x)
+  rngs = {"quant": jax.random.key(2)}
+  y_scaled = scaled.apply(params, x, rngs=rngs)
+  np.testing.assert_array_equal(np.asarray(y_scaled), 2.0 * np.asarray(plain.apply(params, x, rngs=rngs)))
+  grad = lambda m: jax.grad(lambda p: jnp.sum(m.apply(p, x, rngs=rngs) ** 2))(params)["params"]["kernel"]
+  np.testing.assert_array_equal(np.asarray(grad(scaled)),
+                                np.asarray(jax.grad(lambda p: jnp.sum((2 * plain.apply(p, x, rngs=rngs)) ** 2))(
+                                    params)["params"]["kernel"]))
