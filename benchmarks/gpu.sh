@@ -33,6 +33,12 @@ while [ $# -gt 0 ]; do
   esac
 done
 mkdir -p "$OUT"
+# Rows append to $OUT/rows.jsonl and the summaries read them all: an earlier invocation's rows would mix into this
+# one's (and fill in a repeat run this one lost). Move them aside instead.
+if [ -e "$OUT/rows.jsonl" ]; then
+  old="$OUT/earlier.$(date +%Y%m%dT%H%M%S)"
+  mkdir -p "$old" && mv "$OUT"/rows.jsonl "$old"/ && echo "gpu.sh: earlier rows in $OUT moved to $old" >&2
+fi
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SECTIONS="env:20 bits:60 mismatch:70 check:90 gemm:60 quant:45 linear:60 train:200 tiles:35 repeat:240"

@@ -10,7 +10,9 @@ and residuals), argument and output bytes of the step (the state is donated, as 
 reuses the argument's buffers); "faults" is the process's minor page faults per step
 (median): XLA:CPU allocates the step's scratch afresh on every call (see common.malloc_note). Ratios are against
 the first recipe (bf16 by default); with --runs N the timed steps come in N blocks, and "x med" / "x min" are the
-median / min over blocks of each block's step-time ratio.
+median / min over blocks of each block's step-time ratio. "loss@step" is each recipe's training loss at its last
+timed step (on that step's batch, before its update; every recipe sees the same batches and keys), so a ratio is
+never read without what the timed run trains to.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def _time_once(run: dict, i: int) -> None:
   run["step_times"].append(time.perf_counter() - t0)
   run["step_faults"].append(common.minor_faults() - faults)
   run["state"] = state
+  run["loss"], run["loss_step"] = float(metrics["loss"]), i  # the loss of step i's batch, before its update
   t0 = time.perf_counter()
   jax.block_until_ready(run["eval"](state.params, batch, key))
   run["eval_times"].append(time.perf_counter() - t0)
@@ -112,20 +115,22 @@ def benchmark(models, recipes, *, steps: int, warmup: int, batch_size: int, seq_
           "ratio_median": float(np.median(block_ratios[r])), "ratio_min": float(np.min(block_ratios[r])),
           "temp_mb": mem["temp"] / 2**20, "temp_ratio": mem["temp"] / max(base["memory"]["temp"], 1),
           "argument_mb": mem["argument"] / 2**20, "output_mb": mem["output"] / 2**20,
-          "faults_per_step": float(np.median(run["step_faults"]))})
+          "faults_per_step": float(np.median(run["step_faults"])), "loss": run["loss"],
+          "loss_step": run["loss_step"]})
   return rows
 
 
 def _print(rows: list[dict]) -> None:
   width = max(7, *(len(r["recipe"]) for r in rows))
   head = (f"{'model':<6} {'recipe':<{width}} {'compile s':>9} {'step ms':>8} {'x':>6} {'fwd ms':>7} {'x':>6} "
-          f"{'tok/s':>8} {'temp MB':>8} {'x':>6} {'args MB':>8} {'x med':>6} {'x min':>6} {'faults':>7}")
+          f"{'tok/s':>8} {'temp MB':>8} {'x':>6} {'args MB':>8} {'x med':>6} {'x min':>6} {'loss@step':>12} "
+          f"{'faults':>7}")
   print(head)
   for r in rows:
     print(f"{r['model']:<6} {r['recipe']:<{width}} {r['compile_s']:>9.1f} {r['step_ms']:>8.1f} {r['step_ratio']:>6.2f} "
           f"{r['eval_ms']:>7.1f} {r['eval_ratio']:>6.2f} {r['tokens_per_s']:>8.0f} {r['temp_mb']:>8.2f} "
           f"{r['temp_ratio']:>6.2f} {r['argument_mb']:>8.2f} {r['ratio_median']:>6.2f} {r['ratio_min']:>6.2f} "
-          f"{r['faults_per_step']:>7.0f}")
+          f"{r['loss']:>7.4f}@{r['loss_step']:<4d} {r['faults_per_step']:>7.0f}")
 
 
 def main(argv=None) -> int:

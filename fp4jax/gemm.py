@@ -153,6 +153,20 @@ def resolve_gemm_mode(recipe: recipes_lib.Recipe) -> str:
   return auto_gemm_mode(jax.default_backend(), cpu_flags())
 
 
+def unquantized_output_dtype(recipe: recipes_lib.Recipe, dtype) -> jnp.dtype:
+  """The output dtype a layer asks of an unquantized recipe's GEMM of `dtype` operands.
+
+  The output's dtype is the cotangent's in the backward, so it decides the operands of Dgrad and Wgrad: `dtype`
+  (bf16 x bf16 products with float32 accumulation, as nnx.Linear(dtype=bfloat16) does) where gemm_mode resolves to
+  "bf16" on an accelerator, or is "bf16"; float32 (the output cast to `dtype` after) on CPUs under "auto" and with
+  "f32". On a GPU a float32 backward runs on TF32 or float32 units, which made the BF16 baseline of the train-step
+  benchmarks slower than a BF16 step is. XLA:CPU ran the float32 backward faster here (0.84x), and it keeps the bits
+  of the runs recorded before.
+  """
+  bf16 = recipe.gemm_mode == "bf16" or (recipe.gemm_mode == "auto" and jax.default_backend() != "cpu")
+  return jnp.dtype(dtype) if bf16 else jnp.dtype(jnp.float32)
+
+
 def scale_output(out, fa, fb):
   """(out * fa) * fb: the bf16-unit GEMM's output times both operands' factors (amax / 2688 for NVFP4).
 

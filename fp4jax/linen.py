@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from fp4jax.dot_general import cast_output
 from fp4jax.dot_general import dot_general
 from fp4jax import contraction
+from fp4jax import gemm
 from fp4jax import model_quantize
 from fp4jax import recipes as recipes_lib
 
@@ -39,8 +40,9 @@ class Dense(nn.Module):
     dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
     x = x.astype(dtype)
     kernel = kernel if recipe.is_quantized else kernel.astype(dtype)
+    out_dtype = jnp.float32 if recipe.is_quantized else gemm.unquantized_output_dtype(recipe, dtype)
     y = dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), recipe=recipe, key=key,
-                    preferred_element_type=jnp.float32)
+                    preferred_element_type=out_dtype)
     # cast_output: its transpose hands the backward rule dY as the bfloat16 values it is (see its docstring).
     y = cast_output(y, jnp.dtype(dtype)) if recipe.is_quantized else y.astype(dtype)
     if self.use_bias:

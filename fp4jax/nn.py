@@ -17,6 +17,7 @@ from fp4jax.dot_general import cast_output
 from fp4jax.dot_general import check_layer_shape
 from fp4jax.dot_general import dot_general
 from fp4jax import contraction
+from fp4jax import gemm
 from fp4jax import model_quantize
 from fp4jax import outcontrol
 from fp4jax import recipes as recipes_lib
@@ -72,7 +73,8 @@ class Linear(nnx.Module):
       y = outcontrol.dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=jnp.float32,
                                  outliers=self.outliers, out_sharding=out_sharding)
     else:
-      y = dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=jnp.float32,
+      out_dtype = jnp.float32 if recipe.is_quantized else gemm.unquantized_output_dtype(recipe, dtype)
+      y = dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=out_dtype,
                       out_sharding=out_sharding)
     # cast_output: its transpose hands the backward rule dY as the bfloat16 values it is (see its docstring).
     y = cast_output(y, jnp.dtype(dtype)) if recipe.is_quantized else y.astype(dtype)

@@ -225,7 +225,7 @@ def _time_train_steps(sec: report.Section, models, plan, prefix: str = "") -> No
       if name != "bf16" and (model_name, "bf16") in ref_loss:
         b = ref_loss[(model_name, "bf16")]
         note += f"; vs bf16 {abs(first - b) / abs(b):.2g}"
-      note += f"; loss after {2 + steps} steps {last:.5g}"
+      note += f"; loss at step {2 + steps} {last:.5g} (after {1 + steps} updates)"
       min_ratio = min(blocks) / base_min[model_name] if model_name in base_min else None
       if n_blocks > 1:
         note += f"; block medians {'/'.join(f'{b * 1e3:.3g}' for b in blocks)} ms"

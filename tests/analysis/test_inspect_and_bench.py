@@ -195,10 +195,12 @@ def test_train_step_table_prints_faults_per_step(capsys):
   from benchmarks import train_step  # pylint: disable=g-import-not-at-top
   row = {"model": "small", "recipe": "nvfp4", "compile_s": 12.0, "step_ms": 101.9, "step_ratio": 1.13,
          "eval_ms": 24.3, "eval_ratio": 1.38, "tokens_per_s": 10054.0, "temp_mb": 77.01, "temp_ratio": 1.01,
-         "argument_mb": 12.02, "ratio_median": 1.16, "ratio_min": 1.14, "faults_per_step": 19715.0}
+         "argument_mb": 12.02, "ratio_median": 1.16, "ratio_min": 1.14, "faults_per_step": 19715.0, "loss": 5.91234,
+         "loss_step": 13}
   train_step._print([row])  # pylint: disable=protected-access
   head, line = capsys.readouterr().out.splitlines()
   assert head.split()[-1] == "faults" and line.split()[-1] == "19715" and line.split()[:2] == ["small", "nvfp4"]
+  assert head.split()[-2] == "loss@step" and line.split()[-2] == "5.9123@13"  # speed with what the run trains to
 
 
 def test_compile_time_benchmark_runs_loop_and_scan(capsys):

@@ -3,6 +3,7 @@ parameters, optimizer state and gradients stay float32; flax's own nnx.Linear ta
 
 import flax.linen as linen
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -167,6 +168,38 @@ def test_nnx_layers_initialise_as_nnx_linear_from_the_same_rngs():
   for ours, theirs in zip(two(fp4jax.nn.Linear), two(nnx.Linear)):
     np.testing.assert_array_equal(ours.kernel[...], theirs.kernel[...])
     np.testing.assert_array_equal(ours.bias[...], theirs.bias[...])
+
+
+def _dot_operand_dtypes(jaxpr):
+  """The operand dtypes of every dot_general in `jaxpr` and the jaxprs nested in its equations."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          found += _dot_operand_dtypes(sub.jaxpr)
+  return found
+
+
+@pytest.mark.parametrize("backend, mode, backward", [("cpu", "auto", "float32"), ("gpu", "auto", "bfloat16"),
+                                                     ("cpu", "bf16", "bfloat16"), ("gpu", "f32", "float32")])
+def test_bf16_recipe_backward_multiplies_bf16_operands_on_accelerators(backend, mode, backward, monkeypatch):
+  """The bf16 recipe's layer asked its GEMM for a float32 output, so its cotangent, and Dgrad's and Wgrad's
+  operands, were float32: the train-step benchmarks' BF16 baseline ran its backward on TF32/float32 units on a GPU
+  while the quantized rows multiplied bf16. Now an output of the compute dtype where the GEMM mode is bf16 (as
+  nnx.Linear); CPUs keep the float32 backward under "auto" (faster there, and the recorded bits)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  graph, params = nnx.split(fp4jax.nn.Linear(32, 16, recipe=f"bf16:gemm_mode={mode}", rngs=nnx.Rngs(0)))
+  loss = lambda params, x: jnp.sum(nnx.merge(graph, params)(x).astype(jnp.float32) ** 2)
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, jnp.ones((8, 32), jnp.bfloat16)).jaxpr
+  assert _dot_operand_dtypes(jaxpr) == [("bfloat16", "bfloat16")] + [(backward, "bfloat16")] * 2
+  dense = fp4jax.linen.Dense(16, recipe=f"bf16:gemm_mode={mode}")
+  variables = dense.init(jax.random.key(0), jnp.ones((8, 32), jnp.bfloat16))
+  loss = lambda v, x: jnp.sum(dense.apply(v, x).astype(jnp.float32) ** 2)
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(variables, jnp.ones((8, 32), jnp.bfloat16)).jaxpr
+  assert _dot_operand_dtypes(jaxpr) == [("bfloat16", "bfloat16")] + [(backward, "bfloat16")] * 2
 
 
 def test_flax_nnx_linear_with_quantized_dot_general():

@@ -48,6 +48,10 @@ def test_budget_skips_sections_cleanly(tmp_path):
   assert [(r["name"], r["ok"]) for r in rows] == [("section env", None), ("section gemm", None)]
   assert all("budget" in r["note"] for r in rows)
   assert "section gemm: skipped" in stdout
+  # A second invocation into the same folder: its rows alone (the first's were summarised with them before).
+  _, again = _run(tmp_path, "--budget", "10", "--sections", "env")
+  assert [r["name"] for r in again] == ["section env"]
+  assert len(list(tmp_path.glob("earlier.*/rows.jsonl"))) == 1
 
 
 @pytest.mark.slow
