@@ -104,13 +104,27 @@ def _curve(run_folder: pathlib.Path) -> dict[str, np.ndarray]:
           "val_loss": np.array([r["val_loss"] for r in vals], float)}
 
 
+def _finite_val(row: Mapping[str, Any]) -> bool:
+  """A finished run with a finite final val loss (a NaN one is stored as finished: training stops on train loss)."""
+  v = row.get("final_val_loss")
+  return row["status"] == "finished" and v is not None and bool(np.isfinite(v))
+
+
+_COMPARED = ("experiment", "preset", "steps", "tokens")  # what a gap's two runs must share
+
+
+def _setting(row: Mapping[str, Any]) -> tuple:
+  return tuple(row.get(k) for k in _COMPARED)
+
+
 def _add_gaps(rows: list[dict[str, Any]], reference: str | None) -> None:
-  """Sets row["gap_pct"] against the reference run with the same seed (None without one)."""
-  ref = {r["seed"]: r["final_val_loss"] for r in rows if r["run"] == reference and r["status"] == "finished"}
+  """Sets row["gap_pct"] against the reference run with the same seed (None without one, or where the two differ in
+  experiment, preset, steps or tokens: runs copied into one folder by hand)."""
+  ref = {r["seed"]: r for r in rows if r["run"] == reference and _finite_val(r)}
   for row in rows:
     base = ref.get(row["seed"])
-    ok = base is not None and row["status"] == "finished" and row["final_val_loss"] is not None
-    row["gap_pct"] = 100.0 * (row["final_val_loss"] - base) / base if ok else None
+    ok = base is not None and _finite_val(row) and _setting(row) == _setting(base)
+    row["gap_pct"] = 100.0 * (row["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"] if ok else None
 
 
 def read_results(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict]:
@@ -151,13 +165,14 @@ def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
   out = []
   for name in dict.fromkeys(r["run"] for r in rows):
     mine = [r for r in rows if r["run"] == name]
-    done = [r for r in mine if r["status"] == "finished"]
+    done = [r for r in mine if _finite_val(r)]
     val_mean, val_std = _mean_std([r["final_val_loss"] for r in done])
     gaps = [r.get("gap_pct") for r in done if r.get("gap_pct") is not None]
     gap_mean, gap_std = _mean_std(gaps)
-    tps, _ = _mean_std([r.get("tokens_per_s") for r in mine])
+    tps, _ = _mean_std([r.get("tokens_per_s") for r in done])  # a diverged seed's few steps are mostly compile
     out.append({"run": name, "label": mine[0].get("label", name), "seeds": len(done),
                 "diverged": [r.get("diverged_step") for r in mine if r["status"] == "diverged"],
+                "nonfinite_val": sum(r["status"] == "finished" and not _finite_val(r) for r in mine),
                 "val_loss_mean": val_mean, "val_loss_std": val_std, "gap_pct_mean": gap_mean,
                 "gap_pct_std": gap_std, "gap_seeds": len(gaps), "tokens_per_s": tps, "steps": mine[0].get("steps"),
                 "tokens": mine[0].get("tokens"), "bf16_blocks": mine[0].get("bf16_blocks")})
@@ -185,13 +200,21 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
   reference = meta.get("reference")
   agg = aggregate(rows)
   first = rows[0]
-  n_seeds = max(a["seeds"] + len(a["diverged"]) for a in agg)
+  n_seeds = max(a["seeds"] + len(a["diverged"]) + a["nonfinite_val"] for a in agg)
+  ref_rows = [r for r in rows if r["run"] == reference]
+  first = ref_rows[0] if ref_rows else first  # the header describes the reference's setting
   lines = [f"# {meta.get('experiment', first.get('experiment', 'sweep'))} (preset {first.get('preset', '?')})", ""]
   if meta.get("description"):
     lines += [meta["description"], ""]
   if meta.get("command"):
     lines += [f"Command: `{meta['command']}`", ""]
   lines += [f"{first['steps']} steps, {_count(first['tokens'])} tokens per run, up to {n_seeds} seed(s) per run."]
+  others = [r for r in rows if r["status"] == "finished" and _setting(r) != _setting(first)]
+  if others:
+    differs = lambda r: ", ".join(f"{k} {r.get(k)}" for k in _COMPARED if r.get(k) != first.get(k))
+    listed = "; ".join(f"{r['run']}/seed{r['seed']}: {differs(r)}" for r in others)
+    ours = ", ".join(f"{k} {first.get(k)}" for k in _COMPARED)
+    lines += [f"**Not comparable** (no gap): {listed} (the reference's: {ours})."]
   if meta.get("left_out"):
     lines += [f"Left out: {', '.join(meta['left_out'])} (seeds beyond this sweep's {meta.get('seeds')}, from an "
               "earlier command; rerun with more --seeds to include them)."]
@@ -208,7 +231,8 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
     setting = a["label"] if a["label"] != a["run"] else ", ".join(
         f"{k}={v}" for k, v in (run_rows[0].get("overrides") or {}).items()) or a["run"]
     seeds = f"{a['seeds']}" + (f" (+{len(a['diverged'])} diverged at step "
-                               f"{', '.join(map(str, a['diverged']))})" if a["diverged"] else "")
+                               f"{', '.join(map(str, a['diverged']))})" if a["diverged"] else "") + (
+                                   f" (+{a['nonfinite_val']} non-finite val loss)" if a["nonfinite_val"] else "")
     gap = "reference" if a["run"] == reference else fmt(a["gap_pct_mean"], a["gap_pct_std"], 2, signed=True)
     if a["run"] != reference and 0 < a["gap_seeds"] < a["seeds"]:  # the reference diverged (or is missing) there
       gap += f" ({a['gap_seeds']} of {a['seeds']} seeds)"

@@ -285,6 +285,39 @@ def test_a_gap_over_fewer_seeds_than_the_run_has_says_so():
       {"reference": "bf16"}, rows)
 
 
+def test_runs_of_another_length_preset_or_experiment_get_no_gap_and_are_named():
+  """Runs copied into one folder by hand: a 6-step reference made the 12-step runs' gaps -3 % (true: -0.2 %) under a
+  header taken from whichever row came first, with nothing flagged."""
+  rows = [{"run": "bf16", "seed": 0, "status": "finished", "final_val_loss": 3.3, "steps": 6, "tokens": 768},
+          {"run": "q", "seed": 0, "status": "finished", "final_val_loss": 3.2, "steps": 12, "tokens": 1536},
+          {"run": "m", "seed": 0, "status": "finished", "final_val_loss": 3.1, "steps": 6, "tokens": 768,
+           "experiment": "formats"}]
+  for r in rows:
+    r.setdefault("experiment", "x")
+    r.update(preset="smoke", label=r["run"], overrides={})
+  report._add_gaps(rows, "bf16")  # pylint: disable=protected-access
+  assert [r["gap_pct"] for r in rows] == [0.0, None, None]
+  text = report.markdown_table({"reference": "bf16"}, rows)
+  assert "6 steps, 768 tokens per run" in text  # the reference's setting
+  assert ("**Not comparable** (no gap): q/seed0: steps 12, tokens 1536; m/seed0: experiment formats (the "
+          "reference's: experiment x, preset smoke, steps 6, tokens 768).") in text
+
+
+def test_a_finished_run_with_a_nan_val_loss_is_counted_apart():
+  """A NaN val loss (the trainer stops on a non-finite train loss only) averaged into the row, blanking it."""
+  rows = [{"run": "bf16", "seed": s, "status": "finished", "final_val_loss": 3.0, "tokens_per_s": 100.0}
+          for s in (0, 1)] + [
+          {"run": "q", "seed": 0, "status": "finished", "final_val_loss": 3.3, "tokens_per_s": 90.0},
+          {"run": "q", "seed": 1, "status": "finished", "final_val_loss": float("nan"), "tokens_per_s": 10.0}]
+  for r in rows:
+    r.update(steps=5, tokens=640, experiment="x", preset="smoke", label=r["run"], overrides={})
+  report._add_gaps(rows, "bf16")  # pylint: disable=protected-access
+  q = {a["run"]: a for a in report.aggregate(rows)}["q"]
+  assert q["seeds"] == 1 and q["nonfinite_val"] == 1 and q["val_loss_mean"] == pytest.approx(3.3)
+  assert q["gap_pct_mean"] == pytest.approx(10.0) and q["tokens_per_s"] == pytest.approx(90.0)
+  assert "| 1 (+1 non-finite val loss) | 3.3000 | +10.00 |" in report.markdown_table({"reference": "bf16"}, rows)
+
+
 def test_report_on_a_missing_folder_says_it_does_not_exist(tmp_path, capsys):
   assert report.main([str(tmp_path / "nope")]) == 2
   assert "does not exist" in capsys.readouterr().err
