@@ -15,6 +15,7 @@ import numpy as np
 
 from fp4jax import explicit_axes
 from fp4jax import grids
+from fp4jax import keys
 
 # The sign vector hard-coded by the NVFP4 reference implementation (d = 16), shared by all layers for the run.
 REFERENCE_SIGNS_16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -67,9 +68,7 @@ def resolve_signs(size: int, signs=None) -> jax.Array:
   if signs.dtype == jnp.bool_:  # True/False would pass as 1/0, and a 0 is no sign
     raise ValueError("RHT signs must be numbers +1 or -1 (or a PRNG key); got a bool array: pass e.g. "
                      "jnp.where(mask, 1.0, -1.0).")
-  # Raw (legacy) PRNG key data: 2 words under threefry, 4 under rbg (no sign vector is uint32: it holds -1).
-  if signs.dtype == jnp.uint32 and signs.shape == (4 if jax.config.jax_default_prng_impl in ("rbg", "unsafe_rbg")
-                                                   else 2,):
+  if keys.is_key(signs):  # raw (legacy) key data, of the configured PRNG's width (no sign vector is uint32)
     return jax.random.rademacher(signs, (size,), dtype=jnp.float32)
   if signs.shape != (size,):
     raise ValueError(f"RHT signs must have shape ({size},) or be a PRNG key; got shape {signs.shape}.")
