@@ -4,6 +4,16 @@ The token stream is built once per (corpus content, tokenizer config) and cached
 tensorstore; batches are a pure function of (seed, split, step), so a resumed or multi-process run sees exactly
 the batches a single uninterrupted run would.
 
+Cache entries live in <cache_dir>/<key> (key: a hash of the corpus content and tokenizer config). Each records in
+its meta.json the token count and a blake2b hash of the tokens, and every read checks both: a chunk file that went
+missing (zarr reads it back as zeros) or was altered raises CacheError naming the entry, which is never trained on;
+delete that folder and it is rebuilt. Entries written before this check (cache format 1, `"format": 1` in their
+meta.json) are not reused: they are rebuilt once under a new key, and the old folders can be deleted. A writer
+tokenizes into a private `.tmp-<key>-<pid>-<id>` folder, holding an flock on a file in it, and renames it into
+place; the temp folders of writers that died (killed mid-tokenization) are removed by the next load of that entry,
+those of live writers are left alone. A failed write (a full disk, no permission) raises CacheError naming the entry
+and the reason.
+
 Kept free of the rest of fp4jax (numpy, tensorstore, tqdm and batches.py only) so it can be used and tested on its
 own.
 """
@@ -11,13 +21,16 @@ own.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -31,11 +44,21 @@ from fp4jax.pretrain.batches import SPLITS, get_batch, val_batches  # pylint: di
 BUILTIN_CORPUS = "shakespeare"
 TEXT_SUFFIXES = (".txt", ".md")
 # Bumped whenever the on-disk layout or the tokenization scheme changes, so stale caches are never reused.
-_CACHE_FORMAT = 1
+# 2: meta.json holds a hash of the tokens that every read checks (format 1 entries had none: a lost chunk read as 0s).
+_CACHE_FORMAT = 2
 # Files are joined with a blank line so the last line of one document does not run into the next.
 _FILE_SEPARATOR = b"\n\n"
 _BYTE_VOCAB = 256
 _CHUNK_TOKENS = 1 << 20
+_TMP_PREFIX = ".tmp-"
+_WRITER_LOCK = "writer.lock"
+# A temp folder with no writer.lock is a writer that died between mkdir and locking, or one from before writers
+# locked; a live writer locks within microseconds of mkdir, so one this old is stale.
+_UNLOCKED_TEMP_AGE_S = 3600.0
+
+
+class CacheError(ValueError):
+  """A token cache entry cannot be written, or fails its checks when read (delete it and it is rebuilt)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +231,10 @@ def _tokenize(
       show_progress=False,
   )
   tokenizer.train_from_iterator(texts, trainer=trainer)
-  tokenizer.save(str(out_dir / "tokenizer.json"))
+  try:
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+  except Exception as e:  # tokenizers raises a bare Exception for I/O errors; the caller reports OSErrors
+    raise OSError(f"cannot save {out_dir / 'tokenizer.json'}: {e}") from e
   vocab = tokenizer.get_vocab_size()
   sep_ids = tokenizer.encode(_FILE_SEPARATOR.decode()).ids
   dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.int32
@@ -255,47 +281,161 @@ def _zarr_spec(path: pathlib.Path) -> dict:
   return {"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)}}
 
 
-def _write_entry(entry: pathlib.Path, raws, files, config: DataConfig, source: str) -> None:
-  """Tokenizes into a private temp folder and renames it into place, so a half-written entry is never seen."""
-  entry.parent.mkdir(parents=True, exist_ok=True)
-  tmp = entry.parent / f".tmp-{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+def _tokens_digest(tokens: np.ndarray) -> str:
+  """blake2b of the tokens' little-endian bytes: recorded at write time, checked at every read."""
+  little = np.ascontiguousarray(tokens, dtype=tokens.dtype.newbyteorder("<"))
+  return hashlib.blake2b(little.data, digest_size=16).hexdigest()
+
+
+def _write_error(entry: pathlib.Path, e: BaseException) -> CacheError:
+  """The error for a failed cache write: which entry, why (the OS reason when there is one), and what to do."""
+  if isinstance(e, OSError) and e.errno:
+    why = e.strerror or os.strerror(e.errno)
+  else:  # tensorstore's I/O errors are ValueErrors that end in "[os_error_code='28']"
+    code = re.search(r"os_error_code='(\d+)'", str(e))
+    why = os.strerror(int(code.group(1))) if code else str(e)
+  return CacheError(f"Could not write the token cache entry {entry}: {why}. Free space in {entry.parent} (or make "
+                    "it writable), or choose another cache folder with --data.cache_dir DIR or FP4JAX_CACHE=DIR.")
+
+
+def _locked_temp(entry: pathlib.Path) -> tuple[pathlib.Path, int]:
+  """Makes the writer's private temp folder; returns it and the fd holding the flock that marks the writer alive.
+
+  The lock file is locked under another name and then renamed, so a writer.lock that can be locked is never a
+  live writer's. The kernel drops the lock when the writer exits, however it exits.
+  """
+  tmp = entry.parent / f"{_TMP_PREFIX}{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
   tmp.mkdir()
   try:
-    tokens, vocab = _tokenize(raws, files, config, tmp)
-    if tokens.size == 0:
-      raise ValueError(f"Corpus {config.corpus!r} produced no tokens.")
-    arr = ts.open(
-        {**_zarr_spec(tmp / "tokens.zarr"),
-         "metadata": {"dtype": np.dtype(tokens.dtype).str, "shape": [int(tokens.size)],
-                      "chunks": [min(_CHUNK_TOKENS, int(tokens.size))]}},
-        create=True,
-    ).result()
-    arr.write(tokens).result()
-    meta = {"format": _CACHE_FORMAT, "num_tokens": int(tokens.size), "vocab_size": int(vocab),
-            "tokenizer": config.tokenizer, "source": source, "files": [str(f) for f in files]}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    fd = os.open(tmp / f"{_WRITER_LOCK}.new", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-      os.rename(tmp, entry)
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-      # Another process finished the same entry first; theirs is identical, keep it.
-      if not (entry / "meta.json").is_file():
-        raise
-      shutil.rmtree(tmp, ignore_errors=True)
+      pass  # no flock on this file system: cleaners cannot lock it either, so they leave this folder alone
+    os.rename(tmp / f"{_WRITER_LOCK}.new", tmp / _WRITER_LOCK)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+  return tmp, fd
+
+
+def _is_stale(tmp: pathlib.Path) -> bool:
+  """Whether a temp folder was left by a dead writer (its lock is free); a live or unknown writer's is kept."""
+  try:
+    fd = os.open(tmp / _WRITER_LOCK, os.O_RDONLY | os.O_CLOEXEC)
+  except FileNotFoundError:
+    try:
+      return time.time() - tmp.stat().st_mtime > _UNLOCKED_TEMP_AGE_S
+    except OSError:
+      return False
+  except OSError:
+    return False
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return True
+  except OSError:  # held by a live writer, or no flock on this file system (cannot tell): keep it
+    return False
+  finally:
+    os.close(fd)
+
+
+def _remove_stale_temps(entry: pathlib.Path) -> None:
+  """Deletes the temp folders that dead writers of `entry` left behind, so interrupted writes do not accumulate.
+
+  Concurrent writers (every process of a multi-process run loads the data) hold their folder's flock until it is
+  renamed into place, so theirs are kept. flock works across hosts on NFS (Linux emulates it with POSIX locks).
+  Best effort: a cache folder that cannot be listed or changed (read-only) is left as it is.
+  """
+  try:
+    temps = [p for p in entry.parent.glob(f"{_TMP_PREFIX}{entry.name}-*") if p.is_dir()]
+  except OSError:
+    return
+  for tmp in temps:
+    if _is_stale(tmp):
+      shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _store(tmp: pathlib.Path, tokens: np.ndarray, meta: dict) -> None:
+  """Writes the tokens (a zarr array) and meta.json into tmp."""
+  arr = ts.open(
+      {**_zarr_spec(tmp / "tokens.zarr"),
+       "metadata": {"dtype": np.dtype(tokens.dtype).str, "shape": [int(tokens.size)],
+                    "chunks": [min(_CHUNK_TOKENS, int(tokens.size))]}},
+      create=True,
+  ).result()
+  arr.write(tokens).result()
+  (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def _publish(tmp: pathlib.Path, entry: pathlib.Path) -> None:
+  """Renames the finished temp folder into place (or drops it if another process finished the entry first)."""
+  try:
+    os.rename(tmp, entry)
+  except OSError:
+    # Another process finished the same entry first; theirs is identical, keep it.
+    if not (entry / "meta.json").is_file():
+      raise
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_entry(entry: pathlib.Path, raws, files, config: DataConfig, source: str) -> None:
+  """Tokenizes into a private temp folder and renames it into place, so a half-written entry is never seen.
+
+  A write that fails (a full disk, no permission) raises CacheError naming the entry, the original error chained.
+  """
+  try:
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp, lock_fd = _locked_temp(entry)
+  except OSError as e:
+    raise _write_error(entry, e) from e
+  try:
+    try:
+      tokens, vocab = _tokenize(raws, files, config, tmp)
+    except OSError as e:  # saving tokenizer.json; the ValueErrors of _tokenize are about the corpus, kept as they are
+      raise _write_error(entry, e) from e
+    if tokens.size == 0:
+      raise ValueError(f"Corpus {config.corpus!r} produced no tokens.")
+    meta = {"format": _CACHE_FORMAT, "num_tokens": int(tokens.size), "tokens_blake2b": _tokens_digest(tokens),
+            "vocab_size": int(vocab), "tokenizer": config.tokenizer, "source": source,
+            "files": [str(f) for f in files]}
+    try:
+      _store(tmp, tokens, meta)
+      _publish(tmp, entry)
+    except (OSError, ValueError) as e:  # tensorstore reports a failed write (ENOSPC, EACCES) as a ValueError
+      raise _write_error(entry, e) from e
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  finally:
+    os.close(lock_fd)  # after the rename or the removal: the folder is never a `.tmp-` one unlocked while in use
+
+
+def _damaged(entry: pathlib.Path, what: str) -> CacheError:
+  return CacheError(f"Cache entry {entry} is damaged: {what}. Delete that folder and retry; it is rebuilt from the "
+                    "corpus.")
 
 
 def _read_entry(entry: pathlib.Path) -> tuple[np.ndarray, dict]:
-  """Reads a finished cache entry fully into memory via tensorstore."""
+  """Reads a finished cache entry fully into memory via tensorstore and checks it against its meta.json."""
   meta_path = entry / "meta.json"
   if not meta_path.is_file():
-    raise ValueError(f"Cache entry {entry} is incomplete (no meta.json); delete that folder and retry.")
-  meta = json.loads(meta_path.read_text())
-  tokens = ts.open(_zarr_spec(entry / "tokens.zarr"), open=True).result().read().result()
+    raise CacheError(f"Cache entry {entry} is incomplete (no meta.json); delete that folder and retry.")
+  try:
+    meta = json.loads(meta_path.read_text())
+  except ValueError as e:
+    raise _damaged(entry, f"its meta.json is not valid JSON ({e})") from e
+  if not isinstance(meta, dict) or "tokens_blake2b" not in meta or "num_tokens" not in meta:
+    raise _damaged(entry, "its meta.json lacks the token count or hash")
+  try:
+    tokens = ts.open(_zarr_spec(entry / "tokens.zarr"), open=True).result().read().result()
+  except ValueError as e:  # a corrupted chunk, a missing .zarray
+    raise _damaged(entry, f"its tokens cannot be read ({str(e)[:300]})") from e
   if tokens.ndim != 1 or tokens.size != meta["num_tokens"]:
-    raise ValueError(f"Cache entry {entry} holds {tokens.shape} tokens but meta says {meta['num_tokens']}; "
-                     "delete that folder and retry.")
+    raise _damaged(entry, f"it holds {tokens.shape} tokens but meta.json says {meta['num_tokens']}")
+  if _tokens_digest(tokens) != meta["tokens_blake2b"]:
+    # Missing chunk files read back as zeros (zarr's fill value): without this, a run would train on them.
+    raise _damaged(entry, "its tokens do not match the hash recorded in meta.json when it was written (a chunk "
+                   "file missing or altered)")
   return tokens, meta
 
 
@@ -324,6 +464,8 @@ def load_dataset(config: DataConfig) -> TokenDataset:
   source = _describe(config.corpus, files, num_bytes)
 
   entry = _cache_root(config) / _cache_key(raws, config)
+  if entry.parent.is_dir():
+    _remove_stale_temps(entry)
   if not entry.is_dir():
     _write_entry(entry, raws, files, config, source)
   tokens, meta = _read_entry(entry)

@@ -1,5 +1,11 @@
 """Tests for fp4jax.pretrain.data: corpus discovery, tensorstore cache, split, deterministic batches."""
 
+import errno
+import os
+import pathlib
+import signal
+import time
+
 import numpy as np
 import pytest
 
@@ -98,6 +104,163 @@ def test_interrupted_write_is_not_reused(text_folder, tmp_path, monkeypatch):
   monkeypatch.undo()
   ds = data.load_dataset(cfg)
   assert ds.train.size > 0
+
+
+def _entry(cache) -> pathlib.Path:
+  entries = [p for p in pathlib.Path(cache).iterdir() if not p.name.startswith(".")]
+  assert len(entries) == 1, entries
+  return entries[0]
+
+
+def test_missing_or_altered_chunk_is_refused(text_folder, tmp_path, monkeypatch):
+  # A missing chunk file reads back as zeros (zarr's fill value): the hash in meta.json must catch it.
+  monkeypatch.setattr(data, "_CHUNK_TOKENS", 256)  # several chunks from a small corpus
+  cache = tmp_path / "c"
+  cfg = data.DataConfig(corpus=str(text_folder), cache_dir=str(cache))
+  first = data.load_dataset(cfg)
+  entry = _entry(cache)
+  chunk = entry / "tokens.zarr" / "1"
+  saved = chunk.read_bytes()
+  chunk.unlink()
+  with pytest.raises(data.CacheError, match=rf"Cache entry {entry} is damaged: .*do not match the hash.*"
+                     "Delete that folder and retry"):
+    data.load_dataset(cfg)
+  # Another valid chunk in its place (same length, other tokens) decodes fine: the hash catches that too.
+  chunk.write_bytes((entry / "tokens.zarr" / "0").read_bytes())
+  with pytest.raises(data.CacheError, match="do not match the hash"):
+    data.load_dataset(cfg)
+  chunk.write_bytes(saved)
+  np.testing.assert_array_equal(data.load_dataset(cfg).train, first.train)
+  # Deleting the folder, as the message says, rebuilds it.
+  chunk.unlink()
+  data.shutil.rmtree(entry)
+  np.testing.assert_array_equal(data.load_dataset(cfg).train, first.train)
+
+
+def test_entry_without_hash_is_refused(text_folder, tmp_path):
+  cache = tmp_path / "c"
+  cfg = data.DataConfig(corpus=str(text_folder), cache_dir=str(cache))
+  data.load_dataset(cfg)
+  meta_path = _entry(cache) / "meta.json"
+  meta = data.json.loads(meta_path.read_text())
+  del meta["tokens_blake2b"]
+  meta_path.write_text(data.json.dumps(meta))
+  with pytest.raises(data.CacheError, match="lacks the token count or hash"):
+    data.load_dataset(cfg)
+  meta_path.write_text("{ truncated")
+  with pytest.raises(data.CacheError, match="meta.json is not valid JSON"):
+    data.load_dataset(cfg)
+
+
+def _blocked_writer(cfg) -> tuple[int, pathlib.Path]:
+  """Forks a writer of cfg's cache entry that stops in tokenization (alive until killed): its pid and temp folder."""
+  read_fd, write_fd = os.pipe()
+  pid = os.fork()
+  if pid == 0:  # the child only runs data.py's file work before it blocks
+    try:
+      os.close(read_fd)
+
+      def blocked(raws, files, config, out_dir):
+        os.write(write_fd, str(out_dir).encode())
+        time.sleep(600)
+
+      data._tokenize = blocked
+      data.load_dataset(cfg)
+    finally:
+      os._exit(1)
+  os.close(write_fd)
+  try:
+    tmp = pathlib.Path(os.read(read_fd, 4096).decode())  # empty if the child failed before blocking
+  finally:
+    os.close(read_fd)
+  if not (tmp.name.startswith(".tmp-") and tmp.is_dir()):
+    _kill(pid)
+    raise AssertionError(f"the forked writer did not reach tokenization (got {tmp!r})")
+  return pid, tmp
+
+
+def _kill(pid: int) -> None:
+  os.kill(pid, signal.SIGKILL)
+  os.waitpid(pid, 0)
+
+
+def test_stale_temp_folders_are_removed(text_folder, tmp_path):
+  cache = tmp_path / "c"
+  cfg = data.DataConfig(corpus=str(text_folder), cache_dir=str(cache))
+  live, live_tmp = _blocked_writer(cfg)  # a concurrent writer, still tokenizing
+  try:
+    dead, dead_tmp = _blocked_writer(cfg)
+    _kill(dead)  # killed mid-tokenization (OOM, preemption): its temp folder stays behind
+    key = dead_tmp.name.split("-")[1]
+    hours_ago = time.time() - 2 * 3600
+    old_unlocked = cache / f".tmp-{key}-1-olderfp4jax"  # no lock file: a writer from before writers locked
+    old_unlocked.mkdir()
+    os.utime(old_unlocked, (hours_ago, hours_ago))
+    new_unlocked = cache / f".tmp-{key}-2-justmade"  # a writer between mkdir and taking its lock
+    new_unlocked.mkdir()
+    other_entry = cache / ".tmp-0123456789abcdef0123456789abcdef-3-other"  # not this entry's
+    other_entry.mkdir()
+    os.utime(other_entry, (hours_ago, hours_ago))
+    data.load_dataset(cfg)
+    assert (cache / key / "meta.json").is_file()
+    assert not dead_tmp.exists() and not old_unlocked.exists()
+    assert live_tmp.is_dir() and new_unlocked.is_dir() and other_entry.is_dir()
+  finally:
+    _kill(live)
+  data.load_dataset(cfg)  # a load from the cache (no write) removes them too, once their writer is gone
+  assert not live_tmp.exists() and new_unlocked.is_dir() and other_entry.is_dir()
+
+
+_ENOSPC = "No space left on device"
+
+
+def _no_space_tensorstore(monkeypatch):
+  """Creating a zarr array works; writing it fails as tensorstore's file driver does on a full disk."""
+  real_open = data.ts.open
+
+  class NoSpace:
+    def __init__(self, path):
+      self.path = path
+
+    def result(self):
+      return self
+
+    def write(self, _):
+      raise ValueError(f'RESOURCE_EXHAUSTED: Error writing local file "{self.path}/0": Failed writing: '
+                       f'"{self.path}/0.__lock": Failed to write 69648 bytes to file 4: {_ENOSPC} '
+                       "[os_error_code='28']")
+
+  def fake_open(spec, **kwargs):
+    return NoSpace(spec["kvstore"]["path"]) if kwargs.get("create") else real_open(spec, **kwargs)
+
+  monkeypatch.setattr(data.ts, "open", fake_open)
+
+
+def _no_space_meta(monkeypatch):
+  real_write_text = pathlib.Path.write_text
+
+  def write_text(self, *args, **kwargs):
+    if self.name == "meta.json":
+      raise OSError(errno.ENOSPC, _ENOSPC, str(self))
+    return real_write_text(self, *args, **kwargs)
+
+  monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+
+
+@pytest.mark.parametrize("fail", [_no_space_tensorstore, _no_space_meta], ids=["tensorstore", "meta_json"])
+def test_failed_cache_write_names_the_folder(text_folder, tmp_path, monkeypatch, fail):
+  cache = tmp_path / "c"
+  cfg = data.DataConfig(corpus=str(text_folder), cache_dir=str(cache))
+  entry = cache / data._cache_key([f.read_bytes() for f in data.corpus_files(cfg.corpus)], cfg)
+  fail(monkeypatch)
+  with pytest.raises(ValueError, match=rf"Could not write the token cache entry {entry}: {_ENOSPC}\. Free space "
+                     rf"in {cache} .*--data.cache_dir DIR or FP4JAX_CACHE=DIR") as raised:
+    data.load_dataset(cfg)
+  assert isinstance(raised.value, data.CacheError)  # a ValueError: the CLI prints it and exits 2
+  assert _ENOSPC in str(raised.value.__cause__)  # the original error stays chained
+  assert list(cache.iterdir()) == []  # nothing half-written left behind
+  monkeypatch.undo()
+  assert data.load_dataset(cfg).train.size > 0
 
 
 # --------------------------------------------------------------------------------------- user corpora
