@@ -17,12 +17,14 @@ new end (exact continuation only from a checkpoint taken before the old decay be
 
 Multi-process (one process per host, all with the same arguments; see fp4jax.pretrain.distributed):
   FP4JAX_COORDINATOR=host0:12377 FP4JAX_NUM_PROCESSES=2 FP4JAX_PROCESS_ID=0 fp4jax train --mesh data=2,fsdp=2 ...
+Processes started with different settings (any but --data.cache_dir, --progress, --log-every and --profile) all
+exit with code 2 before reading data, naming the options that differ.
 
 Compiled steps are kept in a cache folder, one per CPU type (~/.cache/fp4jax/xla-<cpu id>; FP4JAX_COMPILE_CACHE=DIR
 picks another, FP4JAX_COMPILE_CACHE=off none; see fp4jax.pretrain.compile_cache): a rerun skips the compile.
 
-Exit codes: 0 done, 1 training diverged, 2 bad arguments/config/data or unusable checkpoint, 3 another process of
-a multi-process run failed, 130 interrupted.
+Exit codes: 0 done, 1 training diverged, 2 bad arguments/config/data, unusable checkpoint or processes started with
+different settings, 3 another process of a multi-process run failed, 130 interrupted.
 """
 
 from __future__ import annotations

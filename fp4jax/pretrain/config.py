@@ -291,6 +291,22 @@ def option_keys() -> tuple[str, ...]:
 
 
 @functools.cache
+def field_flags() -> dict[str, str]:
+  """{dotted path of each TrainConfig field ("optimizer.lr", "model.d_model", "seed"): the option that sets it
+  ("--lr", "--model.d_model", "--seed")}, for messages that name a field of the `to_dict` form."""
+  flags = {}
+  for f in dataclasses.fields(TrainConfig):
+    if f.name in GROUPS:
+      flags.update({f"{f.name}.{g.name}": "--" + flat_key(g).replace("_", "-")
+                    for g in dataclasses.fields(_NESTED_TYPES[f.name])})
+    elif f.name in _NESTED_TYPES:  # model and data: dotted options
+      flags.update({f"{f.name}.{g.name}": f"--{f.name}.{g.name}" for g in dataclasses.fields(_NESTED_TYPES[f.name])})
+    else:
+      flags[f.name] = "--" + f.name.replace("_", "-")
+  return flags
+
+
+@functools.cache
 def result_free_keys() -> frozenset[str]:
   """Flat option names of the fields marked `result_free` (out, progress, log_every, checkpoint cadence, ...)."""
   keys = {f.name for f in dataclasses.fields(TrainConfig) if is_result_free(f)}

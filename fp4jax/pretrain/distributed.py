@@ -16,15 +16,24 @@ Failure handling (all bounded, none silent):
 - a collective whose peer died fails at once when the socket closes (the CLI exits with code 3); a peer that stops
   sending heartbeats for FP4JAX_HEARTBEAT_TIMEOUT seconds (default 100) makes the coordination service abort the
   others ("heartbeat timeout") instead of leaving them blocked forever;
-- at exit, processes wait at most FP4JAX_SHUTDOWN_TIMEOUT seconds (default 300) for each other.
+- at exit, processes wait at most FP4JAX_SHUTDOWN_TIMEOUT seconds (default 300) for each other;
+- processes started with different settings (another --lr, --recipe, --seed, ...) would train apart silently, hang
+  in mismatched collectives or fail deep inside JAX: `check_same_run` (the first thing `trainer.train` does) compares
+  digests of every process's run config and makes all of them raise ConfigMismatchError (the CLI exits with code 2)
+  naming the options that differ, before any data is read or step compiled. The settings each host may keep its own
+  are PER_PROCESS_FIELDS.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import re
 import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -144,3 +153,115 @@ def barrier(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices(name)
+
+
+# --- every process runs the same configuration ------------------------------------------------------------------
+
+class ConfigMismatchError(ValueError):
+  """The processes of a multi-process run were started with different run settings."""
+
+
+# TrainConfig fields (dotted paths of its to_dict form) each process may set on its own; all others must agree. What
+# legitimately differs per process (its id, the coordinator, its local devices) is not in the config at all: it
+# comes from the FP4JAX_* variables and JAX's own settings.
+PER_PROCESS_FIELDS = frozenset({
+    # Where this host caches the tokenized corpus (a local disk per host): the tokens are the same wherever kept.
+    "data.cache_dir",
+    # Only process 0 shows the progress bar and writes metrics.jsonl; the other processes never read these, and
+    # neither runs a collective.
+    "logging.progress", "logging.every",
+    # Each process traces its own devices into its own folder (profiling.trace_dir), without a collective: tracing
+    # some hosts only, or other steps on each, is a legitimate choice.
+    "logging.profile",
+})
+
+
+def run_fields(config_dict: Mapping[str, Any]) -> dict[str, Any]:
+  """The settings every process must share: a TrainConfig.to_dict() form keyed by dotted path ("optimizer.lr",
+  "model.d_model", "seed"), without PER_PROCESS_FIELDS."""
+  fields = {}
+  for key, value in config_dict.items():
+    # Only the groups are mappings at the top; a group's values (a hand-built recipe's dict too) are digested whole.
+    items = {f"{key}.{k}": v for k, v in value.items()} if isinstance(value, Mapping) else {key: value}
+    fields.update({k: v for k, v in items.items() if k not in PER_PROCESS_FIELDS})
+  return dict(sorted(fields.items()))
+
+
+def digest(value: Any) -> int:
+  """A 32-bit digest of a JSON-ready value, the same in every process and on every machine (unlike hash())."""
+  text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+  return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
+
+
+def field_digests(fields: Mapping[str, Any]) -> np.ndarray:
+  """One uint32 digest per field, in the order of `fields`."""
+  return np.asarray([digest(v) for v in fields.values()], np.uint32)
+
+
+def summary_digests(fields: Mapping[str, Any], versions: Sequence[str] = ()) -> np.ndarray:
+  """[number of fields, digest of their names, digest of `versions`, digest of all values]: what one cheap
+  collective compares; the per-field digests (field_digests) only go round when these differ."""
+  return np.asarray([len(fields), digest(list(fields)), digest(list(versions)),
+                     digest(field_digests(fields).tolist())], np.uint32)
+
+
+def differing_fields(names: Sequence[str], gathered: np.ndarray) -> dict[int, list[str]]:
+  """{process: the names whose digest differs from process 0's} for each process that differs in any;
+  `gathered` holds one row of field_digests per process."""
+  gathered = np.asarray(gathered)
+  return {p: [n for n, differs in zip(names, row != gathered[0]) if differs]
+          for p, row in enumerate(gathered) if (row != gathered[0]).any()}
+
+
+def _join(items: Sequence[str]) -> str:
+  return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def mismatch_message(differing: Mapping[int, Sequence[str]], flags: Mapping[str, str], own: Mapping[str, Any],
+                     process_index: int, process_count: int) -> str:
+  """Names, for each process that differs, the options (and dotted fields) that differ from process 0's, and this
+  process's values of them (each process's log shows its own, so the logs together show all)."""
+  listed = 8
+  parts = []
+  for p, names in differing.items():
+    shown = [f"{flags.get(n, n)} ({n})" for n in names[:listed]]
+    if len(names) > listed:
+      shown.append(f"{len(names) - listed} more")
+    parts.append(f"process {p}'s {_join(shown)} {'differs' if len(names) == 1 else 'differ'} from process 0's")
+  names = list(dict.fromkeys(n for ns in differing.values() for n in ns))[:listed]
+  values = ", ".join(f"{n}={json.dumps(own.get(n), default=repr)}" for n in names)
+  return (f"the processes of this multi-process run were started with different settings: {'; '.join(parts)}. "
+          f"Start every process with the same flags (only the FP4JAX_* variables differ between them). This "
+          f"process ({process_index} of {process_count}) has {values}.")
+
+
+def _versions() -> list[str]:
+  import fp4jax  # pylint: disable=g-import-not-at-top
+  return [f"fp4jax {fp4jax.__version__}", f"jax {jax.__version__}"]
+
+
+def _allgather(values: np.ndarray) -> np.ndarray:
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return np.asarray(multihost_utils.process_allgather(values))
+
+
+def check_same_run(config_dict: Mapping[str, Any], flags: Mapping[str, str]) -> None:
+  """Raises ConfigMismatchError on every process when the processes' run settings (`config_dict`, a
+  TrainConfig.to_dict() form, less PER_PROCESS_FIELDS) differ; `flags` maps dotted fields to their options for the
+  message. A collective that all processes must call; a no-op with one process."""
+  if jax.process_count() == 1:
+    return
+  fields = run_fields(config_dict)
+  versions = _versions()
+  summaries = _allgather(summary_digests(fields, versions))
+  if (summaries == summaries[0]).all():
+    return
+  if (summaries[:, :3] != summaries[0, :3]).any():  # the per-field digests would not line up
+    others = [p for p, row in enumerate(summaries) if (row[:3] != summaries[0, :3]).any()]
+    raise ConfigMismatchError(
+        f"process{'es' if len(others) > 1 else ''} {_join([str(p) for p in others])} of this multi-process run "
+        f"run{'' if len(others) > 1 else 's'} a different fp4jax or jax version from process 0 (their run configs "
+        f"have other fields, or the versions differ); this process ({jax.process_index()}) runs "
+        f"{' and '.join(versions)}. Install the same versions on every host.")
+  differing = differing_fields(list(fields), _allgather(field_digests(fields)))
+  raise ConfigMismatchError(mismatch_message(differing, flags, fields, jax.process_index(), jax.process_count()))

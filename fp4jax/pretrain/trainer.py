@@ -123,10 +123,14 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
     call's train losses), steps, start_step, tokens, wall_time, checkpoint_step, out, params (the final nnx.State),
     layer_recipes ({phase: {layer: recipe name}} for the phases this call ran).
   compile_cache: reuse jitted steps across calls (see CompileCache).
+  Multi-process runs: raises distributed.ConfigMismatchError on every process when the processes' configs differ
+  (beyond distributed.PER_PROCESS_FIELDS), before anything is read or compiled.
   Raises TrainingDiverged on a non-finite loss (nothing non-finite is ever saved), CheckpointError when --resume
   finds no readable checkpoint (unreadable newer ones are moved aside, see fp4jax.pretrain.resume), RunLockedError
   when another run holds --out, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C.
   """
+  if jax.process_count() > 1:  # first: a process started with other settings fails before any data or compile
+    distributed.check_same_run(config.to_dict(), config_lib.field_flags())
   if callable(hooks):  # one Hook (callable) or function, not a list of them
     raise TypeError(f"train(config, hooks): hooks is a list of Hooks or callables; got one {type(hooks).__name__}: "
                     "pass [hook].")

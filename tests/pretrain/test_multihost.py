@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 
+from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import distributed
 from fp4jax.pretrain import resume
 from fp4jax.pretrain import runfolder
@@ -53,15 +54,17 @@ def _env(tmp: pathlib.Path, devices: int, **extra) -> dict[str, str]:
   return env
 
 
-def _launch(tmp, args, nprocs: int, log_name: str, **extra) -> list[subprocess.Popen]:
-  """`python -m fp4jax ARGS` as `nprocs` processes (2 devices each) or one process with 4 devices."""
+def _launch(tmp, args, nprocs: int, log_name: str, process_args=None, **extra) -> list[subprocess.Popen]:
+  """`python -m fp4jax ARGS` as `nprocs` processes (2 devices each) or one process with 4 devices; process i also
+  gets `process_args[i]` where given."""
   port = _free_port()
   procs = []
   for pid in range(nprocs):
     env = _env(tmp, 2, FP4JAX_COORDINATOR=f"localhost:{port}", FP4JAX_NUM_PROCESSES=str(nprocs),
                FP4JAX_PROCESS_ID=str(pid), **extra) if nprocs > 1 else _env(tmp, 4, **extra)
+    own = list(process_args[pid]) if process_args else []
     with open(tmp / f"{log_name}.{pid}.log", "w", encoding="utf-8") as log:  # the child keeps its own handle
-      procs.append(subprocess.Popen([sys.executable, "-m", "fp4jax", *args], cwd=REPO, env=env, stdout=log,
+      procs.append(subprocess.Popen([sys.executable, "-m", "fp4jax", *args, *own], cwd=REPO, env=env, stdout=log,
                                     stderr=subprocess.STDOUT, text=True))
   return procs
 
@@ -237,6 +240,98 @@ def test_run_folder_refusal_on_one_process_makes_all_raise(tmp_path, monkeypatch
   monkeypatch.setattr(distributed, "any_process", lambda flag: True)  # another process refused
   with pytest.raises(runfolder.PeerFailedError, match="another process failed to open the run folder"):
     runfolder.open_run_folder(tmp_path / "run", resume=False, overwrite=False, process_index=1, process_count=2)
+
+
+def _run_digests(**options):
+  fields = distributed.run_fields(config_lib.TrainConfig.from_options(**{"out": "x", **options}).to_dict())
+  return list(fields), distributed.field_digests(fields), fields
+
+
+def test_run_config_digests_name_the_options_that_differ():
+  names, base, fields = _run_digests()
+  again = _run_digests()
+  assert again[0] == names and (again[1] == base).all()
+  assert (distributed.summary_digests(fields) == distributed.summary_digests(again[2])).all()
+  flags = config_lib.field_flags()
+  assert set(names) <= set(flags)  # every field a message can name has its option
+  cases = [({"lr": 1e-3}, "--lr (optimizer.lr)"), ({"seed": 1}, "--seed (seed)"),
+           ({"recipe": "bf16"}, "--recipe (policy.recipe)"), ({"mesh": "data=2"}, "--mesh (mesh)"),
+           ({"model.d_model": 128}, "--model.d_model (model.d_model)"), ({"out": "y"}, "--out (out)"),
+           ({"checkpoint_every": 7}, "--checkpoint-every (checkpointing.every)")]
+  for changes, want in cases:
+    _, other, own = _run_digests(**changes)
+    differing = distributed.differing_fields(names, np.stack([base, other]))
+    assert len(differing) == 1 and len(differing[1]) == 1, (changes, differing)
+    message = distributed.mismatch_message(differing, flags, own, 1, 2)
+    assert f"process 1's {want} differs from process 0's" in message, message
+    assert "Start every process with the same flags" in message
+  _, other, own = _run_digests(lr=1e-3, seed=5)
+  message = distributed.mismatch_message(distributed.differing_fields(names, np.stack([base, base, other])), flags,
+                                         own, 2, 3)
+  assert "process 2's --lr (optimizer.lr) and --seed (seed) differ from process 0's" in message, message
+  assert "This process (2 of 3) has optimizer.lr=0.001, seed=5." in message, message
+  # What each host may set on its own: its data cache, and what only process 0 uses or each process does alone.
+  _, same, _ = _run_digests(**{"data.cache_dir": "/local", "progress": False, "log_every": 5, "profile": "0:1"})
+  assert (same == base).all()
+
+
+def _fake_peer(monkeypatch, peer_config, peer_versions=None):
+  """This process is process 1 of 2; the collective returns process 0's digests (of `peer_config`) and ours."""
+  gathers = []
+  peer = distributed.run_fields(peer_config.to_dict())
+
+  def allgather(values):
+    gathers.append(len(values))
+    versions = distributed._versions() if peer_versions is None else peer_versions  # pylint: disable=protected-access
+    theirs = (distributed.summary_digests(peer, versions) if len(gathers) == 1 else distributed.field_digests(peer))
+    return np.stack([theirs, values])
+
+  monkeypatch.setattr(distributed, "_allgather", allgather)
+  monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(distributed.jax, "process_index", lambda: 1)
+  return gathers
+
+
+def test_check_same_run_raises_naming_the_options(monkeypatch):
+  config = config_lib.TrainConfig.from_options(out="x", lr=1e-3)
+  gathers = _fake_peer(monkeypatch, config.replace(progress=False))
+  distributed.check_same_run(config.replace(progress=True).to_dict(), config_lib.field_flags())
+  assert gathers == [4]  # agreeing processes pay one small collective
+  gathers = _fake_peer(monkeypatch, config.replace(lr=3e-3))
+  with pytest.raises(distributed.ConfigMismatchError, match=r"process 1's --lr \(optimizer.lr\) differs from "
+                     r"process 0's\. Start every process with the same flags .* This process \(1 of 2\) has "
+                     r"optimizer.lr=0.001\."):
+    distributed.check_same_run(config.to_dict(), config_lib.field_flags())
+  assert gathers == [4, len(distributed.run_fields(config.to_dict()))]
+  _fake_peer(monkeypatch, config, peer_versions=["fp4jax 0.0.1", "jax 0.4"])
+  with pytest.raises(distributed.ConfigMismatchError,
+                     match="process 1 of this multi-process run runs a different fp4jax or jax version"):
+    distributed.check_same_run(config.to_dict(), config_lib.field_flags())
+
+
+def test_check_same_run_costs_a_single_process_nothing(monkeypatch):
+  monkeypatch.setattr(distributed, "_allgather", lambda values: pytest.fail("a collective in a single-process run"))
+  distributed.check_same_run({"seed": 0}, {})
+
+
+@pytest.mark.slow
+def test_processes_started_with_different_flags_all_exit_naming_them(tmp_path):
+  # Before the check, another --lr trained apart silently (exit 0), another --recipe hung in mismatched collectives
+  # (only kill -9 stopped it) and another --seed failed in jax.device_put with a bare AssertionError. Now every
+  # process stops before the run folder exists, and names both options.
+  out = tmp_path / "x"
+  procs = _launch(tmp_path, TRAIN_ARGS + ["--out", str(out)], 2, "differ",
+                  process_args=[[], ["--lr", "1e-3", "--seed", "1"]])
+  codes = _wait(procs, timeout=120)
+  logs = _logs(tmp_path, "differ", 2)
+  assert codes == [2, 2], logs
+  for pid, values in enumerate(["optimizer.lr=0.003, seed=0", "optimizer.lr=0.001, seed=1"]):
+    log = (tmp_path / f"differ.{pid}.log").read_text()
+    want = ("fp4jax: error: the processes of this multi-process run were started with different settings: process "
+            "1's --lr (optimizer.lr) and --seed (seed) differ from process 0's. Start every process with the same "
+            f"flags (only the FP4JAX_* variables differ between them). This process ({pid} of 2) has {values}.")
+    assert want in log and "Traceback" not in log, logs
+  assert not out.exists()
 
 
 @pytest.mark.slow
