@@ -1,8 +1,9 @@
 """Checkpoints: an orbax CheckpointManager holding the train state plus JSON run metadata per step.
 
 Layout: <out>/checkpoints/<step>/{state, meta}. `state` is the pytree {"params", "opt_state", "step"} (float32
-master weights and optimizer state, bit-exact); `meta` is JSON: config, recipe, policy, seed and run-key data, and
-the data position (batches are a pure function of (seed, step), so the step is the position).
+master weights and optimizer state, bit-exact); `meta` is JSON: config, recipe, policy, seed and run-key data, the
+data position (batches are a pure function of (seed, step), so the step is the position) and the data's identity
+("data": data.DataIdentity, checked on resume and evaluation; absent in checkpoints of fp4jax before 2026-12-05).
 
 Failures to find or read a checkpoint raise `CheckpointError` (`CorruptCheckpointError` for damaged files) and never
 delete or overwrite anything on disk.

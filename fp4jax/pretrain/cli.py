@@ -13,7 +13,10 @@ resumes from step N and moves the later checkpoints there too. Resuming with the
 uninterrupted run bit for bit. A different --steps is a new schedule: the LR warmup/decay (and a fractional
 --switch-at) are recomputed for the new length, so the result is neither the old run continued nor a fresh run of
 the new length; --keep-schedule keeps the stored run's warmup and decay lengths in steps and moves the decay to the
-new end (exact continuation only from a checkpoint taken before the old decay began).
+new end (exact continuation only from a checkpoint taken before the old decay began). The corpus is the one the
+checkpoint recorded, as an absolute path (a relative --data.corpus is read as it was when the run trained), and data
+whose content or tokenizer differs from the checkpoint's is refused: pass --data-changed to continue on it anyway.
+`fp4jax eval` reads the recorded corpus too and refuses a changed one; --corpus PATH evaluates on the named data.
 
 Multi-process (one process per host, all with the same arguments; see fp4jax.pretrain.distributed):
   FP4JAX_COORDINATOR=host0:12377 FP4JAX_NUM_PROCESSES=2 FP4JAX_PROCESS_ID=0 fp4jax train --mesh data=2,fsdp=2 ...
@@ -58,6 +61,9 @@ def _eval_parser() -> argparse.ArgumentParser:
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   parser.add_argument("--eval-batches", "--eval_batches", dest="eval_batches", type=int, default=None,
                       help="validation batches (default: the run's; 4 when the run did not validate)")
+  parser.add_argument("--corpus", "--data.corpus", dest="corpus", default=None,
+                      help="evaluate on this corpus (default: the one the checkpoint was trained on, at the absolute "
+                      "path it recorded; refused if its content changed since)")
   parser.add_argument("--json", action="store_true", help="print the result as JSON")
   return parser
 
@@ -78,12 +84,20 @@ def config_from_args(argv: Sequence[str]):
                      "checkpoint); without --resume the run would start afresh.")
   if args.keep_schedule and not overrides.get("resume"):
     raise ValueError("--keep-schedule only applies with --resume (it keeps the stored run's schedule shape).")
+  if overrides.get("data_changed") and not overrides.get("resume"):
+    raise ValueError("--data-changed only applies with --resume (it allows continuing a run on other data).")
   if not overrides.get("resume"):
     return config_lib.config_from_overrides(overrides)
   start, meta = resume_lib.resume_meta(overrides["out"], overrides.get("resume_step"))
   # The stored config holds how the run was last started: a stored --overwrite clashed with this --resume, and a
   # stored --resume-step N made every later --resume go back to step N (moving the newer checkpoints aside).
-  base = config_lib.TrainConfig.from_dict(meta["config"]).replace(resume=False, resume_step=None, overwrite=False)
+  base = config_lib.TrainConfig.from_dict(meta["config"]).replace(resume=False, resume_step=None, overwrite=False,
+                                                                  data_changed=False)
+  # The corpus as it was resolved when the run trained: a relative path read from here could be other text.
+  if "data.corpus" not in overrides:
+    corpus = resume_lib.recorded_corpus(meta, start, f"fp4jax train --out {overrides['out']} --resume")
+    if corpus is not None:
+      base = base.replace(**{"data.corpus": corpus})
   config = config_lib.config_from_overrides(overrides, base=base)
   if args.keep_schedule:
     both = sorted(set(overrides) & set(resume_lib.SCHEDULE_FIELDS))
@@ -108,7 +122,8 @@ def _run_train(argv: Sequence[str]) -> int:
 def _run_eval(argv: Sequence[str]) -> int:
   from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
   args = _eval_parser().parse_args(list(argv))
-  result = trainer.evaluate(args.out, args.step, eval_batches=args.eval_batches)
+  result = trainer.evaluate(args.out, args.step, eval_batches=args.eval_batches, corpus=args.corpus,
+                            log=lambda line: print(line, file=sys.stderr))
   if args.json:
     print(json.dumps(result))
   else:

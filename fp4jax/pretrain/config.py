@@ -100,6 +100,8 @@ class CheckpointConfig:
                                    "not deleted)", result_free=True)
   overwrite: bool = option(False, "start afresh in an --out that holds a run (deletes its checkpoints and metrics)",
                            result_free=True)
+  data_changed: bool = option(False, "with --resume: continue on data (corpus content, tokenizer) other than the "
+                              "checkpoint was trained on, which is refused otherwise", result_free=True)
 
   def __post_init__(self):
     _need_ints(self, 1, "every", "keep")
@@ -108,6 +110,9 @@ class CheckpointConfig:
       if not self.resume:  # else ignored: a fresh run (with overwrite, one that deletes the checkpoint asked for)
         raise ValueError(f"CheckpointConfig: resume_step={self.resume_step} only applies with resume=True (resume "
                          "from that checkpoint); without it the run would start afresh.")
+    if self.data_changed and not self.resume:
+      raise ValueError("CheckpointConfig: data_changed only applies with resume=True (it allows resuming on other "
+                       "data than the checkpoint's).")
     if self.overwrite and self.resume:
       raise ValueError("CheckpointConfig: overwrite and resume exclude each other.")
 

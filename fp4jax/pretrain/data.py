@@ -2,7 +2,9 @@
 
 The token stream is built once per (corpus content, tokenizer config) and cached as a zarr array through
 tensorstore; batches are a pure function of (seed, split, step), so a resumed or multi-process run sees exactly
-the batches a single uninterrupted run would.
+the batches a single uninterrupted run would. Each dataset carries its `DataIdentity` (the corpus resolved to
+absolute paths, a fingerprint of its bytes, the tokenizer and vocabulary), which checkpoints record so that a resume
+or an evaluation on other data is noticed (see fp4jax.pretrain.resume.check_data_kept).
 
 Cache entries live in <cache_dir>/<key> (key: a hash of the corpus content and tokenizer config). Each records in
 its meta.json the token count and a blake2b hash of the tokens, and every read checks both: a chunk file that went
@@ -32,7 +34,8 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -83,6 +86,26 @@ class DataConfig:
       object.__setattr__(self, "corpus", ",".join(entries))
 
 
+@dataclasses.dataclass(frozen=True)
+class DataIdentity:
+  """Which data a dataset holds: what checkpoints record, and what a resume or an evaluation compares."""
+
+  corpus: str  # the corpus spec with each path entry resolved to an absolute path ("shakespeare" kept)
+  fingerprint: str  # hash of the files' bytes, in order (their names and mtimes play no part)
+  tokenizer: str
+  vocab_size: int  # the tokenizer's actual vocabulary
+  num_files: int
+  num_bytes: int
+  cache_key: str  # the token cache entry's name: content, tokenizer config and cache format
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> DataIdentity:
+    return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenDataset:
   """A tokenized corpus split into a train stream and a held-out tail (val)."""
@@ -93,6 +116,7 @@ class TokenDataset:
   source: str  # human-readable description of corpus and tokenizer
   tokenizer: str = "byte"
   tokenizer_file: str | None = None  # trained BPE tokenizer.json (None for byte)
+  identity: DataIdentity | None = None  # set by load_dataset
 
 
 # ----------------------------------------------------------------------------------------------- corpus
@@ -168,6 +192,30 @@ def corpus_files(corpus: str | os.PathLike | Sequence[str | os.PathLike]) -> lis
       seen.add(key)
       unique.append(f)
   return unique
+
+
+def resolve_corpus(corpus: str) -> str:
+  """`corpus` (a comma-separated spec) with each path entry made absolute, as the current folder reads it now."""
+  entries = [e.strip() for e in corpus.split(",")]
+  return ",".join(e if e == BUILTIN_CORPUS else str(pathlib.Path(e).expanduser().resolve()) for e in entries)
+
+
+def identity_changes(recorded: DataIdentity, current: DataIdentity) -> list[str]:
+  """What differs between the data `recorded` and the data `current` hold, in words ([]: the same data).
+
+  The same bytes at another path are the same data: the path is named only beside a changed content.
+  """
+  changes = []
+  if recorded.fingerprint != current.fingerprint:
+    where = (f"{current.corpus!r}" if recorded.corpus == current.corpus else
+             f"{current.corpus!r} (it was {recorded.corpus!r})")
+    changes.append(f"the corpus {where} holds other text: {current.num_files} files, {current.num_bytes} bytes, "
+                   f"fingerprint {current.fingerprint} (it was {recorded.num_files} files, {recorded.num_bytes} "
+                   f"bytes, fingerprint {recorded.fingerprint})")
+  if (recorded.tokenizer, recorded.vocab_size) != (current.tokenizer, current.vocab_size):
+    changes.append(f"the tokenizer is {current.tokenizer} with vocab {current.vocab_size} (it was "
+                   f"{recorded.tokenizer} with vocab {recorded.vocab_size})")
+  return changes
 
 
 def _describe(corpus: str, files: list[pathlib.Path], num_bytes: int) -> str:
@@ -266,15 +314,21 @@ def _cache_root(config: DataConfig) -> pathlib.Path:
   return pathlib.Path(root).expanduser()
 
 
-def _cache_key(raws: list[bytes], config: DataConfig) -> str:
-  """Hash of the corpus content (in order) and tokenizer config; independent of paths and mtimes."""
+def _cache_key(digests: list[bytes], config: DataConfig) -> str:
+  """Hash of the corpus content (the files' sha256 `digests`, in order) and tokenizer config; independent of paths
+  and mtimes."""
   h = hashlib.sha256()
   h.update(json.dumps({"format": _CACHE_FORMAT, "tokenizer": config.tokenizer,
                        "vocab_size": config.vocab_size if config.tokenizer == "bpe" else _BYTE_VOCAB,
-                       "separator": _FILE_SEPARATOR.hex(), "num_files": len(raws)}).encode())
-  for raw in raws:
-    h.update(hashlib.sha256(raw).digest())
+                       "separator": _FILE_SEPARATOR.hex(), "num_files": len(digests)}).encode())
+  for digest in digests:
+    h.update(digest)
   return h.hexdigest()[:32]
+
+
+def _fingerprint(digests: list[bytes]) -> str:
+  """Hash of the corpus content alone, from the per-file digests the cache key also reads (no second pass)."""
+  return hashlib.sha256(b"".join(digests)).hexdigest()[:32]
 
 
 def _zarr_spec(path: pathlib.Path) -> dict:
@@ -462,8 +516,10 @@ def load_dataset(config: DataConfig) -> TokenDataset:
   if num_bytes == 0:
     raise ValueError(f"Corpus {config.corpus!r} is empty (all {len(files)} files have no bytes).")
   source = _describe(config.corpus, files, num_bytes)
+  digests = [hashlib.sha256(r).digest() for r in raws]
 
-  entry = _cache_root(config) / _cache_key(raws, config)
+  key = _cache_key(digests, config)
+  entry = _cache_root(config) / key
   if entry.parent.is_dir():
     _remove_stale_temps(entry)
   if not entry.is_dir():
@@ -483,4 +539,7 @@ def load_dataset(config: DataConfig) -> TokenDataset:
       source=f"{source}; {config.tokenizer} tokenizer, vocab {meta['vocab_size']}, {n} tokens",
       tokenizer=config.tokenizer,
       tokenizer_file=tokenizer_file,
+      identity=DataIdentity(corpus=resolve_corpus(config.corpus), fingerprint=_fingerprint(digests),
+                            tokenizer=config.tokenizer, vocab_size=int(meta["vocab_size"]), num_files=len(files),
+                            num_bytes=num_bytes, cache_key=key),
   )

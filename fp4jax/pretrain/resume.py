@@ -13,6 +13,12 @@ steps, which is the usual way to lengthen a warmup-stable-decay run from a check
 that has switched to BF16 is not switched back: `keep_schedule` keeps a past switch where it was, and a --steps that
 would move it past the checkpoint is refused (`check_switch_kept`).
 
+Each checkpoint records its data's identity (data.DataIdentity: the corpus as absolute paths, a fingerprint of its
+bytes, the tokenizer). The CLI's --resume and `fp4jax eval` read the recorded absolute corpus, so a relative
+--data.corpus means what it meant when the run trained, wherever the command runs. Resuming on other data (an edited
+corpus, another tokenizer) is refused (`check_data_kept`) unless --data-changed is given; checkpoints saved before
+the identity was recorded resume with a note, unchecked.
+
 Multi-process runs: process 0 alone moves checkpoints aside, the others waiting for it. Falling back past an
 unreadable checkpoint is refused there (processes could disagree on which checkpoint reads, and would then restore
 different steps): resume once with a single process, or pass --resume-step with a readable step.
@@ -30,6 +36,7 @@ import numpy as np
 
 from fp4jax import gemm
 from fp4jax.pretrain import checkpoint as ckpt
+from fp4jax.pretrain import data as data_lib
 from fp4jax.pretrain import distributed
 from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain import runfolder
@@ -90,13 +97,16 @@ def resume_meta(out_dir: str | pathlib.Path, step: int | None = None) -> tuple[i
 
 def restore_readable(out_dir: str | pathlib.Path, target: dict[str, Any], step: int | None = None, *,
                      log: Callable[[str], None] = print, process_index: int | None = None,
-                     process_count: int | None = None) -> tuple[int, dict[str, Any], dict[str, Any]]:
+                     process_count: int | None = None,
+                     check: Callable[[int, dict[str, Any]], None] | None = None
+                     ) -> tuple[int, dict[str, Any], dict[str, Any]]:
   """(step, state, meta) to resume the run in `out_dir` from; moves damaged or superseded checkpoints aside.
 
   step None: the newest checkpoint that restores; newer damaged ones are moved aside (reason "corrupt").
   step N: checkpoint N, which must restore; later checkpoints are moved aside (reason "after-resume-N") so the
     resumed run's saves cannot mix with them. A checkpoint that does not match the run (another model or optimizer)
     is an error, never a reason to fall back. Nothing is moved unless a checkpoint restored.
+  check(step, meta): refuses the restored checkpoint by raising ValueError, before anything is moved.
   Multi-process (process_index/process_count default to JAX's): an unreadable checkpoint raises instead of falling
   back; process 0 alone moves checkpoints aside and the others wait for it.
   """
@@ -132,7 +142,12 @@ def restore_readable(out_dir: str | pathlib.Path, target: dict[str, Any], step: 
   finally:
     manager.close()
   error = None
-  if pi == 0:  # the others wait below, so no process opens a manager on a half-moved folder
+  if check is not None:  # a refused resume leaves the folder as it was
+    try:
+      check(result[0], result[2])
+    except ValueError as e:  # held until the processes agree: one host's corpus alone may differ
+      error = e
+  if pi == 0 and error is None:  # the others wait below, so no process opens a manager on a half-moved folder
     try:
       for s, reason, why in moves:
         dest = move_aside(out_dir, s, reason)
@@ -142,11 +157,74 @@ def restore_readable(out_dir: str | pathlib.Path, target: dict[str, Any], step: 
   if multi:
     failed = distributed.any_process(error is not None)  # a collective: also the barrier
     if failed and error is None:
-      raise ckpt.CheckpointError(f"process {pi}: process 0 could not move superseded checkpoints "
-                                 "aside; see its error.")
+      raise ckpt.CheckpointError(f"process {pi}: another process refused checkpoint {result[0]} or could not move "
+                                 "superseded checkpoints aside; see its error.")
   if error is not None:
     raise error
   return result
+
+
+def recorded_corpus(meta: dict[str, Any], step: int, retry: str) -> str | None:
+  """The absolute corpus spec checkpoint `step` recorded (None in checkpoints from before it was recorded).
+
+  Raises FileNotFoundError when a recorded path is gone; `retry` is the command to name the corpus with instead.
+  """
+  recorded = meta.get("data")
+  if not recorded:
+    return None
+  corpus = recorded["corpus"]
+  missing = [e for e in corpus.split(",") if e != data_lib.BUILTIN_CORPUS and not pathlib.Path(e).exists()]
+  if missing:
+    raise FileNotFoundError(f"Checkpoint {step} was trained on the corpus {corpus!r}, and {', '.join(missing)} no "
+                            f"longer exists. If the corpus moved, name it: {retry} --corpus PATH (its content is "
+                            "checked against the checkpoint's fingerprint).")
+  return corpus
+
+
+def check_data_kept(recorded: dict[str, Any] | None, current: data_lib.DataIdentity, start: int,
+                    data_changed: bool = False) -> str | None:
+  """Refuses resuming checkpoint `start` on data other than it was trained on, unless `data_changed`.
+
+  `recorded`: the checkpoint meta's "data" (None in checkpoints from before it was recorded: not checked, a note).
+  Returns a note to log, or None.
+  """
+  if not recorded:
+    return (f"Note: checkpoint {start} does not record which data it was trained on (saved by an older fp4jax), so "
+            f"the corpus {current.corpus!r} (fingerprint {current.fingerprint}) is used unchecked; checkpoints "
+            "saved from now on record it.")
+  changes = data_lib.identity_changes(data_lib.DataIdentity.from_dict(recorded), current)
+  if not changes:
+    return None
+  if data_changed:
+    return (f"Note: --data-changed: resuming checkpoint {start} on other data than it was trained on: "
+            f"{'; '.join(changes)}. The run differs from an uninterrupted one.")
+  raise ValueError(f"The data differs from what checkpoint {start} was trained on: {'; '.join(changes)}. To continue "
+                   "the run on this data deliberately, pass --data-changed; to continue it on its own data, restore "
+                   f"the corpus at {recorded['corpus']!r}; or start a new run in another --out.")
+
+
+def eval_data_note(recorded: dict[str, Any] | None, current: data_lib.DataIdentity, step: int, named: bool,
+                   stored_corpus: str) -> str | None:
+  """Refuses evaluating checkpoint `step` on data other than it trained on, unless the corpus was `named`.
+
+  `stored_corpus`: the config's --data.corpus as typed. Returns a note to log, or None.
+  """
+  if not recorded:
+    relative = [e for e in stored_corpus.split(",")
+                if e.strip() != data_lib.BUILTIN_CORPUS and not pathlib.Path(e.strip()).expanduser().is_absolute()]
+    where = (f" (its relative path {stored_corpus!r} read from the current folder, as {current.corpus!r})"
+             if relative and not named else "")
+    return (f"Note: checkpoint {step} does not record which data it was trained on (saved by an older fp4jax), so "
+            f"the corpus{where} is used unchecked.")
+  changes = data_lib.identity_changes(data_lib.DataIdentity.from_dict(recorded), current)
+  if not changes:
+    return None
+  if named:
+    return (f"Note: evaluating checkpoint {step} on other data than it was trained on: {'; '.join(changes)}. The "
+            "val_loss is not comparable with the run's own.")
+  raise ValueError(f"The data differs from what checkpoint {step} was trained on: {'; '.join(changes)}. Restore "
+                   "the corpus to evaluate on the run's own validation split, or name the corpus explicitly "
+                   f"(--corpus {current.corpus}) to evaluate on this data deliberately.")
 
 
 def keep_schedule(stored: TrainConfig, config: TrainConfig, start: int | None = None) -> TrainConfig:

@@ -74,14 +74,18 @@ def _placement(config: TrainConfig, state: TrainState) -> Placement:
 
 # --- run folder ---------------------------------------------------------------------------------------------------
 
-def _checkpoint_meta(config: TrainConfig, step: int, phase: int) -> dict[str, Any]:
+def _checkpoint_meta(config: TrainConfig, step: int, phase: int,
+                     data: data_lib.DataIdentity | None = None) -> dict[str, Any]:
   keys = run_keys(config.seed)
   config_dict = config.to_dict()
-  return {"config": config_dict, "policy": config_dict["policy"], "recipe": config_dict["policy"]["recipe"],
+  meta = {"config": config_dict, "policy": config_dict["policy"], "recipe": config_dict["policy"]["recipe"],
           "seed": config.seed,
           "run_key_data": np.asarray(jax.random.key_data(keys["step"])).tolist(),
           "data_position": step, "step": step, "phase": phase, "fp4jax_version": fp4jax.__version__,
           "gemm_mode": gemm_lib.resolve_gemm_mode(config.policy.recipe)}  # "auto" as resolved on this machine
+  if data is not None:
+    meta["data"] = data.to_dict()  # which data the run trained on: see resume.check_data_kept
+  return meta
 
 
 @contextlib.contextmanager
@@ -159,7 +163,7 @@ def _train_locked(config, user_hooks, log, compile_cache, out) -> dict[str, Any]
   state = jax.device_put(state, placement.state)
   start = 0
   if config.checkpointing.resume:  # before opening the manager below: resuming may move checkpoints aside
-    start, state = _resume(config, state, out, log)
+    start, state = _resume(config, state, out, log, dataset.identity)
 
   manager = ckpt.open_manager(out, max_to_keep=config.checkpointing.keep,
                               save_interval_steps=config.checkpointing.every)
@@ -208,14 +212,19 @@ def _state_changes(out, resume_step, config) -> str:
           "clipping (--grad-clip 0 against > 0). Resume with the stored settings, or start a new run in another --out.")
 
 
-def _resume(config, state, out, log) -> tuple[int, TrainState]:
+def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, TrainState]:
   resume_step = config.checkpointing.resume_step
   if resume_step is not None and resume_step > config.steps:
     raise ValueError(f"--resume-step {resume_step} is beyond --steps {config.steps}.")
+  notes = []
+
+  def check_data(step, meta):
+    notes.append(resume_lib.check_data_kept(meta.get("data"), data, step, config.checkpointing.data_changed))
+
   try:
     start, restored, meta = resume_lib.restore_readable(out, state._asdict(), resume_step, log=log,
                                                         process_index=jax.process_index(),
-                                                        process_count=jax.process_count())
+                                                        process_count=jax.process_count(), check=check_data)
   except ckpt.StateMismatchError as e:
     raise ckpt.StateMismatchError(f"{e}\n{_state_changes(out, resume_step, config)}") from None
   state = TrainState(**restored)
@@ -230,9 +239,16 @@ def _resume(config, state, out, log) -> tuple[int, TrainState]:
   if schedule:
     log(schedule)
   note = resume_lib.gemm_mode_note(meta.get("gemm_mode"), config.policy.recipe)
-  if note:
-    log(note)
-  changed = config_lib.result_differences(meta["config"], config.to_dict())
+  for line in [*notes, note]:
+    if line:
+      log(line)
+  stored_dict = meta["config"]
+  if meta.get("data") and isinstance(stored_dict.get("data"), dict):
+    # The data's identity was checked (or its change noted) above: how its path was typed, or where its token cache
+    # lives, is no change of the run.
+    same = {"corpus": config.data.corpus, "cache_dir": config.data.cache_dir}
+    stored_dict = {**stored_dict, "data": {**stored_dict["data"], **same}}
+  changed = config_lib.result_differences(stored_dict, config.to_dict())
   if schedule:  # the schedule note has said what these do
     changed = [c for c in changed if c not in ("steps", "warmup_fraction", "decay_fraction", "switch_at")]
   if changed:
@@ -284,7 +300,8 @@ class _Loop:
   def save(self, step: int, state: TrainState, force: bool):
     if step == self.last_saved:
       return
-    meta = _checkpoint_meta(self.config, step, self.phases.phase(min(step, self.config.steps - 1)))
+    meta = _checkpoint_meta(self.config, step, self.phases.phase(min(step, self.config.steps - 1)),
+                            self.dataset.identity)
     if ckpt.save(self.manager, step, state._asdict(), meta, force=force):
       self.last_saved = step
 
@@ -405,22 +422,35 @@ class _Loop:
 
 # --- evaluation of a saved run ------------------------------------------------------------------------------------
 
-def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: int | None = None) -> dict[str, Any]:
+def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: int | None = None,
+             corpus: str | None = None, log: Callable[[str], None] | None = print) -> dict[str, Any]:
   """Validation loss of the checkpoint at `step` (default: latest) of the run in `out`.
 
+  The data is the corpus the checkpoint recorded (its absolute path: a relative --data.corpus means what it meant
+  when the run trained); if its content or tokenizer changed since, a ValueError says what changed. `corpus` names
+  other data to evaluate on (a note, through `log`, says when it is not the data the checkpoint trained on).
   Returns {"step", "val_loss", "phase", "eval_batches"}. Raises CheckpointError if there is no readable checkpoint.
   """
+  log = log or (lambda _: None)
   manager = ckpt.open_manager(out, create=False)
   try:
     step, meta = ckpt.restore_meta(manager, step)
     config = TrainConfig.from_dict(meta["config"])
+    stored_corpus = config.data.corpus
+    named = corpus is not None
+    corpus = corpus if named else resume_lib.recorded_corpus(meta, step, f"fp4jax eval --out {out}")
+    if corpus is not None:
+      config = config.replace(**{"data.corpus": corpus})
     if eval_batches is None and not config.evaluation.batches:
       eval_batches = config_lib.EvalConfig().batches  # the run itself did not validate
     if eval_batches is not None:
       if eval_batches < 1:
         raise ValueError(f"eval_batches must be >= 1 to evaluate; got {eval_batches}.")
       config = config.replace(eval_batches=eval_batches)
-    _, val = load_data(config)
+    dataset, val = load_data(config)
+    note = resume_lib.eval_data_note(meta.get("data"), dataset.identity, step, named, stored_corpus)
+    if note:
+      log(note)
     keys = run_keys(config.seed)
     model = build_model(config, keys["init"])
     optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)

@@ -56,7 +56,8 @@ def test_from_dict_reads_the_flat_form_of_earlier_versions():
 
 def test_result_free_fields_are_marked_once():
   assert config_lib.result_free_keys() == {"out", "progress", "log_every", "profile", "checkpoint_every",
-                                           "keep_checkpoints", "resume", "resume_step", "overwrite"}
+                                           "keep_checkpoints", "resume", "resume_step", "overwrite",
+                                           "data_changed"}
   a = TrainConfig.from_options(lr=1e-2)
   b = a.replace(out="elsewhere", progress=False, log_every=5, profile="1:3", checkpoint_every=3, keep_checkpoints=1,
                 resume=True)
