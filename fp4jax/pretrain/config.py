@@ -98,8 +98,8 @@ class CheckpointConfig:
                         "aside, not deleted)", result_free=True)
   resume_step: int | None = option(None, "resume from this step, not the latest (later checkpoints are moved aside, "
                                    "not deleted)", result_free=True)
-  overwrite: bool = option(False, "start afresh in an --out that holds a run (deletes its checkpoints and metrics)",
-                           result_free=True)
+  overwrite: bool = option(False, "start afresh in an --out that holds a run (deletes the checkpoints and metrics "
+                           "fp4jax wrote there; other files are kept)", result_free=True)
   data_changed: bool = option(False, "with --resume: continue on data (corpus content, tokenizer) other than the "
                               "checkpoint was trained on, which is refused otherwise", result_free=True)
 

@@ -7,6 +7,11 @@ died (killed, crashed, machine lost), which `acquire` reports before taking the 
 process 0 locks run.lock, as a single-process run does, and each other process its own run.<process>.lock: a
 second run on the same folder is refused whether it has one process or several (before 2026-12-04 process 0 of a
 multi-process run locked run.0.lock, so a single-process run and a multi-process one could share a folder).
+
+--overwrite deletes what fp4jax wrote: metrics.jsonl and, in checkpoints/, the step folders (orbax's unfinished ones
+and its root metadata included); anything else there is kept, and said. A run folder may not be the home folder or a
+folder above it (`--out '~'` expands to the home folder, where --overwrite would delete ~/checkpoints/<step>), nor
+start with a '~user' that names no user (a usage error, not pathlib's RuntimeError).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import fcntl
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import sys
@@ -30,6 +36,10 @@ from fp4jax.pretrain import distributed
 from fp4jax.pretrain.metrics import METRICS_FILE
 
 LOCK_FILE = "run.lock"
+# What orbax writes beside the step folders: a save killed midway (<step>[.partial_save].orbax-checkpoint-tmp-<time>)
+# and the manager's root metadata folder (some versions).
+_ORBAX_TMP = re.compile(r"[0-9]+\..*orbax-checkpoint-tmp")
+_ORBAX_NAMES = ("metadata",)
 
 
 class RunLockedError(ValueError):
@@ -165,6 +175,51 @@ def _existing_run(out: pathlib.Path) -> list[pathlib.Path]:
   return found
 
 
+def _written_by_fp4jax(entry: pathlib.Path) -> bool:
+  """Whether an entry of the checkpoints folder is fp4jax's: a step folder, or what orbax writes beside them."""
+  name = entry.name
+  return (bool(re.fullmatch(r"[0-9]+", name)) and entry.is_dir()) or bool(_ORBAX_TMP.match(name)) or (
+      name in _ORBAX_NAMES)
+
+
+def _delete_run(out: pathlib.Path, log: Callable[[str], None]) -> None:
+  """Deletes the run in `out` for --overwrite: metrics.jsonl and fp4jax's entries in checkpoints/, nothing else."""
+  ck_dir, metrics_file = ckpt.checkpoint_dir(out), out / METRICS_FILE
+  if ck_dir.is_dir():
+    kept = []
+    for p in sorted(ck_dir.iterdir()):
+      if not _written_by_fp4jax(p):
+        kept.append(p.name)
+      elif p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+      else:
+        p.unlink()
+    if kept:
+      log(f"--overwrite: kept {len(kept)} entries of {ck_dir} that fp4jax did not write: {', '.join(kept[:10])}"
+          + (", ..." if len(kept) > 10 else "") + ".")
+    elif not ck_dir.is_symlink():
+      ck_dir.rmdir()
+  if metrics_file.is_file():
+    metrics_file.unlink()
+
+
+def run_path(out_dir: str | pathlib.Path) -> pathlib.Path:
+  """`out_dir` with a leading '~' expanded; refuses the home folder (or one above it) and a '~' that names no user."""
+  try:
+    out = pathlib.Path(out_dir).expanduser()
+    home = pathlib.Path.home().resolve()
+  except RuntimeError as e:  # pathlib's answer to a '~user' that names no user, or to no home folder at all
+    raise ValueError(f"--out {str(out_dir)!r}: no home folder to expand {pathlib.Path(out_dir).parts[0]!r} to ({e}). "
+                     "Give the run folder's full path.") from None
+  where = out.resolve()
+  if where == home or where in home.parents:
+    what = "your home folder" if where == home else f"a folder above your home folder {home}"
+    raise ValueError(f"--out {str(out_dir)!r} is {what} ({where}): a run writes checkpoints/, metrics.jsonl and "
+                     "run.lock at the top of its folder, and --overwrite deletes them. Give the run its own folder, "
+                     "e.g. --out ~/runs/NAME.")
+  return out
+
+
 def check_resumable(out_dir: str | pathlib.Path) -> None:
   """Raises CheckpointError, saying what to do instead, unless `out_dir` holds a finished checkpoint."""
   out = pathlib.Path(out_dir).expanduser()
@@ -203,7 +258,8 @@ def open_run_folder(out_dir: str | pathlib.Path, *, resume: bool, overwrite: boo
   """Creates and locks `out_dir` for a run; (path, held lock).
 
   A fresh run (neither `resume` nor `overwrite`) is refused, without touching anything, where a run already is;
-  `overwrite` deletes that run's checkpoints and metrics once the lock is held; `resume` needs checkpoints.
+  `overwrite` deletes that run's checkpoints and metrics once the lock is held (only what fp4jax wrote: other files
+  in checkpoints/ are kept); `resume` needs checkpoints. The home folder (or one above it) is refused (`run_path`).
 
   Multi-process runs (process_index/process_count default to JAX's): every process checks and locks its own lock
   file (run.lock for process 0, run.<i>.lock for the others), and all agree on the outcome (one refusing makes all
@@ -211,8 +267,7 @@ def open_run_folder(out_dir: str | pathlib.Path, *, resume: bool, overwrite: boo
   """
   pi = jax.process_index() if process_index is None else process_index
   pc = jax.process_count() if process_count is None else process_count
-  out = pathlib.Path(out_dir).expanduser()
-  ck_dir = ckpt.checkpoint_dir(out)
+  log = log or (lambda _: None)
 
   def refuse_existing():
     existing = _existing_run(out)
@@ -220,8 +275,9 @@ def open_run_folder(out_dir: str | pathlib.Path, *, resume: bool, overwrite: boo
       raise ValueError(f"{out} already holds a run ({', '.join(p.name for p in existing)}). Pass --resume to "
                        "continue it, --overwrite to replace it, or choose another --out.")
 
-  error = None
+  error, out = None, None
   try:
+    out = run_path(out_dir)
     if resume:
       check_resumable(out)
     refuse_existing()  # before creating the lock file, so a refused run leaves the folder as it was
@@ -245,8 +301,7 @@ def open_run_folder(out_dir: str | pathlib.Path, *, resume: bool, overwrite: boo
     if overwrite:
       try:
         if pi == 0:
-          for p in _existing_run(out):
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+          _delete_run(out, log)
       except OSError as e:
         error = e
       _agree(error, "to delete the overwritten run", pi, pc)  # the others wait for the deletion

@@ -174,3 +174,60 @@ def test_each_checkpoint_holds_its_own_config(env, tmp_path):
     manager.close()
   assert stored[2] == stored[4] == config
   assert stored[6] == config.replace(resume=True, steps=6, log_every=2)
+
+
+def test_overwrite_deletes_only_what_fp4jax_wrote(tmp_path):
+  """--overwrite removed the whole <out>/checkpoints folder, files fp4jax never wrote included."""
+  out = tmp_path / "run"
+  ck_dir = ckpt.checkpoint_dir(out)
+  for name in ("4", "8", "12.orbax-checkpoint-tmp-1700000000", "metadata"):  # steps, a killed save, orbax's own
+    (ck_dir / name).mkdir(parents=True)
+    (ck_dir / name / "f").write_text("x")
+  (ck_dir / "notes.txt").write_text("mine")
+  (ck_dir / "export").mkdir()
+  (ck_dir / "export" / "model.bin").write_text("mine too")
+  (ck_dir / "7").write_text("a file, not a step folder")
+  (out / metrics.METRICS_FILE).write_text('{"step": 0, "loss": 5.0}\n')
+  log = []
+  _, lock = runfolder.open_run_folder(out, resume=False, overwrite=True, log=log.append, process_index=0,
+                                      process_count=1)
+  lock.release()
+  assert sorted(p.name for p in ck_dir.iterdir()) == ["7", "export", "notes.txt"]
+  assert (ck_dir / "export" / "model.bin").read_text() == "mine too"
+  assert not (out / metrics.METRICS_FILE).exists()
+  assert log == [f"--overwrite: kept 3 entries of {ck_dir} that fp4jax did not write: 7, export, notes.txt."]
+  # Nothing foreign: the folder goes, as before.
+  for p in (ck_dir / "7", ck_dir / "notes.txt", ck_dir / "export" / "model.bin", ck_dir / "export"):
+    p.unlink() if p.is_file() else p.rmdir()
+  (ck_dir / "4").mkdir()
+  _, lock = runfolder.open_run_folder(out, resume=False, overwrite=True, process_index=0, process_count=1)
+  lock.release()
+  assert not ck_dir.exists()
+
+
+def test_out_home_is_refused(tmp_path, monkeypatch, capsys):
+  """`--out '~'` (quoted) expanded to the home folder: a run there wrote ~/checkpoints and ~/metrics.jsonl, and
+  --overwrite deleted ~/checkpoints/<step> folders and ~/metrics.jsonl."""
+  home = tmp_path / "home"
+  (home / "checkpoints" / "4").mkdir(parents=True)
+  (home / metrics.METRICS_FILE).write_text('{"step": 0}\n')
+  monkeypatch.setenv("HOME", str(home))
+  monkeypatch.chdir(tmp_path)
+  before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+  for out in ("~", "~/", str(home), str(home / "sub" / "..")):
+    with pytest.raises(ValueError, match=rf"--out '{out}' is your home folder \({home}\): .* --overwrite deletes"):
+      runfolder.open_run_folder(out, resume=False, overwrite=True, process_index=0, process_count=1)
+  with pytest.raises(ValueError, match="is a folder above your home folder"):
+    runfolder.open_run_folder(tmp_path, resume=False, overwrite=False, process_index=0, process_count=1)
+  with pytest.raises(ValueError, match=r"'~no_such_user_fp4jax/run': no home folder to expand '~no_such_user_fp4jax' "
+                     r"to \(Could not determine home directory"):
+    runfolder.open_run_folder("~no_such_user_fp4jax/run", resume=False, overwrite=False, process_index=0,
+                              process_count=1)
+  assert cli.main(["train", "--out", "~", "--overwrite", "--steps", "2"]) == cli.EXIT_USAGE
+  assert "is your home folder" in capsys.readouterr().err
+  assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing made, nothing deleted
+  # A folder in the home folder is fine, '~' expanded.
+  folder, lock = runfolder.open_run_folder("~/runs/x", resume=False, overwrite=False, process_index=0,
+                                           process_count=1)
+  lock.release()
+  assert folder == home / "runs" / "x" and folder.is_dir()
