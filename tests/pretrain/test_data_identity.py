@@ -153,6 +153,31 @@ def test_a_refused_checkpoint_moves_nothing_aside(tmp_path, monkeypatch):
   assert start == 4 and len(moved) == 1 and "Moved checkpoint 8 aside" in moved[0]
 
 
+def test_eval_reads_the_recorded_absolute_corpus(tmp_path, monkeypatch):
+  (tmp_path / "proj").mkdir()
+  (tmp_path / "proj" / "corpus.txt").write_text(TEXT)
+  stored = config_lib.TrainConfig(out=str(tmp_path), steps=4, data="corpus.txt").to_dict()
+  manager = ckpt.open_manager(tmp_path)
+  ckpt.save(manager, 4, {"w": jnp.zeros(3)}, {"config": stored, "data": {"corpus": str(tmp_path / "proj" /
+                                                                                         "corpus.txt")}}, force=True)
+  ckpt.save(manager, 8, {"w": jnp.zeros(3)}, {"config": stored}, force=True)  # an older checkpoint
+  manager.wait_until_finished()
+  manager.close()
+  read = []
+
+  def load_data(config):  # what evaluate reads; stops it before it builds a model
+    read.append(config.data.corpus)
+    raise InterruptedError
+
+  monkeypatch.setattr(trainer, "load_data", load_data)
+  monkeypatch.chdir(tmp_path)
+  for step, corpus, expected in ((4, None, str(tmp_path / "proj" / "corpus.txt")), (4, "x.txt", "x.txt"),
+                                 (8, None, "corpus.txt")):
+    with pytest.raises(InterruptedError):
+      trainer.evaluate(tmp_path, step, corpus=corpus)
+    assert read.pop() == expected
+
+
 @pytest.mark.slow
 def test_an_edited_corpus_is_refused_on_resume_and_eval(env, tmp_path, monkeypatch, capsys):
   proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
@@ -198,3 +223,14 @@ def test_an_edited_corpus_is_refused_on_resume_and_eval(env, tmp_path, monkeypat
   assert any(line.startswith("Note: --data-changed: resuming checkpoint 2 on other data") for line in log)
   _, meta = resume_lib.resume_meta(out)
   assert meta["data"]["fingerprint"] == data.load_dataset(config.data).identity.fingerprint
+
+  # A checkpoint from before the identity was recorded resumes, unchecked, with a note (its corpus as typed).
+  meta_file = ckpt.checkpoint_dir(out) / "1" / "meta" / "metadata"
+  older = json.loads(meta_file.read_text())
+  del older["data"]
+  meta_file.write_text(json.dumps(older))
+  log = []
+  config = cli.config_from_args([*resume, "1"])
+  assert config.data.corpus == "corpus.txt"
+  assert trainer.train(config, log=log.append, compile_cache=env["cache"])["start_step"] == 1
+  assert any(line.startswith("Note: checkpoint 1 does not record which data it was trained on") for line in log)
