@@ -29,7 +29,7 @@ def test_identity_resolves_the_corpus_and_fingerprints_its_bytes(tmp_path, monke
   monkeypatch.chdir(tmp_path)
   (tmp_path / "corpus.txt").write_text(TEXT)
   got = data.load_dataset(data.DataConfig(corpus="corpus.txt", cache_dir="cache")).identity
-  assert got.corpus == str(tmp_path / "corpus.txt")  # absolute, as this folder reads it
+  assert got.corpus == str((tmp_path / "corpus.txt").resolve())  # absolute, as this folder reads it
   assert (got.tokenizer, got.vocab_size, got.num_files, got.num_bytes) == ("byte", 256, 1, len(TEXT))
   assert (tmp_path / "cache" / got.cache_key).is_dir()  # the token cache's own key, reused
   # The same bytes elsewhere (another name, another cache) are the same data; edited bytes are not.
@@ -38,7 +38,7 @@ def test_identity_resolves_the_corpus_and_fingerprints_its_bytes(tmp_path, monke
   assert data.identity_changes(got, moved) == []
   edited = identity(tmp_path / "c", TEXT.replace("question", "answer!!"))
   assert edited.num_bytes == got.num_bytes and edited.fingerprint != got.fingerprint
-  assert data.resolve_corpus(f"shakespeare, corpus.txt") == f"shakespeare,{tmp_path / 'corpus.txt'}"
+  assert data.resolve_corpus("shakespeare, corpus.txt") == f"shakespeare,{got.corpus}"
   assert data.DataIdentity.from_dict(json.loads(json.dumps(got.to_dict()))) == got
 
 
@@ -197,7 +197,7 @@ def test_an_edited_corpus_is_refused_on_resume_and_eval(env, tmp_path, monkeypat
   # Resumed from another folder: the recorded corpus, unchanged, so no note about it.
   log = []
   config = cli.config_from_args([*resume, "2"])
-  assert config.data.corpus == str(proj / "corpus.txt")
+  assert config.data.corpus == str((proj / "corpus.txt").resolve())
   assert trainer.train(config, log=log.append, compile_cache=env["cache"])["start_step"] == 2
   assert not any("data" in line for line in log if line.startswith("Note")), log  # nor 'data' as a changed setting
 
