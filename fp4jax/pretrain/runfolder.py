@@ -207,10 +207,13 @@ def run_path(out_dir: str | pathlib.Path) -> pathlib.Path:
   """`out_dir` with a leading '~' expanded; refuses the home folder (or one above it) and a '~' that names no user."""
   try:
     out = pathlib.Path(out_dir).expanduser()
-    home = pathlib.Path.home().resolve()
   except RuntimeError as e:  # pathlib's answer to a '~user' that names no user, or to no home folder at all
     raise ValueError(f"--out {str(out_dir)!r}: no home folder to expand {pathlib.Path(out_dir).parts[0]!r} to ({e}). "
                      "Give the run folder's full path.") from None
+  try:
+    home = pathlib.Path.home().resolve()
+  except RuntimeError:  # no home folder (no $HOME, no passwd entry): none to protect either
+    return out
   where = out.resolve()
   if where == home or where in home.parents:
     what = "your home folder" if where == home else f"a folder above your home folder {home}"

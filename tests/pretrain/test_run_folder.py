@@ -233,3 +233,16 @@ def test_out_home_is_refused(tmp_path, monkeypatch, capsys):
                                            process_count=1)
   lock.release()
   assert folder == home / "runs" / "x" and folder.is_dir()
+
+
+def test_out_without_a_home_folder(tmp_path, monkeypatch):
+  """Without a home folder (no $HOME, no passwd entry) only a '~' path is refused; a full path is a run folder."""
+  def no_home(*args, **kwargs):
+    raise RuntimeError("Could not determine home directory.")
+
+  monkeypatch.setattr(runfolder.pathlib.Path, "home", classmethod(no_home))
+  monkeypatch.setattr(runfolder.pathlib.Path, "expanduser",
+                      lambda self: no_home() if str(self).startswith("~") else self)
+  with pytest.raises(ValueError, match=r"'~/run': no home folder to expand '~' to \(Could not determine"):
+    runfolder.run_path("~/run")
+  assert runfolder.run_path(tmp_path / "run") == tmp_path / "run"
