@@ -1,6 +1,7 @@
 """Tests for fp4jax.pretrain.data: corpus discovery, tensorstore cache, split, deterministic batches."""
 
 import errno
+import hashlib
 import os
 import pathlib
 import signal
@@ -251,7 +252,8 @@ def _no_space_meta(monkeypatch):
 def test_failed_cache_write_names_the_folder(text_folder, tmp_path, monkeypatch, fail):
   cache = tmp_path / "c"
   cfg = data.DataConfig(corpus=str(text_folder), cache_dir=str(cache))
-  entry = cache / data._cache_key([f.read_bytes() for f in data.corpus_files(cfg.corpus)], cfg)
+  digests = [hashlib.sha256(f.read_bytes()).digest() for f in data.corpus_files(cfg.corpus)]
+  entry = cache / data._cache_key(digests, cfg)
   fail(monkeypatch)
   with pytest.raises(ValueError, match=rf"Could not write the token cache entry {entry}: {_ENOSPC}\. Free space "
                      rf"in {cache} .*--data.cache_dir DIR or FP4JAX_CACHE=DIR") as raised:
