@@ -12,8 +12,11 @@
 # corpus package: the GPU image lacks it), they are installed first (carry .whl with the call). `mismatch` counts
 # kernel-vs-XLA code differences on device-drawn inputs and saves the differing blocks to DIR/mismatch.npz for
 # `python -m benchmarks.gpu.mismatch --compare DIR`.
-# `repeat` times the train section's priority rows (bf16, nvfp4; `small` and the 1B slice) in REPEAT_RUNS (default 3)
-# separate processes, then adds a row per train row with the min and median of its ratio over the processes. `train`
+# `train` and `repeat` time each group of recipes in turns, block by block (A B, B A, ...; benchmarks/gpu/model.py), so
+# a drift of the GPU's speed during the run hits every recipe alike; rows give the median and min paired block ratio
+# against bf16 and the loss at the last timed step. `repeat` times the train section's priority rows (bf16, nvfp4;
+# `small` and the 1B slice) in REPEAT_RUNS (default 3) separate processes, the block order rotated by the process's
+# number, then adds a row per train row with the min and median of its ratio over the processes. `train`
 # and `repeat` share one compilation cache (a temporary folder, removed at the end): only the first process that
 # builds a step compiles it, the others load it (the same program, so the same bits).
 # --dry: CPU, Pallas interpret mode, tiny sizes (the plumbing test in tests/).

@@ -5,19 +5,25 @@ bf16 recipe and nvfp4 on the xla path in its default bf16-operand GEMM mode, in 
 reference) and on the Pallas backend. Quantized rows compare (dx, dW) with the float32-mode reference run on the
 same key (same stochastic-rounding draws); the bf16 row with a float32 HIGHEST layer.
 `train`: `fp4jax.pretrain` train steps (AdamW, real batches) of the `small` model and of a 2-layer slice of the
-paper's 1.2B model (d_model 2048, 1024-token sequences): 30 timed steps in 3 blocks of 10, the median block's step
-time per recipe relative to bf16 (and the smallest block against bf16's smallest: min and median), and the
-first step's loss of each quantized row compared with the first quantized row's (bf16 vs nvfp4 shown as is), and
-the loss after the timed steps (two batches, alternating), so that no speed is read without what the step learns.
-`repeat`: the priority train rows (bf16 and nvfp4, both models) in each of several separate processes, then one
-row per train row with the min and median of its ratio over the processes (issue 12 asks for >= 3 runs); plus each
-model's nvfp4 step traced with the platform's inexact float32 divide (`native_division`), whose ratio against the
-nvfp4 row is what the exact scale division (fp4jax.division: float64 quotients on GPUs) costs the step.
+paper's 1.2B model (d_model 2048, 1024-token sequences), in groups timed together: first bf16 and nvfp4 on each
+model, then the other nvfp4 rows with bf16 once more. Each recipe of a group is compiled and warmed up, then the
+recipes take turns in 6 blocks of 5 timed steps (A B, B A, A B, ...: a drift of the machine's speed during the run
+hits every recipe alike; the order run is in each row). A row reports its median block time against bf16's in the
+same group, and the median and min over blocks of the paired ratio (its block over bf16's same block); the first
+step's loss of each quantized row compared with the first quantized row's (bf16 vs nvfp4 shown as is); and the loss
+at its last timed step (`loss@step`, two batches, alternating), so that no speed is read without what the step
+learns.
+`repeat`: the priority train rows (bf16 and nvfp4, both models) in each of several separate processes, the block
+order rotated by the process's number, then one row per train row with the min and median of its ratio over the
+processes (issue 12 asks for >= 3 runs); plus each model's nvfp4 step traced with the platform's inexact float32
+divide (`native_division`), timed in blocks with bf16 and nvfp4, whose paired ratio against the nvfp4 blocks is
+what the exact scale division (fp4jax.division: float64 quotients on GPUs) costs the step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from unittest import mock
 
 from benchmarks.gpu import report
@@ -28,7 +34,12 @@ REFERENCE = "nvfp4 xla f32"  # the quantized rows' reference: dequantized float3
 NVFP4 = "nvfp4 xla bf16"  # the default nvfp4 train row: the xla path, bf16-operand GEMMs
 # The `repeat` section's extra row: nvfp4 traced with XLA's own float32 divide for the scale quotients.
 NATIVE_DIVISION = f"{NVFP4}, native division"
-TIMING_BLOCKS = 3  # train rows: timed steps in 3 blocks; the row reports the median block and the min ratio
+# Train rows: after WARMUP_STEPS (the first compiles or loads), TIMING_BLOCKS blocks of BLOCK_STEPS timed steps per
+# recipe, the recipes of a group taking turns block by block (`block_orders`).
+WARMUP_STEPS = 2
+TIMING_BLOCKS = 6
+BLOCK_STEPS = 5
+_now = time.perf_counter  # the train steps' clock (a test drives a fake one)
 
 
 def _recipes():
@@ -112,13 +123,17 @@ def train_step_and_state(model_config, recipe, batch_size: int, seq_len: int):
 
 
 def _train_setup(model_config, recipe, batch_size: int, seq_len: int, dataset):
+  """(compiled train step, its step-0 state, two batches, the step key). Compiled ahead of time: a Compiled object
+  keeps its program when `native_division` clears JAX's caches, so the recipes can be stepped in turn."""
   import jax  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
   step, state, config = train_step_and_state(model_config, recipe, batch_size, seq_len)
   batches = [data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=config.train_seq_len, seed=0)
              for i in range(2)]
-  return jax.jit(step, donate_argnums=0), state, batches, trainer.run_keys(0)["step"]  # donated, as in the trainer
+  key = trainer.run_keys(0)["step"]
+  compiled = jax.jit(step, donate_argnums=0).lower(state, batches[0], key).compile()  # donated, as in the trainer
+  return compiled, state, batches, key
 
 
 def _dataset(sec: report.Section):
@@ -135,21 +150,22 @@ def _dataset(sec: report.Section):
 
 
 def _train_plan(dry: bool, priority_only: bool = False):
-  """(models {name: (config, batch, seq, timed steps)}, [(model name, (label, recipe))] in priority order)."""
+  """(models {name: (config, batch, seq)}, groups [(model name, [(label, recipe), ...])] in priority order). Each
+  group's recipes are timed together, interleaved block by block; its first recipe (bf16) is the baseline. A recipe
+  in several groups of a model is compiled once and timed again alongside the later group's."""
   from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top
   recipes = _recipes()
+  native = (NATIVE_DIVISION, recipes[1][1])
   if dry:  # interpret-mode kernels in a whole model are slow on CPU; test_backend_pallas covers that path
-    models = {"tiny": (model_lib.get_model_config("tiny"), 2, 32, 1)}
-    extra = [("tiny", (NATIVE_DIVISION, recipes[1][1]))] if priority_only else []
-    return models, [("tiny", r) for r in recipes[:2]] + extra
-  models = {"small": (model_lib.get_model_config("small"), *SMALL_BATCH_SEQ, 30),
-            "paper_1b x2 layers": (model_lib.get_model_config("paper_1b", n_layers=2, max_seq_len=1024), 8, 1024,
-                                   30)}
-  # Priority order: nvfp4 vs bf16 on both models first, then the other backends.
-  plan = [(m, r) for m in models for r in recipes[:2]]
-  if priority_only:  # and what the exact scale division costs each step (last: they clear JAX's trace caches)
-    return models, plan + [(m, (NATIVE_DIVISION, recipes[1][1])) for m in models]
-  return models, plan + [(m, r) for m in models for r in recipes[2:]]
+    models = {"tiny": (model_lib.get_model_config("tiny"), 2, 32)}
+    return models, [("tiny", recipes[:2] + ([native] if priority_only else []))]
+  models = {"small": (model_lib.get_model_config("small"), *SMALL_BATCH_SEQ),
+            "paper_1b x2 layers": (model_lib.get_model_config("paper_1b", n_layers=2, max_seq_len=1024), 8, 1024)}
+  # Priority order: nvfp4 vs bf16 on both models first, then the other backends against bf16 once more.
+  plan = [(m, recipes[:2]) for m in models]
+  if priority_only:  # and what the exact scale division costs each step, timed alongside the nvfp4 step
+    return models, plan + [(m, recipes[:2] + [native]) for m in models]
+  return models, plan + [(m, recipes[:1] + recipes[2:]) for m in models]
 
 
 @contextlib.contextmanager
@@ -183,38 +199,106 @@ def run_repeat(sec: report.Section) -> None:
   _time_train_steps(sec, models, plan, prefix=f"run {sec.run}: ")
 
 
-def _time_train_steps(sec: report.Section, models, plan, prefix: str = "") -> None:
-  import statistics  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
+def block_orders(names: list[str], n_blocks: int, offset: int = 0) -> list[list[str]]:
+  """The order of the recipes in each timed block: every recipe in every block, so that a drift of the machine's
+  speed during the run (clocks, heat, other load) hits all alike, rotated by one from block to block (and by
+  `offset`, the `repeat` process's number) so that no recipe always runs first."""
+  n = len(names)
+  return [[names[(b + offset + j) % n] for j in range(n)] for b in range(n_blocks)]
+
+
+def paired_ratios(block_s: dict[str, list[float]], base: str) -> dict[str, list[float]]:
+  """Each recipe's block medians over the baseline's of the same block (timed one after the other, so that a drift
+  of the machine's speed moves both)."""
+  return {name: [t / b for t, b in zip(times, block_s[base])] for name, times in block_s.items()}
+
+
+def _train_step(run: dict) -> float:
+  """Runs one train step of `run` (its own step count picks the batch and key); returns its seconds."""
   import jax  # pylint: disable=g-import-not-at-top
+  i = run["i"]
+  # The key outside the clock: `native_division` clears JAX's caches, and fold_in's next call compiles it again.
+  key = jax.block_until_ready(jax.random.fold_in(run["key"], i))
+  t0 = _now()
+  state, metrics = run["step"](run["state"], run["batches"][i % 2], key)
+  jax.block_until_ready(metrics)
+  seconds = _now() - t0
+  run["state"], run["i"] = state, i + 1
+  run["loss"] = float(metrics["loss"])  # the loss of step i's batch, before its update
+  run.setdefault("first_loss", run["loss"])  # same init, batch and key for every recipe of a model
+  return seconds
+
+
+def _prepare(model_config, name: str, recipe, batch: int, seq: int, dataset) -> dict:
+  """A recipe's compiled step and state, after the warm-up steps."""
+  with native_division() if name == NATIVE_DIVISION else contextlib.nullcontext():
+    step, state, batches, key = _train_setup(model_config, recipe, batch, seq, dataset)
+  run = {"step": step, "state": state, "batches": batches, "key": key, "i": 0}
+  for _ in range(WARMUP_STEPS):
+    _train_step(run)
+  return run
+
+
+def _time_blocks(sec: report.Section, runs: dict[str, dict], n_blocks: int, per_block: int, offset: int):
+  """Times `per_block` steps of every run per block, the runs taking turns as `block_orders` says. Returns
+  ({name: [median seconds per block]}, the orders run, {name: the exception of a run that failed})."""
+  import gc  # pylint: disable=g-import-not-at-top
+  import statistics  # pylint: disable=g-import-not-at-top
+  block_s, orders, failed = {name: [] for name in runs}, [], {}
+  # What the set-up left (`native_division` clears JAX's caches) is collected now, not by a full collection that
+  # Python starts inside the first timed step (~150 ms of a CPU dry run's 5 ms step).
+  gc.collect()
+  for order in block_orders(list(runs), n_blocks, offset):
+    if orders and not sec.has_time(5):
+      break
+    order = [name for name in order if name not in failed]
+    for name in order:
+      try:
+        block_s[name].append(statistics.median([_train_step(runs[name]) for _ in range(per_block)]))
+      except Exception as e:  # pylint: disable=broad-except
+        failed[name] = e
+    orders.append(order)
+  return block_s, orders, failed
+
+
+def _time_train_steps(sec: report.Section, models, plan, prefix: str = "") -> None:
+  """Times each group of `plan` as `_time_blocks` does and adds a row per recipe the first time it is timed."""
+  import statistics  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   dataset = _dataset(sec)
-  n_blocks = 1 if sec.dry else TIMING_BLOCKS
-  base, base_min, ref_loss = {}, {}, {}
-  for model_name, (name, recipe) in plan:
-    model_config, batch, seq, steps = models[model_name]
-    label = f"{prefix}train step {model_name} {name} (batch {batch} x {seq})"
-    if not sec.has_time(25):
-      sec.skip(label, "time budget")
-      continue
-    try:
-      step, state, batches, key = _train_setup(model_config, recipe, batch, seq, dataset)
-      first, times = None, []
-      with native_division() if name == NATIVE_DIVISION else contextlib.nullcontext():
-        for i in range(2 + steps):  # 2 warm-up steps (compile), then timed ones
-          t0 = time.perf_counter()
-          state, metrics = step(state, batches[i % 2], jax.random.fold_in(key, i))
-          jax.block_until_ready(metrics)
-          if i >= 2:
-            times.append(time.perf_counter() - t0)
-          if first is None:
-            first = float(metrics["loss"])  # same init, batch and key for every recipe of a model
-      last = float(metrics["loss"])
-      per_block = len(times) // n_blocks
-      blocks = [statistics.median(times[b * per_block:(b + 1) * per_block]) for b in range(n_blocks)]
-      t = statistics.median(blocks)
-      if name == "bf16":
-        base[model_name], base_min[model_name] = t, min(blocks)
+  n_blocks, per_block = (2, 1) if sec.dry else (TIMING_BLOCKS, BLOCK_STEPS)
+  runs, reported, ref_loss = {}, set(), {}
+  for g, (model_name, group) in enumerate(plan):
+    model_config, batch, seq = models[model_name]
+    label = f"{prefix}train step {model_name} {{}} (batch {batch} x {seq})".format
+    for name, recipe in group:
+      if (model_name, name) in runs or (model_name, name) in reported:
+        continue
+      if not sec.has_time(25):
+        sec.skip(label(name), "time budget")
+        reported.add((model_name, name))
+        continue
+      try:
+        runs[(model_name, name)] = _prepare(model_config, name, recipe, batch, seq, dataset)
+      except Exception as e:  # pylint: disable=broad-except
+        sec.fail(label(name), e)
+        reported.add((model_name, name))
+    names = [name for name, _ in group if (model_name, name) in runs]
+    block_s, orders, failed = _time_blocks(sec, {n: runs[(model_name, n)] for n in names}, n_blocks, per_block,
+                                           offset=sec.run)
+    base = group[0][0]
+    ratios = paired_ratios(block_s, base) if block_s.get(base) else {}
+    for name in names:
+      if name in failed:  # a row of its own even if an earlier group reported the recipe: its state is lost
+        sec.fail(label(name), failed[name])
+        reported.add((model_name, name))
+        del runs[(model_name, name)]
+        continue
+      if (model_name, name) in reported:
+        continue
+      reported.add((model_name, name))
+      run, times = runs[(model_name, name)], block_s[name]
+      first, t = run["first_loss"], statistics.median(times)
       # Same init, batch and key for every recipe of a model: the quantized rows' first losses differ only by the
       # GEMM's summation order (bf16 vs f32 mode) or backend, so each is checked against the first one measured.
       quantized = [(n, v) for (m, n), v in ref_loss.items() if m == model_name and n != "bf16"]
@@ -225,24 +309,33 @@ def _time_train_steps(sec: report.Section, models, plan, prefix: str = "") -> No
       if name != "bf16" and (model_name, "bf16") in ref_loss:
         b = ref_loss[(model_name, "bf16")]
         note += f"; vs bf16 {abs(first - b) / abs(b):.2g}"
-      note += f"; loss at step {2 + steps} {last:.5g} (after {1 + steps} updates)"
-      min_ratio = min(blocks) / base_min[model_name] if model_name in base_min else None
-      if n_blocks > 1:
-        note += f"; block medians {'/'.join(f'{b * 1e3:.3g}' for b in blocks)} ms"
-        if min_ratio is not None and name != "bf16":
-          note += f"; min ratio {min_ratio:.3g}"
+      note += f"; loss@step {run['loss']:.5g}@{run['i']} (after {run['i'] - 1} updates)"
+      note += f"; block medians {'/'.join(f'{v * 1e3:.3g}' for v in times)} ms"
+      extra = {}
+      if name in ratios and name != base:
+        r = ratios[name]
+        extra = {"median_ratio": statistics.median(r), "min_ratio": min(r), "block_ratios": r}
+        note += (f"; block ratios {'/'.join(f'{v:.3g}' for v in r)} (median {extra['median_ratio']:.3g}, "
+                 f"min {extra['min_ratio']:.3g})")
+      if name == NATIVE_DIVISION and block_s.get(NVFP4):
+        exact = [a / b for a, b in zip(block_s[NVFP4], times)]  # the same blocks: what the exact division costs
+        extra["exact_over_native"] = statistics.median(exact)
+        note += f"; {NVFP4} / this {'/'.join(f'{v:.3g}' for v in exact)}"
+      note += (f"; order {' '.join(''.join(str(names.index(n)) for n in o) for o in orders)} "
+               f"({', '.join(f'{i} = {n}' for i, n in enumerate(names))})")
       ok = bool(np.isfinite(first)) and err < 1e-3
-      b_ms = base[model_name] * 1e3 if model_name in base else None
-      sec.add(label, t * 1e3, "ms", b_ms, "bf16 ms", err=err, ok=ok, note=note, min_ratio=min_ratio,
-              final_loss=last)
-    except Exception as e:  # pylint: disable=broad-except
-      sec.fail(label, e)
+      b_ms = statistics.median(block_s[base]) * 1e3 if block_s.get(base) else None
+      sec.add(label(name), t * 1e3, "ms", b_ms, "bf16 ms", err=err, ok=ok, note=note, final_loss=run["loss"],
+              loss_step=run["i"], block_order=orders, **extra)
+    later = {(m, n) for m, grp in plan[g + 1:] for n, _ in grp}
+    for key in [k for k in runs if k not in later]:  # free the device memory of what no later group times
+      del runs[key]
 
 
 def summarize_runs(out: str) -> list[dict]:
-  """Appends one row per train row that the `repeat` section's processes measured: the median and the min of its
-  step-time ratio to bf16 over the runs (each run's ratio is its median block's; "min block" is the smallest over
-  every run of its fastest block against bf16's fastest), with each run's loss after the timed steps. Returns them."""
+  """Appends one row per train row that the `repeat` section's processes measured: the median and the min over the
+  runs of its step-time ratio to bf16 (each run's ratio is the median of its paired block ratios; "min block" is the
+  smallest block ratio of any run), with each run's loss after the timed steps. Returns them."""
   import re  # pylint: disable=g-import-not-at-top
   import statistics  # pylint: disable=g-import-not-at-top
   by_label = {}
@@ -254,7 +347,7 @@ def summarize_runs(out: str) -> list[dict]:
   added = []
   for label, runs in by_label.items():
     order = sorted(runs)
-    ratios = [runs[k]["ratio"] for k in order]
+    ratios = [runs[k].get("median_ratio", runs[k]["ratio"]) for k in order]
     mins = [runs[k]["min_ratio"] for k in order if runs[k].get("min_ratio") is not None]
     losses = [runs[k].get("final_loss") for k in order]
     median = statistics.median(ratios)
@@ -268,8 +361,8 @@ def summarize_runs(out: str) -> list[dict]:
     note += f"; step ms {'/'.join(f'{v:.4g}' for v in step_ms)}"
     exact = by_label.get(label.replace(NATIVE_DIVISION, NVFP4)) if NATIVE_DIVISION in label else None
     common = [k for k in order if exact and k in exact]
-    if common:  # the exact division's cost: the nvfp4 step over this one, run by run (same process, same machine)
-      cost = [exact[k]["value"] / runs[k]["value"] for k in common]
+    if common:  # the exact division's cost, run by run: paired in the same blocks where the row says so
+      cost = [runs[k].get("exact_over_native", exact[k]["value"] / runs[k]["value"]) for k in common]
       note += f"; exact division / native: {'/'.join(f'{v:.3g}' for v in cost)} (median {statistics.median(cost):.3g})"
     row = sec.add(f"over {len(order)} runs: {label}", median, "x (median ratio)", 1.0, "bf16 of each run",
                   ok=all(runs[k].get("ok") for k in order), note=note, median_ratio=median, min_ratio=min(ratios),

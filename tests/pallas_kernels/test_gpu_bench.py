@@ -1,11 +1,13 @@
 """benchmarks/gpu.sh plumbing in its CPU --dry mode: sections in separate processes, an aborting section recorded
 without losing the others, the time budget skipping sections, the rows/summary files; the full dry run is slow."""
 
+import gc
 import json
 import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -115,6 +117,90 @@ def test_mismatch_round_trip_on_cpu(tmp_path):
   assert flipped[("2d_rne.bf16.device.64x64", "xla")] == 1 and flipped[("2d_rne.bf16.device.64x64", "kernel")] == 0
 
 
+def _fake_train_steps(monkeypatch, cost, drift, fail_at=None):
+  """Replaces the train steps by ones that log their recipe and advance a fake clock by cost[recipe] times a factor
+  that grows by `drift` per step (a machine slowing down during the run); the step of the call numbered
+  fail_at[recipe] raises. Returns the log [(recipe, seconds)]."""
+  calls, clock = [], [0.0]
+
+  def setup(model_config, recipe, batch, seq, dataset):
+    del model_config, batch, seq, dataset
+
+    def step(state, batch, key):
+      del batch, key
+      if len(calls) == (fail_at or {}).get(recipe):
+        raise RuntimeError(f"{recipe} step failed")
+      seconds = cost[recipe] * (1 + drift * len(calls))
+      calls.append((recipe, seconds))
+      clock[0] += seconds
+      return state + 1, {"loss": np.float32(10.0 - 0.25 * state)}
+    return step, 0, [None, None], jax.random.key(0)
+
+  monkeypatch.setattr(gpu_model, "_train_setup", setup)
+  monkeypatch.setattr(gpu_model, "_dataset", lambda sec: None)
+  monkeypatch.setattr(gpu_model, "_now", lambda: clock[0])
+  fold_in = jax.random.fold_in
+
+  def slow_fold_in(key, i):  # as after `native_division` cleared JAX's caches: compiled again, outside the clock
+    clock[0] += 100.0
+    return fold_in(key, i)
+  monkeypatch.setattr(jax.random, "fold_in", slow_fold_in)
+  return calls
+
+
+def test_train_rows_interleave_recipes_block_by_block(tmp_path, monkeypatch):
+  """`train` and `repeat` time a group's recipes in turns, block by block, the order rotating (by the process's
+  number too), so a machine slowing down during the run biases no ratio; a recipe of a later group is not set up
+  again; each row pairs its blocks with bf16's same blocks (median, min) and keeps its loss at its last step."""
+  bf16, nvfp4, native = "bf16", gpu_model.NVFP4, gpu_model.NATIVE_DIVISION
+  cost = {bf16: 1.0, nvfp4: 1.5, native: 1.2}
+  calls = _fake_train_steps(monkeypatch, cost, drift=0.01)
+  collected_at = []  # the set-up's garbage is collected before the clock runs, not by Python inside a timed step
+  monkeypatch.setattr(gc, "collect", lambda *args: collected_at.append(len(calls)))
+  sec = report.Section("repeat", str(tmp_path), float("inf"), dry=False, run=1)
+  plan = [("m", [(bf16, bf16), (nvfp4, nvfp4)]), ("m", [(bf16, bf16), (nvfp4, nvfp4), (native, native)])]
+  gpu_model._time_train_steps(sec, {"m": (None, 2, 8)}, plan, prefix="run 1: ")
+  warm, per_block = gpu_model.WARMUP_STEPS, gpu_model.BLOCK_STEPS
+  code = {"b": bf16, "n": nvfp4, "x": native}
+  blocks1, blocks2 = "nb bn nb bn nb bn".split(), "nxb xbn bnx nxb xbn bnx".split()
+  expected = ([bf16] * warm + [nvfp4] * warm + [code[c] for blk in blocks1 for c in blk for _ in range(per_block)]
+              + [native] * warm + [code[c] for blk in blocks2 for c in blk for _ in range(per_block)])
+  assert [name for name, _ in calls] == expected  # not every step of bf16, then every step of nvfp4
+  assert collected_at == [2 * warm, 2 * warm + len(blocks1) * 2 * per_block + warm]
+
+  def block_medians(blocks, start):
+    out, pos = {}, start
+    for blk in blocks:
+      for c in blk:
+        out.setdefault(code[c], []).append(float(np.median([s for _, s in calls[pos:pos + per_block]])))
+        pos += per_block
+    return out
+  g1 = block_medians(blocks1, 2 * warm)
+  g2 = block_medians(blocks2, 2 * warm + len(blocks1) * 2 * per_block + warm)
+  rows = {r["name"]: r for r in report.read_rows(str(tmp_path))}
+  assert list(rows) == [f"run 1: train step m {n} (batch 2 x 8)" for n in (bf16, nvfp4, native)]
+  b_row, n_row, x_row = rows.values()
+  ratios = [n / b for n, b in zip(g1[nvfp4], g1[bf16])]
+  assert n_row["block_ratios"] == pytest.approx(ratios)
+  assert n_row["median_ratio"] == pytest.approx(np.median(ratios))
+  assert n_row["min_ratio"] == pytest.approx(min(ratios))
+  assert n_row["median_ratio"] == pytest.approx(1.5, rel=0.02)  # run back to back: 1.5 x 1.25 (the drift)
+  assert n_row["value"] == pytest.approx(np.median(g1[nvfp4]) * 1e3)
+  assert n_row["baseline"] == pytest.approx(np.median(g1[bf16]) * 1e3)
+  assert x_row["baseline"] == pytest.approx(np.median(g2[bf16]) * 1e3)  # bf16 timed again alongside
+  assert x_row["median_ratio"] == pytest.approx(np.median([x / b for x, b in zip(g2[native], g2[bf16])]))
+  exact = [n / x for n, x in zip(g2[nvfp4], g2[native])]
+  assert x_row["exact_over_native"] == pytest.approx(np.median(exact))
+  assert x_row["exact_over_native"] == pytest.approx(1.25, rel=0.05)  # 3 recipes: the rotation balances less
+  assert n_row["block_order"] == [[code[c] for c in blk] for blk in blocks1]
+  assert x_row["block_order"] == [[code[c] for c in blk] for blk in blocks2]
+  steps = warm + len(blocks1) * per_block
+  assert "median_ratio" not in b_row and b_row["loss_step"] == n_row["loss_step"] == x_row["loss_step"] == steps
+  assert n_row["final_loss"] == pytest.approx(10.0 - 0.25 * (steps - 1))  # the loss of its last timed step
+  assert f"loss@step {10.0 - 0.25 * (steps - 1):.5g}@{steps}" in n_row["note"]
+  assert "order 10 01 10 01 10 01 (0 = bf16, 1 = nvfp4 xla bf16)" in n_row["note"], n_row["note"]
+
+
 def test_summarize_runs_reports_min_and_median_over_processes(tmp_path):
   """The `repeat` section's aggregate: per train row, the median and min of the per-run ratios; a rerun of the same
   process number replaces its rows; rows of other sections and rows without a ratio are ignored."""
@@ -144,6 +230,43 @@ def test_summarize_runs_reports_min_and_median_over_processes(tmp_path):
   assert report.read_rows(out)[-1] == json.loads(json.dumps(native_row))  # appended to the rows as well
 
 
+def test_a_recipe_failing_mid_run_gets_a_fail_row_and_leaves_the_others(tmp_path, monkeypatch):
+  """A step that raises while the recipes take turns: that recipe gets a FAIL row and is not timed again, in this
+  group or a later one; the others keep their blocks and ratios."""
+  bf16, nvfp4 = "bf16", gpu_model.NVFP4
+  warm, per_block = gpu_model.WARMUP_STEPS, gpu_model.BLOCK_STEPS
+  calls = _fake_train_steps(monkeypatch, {bf16: 1.0, nvfp4: 1.5, "f32": 2.0}, drift=0.0,
+                            fail_at={nvfp4: 2 * warm + 2 * per_block + 1})  # the 2nd step of its 2nd block
+  plan = [("m", [(bf16, bf16), (nvfp4, nvfp4)]), ("m", [(bf16, bf16), (nvfp4, nvfp4), ("f32", "f32")])]
+  gpu_model._time_train_steps(report.Section("train", str(tmp_path), float("inf"), dry=False), {"m": (None, 2, 8)},
+                              plan)
+  rows = report.read_rows(str(tmp_path))
+  assert [(r["name"], r["ok"]) for r in rows] == [(f"train step m {n} (batch 2 x 8)", ok)
+                                                  for n, ok in ((bf16, True), (nvfp4, False), ("f32", True))]
+  assert rows[1]["note"] == "ERROR RuntimeError: nvfp4 xla bf16 step failed"
+  assert rows[0]["block_order"][:3] == [[bf16, nvfp4], [nvfp4, bf16], [bf16]]  # nvfp4 not run after it failed
+  assert rows[2]["median_ratio"] == pytest.approx(2.0) and rows[2]["block_order"][0] == [bf16, "f32"]
+  assert sum(n == nvfp4 for n, _ in calls) == warm + per_block + 1
+
+
+def test_summarize_runs_uses_the_paired_block_ratios(tmp_path):
+  """Where a run's row has the median of its paired block ratios (and the native-division row the nvfp4 blocks over
+  its own), the summary reads those, not the ratio of the row's medians."""
+  out = str(tmp_path)
+  label = "train step small nvfp4 xla bf16 (batch 32 x 128)"
+  native = label.replace("nvfp4 xla bf16", gpu_model.NATIVE_DIVISION)
+  for run, median_ratio, exact in ((1, 1.3, 1.1), (2, 1.1, 1.05), (3, 1.2, 1.0)):
+    sec = report.Section("repeat", out, float("inf"), False, run=run)
+    sec.add(f"run {run}: {label}", 5.0, "ms", 4.0, "bf16 ms", ok=True, median_ratio=median_ratio,
+            min_ratio=median_ratio - 0.05)
+    sec.add(f"run {run}: {native}", 4.0, "ms", 4.0, "bf16 ms", ok=True, median_ratio=1.0, min_ratio=0.9,
+            exact_over_native=exact)
+  row, native_row = gpu_model.summarize_runs(out)
+  assert row["median_ratio"] == pytest.approx(1.2) and row["min_ratio"] == pytest.approx(1.1)
+  assert "ratios 1.3/1.1/1.2" in row["note"] and "min block ratio 1.05" in row["note"]
+  assert "exact division / native: 1.1/1.05/1 (median 1.05)" in native_row["note"], native_row["note"]
+
+
 def test_native_division_row_traces_the_platform_divide_and_does_not_leak():
   """The `repeat` section's cost-of-exactness row: lowered for the GPU inside `native_division`, an NVFP4 quantizer
   divides natively in float32 (no float64 quotient); before and after, the exact form is lowered, even though the
@@ -161,5 +284,5 @@ def test_native_division_row_traces_the_platform_divide_and_does_not_leak():
   with gpu_model.native_division():
     assert "xf64>" not in lowered() and "divide" in lowered()
   assert "xf64>" in lowered()
-  recipes = {label for _, (label, _) in gpu_model._train_plan(dry=True, priority_only=True)[1]}
+  recipes = {label for _, group in gpu_model._train_plan(dry=True, priority_only=True)[1] for label, _ in group}
   assert gpu_model.NATIVE_DIVISION in recipes
