@@ -52,17 +52,22 @@ def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, d
   state = steps_lib.TrainState(params, jax.jit(optimizer.init)(params), jnp.asarray(0, jnp.int32))
   batches = [data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=config.train_seq_len, seed=0)
              for i in range(4)]
-  t0 = time.perf_counter()
-  # Donated, as the trainer's step is (steps.Phases): the new state is written over the old one.
-  step = jax.jit(steps_lib.make_train_step(graphdef, optimizer), donate_argnums=0).lower(
-      state, batches[0], keys["step"]).compile()
-  compile_s = time.perf_counter() - t0
+  step, compile_s = compile_step(graphdef, optimizer, state, batches[0], keys["step"])
   evaluate = jax.jit(steps_lib.make_eval_step(graphdef)).lower(params, batches[0], keys["step"]).compile()
   mem = step.memory_analysis()
   memory = {name: int(getattr(mem, f"{name}_size_in_bytes", 0) or 0) for name in ("temp", "argument", "output")}
   return {"config": config, "step": step, "eval": evaluate, "state": state, "batches": batches,
-          "key": keys["step"], "compile_s": compile_s, "memory": memory,
+          "key": keys["step"], "compile_s": compile_s, "memory": memory, "graphdef": graphdef, "optimizer": optimizer,
           "tokens": batch_size * config.train_seq_len, "step_times": [], "eval_times": [], "step_faults": []}
+
+
+def compile_step(graphdef, optimizer, state, batch, key):
+  """(the train step compiled for these arguments, the seconds it took to trace, lower and compile). A new step
+  function every call; the jits nested in it keep their trace caches (benchmarks/compile_time.py clears them)."""
+  t0 = time.perf_counter()
+  # Donated, as the trainer's step is (steps.Phases): the new state is written over the old one.
+  step = jax.jit(steps_lib.make_train_step(graphdef, optimizer), donate_argnums=0).lower(state, batch, key).compile()
+  return step, time.perf_counter() - t0
 
 
 def _time_once(run: dict, i: int) -> None:

@@ -206,11 +206,87 @@ def test_train_step_table_prints_faults_per_step(capsys):
 def test_compile_time_benchmark_runs_loop_and_scan(capsys):
   """benchmarks/compile_time.py end to end on 2 bf16 blocks: both modes compile, step and start from one loss."""
   from benchmarks import compile_time  # pylint: disable=g-import-not-at-top
-  assert compile_time.main(["--depths", "2", "--recipes", "bf16", "--steps", "1", "--warmup", "0"]) == 0
+  assert compile_time.main(["--depths", "2", "--recipes", "bf16", "--steps", "1", "--warmup", "0",
+                            "--compiles", "2"]) == 0
   out = capsys.readouterr().out.splitlines()
-  assert out[1].split()[:3] == ["layers", "recipe", "compile"] and "temp MB loop" in out[1]
+  assert "2 fresh compiles per mode, alternating, persistent cache off" in out[0]
+  assert out[1].split()[:5] == ["layers", "recipe", "compile", "s", "loop"] and "temp MB loop" in out[1]
   row = out[3].split()
-  assert row[:2] == ["2", "bf16"] and "same" in row and all(float(v) > 0 for v in row[2:10])
+  assert row[:2] == ["2", "bf16"] and "same" in row and all(float(v) > 0 for v in row[2:12])
+  assert float(row[3]) <= float(row[2]) and float(row[5]) <= float(row[4])  # min <= median
+  assert float(row[6]) == pytest.approx(float(row[4]) / float(row[2]), rel=0.05)  # the ratio of the medians
+
+
+def _compile_events():
+  """[(event, seconds)] of every backend compile and persistent-cache hit while registered; unregister() stops."""
+  events = []
+
+  def on_event(event, **kwargs):
+    del kwargs
+    events.append((event, 0.0))
+
+  def on_duration(event, seconds, **kwargs):
+    del kwargs
+    events.append((event, seconds))
+
+  jax.monitoring.register_event_listener(on_event)
+  jax.monitoring.register_event_duration_secs_listener(on_duration)
+
+  def unregister():
+    jax.monitoring.unregister_event_listener(on_event)
+    jax.monitoring.unregister_event_duration_listener(on_duration)
+  return events, unregister
+
+
+def test_compile_time_compiles_afresh_alternating_with_the_persistent_cache_off():
+  """compile_time's timed compiles: the modes alternate round by round, each compile is a real XLA compile (the
+  same function object again, so only clearing JAX's caches makes it one) and none is read from the persistent
+  cache, which tests/conftest.py turns on and which serves this probe outside the guard."""
+  from benchmarks import compile_time  # pylint: disable=g-import-not-at-top
+  from benchmarks import compile_log  # pylint: disable=g-import-not-at-top
+  assert jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache
+  min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # so the probe's program is cached
+  x = jnp.ones((5, 11), jnp.float32)
+  probes = {name: jax.jit(lambda x, k=k: jnp.cos(x) * k + 1) for k, name in enumerate(("a", "b"), start=3)}
+  log = []
+
+  def compile_fn(name):
+    def run():
+      log.append(name)
+      return 1.0 + len(log)  # seconds as the benchmark would time them
+    return lambda: (probes[name].lower(x).compile(), run())[1]
+
+  events, unregister = _compile_events()
+  try:
+    for name in probes:  # outside the guard the persistent cache serves a compile seen before
+      jax.clear_caches()
+      probes[name].lower(x).compile()
+      jax.clear_caches()
+      probes[name].lower(x).compile()
+    assert sum(e == compile_time.CACHE_HIT_EVENT for e, _ in events) >= 2, events
+    del events[:]
+    seconds, orders = compile_time.alternating_compiles({n: compile_fn(n) for n in probes}, rounds=3)
+    compiles = [e for e, _ in events if e == compile_log.COMPILE_EVENT]
+    hits = [e for e, _ in events if e == compile_time.CACHE_HIT_EVENT]
+  finally:
+    unregister()
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
+  assert log == ["a", "b", "b", "a", "a", "b"] and orders == [["a", "b"], ["b", "a"], ["a", "b"]]
+  assert seconds == {"a": [2.0, 5.0, 6.0], "b": [3.0, 4.0, 7.0]}
+  assert len(compiles) == 6 and not hits, events
+  assert jax.config.jax_enable_compilation_cache  # restored for what runs next
+
+
+def test_persistent_cache_off_refuses_a_compile_read_from_the_cache():
+  from benchmarks import compile_time  # pylint: disable=g-import-not-at-top
+  with pytest.raises(RuntimeError, match="read from it; the compile times would be cache reads"):
+    with compile_time.persistent_cache_off():
+      assert not jax.config.jax_enable_compilation_cache
+      jax.monitoring.record_event(compile_time.CACHE_HIT_EVENT)  # as JAX reports a compile served from the cache
+  assert jax.config.jax_enable_compilation_cache
+  with pytest.raises(ValueError, match="at least 1 compile"):
+    compile_time.alternating_compiles({"a": lambda: 1.0}, rounds=0)
 
 
 def _transparent_huge_pages() -> str:
