@@ -47,8 +47,12 @@ def checkpoint_dir(out_dir: str | pathlib.Path) -> pathlib.Path:
 
 
 def open_manager(out_dir: str | pathlib.Path, *, max_to_keep: int | None = 3, save_interval_steps: int = 1,
-                 create: bool = True) -> ocp.CheckpointManager:
-  """A CheckpointManager over <out_dir>/checkpoints (created unless `create=False`)."""
+                 create: bool = True, local: bool = False) -> ocp.CheckpointManager:
+  """A CheckpointManager over <out_dir>/checkpoints (created unless `create=False`).
+
+  local: for reads each process of a multi-process run makes on its own (needs create=False): orbax otherwise ends
+  every restore with a collective, which a process that failed before it never joins.
+  """
   if save_interval_steps < 1:
     raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}.")
   if max_to_keep is not None and max_to_keep < 1:
@@ -56,8 +60,12 @@ def open_manager(out_dir: str | pathlib.Path, *, max_to_keep: int | None = 3, sa
   directory = checkpoint_dir(out_dir)
   if not create and not directory.is_dir():
     raise CheckpointError(f"No checkpoints found: {directory} does not exist.")
+  alone = {}
+  if local and jax.process_count() > 1:
+    alone["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+        primary_host=jax.process_index(), active_processes={jax.process_index()})
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
-                                         create=create)
+                                         create=create, **alone)
   handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
   return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 

@@ -21,7 +21,8 @@ whose content or tokenizer differs from the checkpoint's is refused: pass --data
 Multi-process (one process per host, all with the same arguments; see fp4jax.pretrain.distributed):
   FP4JAX_COORDINATOR=host0:12377 FP4JAX_NUM_PROCESSES=2 FP4JAX_PROCESS_ID=0 fp4jax train --mesh data=2,fsdp=2 ...
 Processes started with different settings (any but --data.cache_dir, --progress, --log-every and --profile) all
-exit with code 2 before reading data, naming the options that differ.
+exit with code 2 before reading data, naming the options that differ. A process whose command line or config is
+invalid (a bad flag on one host) makes every process exit with code 2 at once, each naming that process's error.
 
 Compiled steps are kept in a cache folder, one per CPU type (~/.cache/fp4jax/xla-<cpu id>; FP4JAX_COMPILE_CACHE=DIR
 picks another, FP4JAX_COMPILE_CACHE=off none; see fp4jax.pretrain.compile_cache): a rerun skips the compile.
@@ -36,14 +37,33 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 EXIT_DIVERGED, EXIT_USAGE, EXIT_PEER_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
+class UsageExit(SystemExit):
+  """argparse's exit on a bad command line (code 2), keeping the message it printed."""
+
+  def __init__(self, message: str):
+    super().__init__(EXIT_USAGE)
+    self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+  """An ArgumentParser whose errors keep their message: a multi-process run tells the other processes."""
+
+  def error(self, message):
+    self.print_usage(sys.stderr)
+    text = f"{self.prog}: error: {message}"
+    print(text, file=sys.stderr)
+    raise UsageExit(text)
+
+
 def _train_parser(prog: str = "fp4jax train") -> argparse.ArgumentParser:
   from fp4jax.pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  parser = argparse.ArgumentParser(
+  parser = _Parser(
       prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog=__doc__[__doc__.index("Resuming:"):__doc__.index("Exit codes:")].strip(),
       description="Train a transformer with quantized GEMMs (NVFP4 recipe and comparisons).\nEvery "
@@ -70,8 +90,12 @@ def _eval_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str]):
   """The TrainConfig that `fp4jax train ARGV` runs (reads the stored config when --resume is given)."""
+  return _build_config(*_parse_train_args(argv))
+
+
+def _parse_train_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict]:
+  """(args, config overrides) of `fp4jax train ARGV`, checked without reading any file."""
   from fp4jax.pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import resume as resume_lib  # pylint: disable=g-import-not-at-top
   args = _train_parser().parse_args(list(argv))
   overrides = config_lib.config_overrides(args)
   # Never a silent default folder: the run folder is the run's identity ("" would be the working directory).
@@ -86,6 +110,13 @@ def config_from_args(argv: Sequence[str]):
     raise ValueError("--keep-schedule only applies with --resume (it keeps the stored run's schedule shape).")
   if overrides.get("data_changed") and not overrides.get("resume"):
     raise ValueError("--data-changed only applies with --resume (it allows continuing a run on other data).")
+  return args, overrides
+
+
+def _build_config(args: argparse.Namespace, overrides: dict):
+  """The TrainConfig of parsed arguments; with --resume, the stored config they change."""
+  from fp4jax.pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import resume as resume_lib  # pylint: disable=g-import-not-at-top
   if not overrides.get("resume"):
     return config_lib.config_from_overrides(overrides)
   start, meta = resume_lib.resume_meta(overrides["out"], overrides.get("resume_step"))
@@ -108,10 +139,38 @@ def config_from_args(argv: Sequence[str]):
   return config
 
 
+def _failure(e: BaseException) -> str:
+  if isinstance(e, UsageExit):
+    return e.message
+  if isinstance(e, SystemExit):  # --help, or a bare exit
+    return f"it exited with code {e.code}"
+  return str(e) if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: {e}"
+
+
+def _all_started(what: str, build: Callable[[], Any]) -> Any:
+  """build(), after every process of a multi-process run has said whether its own build succeeded: a process that
+  failed alone would leave the others waiting in their next collective until FP4JAX_SHUTDOWN_TIMEOUT."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import distributed  # pylint: disable=g-import-not-at-top
+  if not jax.distributed.is_initialized():
+    return build()
+  try:
+    result, error = build(), None
+  except (Exception, SystemExit) as e:  # pylint: disable=broad-exception-caught
+    result, error = None, e
+  distributed.check_all_started(what, None if error is None else _failure(error))
+  if error is not None:
+    raise error
+  return result
+
+
 def _run_train(argv: Sequence[str]) -> int:
   from fp4jax.pretrain import distributed  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
-  config = config_from_args(argv)
+  # Once before any file is read, once after --resume read the stored config (each process on its own: see
+  # resume.resume_meta), so a process that fails either way stops all of them before their first collective.
+  parsed = _all_started("parse its command line", lambda: _parse_train_args(argv))
+  config = _all_started("build its run config", lambda: _build_config(*parsed))
   summary = trainer.train(config)
   if distributed.is_main_process():
     hidden = ("params", "losses", "val_losses", "layer_recipes")

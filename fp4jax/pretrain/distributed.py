@@ -17,6 +17,10 @@ Failure handling (all bounded, none silent):
   sending heartbeats for FP4JAX_HEARTBEAT_TIMEOUT seconds (default 100) makes the coordination service abort the
   others ("heartbeat timeout") instead of leaving them blocked forever;
 - at exit, processes wait at most FP4JAX_SHUTDOWN_TIMEOUT seconds (default 300) for each other;
+- a process whose command line or run config cannot be built (an invalid flag on one host only) would exit alone
+  and leave the others waiting in their first collective until that timeout: `check_all_started` (a small
+  collective the CLI joins on every process right after parsing, and again after building the config) makes the
+  others raise PeerStartError (the CLI exits with code 2) naming the process and its error, within seconds;
 - processes started with different settings (another --lr, --recipe, --seed, ...) would train apart silently, hang
   in mismatched collectives or fail deep inside JAX: `check_same_run` (the first thing `trainer.train` does) compares
   digests of every process's run config and makes all of them raise ConfigMismatchError (the CLI exits with code 2)
@@ -153,6 +157,46 @@ def barrier(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices(name)
+
+
+# --- every process started -------------------------------------------------------------------------------------
+
+class PeerStartError(ValueError):
+  """Another process of a multi-process run could not parse its command line or build its run config."""
+
+
+REASON_BYTES = 1024  # how much of each failing process's error goes round (one row of bytes per process)
+
+
+def start_row(reason: str | None) -> np.ndarray:
+  """[failed flag, the first REASON_BYTES bytes of `reason` (UTF-8), zero padded]: one process's row."""
+  row = np.zeros(REASON_BYTES + 1, np.uint8)
+  if reason is not None:
+    encoded = reason.encode("utf-8")[:REASON_BYTES]
+    row[0], row[1:1 + len(encoded)] = 1, np.frombuffer(encoded, np.uint8)
+  return row
+
+
+def failed_processes(rows: np.ndarray) -> dict[int, str]:
+  """{process: its reason} for each row of `rows` (one start_row per process) whose failed flag is set."""
+  return {p: bytes(row[1:]).rstrip(b"\0").decode("utf-8", errors="replace")
+          for p, row in enumerate(np.asarray(rows)) if row[0]}
+
+
+def check_all_started(what: str, reason: str | None) -> None:
+  """Tells every process whether each could `what` ("parse its command line"): `reason` is this process's error
+  (None: it could). Raises PeerStartError on the processes that could when another could not; the failing ones
+  return and raise their own error. A collective that all processes must call; a no-op with one process."""
+  if jax.process_count() == 1:
+    return
+  failed = failed_processes(_allgather(start_row(reason)))
+  if not failed or reason is not None:
+    return
+  parts = "; ".join(f"process {p}: {text.rstrip().rstrip('.')}" for p, text in failed.items())
+  raise PeerStartError(
+      f"process{'es' if len(failed) > 1 else ''} {_join([str(p) for p in failed])} of this multi-process run could "
+      f"not {what}, so this process ({jax.process_index()} of {jax.process_count()}) stops too: {parts}. Fix it and "
+      "start every process again with the same flags.")
 
 
 # --- every process runs the same configuration ------------------------------------------------------------------

@@ -73,10 +73,11 @@ def move_aside(out_dir: str | pathlib.Path, step: int, reason: str) -> pathlib.P
 def resume_meta(out_dir: str | pathlib.Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
   """(step, meta) of the checkpoint --resume would start from: `step`, else the newest with readable metadata.
 
-  Read-only (the training run itself moves damaged checkpoints aside, under the run folder's lock).
+  Read-only (the training run itself moves damaged checkpoints aside, under the run folder's lock). Each process of
+  a multi-process run reads on its own, so one that fails here leaves none of the others waiting in orbax.
   """
   runfolder.check_resumable(out_dir)  # the same error and advice as `train` gives for a folder with none
-  manager = ckpt.open_manager(out_dir, create=False)
+  manager = ckpt.open_manager(out_dir, create=False, local=True)
   try:
     if step is not None:
       return ckpt.restore_meta(manager, step)

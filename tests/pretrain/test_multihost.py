@@ -21,6 +21,8 @@ import jax
 import numpy as np
 import pytest
 
+from fp4jax.pretrain import checkpoint as ckpt
+from fp4jax.pretrain import cli
 from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import distributed
 from fp4jax.pretrain import resume
@@ -312,6 +314,90 @@ def test_check_same_run_raises_naming_the_options(monkeypatch):
 def test_check_same_run_costs_a_single_process_nothing(monkeypatch):
   monkeypatch.setattr(distributed, "_allgather", lambda values: pytest.fail("a collective in a single-process run"))
   distributed.check_same_run({"seed": 0}, {})
+
+
+def test_start_rows_carry_each_failing_process_and_its_error():
+  rows = np.stack([distributed.start_row(None), distributed.start_row("bad --lr 'é'"),
+                   distributed.start_row("x" * 5000)])
+  assert distributed.failed_processes(rows) == {1: "bad --lr 'é'", 2: "x" * distributed.REASON_BYTES}
+  assert distributed.failed_processes(np.stack([distributed.start_row(None)] * 2)) == {}
+  assert distributed.failed_processes(np.stack([distributed.start_row("")] * 2)) == {0: "", 1: ""}  # flag, not text
+
+
+def _fake_start_peers(monkeypatch, peer_reason):
+  """This process is process 0 of 2; process 1's row says `peer_reason`."""
+  monkeypatch.setattr(distributed, "_allgather",
+                      lambda row: np.stack([row, distributed.start_row(peer_reason)]))
+  monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
+
+
+def test_check_all_started_names_the_process_that_failed_and_why(monkeypatch):
+  _fake_start_peers(monkeypatch, "fp4jax train: error: argument --lr: invalid float value: 'abc'")
+  with pytest.raises(distributed.PeerStartError, match=r"^process 1 of this multi-process run could not parse its "
+                     r"command line, so this process \(0 of 2\) stops too: process 1: fp4jax train: error: argument "
+                     r"--lr: invalid float value: 'abc'\. Fix it"):
+    distributed.check_all_started("parse its command line", None)
+  distributed.check_all_started("parse its command line", "its own error")  # returns: it raises its own
+  _fake_start_peers(monkeypatch, None)
+  distributed.check_all_started("parse its command line", None)
+
+
+def test_check_all_started_costs_a_single_process_nothing(monkeypatch):
+  monkeypatch.setattr(distributed, "_allgather", lambda values: pytest.fail("a collective in a single-process run"))
+  distributed.check_all_started("parse its command line", "bad")
+
+
+def test_cli_joins_the_start_check_with_its_own_error(monkeypatch):
+  # What each process of a multi-process `fp4jax train` does: the failing one joins the check, then exits with
+  # argparse's code and message; the one that parsed learns of it.
+  rows = []
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  monkeypatch.setattr(distributed, "check_all_started", lambda what, reason: rows.append((what, reason)))
+  with pytest.raises(SystemExit) as info:
+    cli._run_train(["--out", "x", "--lr", "abc"])  # pylint: disable=protected-access
+  assert info.value.code == 2
+  assert rows == [("parse its command line", "fp4jax train: error: argument --lr: invalid float value: 'abc'")]
+  rows.clear()
+  with pytest.raises(ValueError, match="--keep-schedule only applies with --resume"):
+    cli._run_train(["--out", "x", "--keep-schedule"])  # pylint: disable=protected-access
+  assert rows == [("parse its command line", "--keep-schedule only applies with --resume (it keeps the stored "
+                   "run's schedule shape).")]
+
+
+@pytest.mark.slow
+def test_a_process_that_cannot_start_stops_all_promptly(tmp_path):
+  """An invalid flag on one process only: it exited 2 alone (after argparse's message), and the other waited in its
+  first collective until FP4JAX_SHUTDOWN_TIMEOUT (300 s by default), then JAX aborted both (SIGABRT). Now both exit
+  2 within seconds, naming the process and its error; also when a --resume-step names a checkpoint one host lacks
+  (the other reads its stored config through orbax, whose reads waited for every process)."""
+  stored = tmp_path / "stored"
+  manager = ckpt.open_manager(stored)
+  ckpt.save(manager, 4, {"w": np.zeros(3, np.float32)},
+            {"config": config_lib.TrainConfig(out=str(stored), steps=4).to_dict()}, force=True)
+  manager.wait_until_finished()
+  manager.close()
+  slow_exit = {"FP4JAX_SHUTDOWN_TIMEOUT": "300"}  # the default: what a process left waiting waits for
+  t0 = time.monotonic()
+  parse = _launch(tmp_path, TRAIN_ARGS + ["--out", str(tmp_path / "x")], 2, "parse",
+                  process_args=[[], ["--lr", "abc"]], **slow_exit)
+  build = _launch(tmp_path, ["train", "--out", str(stored), "--resume", "--progress", "false"], 2, "build",
+                  process_args=[[], ["--resume-step", "8"]], **slow_exit)
+  codes = _wait(parse + build, timeout=90)
+  elapsed = time.monotonic() - t0
+  logs = _logs(tmp_path, "parse", 2) + _logs(tmp_path, "build", 2)
+  assert codes == [2, 2, 2, 2], logs
+  assert elapsed < 90, logs
+  reason = {"parse": "fp4jax train: error: argument --lr: invalid float value: 'abc'",
+            "build": f"No checkpoint for step 8 in {stored / 'checkpoints'}; available: [4]"}
+  what = {"parse": "parse its command line", "build": "build its run config"}
+  for name in ("parse", "build"):
+    first, second = [(tmp_path / f"{name}.{pid}.log").read_text() for pid in (0, 1)]
+    want = (f"fp4jax: error: process 1 of this multi-process run could not {what[name]}, so this process (0 of 2) "
+            f"stops too: process 1: {reason[name]}. Fix it and start every process again with the same flags.")
+    assert want in first and reason[name] in second, logs
+    assert "Traceback" not in first + second and "stops too" not in second, logs
+  assert not (tmp_path / "x").exists() and sorted(p.name for p in (stored / "checkpoints").iterdir()) == ["4"]
 
 
 @pytest.mark.slow
