@@ -3,7 +3,8 @@
 Nothing here deletes a checkpoint. A checkpoint that cannot be read, and (with an explicit --resume-step) every
 checkpoint after the chosen one, is renamed into <out>/checkpoints_moved/<step>.<reason>.<UTC time>, where orbax no
 longer sees it and a later save can never overwrite it. The metric records of steps an explicit --resume-step
-abandons go there too (metrics.after-resume-<step>.<UTC time>.jsonl).
+abandons go there too (metrics.after-resume-<step>.<UTC time>.jsonl). A refused resume (other data, a checkpoint
+beyond --steps, a BF16 switch it would undo) moves nothing: restore_readable's check runs before any move.
 
 The learning-rate schedule and a fractional --switch-at are functions of --steps. Resuming with another --steps
 therefore starts a new schedule at the checkpoint's step: steps already taken followed the old one, so the result

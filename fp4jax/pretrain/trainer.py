@@ -218,23 +218,23 @@ def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, 
     raise ValueError(f"--resume-step {resume_step} is beyond --steps {config.steps}.")
   notes = []
 
-  def check_data(step, meta):
+  def check(step, meta):  # before restore_readable moves anything aside: a refused resume leaves the folder as it was
+    if step > config.steps:
+      raise ValueError(f"Checkpoint step {step} is beyond --steps {config.steps}: resume from an earlier checkpoint "
+                       f"with --resume-step N (N <= {config.steps}), or pass more --steps.")
+    resume_lib.check_switch_kept(TrainConfig.from_dict(meta["config"]), config, step)
     notes.append(resume_lib.check_data_kept(meta.get("data"), data, step, config.checkpointing.data_changed))
 
   try:
     start, restored, meta = resume_lib.restore_readable(out, state._asdict(), resume_step, log=log,
                                                         process_index=jax.process_index(),
-                                                        process_count=jax.process_count(), check=check_data)
+                                                        process_count=jax.process_count(), check=check)
   except ckpt.StateMismatchError as e:
     raise ckpt.StateMismatchError(f"{e}\n{_state_changes(out, resume_step, config)}") from None
   state = TrainState(**restored)
   if int(state.step) != start:
     raise ckpt.CheckpointError(f"Checkpoint {start} holds step counter {int(state.step)}: inconsistent.")
-  if start > config.steps:
-    raise ValueError(f"Checkpoint step {start} is beyond --steps {config.steps}: resume from an earlier checkpoint "
-                     f"with --resume-step N (N <= {config.steps}), or pass more --steps.")
   stored = TrainConfig.from_dict(meta["config"])
-  resume_lib.check_switch_kept(stored, config, start)
   schedule = resume_lib.schedule_note(stored, config, start)
   if schedule:
     log(schedule)

@@ -21,6 +21,7 @@ from fp4jax.pretrain import resume as resume_lib
 from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
+from fp4jax.pretrain.data import DataIdentity
 from train_helpers import tiny_config, tree_equal
 
 
@@ -118,6 +119,43 @@ def _fresh_state(config):
   params = nnx.state(model, nnx.Param)
   return steps_lib.TrainState(params=params, opt_state=optimizer.init(params),
                               step=jnp.asarray(0, jnp.int32))._asdict()
+
+
+def _save_fake_run(out, stored: TrainConfig, steps=(4, 8)):
+  """Checkpoints of a stand-in state (one array each) with `stored` as their config: enough for trainer._resume."""
+  manager = ckpt.open_manager(out)
+  for step in steps:
+    state = steps_lib.TrainState(params={"w": jnp.full(3, step, jnp.float32)}, opt_state={"m": jnp.zeros(3)},
+                                 step=jnp.asarray(step, jnp.int32))
+    ckpt.save(manager, step, state._asdict(), {"config": stored.to_dict()}, force=True)
+  manager.wait_until_finished()
+  manager.close()
+  return steps_lib.TrainState(params={"w": jnp.zeros(3)}, opt_state={"m": jnp.zeros(3)},
+                              step=jnp.asarray(0, jnp.int32))
+
+
+@pytest.mark.parametrize("case", ["switch", "beyond_steps"])
+def test_a_refused_resume_moves_nothing_aside(tmp_path, case):
+  """The BF16-switch and --steps checks ran after restore_readable had moved checkpoints aside: a refused
+  --resume-step 4 still moved checkpoint 8 to checkpoints_moved/, and a refused resume past an unreadable 8 moved 8."""
+  stored = TrainConfig.from_options(out=str(tmp_path), steps=8, switch_at=0.25, checkpoint_every=4)  # switch: 2
+  state = _save_fake_run(tmp_path, stored)
+  data = DataIdentity(corpus="c", fingerprint="f", tokenizer="byte", vocab_size=256, num_files=1, num_bytes=1,
+                      cache_key="k")
+  if case == "switch":  # the switch would move to step 5, so step 4 would run nvfp4 again
+    refused, want = stored.replace(resume=True, resume_step=4, steps=20), "would run nvfp4 again"
+    accepted = stored.replace(resume=True, resume_step=4)
+  else:
+    (ckpt.checkpoint_dir(tmp_path) / "8" / "meta" / "metadata").write_text("{not json")  # 8 unreadable: back to 4
+    refused, want = stored.replace(resume=True, steps=3), "Checkpoint step 4 is beyond --steps 3"
+    accepted = stored.replace(resume=True)
+  before = snapshot(tmp_path)
+  with pytest.raises(ValueError, match=want):
+    trainer._resume(refused, state, tmp_path, lambda _: None, data)  # pylint: disable=protected-access
+  assert snapshot(tmp_path) == before and not (tmp_path / resume_lib.MOVED_DIR).exists()
+  log = []
+  start, _ = trainer._resume(accepted, state, tmp_path, log.append, data)  # pylint: disable=protected-access
+  assert start == 4 and any("Moved checkpoint 8 aside" in line for line in log), log  # what a refusal spared
 
 
 def test_keep_schedule_keeps_warmup_decay_and_switch_in_steps():
