@@ -4,6 +4,7 @@ one mesh resume on another, clear errors for meshes that do not fit."""
 import dataclasses
 import os
 import shutil
+import uuid
 
 import jax
 import numpy as np
@@ -39,6 +40,44 @@ def _run(env, config):
   return trainer.train(config, log=None, compile_cache=env["cache"])
 
 
+def _run_compiling(config, monkeypatch):
+  """`_run` whose train step XLA compiles here, so that the partitioner's messages reach stderr.
+
+  A step served by the session's persistent compilation cache (tests/conftest.py: another test or worker compiled
+  the same graph first, or a kept cache from an earlier run) prints nothing, and a check of stderr would pass
+  without looking. The step gets a name no other run compiles (the name is part of the cache key), a compile cache
+  of its own, and the test fails unless XLA compiled it.
+  """
+  name = f"mesh_probe_step_{uuid.uuid4().hex}"
+  make = steps_lib.make_train_step
+
+  def renamed(*args, **kwargs):
+    step = make(*args, **kwargs)
+    step.__name__ = step.__qualname__ = name
+    return step
+
+  compiles, hit = [], [False]  # (function, served by the persistent cache); JAX reports a hit just before its compile
+  on_event = lambda event, **kw: hit.__setitem__(0, True) if event.endswith("cache_hits") else None
+
+  def on_duration(event, duration, **kw):
+    del duration
+    if event.endswith("backend_compile_duration"):
+      compiles.append((str(kw.get("fun_name")), hit[0]))
+      hit[0] = False
+
+  jax.monitoring.register_event_listener(on_event)
+  jax.monitoring.register_event_duration_secs_listener(on_duration)
+  try:
+    with monkeypatch.context() as patch:
+      patch.setattr(steps_lib, "make_train_step", renamed)
+      summary = trainer.train(config, log=None, compile_cache=steps_lib.CompileCache())
+  finally:
+    jax.monitoring.unregister_event_listener(on_event)
+    jax.monitoring.unregister_event_duration_listener(on_duration)
+  assert [c for c in compiles if name in c[0]] == [(f"jit({name})", False)], compiles
+  return summary
+
+
 SINGLE_GROUP = "mesh_single"  # the tests on `single`: one xdist unit, so one worker trains it (not each)
 
 
@@ -50,12 +89,12 @@ def single(env):
 @pytest.mark.slow
 @pytest.mark.xdist_group(SINGLE_GROUP)
 @pytest.mark.parametrize("mesh", ["data=8", "fsdp=8", "tensor=8", "data=2,fsdp=2,tensor=2"])
-def test_losses_match_single_device(env, single, mesh, capfd):
+def test_losses_match_single_device(env, single, mesh, capfd, monkeypatch):
   # The quantizer is bit-identical on any mesh (tests/test_sharding.py), but float32 summation order differs
   # between meshes. Step 0 (same params) agrees to float tolerance; afterwards a rare ulp difference at an FP4
   # rounding boundary flips a code, changes a scale, and the stochastic-rounding draws decorrelate like a new
   # seed: measured gaps 6e-5, 1e-3, 5e-3 at steps 1-3 with lr 1e-2.
-  summary = _run(env, _config(env, "mesh_" + mesh.replace(",", "_").replace("=", ""), mesh=mesh))
+  summary = _run_compiling(_config(env, "mesh_" + mesh.replace(",", "_").replace("=", ""), mesh=mesh), monkeypatch)
   np.testing.assert_allclose(summary["losses"][0], single["losses"][0], rtol=1e-5)
   np.testing.assert_allclose(summary["losses"], single["losses"], rtol=2e-2)
   leaf = jax.tree.leaves(summary["params"])[0]
@@ -65,12 +104,12 @@ def test_losses_match_single_device(env, single, mesh, capfd):
 
 
 @pytest.mark.slow
-def test_scan_layers_on_a_mesh_matches_the_loop_on_one_device(env, capfd):
+def test_scan_layers_on_a_mesh_matches_the_loop_on_one_device(env, capfd, monkeypatch):
   """The scanned blocks' stacked weights keep their shardings: the step partitions as the loop's does."""
   two = dataclasses.replace(MODEL, n_layers=2)
   loop = _run(env, _config(env, "loop2", model=two))
-  scan = _run(env, _config(env, "scan2_mesh", model=dataclasses.replace(two, scan_layers=True),
-                           mesh="data=2,fsdp=2,tensor=2"))
+  scan = _run_compiling(_config(env, "scan2_mesh", model=dataclasses.replace(two, scan_layers=True),
+                                mesh="data=2,fsdp=2,tensor=2"), monkeypatch)
   np.testing.assert_allclose(scan["losses"][0], loop["losses"][0], rtol=1e-5)
   np.testing.assert_allclose(scan["losses"], loop["losses"], rtol=2e-2)  # as test_losses_match_single_device
   assert all(len(leaf.sharding.device_set) == 8 for leaf in jax.tree.leaves(scan["params"]))
