@@ -9,6 +9,8 @@ jax.monitoring listeners that append one JSON line per compile request to `<fold
 - `seconds`: the duration JAX reports for the backend compile, or for the cache read on a hit.
 - `function`: the jitted function's name.
 - `cache_hit`: whether the persistent compilation cache served it.
+- `saved_seconds`: on a hit, the compile time the cache spared at least (JAX's compile_time_saved_sec: the
+  writer's compile time, which JAX stores in whole seconds, less this read's; never below 0); 0 on a miss.
 - `test`: the pytest test running then, or "" outside pytest.
 
 Subprocesses that tests launch (`python -m fp4jax`, README blocks) do not load tests/conftest.py and are not
@@ -28,9 +30,10 @@ import jax
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+SAVED_EVENT = "/jax/compilation_cache/compile_time_saved_sec"
 ENV = "FP4JAX_COMPILE_LOG"
 
-_state = threading.local()  # the cache-hit event comes before its compile's duration event, on the same thread
+_state = threading.local()  # the cache-hit and time-saved events come before their compile's, on the same thread
 _listeners: dict[str, object] = {}
 
 
@@ -49,12 +52,15 @@ def start(folder) -> pathlib.Path:
   out = path / f"{os.getpid()}.jsonl"
 
   def on_duration(event: str, seconds: float, **kwargs) -> None:
+    if event == SAVED_EVENT:
+      _state.saved = max(0.0, float(seconds))
     if event != COMPILE_EVENT:
       return
     hit, _state.hit = getattr(_state, "hit", False), False
+    saved, _state.saved = getattr(_state, "saved", 0.0), 0.0
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
     record = {"seconds": float(seconds), "function": str(kwargs.get("fun_name", "?")), "cache_hit": hit,
-              "test": test}
+              "saved_seconds": saved if hit else 0.0, "test": test}
     with open(out, "a", encoding="utf-8") as f:
       f.write(json.dumps(record) + "\n")
 
@@ -81,7 +87,8 @@ def read(folder) -> list[dict]:
 
 
 def summarize(records: list[dict], top: int = 25) -> dict:
-  """Compiles (cache misses) and their seconds in all, by test module, by function and by test; cache hits apart."""
+  """Compiles (cache misses) and their seconds in all, by test module, by function and by test; cache hits apart,
+  with the compile seconds they spared (records written before `saved_seconds` existed count 0)."""
   misses = [r for r in records if not r["cache_hit"]]
   hits = [r for r in records if r["cache_hit"]]
 
@@ -94,6 +101,7 @@ def summarize(records: list[dict], top: int = 25) -> dict:
 
   return {"compiles": len(misses), "seconds": sum(r["seconds"] for r in misses),
           "cache_hits": len(hits), "hit_seconds": sum(r["seconds"] for r in hits),
+          "saved_seconds": sum(r.get("saved_seconds", 0.0) for r in hits),
           "by_module": by(lambda r: r["test"].split("::")[0] or "(outside a test)"),
           "by_function": by(lambda r: r["function"]),
           "by_test": by(lambda r: r["test"] or "(outside a test)")}
@@ -102,7 +110,7 @@ def summarize(records: list[dict], top: int = 25) -> dict:
 def format_summary(summary: dict) -> str:
   """The summary as Markdown tables."""
   lines = [f"{summary['compiles']} compiles, {summary['seconds']:.1f} s; {summary['cache_hits']} served by the "
-           f"persistent cache in {summary['hit_seconds']:.1f} s"]
+           f"persistent cache in {summary['hit_seconds']:.1f} s, sparing {summary['saved_seconds']:.1f} s of compiling"]
   for title, key in (("test module", "by_module"), ("function", "by_function"), ("test", "by_test")):
     lines += ["", f"| {title} | compile s | compiles |", "|---|---|---|"]
     lines += [f"| {name} | {seconds:.1f} | {count} |" for name, seconds, count in summary[key]]
