@@ -4,8 +4,9 @@
 program owns one (BM, BN) output tile and one K split; per K step it loads the packed code and scale tiles of
 both operands, decodes each tile once into bf16 (code * block scale: exact, at most 6 significant bits) and runs a
 bf16 dot with float32 accumulation, so every decoded element feeds BN (or BM) outputs. The epilogue multiplies by
-the per-tensor decode scales (amax_a / 2688) * (amax_b / 2688) (1 for MXFP4 operands; amax / R with the format's
-own range R for NVFP4's 4/6, 16/17 and MS-EDEN rules, 4/3 for MXFP4's Tseng rule). This is the Hopper
+the per-tensor decode scales amax_a / 2688 and amax_b / 2688 (1 for MXFP4 operands; amax / R with the format's
+own range R for NVFP4's 4/6, 16/17 and MS-EDEN rules, 4/3 for MXFP4's Tseng rule) one at a time, as the XLA path's
+gemm.scale_output does, so two tiny or huge amaxes do not under- or overflow their product. This is the Hopper
 emulation of the FP4 GEMM; on GPUs with compute capability >= 10 and `jax.nn.scaled_matmul` present, NVFP4 x
 NVFP4 GEMMs with 1x16 blocks go to the native block-scaled MMA instead (`blackwell_matmul`).
 
@@ -46,6 +47,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from fp4jax import formats
+from fp4jax import gemm as gemm_lib
 from fp4jax import nvfp4
 from fp4jax.qarray import QArray
 from pallas_kernels import numerics
@@ -154,13 +156,14 @@ def _matmul_kernel(a_codes_ref, a_scales_ref, b_codes_ref, b_scales_ref, g_ref, 
     return acc + _dot(a_tile, a_k, b_tile, b_k)
 
   acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((bm, bn), jnp.float32))
-  out_ref[...] = acc * g_ref[0]
+  out_ref[...] = gemm_lib.scale_output(acc, g_ref[0], g_ref[1])
 
 
 def matmul_call(a_codes, a_scales, b_codes, b_scales, g, a: Operand, b: Operand, m: int, n: int, k: int,
                 tiles: tuple[int, int, int], *, split_k: int = 1, interpret: bool, num_warps: int | None = None,
                 num_stages: int = 3):
-  """The pallas_call on already-padded operands (m, n multiples of BM, BN; k of BK * split_k); scales as uint8.
+  """The pallas_call on already-padded operands (m, n multiples of BM, BN; k of BK * split_k); scales as uint8;
+  g: float32 [2], the two per-tensor decode factors.
 
   Grid (M/BM, N/BN, split_k): split s sums K range [s K/split_k, (s+1) K/split_k) into out[s]; the splits are
   added in XLA (float32). Splitting K gives skinny (small-M) GEMMs enough programs to keep every SM loading.
@@ -184,7 +187,7 @@ def matmul_call(a_codes, a_scales, b_codes, b_scales, g, a: Operand, b: Operand,
       grid=(m // bm, n // bn, split_k),
       in_specs=[spec(a, a.codes_dims(bm, kc), True), spec(a, a.scales_dims(bm, kc), True),
                 spec(b, b.codes_dims(bn, kc), False), spec(b, b.scales_dims(bn, kc), False),
-                pl.BlockSpec((1,), lambda i, j, s: (0,))],
+                pl.BlockSpec((2,), lambda i, j, s: (0,))],
       out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
       interpret=interpret,
       compiler_params=platform.compiler_params(num_warps=num_warps, num_stages=num_stages),
@@ -307,12 +310,14 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
   k = max(k, k_b)  # operands padded to different block multiples (pad=True): both are zero-padded to one K
   m_out, n_out = a.orig_shape[1 - op_a.contract], b.orig_shape[1 - op_b.contract]
   interpret = platform.resolve_interpret(interpret)
-  g = jnp.reshape(_global_scale(a) * _global_scale(b), (1,)).astype(jnp.float32)
+  # Both factors, applied one at a time (gemm.scale_output): their product under- or overflows float32 for amaxes
+  # near 1e-19 or 1e22 where the GEMM's outputs do not (all zeros or all inf/NaN before).
+  g = jnp.stack([_global_scale(a), _global_scale(b)]).astype(jnp.float32)
 
   if use_blackwell is None:
     use_blackwell = not interpret and platform.use_blackwell_path()
   if use_blackwell and op_a.kind == op_b.kind == "nvfp4" and not a.block_2d and not b.block_2d:
-    out = blackwell_matmul(a, b, op_a, op_b) * g[0]
+    out = gemm_lib.scale_output(blackwell_matmul(a, b, op_a, op_b), g[0], g[1])
     return out[:m_out, :n_out]
 
   bm, bn, bk = tiles or default_tiles(m, n, k, interpret)

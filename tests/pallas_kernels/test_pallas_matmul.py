@@ -188,6 +188,29 @@ def test_padded_qarrays_and_nonfinite():
   np.testing.assert_array_equal(np.asarray(zero), 0.0)
 
 
+@jax.jit
+def _extreme_amax(x_tiny, w_tiny, x_huge, w_huge):
+  q = lambda v, axis: fp4jax.quantize(v, "nvfp4", axis=axis)
+  recipe = fp4jax.recipes.get_recipe("nvfp4").replace(gemm_mode="bf16")  # gemm.scale_output's epilogue
+  pairs = ((q(x_tiny, 1), q(w_tiny, 0)), (q(x_huge, 1), q(w_huge, 0)))
+  return [(fp4_matmul(a, b), fp4jax.gemm.gemm(a, b, (1, 0), recipe)) for a, b in pairs]
+
+
+def test_tiny_and_huge_amax_apply_the_tensor_scales_one_at_a_time():
+  """amax_a * amax_b / 2688^2 underflows float32 below amax ~ 1e-19 and overflows above ~ 1e22 where the outputs
+  do not: applied as one product, all-1e-20 operands gave 0 for outputs of 2.6e-37 and zero rows of 1e23-operands
+  gave NaN (0 * inf). Now both factors are applied one at a time, as the XLA path's gemm.scale_output."""
+  tiny = jnp.full((16, 256), 3e-20, jnp.float32)
+  huge_x = (_input((16, 64), 60) * 1e23).at[0].set(0.0)
+  (out_t, ref_t), (out_h, ref_h) = _extreme_amax(tiny, tiny.T, huge_x, _input((64, 16), 61) * 1e23)
+  deq = np.float64(fp4jax.dequantize(fp4jax.quantize(tiny, "nvfp4"))[0, 0])
+  np.testing.assert_allclose(np.asarray(out_t, np.float64), 256 * deq * deq, rtol=1e-6)  # ~2.3e-37, not 0
+  np.testing.assert_allclose(np.asarray(out_t), np.asarray(ref_t), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(out_h)[0], 0.0)  # a zero row stays 0, not NaN
+  np.testing.assert_array_equal(np.isinf(np.asarray(out_h)), np.isinf(np.asarray(ref_h)))
+  assert not np.any(np.isnan(np.asarray(out_h)))
+
+
 def _abstract(shape, fmt="nvfp4", **kw):
   """A QArray of ShapeDtypeStructs: enough to trace, validate and lower without computing anything."""
   return jax.eval_shape(lambda x: fp4jax.quantize(x, fmt, **kw), jax.ShapeDtypeStruct(shape, jnp.float32))
