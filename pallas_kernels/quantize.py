@@ -2,8 +2,9 @@
 
 `quantize_nvfp4(x, ...)` returns the same `fp4jax.QArray` as
 `fp4jax.quantize(x_t, fp4jax.NVFP4(), axis=..., block_2d=..., rounding=..., key=..., random_bits=..., pad=...)` with
-`x_t = x`, or with rht_size set `x_t = fp4jax.random_hadamard(x, size=rht_size, axis=axis)` (already in x.dtype):
-identical codes, scales and amax (`rht_signs` is passed on as random_hadamard's `signs`).
+`x_t = x`, or with rht_size set `x_t = fp4jax.random_hadamard(x, size=rht_size, axis=axis)` (in x's dtype; float32
+for float16 x, whose RHT sums can pass 65504): identical codes, scales, amax and dtype (`rht_signs` is passed on as
+random_hadamard's `signs`).
 
 Data flow. The per-tensor amax is needed before any block can be encoded, so it comes first: one XLA reduction
 max|x|, or with RHT a Pallas pass that transforms each tile and writes only its tile maximum (the transformed tensor
@@ -23,8 +24,9 @@ read XLA-generated bits took 2x XLA's fused quantizer); threefry's bits are gene
 the top byte (uint8) for random_bits=8, which is all the 8-bit rule uses.
 
 RHT bit-identity: the kernel applies H with a float32 dot (precision HIGHEST) over groups of 16 elements (sizes < 16
-as a block-diagonal 16x16 matrix), like fp4jax.random_hadamard. In interpret mode both run XLA's CPU dot and agree
-bit for bit (tested). A compiled kernel sums the 16 products in Triton's order, which may differ from XLA's GPU dot
+as a block-diagonal 16x16 matrix), like fp4jax.random_hadamard. In interpret mode both run XLA's CPU dot, along a
+non-last axis in random_hadamard's own batched form (the transposed form summed 32-point groups in another order),
+and agree bit for bit (tested). A compiled kernel sums the 16 products in Triton's order, which may differ from XLA's GPU dot
 in the last bit of a float32 sum; after rounding to bf16 that changes a code only rarely (benchmarks/gpu/check.py
 counts such mismatches on the GPU). The RHT amax comes from the kernel's own transform, so amax, scales and codes
 always agree with each other.
@@ -137,9 +139,16 @@ def make_plan(view, block, pack_axis, rht_group, interpret, tile=None) -> Plan:
 
 # --- in-kernel helpers (operate on one [TR, TC] tile) ---------------------------------------------------------------
 
-def _apply_rht(t, h_mat, axis):
+def _apply_rht(t, h_mat, axis, interpret=False):
   """Maps each run t of g = h_mat.shape[0] elements along `axis` to t @ h_mat, float32 at HIGHEST precision."""
   g = h_mat.shape[0]
+  if axis == 0 and interpret:
+    # fp4jax.random_hadamard's form along a non-last axis; the transposed form below sums in another order on
+    # XLA:CPU (amax 1 ulp off for a 32-point RHT). Triton's dot has no batch dimension, hence two forms.
+    rows, cols = t.shape
+    y = jnp.einsum("ji,ajk->aik", h_mat, t.reshape(rows // g, g, cols), precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
+    return y.reshape(rows, cols)
   if axis == 0:
     t = t.T
   rows, cols = t.shape
@@ -188,7 +197,7 @@ def _hash_bits_of_tile(seed_ref, tile, index_view):
   return prng.hash_bits((seed_ref[0], seed_ref[1]), index)
 
 
-def _quantize_kernel(*refs, plan: Plan, in_dtype, rounding: str, random_bits: int, interpret: bool,
+def _quantize_kernel(*refs, plan: Plan, rht_dtype, rounding: str, random_bits: int, interpret: bool,
                      index_view=None):
   it = iter(refs)
   x_ref, scal_ref = next(it), next(it)
@@ -198,8 +207,8 @@ def _quantize_kernel(*refs, plan: Plan, in_dtype, rounding: str, random_bits: in
 
   t = x_ref[...].astype(jnp.float32)
   if plan.rht_group:
-    # The reference rounds the transformed tensor to x's dtype before quantizing it.
-    t = _apply_rht(t, h_ref[...], plan.pack_axis).astype(in_dtype).astype(jnp.float32)
+    # The reference rounds the transformed tensor to random_hadamard's output dtype before quantizing it.
+    t = _apply_rht(t, h_ref[...], plan.pack_axis, interpret).astype(rht_dtype).astype(jnp.float32)
   s_enc_sixth, s_dec = scal_ref[0], scal_ref[1]
   amax_b = _block_max(jnp.abs(t), plan.block)
   s_b = numerics.round_e4m3(amax_b * s_enc_sixth)
@@ -219,9 +228,10 @@ def _quantize_kernel(*refs, plan: Plan, in_dtype, rounding: str, random_bits: in
   scales_ref[...] = numerics.e4m3_bits(s_b).astype(jnp.uint8)
 
 
-def _rht_amax_kernel(x_ref, h_ref, o_ref, *, plan: Plan, in_dtype):
-  """One tile's max |RHT(x)| (rounded to x's dtype first), NaN if the tile has a NaN."""
-  y = _apply_rht(x_ref[...].astype(jnp.float32), h_ref[...], plan.pack_axis).astype(in_dtype).astype(jnp.float32)
+def _rht_amax_kernel(x_ref, h_ref, o_ref, *, plan: Plan, rht_dtype, interpret: bool):
+  """One tile's max |RHT(x)| (rounded to `rht_dtype` first), NaN if the tile has a NaN."""
+  y = _apply_rht(x_ref[...].astype(jnp.float32), h_ref[...], plan.pack_axis,
+                 interpret).astype(rht_dtype).astype(jnp.float32)
   m = jnp.max(jnp.abs(y))
   n_nan = jnp.sum(jnp.isnan(y).astype(jnp.float32))  # Triton's max drops NaN: count them instead
   o_ref[...] = jnp.full((1, 1), jnp.where(n_nan > 0, jnp.nan, m), jnp.float32)
@@ -242,7 +252,7 @@ def rht_amax_call(x_view, h_mat, plan: Plan, *, interpret: bool):
   """max |RHT(x)| over the tensor via per-tile maxima (Pallas) and a tiny XLA max; NaN-propagating."""
   grid = plan.grid
   partial = pl.pallas_call(
-      functools.partial(_rht_amax_kernel, plan=plan, in_dtype=x_view.dtype),
+      functools.partial(_rht_amax_kernel, plan=plan, rht_dtype=rht_output_dtype(x_view.dtype), interpret=interpret),
       out_shape=jax.ShapeDtypeStruct(grid, jnp.float32),
       grid=grid,
       in_specs=[_tile_spec(plan.tile), _whole_spec(h_mat.shape)],
@@ -272,7 +282,7 @@ def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, 
   elif rounding == "stochastic":
     inputs.append(bits_view)
     in_specs.append(_tile_spec(plan.tile))
-  kernel = functools.partial(_quantize_kernel, plan=plan, in_dtype=x_view.dtype, rounding=rounding,
+  kernel = functools.partial(_quantize_kernel, plan=plan, rht_dtype=rht_output_dtype(x_view.dtype), rounding=rounding,
                              random_bits=random_bits, interpret=interpret,
                              index_view=tuple(index_view) if seed is not None else None)
   return pl.pallas_call(
@@ -319,6 +329,13 @@ def _padded_shape(shape, blocked_axes, pad):
                          f"(shape {tuple(shape)}); pass pad=True to zero-pad it.")
       padded[a] = -(-shape[a] // BLOCK) * BLOCK
   return tuple(padded)
+
+
+def rht_output_dtype(dtype):
+  """The dtype fp4jax.random_hadamard returns for `dtype` input (float16 comes back as float32: an RHT sum can
+  exceed 65504); the kernel rounds its transform to it, and the QArray records it."""
+  rht = functools.partial(rht_lib.random_hadamard, size=2)
+  return jax.eval_shape(rht, jax.ShapeDtypeStruct((2,), dtype)).dtype
 
 
 def _rht_matrix(rht_size: int, signs=None) -> jax.Array:
@@ -423,5 +440,6 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
   codes = codes_v.reshape(codes_shape)
   scales = jax.lax.bitcast_convert_type(scale_bits_v.reshape(scales_shape), jnp.float8_e4m3fn)
   return QArray(codes, scales, amax.astype(jnp.float32), fmt=formats.NVFP4(), shape=shape,
-                orig_shape=tuple(x.shape), axis=axis, block_2d=block_2d, dtype=x.dtype)
+                orig_shape=tuple(x.shape), axis=axis, block_2d=block_2d,
+                dtype=x.dtype if rht_size is None else rht_output_dtype(x.dtype))
 
