@@ -24,11 +24,12 @@ read XLA-generated bits took 2x XLA's fused quantizer); threefry's bits are gene
 the top byte (uint8) for random_bits=8, which is all the 8-bit rule uses.
 
 RHT bit-identity: the kernel applies H with a float32 dot (precision HIGHEST) over groups of 16 elements (sizes < 16
-as a block-diagonal 16x16 matrix), like fp4jax.random_hadamard. In interpret mode both run XLA's CPU dot, along a
-non-last axis in random_hadamard's own batched form (the transposed form summed 32-point groups in another order),
-and agree bit for bit (tested). A compiled kernel sums the 16 products in Triton's order, which may differ from XLA's GPU dot
-in the last bit of a float32 sum; after rounding to bf16 that changes a code only rarely (benchmarks/gpu/check.py
-counts such mismatches on the GPU). The RHT amax comes from the kernel's own transform, so amax, scales and codes
+as a block-diagonal 16x16 matrix), like fp4jax.random_hadamard. In interpret mode both run XLA's CPU dot and agree
+bit for bit for 16 and smaller sizes (tested). For larger sizes XLA:CPU's dot sums a group in an order that depends
+on the operands' shapes (a tile's, not the tensor's), so the amax can differ in the last bit (seen for size 32 on
+(48, 64) and (64, 48) inputs; codes and scales agreed). A compiled kernel sums the 16 products in Triton's order,
+which may differ from XLA's GPU dot in the last bit of a float32 sum; after rounding to bf16 that changes a code
+only rarely (benchmarks/gpu/check.py counts such mismatches on the GPU). The RHT amax comes from the kernel's own transform, so amax, scales and codes
 always agree with each other.
 
 Tiles are powers of two dividing the view (Triton's requirement), a few thousand elements when compiled and up to
@@ -139,16 +140,9 @@ def make_plan(view, block, pack_axis, rht_group, interpret, tile=None) -> Plan:
 
 # --- in-kernel helpers (operate on one [TR, TC] tile) ---------------------------------------------------------------
 
-def _apply_rht(t, h_mat, axis, interpret=False):
+def _apply_rht(t, h_mat, axis):
   """Maps each run t of g = h_mat.shape[0] elements along `axis` to t @ h_mat, float32 at HIGHEST precision."""
   g = h_mat.shape[0]
-  if axis == 0 and interpret:
-    # fp4jax.random_hadamard's form along a non-last axis; the transposed form below sums in another order on
-    # XLA:CPU (amax 1 ulp off for a 32-point RHT). Triton's dot has no batch dimension, hence two forms.
-    rows, cols = t.shape
-    y = jnp.einsum("ji,ajk->aik", h_mat, t.reshape(rows // g, g, cols), precision=jax.lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32)
-    return y.reshape(rows, cols)
   if axis == 0:
     t = t.T
   rows, cols = t.shape
@@ -208,7 +202,7 @@ def _quantize_kernel(*refs, plan: Plan, rht_dtype, rounding: str, random_bits: i
   t = x_ref[...].astype(jnp.float32)
   if plan.rht_group:
     # The reference rounds the transformed tensor to random_hadamard's output dtype before quantizing it.
-    t = _apply_rht(t, h_ref[...], plan.pack_axis, interpret).astype(rht_dtype).astype(jnp.float32)
+    t = _apply_rht(t, h_ref[...], plan.pack_axis).astype(rht_dtype).astype(jnp.float32)
   s_enc_sixth, s_dec = scal_ref[0], scal_ref[1]
   amax_b = _block_max(jnp.abs(t), plan.block)
   s_b = numerics.round_e4m3(amax_b * s_enc_sixth)
@@ -228,10 +222,9 @@ def _quantize_kernel(*refs, plan: Plan, rht_dtype, rounding: str, random_bits: i
   scales_ref[...] = numerics.e4m3_bits(s_b).astype(jnp.uint8)
 
 
-def _rht_amax_kernel(x_ref, h_ref, o_ref, *, plan: Plan, rht_dtype, interpret: bool):
+def _rht_amax_kernel(x_ref, h_ref, o_ref, *, plan: Plan, rht_dtype):
   """One tile's max |RHT(x)| (rounded to `rht_dtype` first), NaN if the tile has a NaN."""
-  y = _apply_rht(x_ref[...].astype(jnp.float32), h_ref[...], plan.pack_axis,
-                 interpret).astype(rht_dtype).astype(jnp.float32)
+  y = _apply_rht(x_ref[...].astype(jnp.float32), h_ref[...], plan.pack_axis).astype(rht_dtype).astype(jnp.float32)
   m = jnp.max(jnp.abs(y))
   n_nan = jnp.sum(jnp.isnan(y).astype(jnp.float32))  # Triton's max drops NaN: count them instead
   o_ref[...] = jnp.full((1, 1), jnp.where(n_nan > 0, jnp.nan, m), jnp.float32)
@@ -252,7 +245,7 @@ def rht_amax_call(x_view, h_mat, plan: Plan, *, interpret: bool):
   """max |RHT(x)| over the tensor via per-tile maxima (Pallas) and a tiny XLA max; NaN-propagating."""
   grid = plan.grid
   partial = pl.pallas_call(
-      functools.partial(_rht_amax_kernel, plan=plan, rht_dtype=rht_output_dtype(x_view.dtype), interpret=interpret),
+      functools.partial(_rht_amax_kernel, plan=plan, rht_dtype=rht_output_dtype(x_view.dtype)),
       out_shape=jax.ShapeDtypeStruct(grid, jnp.float32),
       grid=grid,
       in_specs=[_tile_spec(plan.tile), _whole_spec(h_mat.shape)],
