@@ -29,8 +29,8 @@ bit for bit for 16 and smaller sizes (tested). For larger sizes XLA:CPU's dot su
 on the operands' shapes (a tile's, not the tensor's), so the amax can differ in the last bit (seen for size 32 on
 (48, 64) and (64, 48) inputs; codes and scales agreed). A compiled kernel sums the 16 products in Triton's order,
 which may differ from XLA's GPU dot in the last bit of a float32 sum; after rounding to bf16 that changes a code
-only rarely (benchmarks/gpu/check.py counts such mismatches on the GPU). The RHT amax comes from the kernel's own transform, so amax, scales and codes
-always agree with each other.
+only rarely (benchmarks/gpu/check.py counts such mismatches on the GPU). The RHT amax comes from the kernel's own
+transform, so amax, scales and codes always agree with each other.
 
 Tiles are powers of two dividing the view (Triton's requirement), a few thousand elements when compiled and up to
 2^18 in interpret mode (each interpreted grid step costs ~1 ms); `tile=` overrides. With RHT, tensors too small to
