@@ -18,6 +18,7 @@ from flax import nnx
 
 import fp4jax.recipes as recipes_lib
 from fp4jax.analysis import taps
+from fp4jax.analysis.gemm_probes import forward_is_random
 from fp4jax.analysis.probes import LayerTensors, as_probed, cosine, rel_error, standard_error
 
 
@@ -145,9 +146,12 @@ def model_probe(model: nnx.Module, batch: Mapping[str, Any], recipes, key, *,
 
   recipes: as for `with_recipes`. key: PRNG key (draw d uses fold_in(key, d)); None when no layer needs
   randomness. reference: `reference_gradient(model, batch)`.
-  Returns loss; dloss (loss - BF16 loss: no SR noise, the forward has no randomness) with dloss_se, its standard
-  error over the batch's sequences, and seq_dloss [B] (per-sequence differences, for paired comparisons);
-  grad_err and grad_cos ([num_draws], vs the BF16 gradient); grad_bias (error of the mean of the draws).
+  Returns loss; dloss (loss - BF16 loss) with dloss_se, its standard error over the batch's sequences, and
+  seq_dloss [B] (per-sequence differences, for paired comparisons); grad_err and grad_cos ([num_draws], vs the BF16
+  gradient); grad_bias (error of the mean of the draws). A forward without randomness (stochastic rounding only in
+  the backward, the usual case) gives one loss for every draw. A random forward (per-call Fprop RHT signs or
+  stochastic rounding in Fprop, in any layer) gives loss and seq_dloss as means over the draws, and dloss_se adds
+  the standard error of the per-draw losses (conservative; NaN with num_draws=1).
   """
   if not isinstance(num_draws, int) or num_draws < 1:
     raise ValueError(f"num_draws must be an int >= 1; got {num_draws!r}.")
@@ -158,19 +162,27 @@ def model_probe(model: nnx.Module, batch: Mapping[str, Any], recipes, key, *,
     raise ValueError(f"reference has {reference.seq_losses.shape[0]} sequences; the batch has {tokens.shape[0]}.")
   quantized = with_recipes(model, recipes)
   key = taps.check_key(quantized, key)  # a clear error for key=None with SR layers, a placeholder without them
-  needs_key = any(layer.recipe.needs_key for layer in quantized.linear_layers().values())
+  layers = quantized.linear_layers().values()
+  needs_key = any(layer.recipe.needs_key for layer in layers)
+  random_forward = any(forward_is_random(layer.recipe) for layer in layers)
   fn, params = _loss_and_grad_fn(quantized)
   draws = num_draws if needs_key else 1
-  errs, coss, total, loss, loss_B = [], [], jnp.zeros_like(reference.grad), None, None
+  errs, coss, total, losses, losses_B = [], [], jnp.zeros_like(reference.grad), [], []
   for d in range(draws):
     l, l_B, g = fn(params, tokens, targets, jax.random.fold_in(key, d))
-    if loss is None:  # the forward does not depend on the draw
-      loss, loss_B = float(l), np.asarray(l_B)
+    if random_forward or not losses:  # else the forward, and so the loss, is the same for every draw
+      losses.append(float(l))
+      losses_B.append(np.asarray(l_B))
     errs.append(float(rel_error(g, reference.grad)))
     coss.append(float(cosine(g, reference.grad)))
     total = total + g
+  # One draw of a random forward is not its loss: average the draws, and count their spread in the error bar.
+  loss, loss_B = float(np.mean(losses)), np.mean(losses_B, axis=0)
   seq_dloss = loss_B - reference.seq_losses
-  return {"loss": loss, "dloss": loss - reference.loss, "dloss_se": standard_error(seq_dloss),
+  dloss_se = standard_error(seq_dloss)
+  if random_forward:
+    dloss_se = float(np.hypot(dloss_se, standard_error(losses)))
+  return {"loss": loss, "dloss": loss - reference.loss, "dloss_se": dloss_se,
           "seq_dloss": seq_dloss, "grad_err": np.asarray(errs * (num_draws // draws)),
           "grad_cos": np.asarray(coss * (num_draws // draws)),
           "grad_bias": float(rel_error(total / draws, reference.grad))}

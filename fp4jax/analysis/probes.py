@@ -70,11 +70,19 @@ def recipe_variants() -> dict[str, recipes_lib.Recipe]:
 
 # --- small reductions --------------------------------------------------------------------------------------------
 
+def _norm(v) -> jax.Array:
+  """Frobenius norm of a float32 array, scaled by its max |v| first: a plain sum of squares overflows to inf from
+  |v| ~ 1e19 (a diverging layer), and inf / inf made errors and cosines NaN. inf / NaN entries give inf / NaN."""
+  m = jnp.max(jnp.abs(v)) if v.size else jnp.float32(0.0)
+  scale = jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0)
+  return jnp.where(jnp.isfinite(m), scale * jnp.linalg.norm(v / scale), m)
+
+
 def rel_error(a, ref) -> jax.Array:
   """||a - ref|| / ||ref|| in float32 (0 when both are zero, inf when ref is zero and a is not; NaN when either
   holds a NaN: a diverged tensor must not score as exact)."""
   a, ref = jnp.asarray(a, jnp.float32), jnp.asarray(ref, jnp.float32)
-  num, den = jnp.linalg.norm(a - ref), jnp.linalg.norm(ref)
+  num, den = _norm(a - ref), _norm(ref)
   out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
   return jnp.where(jnp.isnan(num) | jnp.isnan(den), jnp.nan, out)
 
@@ -83,9 +91,10 @@ def cosine(a, b) -> jax.Array:
   """Cosine similarity of two tensors as flat vectors (1 when both are zero, 0 when only one is, NaN when either
   holds a NaN)."""
   a, b = jnp.ravel(jnp.asarray(a, jnp.float32)), jnp.ravel(jnp.asarray(b, jnp.float32))
-  na, nb = jnp.linalg.norm(a), jnp.linalg.norm(b)
-  den = na * nb
-  out = jnp.where(den > 0, jnp.dot(a, b, precision=_HIGHEST) / jnp.where(den > 0, den, 1.0),
+  na, nb = _norm(a), _norm(b)
+  # Unit vectors first: a.b and |a| |b| overflow float32 (inf / inf = NaN) from norms of ~1e19.
+  ua, ub = a / jnp.where(na > 0, na, 1.0), b / jnp.where(nb > 0, nb, 1.0)
+  out = jnp.where((na > 0) & (nb > 0), jnp.dot(ua, ub, precision=_HIGHEST),
                   jnp.where((na == 0) & (nb == 0), 1.0, 0.0))
   return jnp.where(jnp.isnan(na) | jnp.isnan(nb), jnp.nan, out)
 
@@ -206,17 +215,21 @@ def _references(x_MxK, w_KxN, dy_MxN, recipe, key, ops: Operands):
 
 # --- code statistics ----------------------------------------------------------------------------------------------
 
-def operand_stats(q) -> dict[str, jax.Array]:
+def operand_stats(q, rows: int | None = None) -> dict[str, jax.Array]:
   """{zero, sat, amax, scale_lo, scale_hi, octaves, scale_zero, scale_subnormal} of an FP4 QArray ({} otherwise).
 
   zero / sat: fractions of E2M1 codes that are +-0 / +-6. amax: the tensor's max |x|. scale_lo / scale_hi: the
   smallest / largest non-zero block scale (NVFP4: the stored E4M3 value, whose range is [2^-9, 448]; MXFP4: 2^e);
-  octaves: log2(scale_hi / scale_lo). scale_zero: fraction of blocks whose scale is 0 (all-zero or underflowed
-  blocks; MXFP4: the smallest exponent). scale_subnormal: NVFP4 blocks whose E4M3 scale is subnormal (< 2^-6).
+  octaves: log2(scale_hi / scale_lo); all three NaN when every block's scale is 0. scale_zero: fraction of blocks
+  whose scale is 0 (all-zero or underflowed blocks; MXFP4: the smallest exponent). scale_subnormal: NVFP4 blocks
+  whose E4M3 scale is subnormal (< 2^-6). rows: count the codes of the first `rows` rows only (Wgrad's operands
+  without an RHT along M: the zero rows padding the tokens are not data; the scale statistics still count every
+  block).
   """
   if not isinstance(q, QArray) or not q.fmt.is_fp4:
     return {}
-  magnitude = q.unpacked_codes()[tuple(slice(0, n) for n in q.orig_shape)] & 7
+  shape = q.orig_shape if rows is None else (min(rows, q.orig_shape[0]), *q.orig_shape[1:])
+  magnitude = q.unpacked_codes()[tuple(slice(0, n) for n in shape)] & 7
   if isinstance(q.fmt, formats.NVFP4):
     s = q.scales.astype(jnp.float32)
     empty = s == 0
@@ -227,8 +240,10 @@ def operand_stats(q) -> dict[str, jax.Array]:
     s = jnp.exp2(e.astype(jnp.float32))
     empty = e <= mxfp4.E8M0_MIN_EXPONENT
     subnormal = jnp.float32(0.0)
-  lo = jnp.min(jnp.where(empty, jnp.inf, s))
-  hi = jnp.max(jnp.where(empty, 0.0, s))
+  # No non-zero block (an all-zero operand): no scale range; NaN, not lo=inf, hi=0 and octaves=-inf.
+  any_block = jnp.any(~empty)
+  lo = jnp.where(any_block, jnp.min(jnp.where(empty, jnp.inf, s)), jnp.nan)
+  hi = jnp.where(any_block, jnp.max(jnp.where(empty, 0.0, s)), jnp.nan)
   return {"zero": jnp.mean(magnitude == 0), "sat": jnp.mean(magnitude == 7), "amax": q.amax.astype(jnp.float32),
           "scale_lo": lo, "scale_hi": hi, "octaves": jnp.log2(hi / lo), "scale_zero": jnp.mean(empty),
           "scale_subnormal": subnormal}
@@ -261,9 +276,11 @@ def _probe_layer(x_MxK, w_KxN, dy_MxN, key, recipe, num_draws):
       return quantized_gemms(x_MxK, w_KxN, dy_MxN, recipe, k, None if fresh else ops)[1:3]
     y, _, _, dyq, dyq_t = quantized_gemms(x_MxK, w_KxN, dy_MxN, recipe, jax.random.fold_in(key, 0),
                                           None if fresh else ops)
+    # Wgrad pads the tokens with zero rows; an RHT along M mixes them into the data, so they count only with one.
+    rows = None if recipe.wgrad.rht else x_MxK.shape[0]
     stats = {"fprop.x": operand_stats(ops.x_fprop), "fprop.W": operand_stats(ops.w_fprop),
              "dgrad.dY": operand_stats(dyq), "dgrad.W": operand_stats(ops.w_dgrad),
-             "wgrad.dY": operand_stats(dyq_t), "wgrad.x": operand_stats(ops.x_wgrad)}
+             "wgrad.dY": operand_stats(dyq_t, rows), "wgrad.x": operand_stats(ops.x_wgrad, rows)}
     stats = {k: v for k, v in stats.items() if v}
 
   refs_dx_R = jnp.stack([refs_dx[r] for r in BIAS_REFERENCES])
@@ -365,14 +382,17 @@ def bias_floor(curve: Mapping[str, Any]) -> float:
   """Estimated bias ||E[estimate] - reference|| / ||reference|| from a bias curve, with the noise removed.
 
   For error e_K of the mean of K draws, E[e_K^2] = b^2 + v / K; the smallest and largest K give
-  b^2 = (K_max E[e_Kmax^2] - E[e_1^2]) / (K_max - 1) (clipped at 0). A curve with one level (num_draws=2) cannot
-  separate the two: the mean single-draw error is returned, an upper bound that still holds the noise.
+  b^2 = (K_max E[e_Kmax^2] - E[e_1^2]) / (K_max - 1) (clipped at 0); NaN when either level holds an inf or NaN. A
+  curve with one level (num_draws=2) cannot separate the two: the mean single-draw error is returned, an upper
+  bound that still holds the noise.
   """
   k = curve["K"]
   if len(k) < 2:
     return float(np.mean(curve["groups"][0]))
   e1 = np.mean(np.square(curve["groups"][0]))
   ek = np.mean(np.square(curve["groups"][-1]))
+  if not (np.isfinite(e1) and np.isfinite(ek)):  # an inf single-draw error made the estimate 0 (clipped -inf)
+    return float("nan")
   kmax = k[-1]
   return float(np.sqrt(max((kmax * ek - e1) / (kmax - 1), 0.0)))
 

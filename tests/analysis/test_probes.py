@@ -237,3 +237,62 @@ def test_probes_pin_auto_gemm_mode_to_the_float32_reference():
   assert probes.as_probed("nvfp4").gemm_mode == "f32"
   assert probes.as_probed(recipes.nvfp4(gemm_mode="bf16")).gemm_mode == "bf16"
   assert probes.as_probed("nvfp4").replace(gemm_mode="auto") == recipes.nvfp4()
+
+
+def test_operand_stats_of_an_all_zero_operand_have_no_scale_range():
+  """An all-zero operand reported scale_lo=inf, scale_hi=0 and octaves=-inf (a mean over layers became -inf)."""
+  for fmt in ("nvfp4", "mxfp4"):
+    st = {k: float(v) for k, v in probes.operand_stats(fp4jax.quantize(jnp.zeros((4, 64)), fmt)).items()}
+    assert st["zero"] == 1.0 and st["sat"] == 0.0 and st["scale_zero"] == 1.0, (fmt, st)
+    assert all(np.isnan(st[k]) for k in ("scale_lo", "scale_hi", "octaves")), (fmt, st)
+  one_block = jnp.zeros((4, 64)).at[0, 0].set(1.0)
+  st = probes.operand_stats(fp4jax.quantize(one_block, "nvfp4"))
+  assert float(st["octaves"]) == 0.0 and float(st["scale_lo"]) == float(st["scale_hi"]) > 0
+
+
+def test_cosine_and_bias_floor_of_extreme_values():
+  """Finite tensors with entries above ~1e19 scored cosine and relative error NaN (sums of squares overflowed
+  float32); an inf single-draw error made the bias floor 0."""
+  big = jnp.asarray([3e30, 4e30, 0.0])
+  assert float(probes.cosine(big, big)) == pytest.approx(1.0, abs=1e-6)
+  assert float(probes.cosine(big, -2 * big)) == pytest.approx(-1.0, abs=1e-6)
+  assert float(probes.cosine(big, jnp.asarray([0.0, 0.0, 1e30]))) == 0.0
+  assert float(probes.rel_error(1.5 * big, big)) == pytest.approx(0.5, rel=1e-6)
+  assert float(probes.rel_error(big, jnp.zeros(3))) == np.inf
+  assert np.isnan(float(probes.cosine(big.at[2].set(np.inf), big)))
+  assert np.isnan(probes.bias_floor({"K": [1, 2], "groups": [[np.inf, 1.0], [1.0]]}))
+  assert probes.bias_floor({"K": [1, 2], "groups": [[1.0, 1.0], [1.0]]}) == 1.0
+
+
+def test_wgrad_code_statistics_skip_the_token_padding():
+  """M = 24 tokens pad to 32 for Wgrad's 16-blocks along M: without an RHT the 8 zero rows counted as zero codes."""
+  kx, kw, kd = jax.random.split(jax.random.key(2), 3)
+  t = probes.LayerTensors(jax.random.normal(kx, (24, 32)).astype(jnp.bfloat16), jax.random.normal(kw, (32, 32)),
+                          jax.random.normal(kd, (24, 32)).astype(jnp.bfloat16))
+  recipe = probes.as_probed("nvfp4:rht=false,stochastic_rounding=false")
+  stats = probes.probe_layer(t, recipe, None, num_draws=2)["stats"]
+  ops = probes.quantized_operands(t.x_MxK, t.w_KxN, recipe, jax.random.key(0))  # the key is unused
+  x_wgrad = np.asarray(fp4jax.dequantize(ops.x_wgrad, jnp.float32))
+  assert x_wgrad.shape[0] == 32 and not np.any(x_wgrad[24:])
+  assert stats["wgrad.x"]["zero"] == pytest.approx(np.mean(x_wgrad[:24] == 0))
+  fprop_x = np.asarray(fp4jax.dequantize(ops.x_fprop, jnp.float32))
+  assert stats["fprop.x"]["zero"] == pytest.approx(np.mean(fprop_x == 0))
+
+
+def test_model_probe_averages_the_loss_of_a_random_forward(tiny_model):
+  """Per-call Fprop RHT signs make the forward random: the loss was draw 0's, with an error bar blind to draws."""
+  model, batch = tiny_model
+  reference = model_probes.reference_gradient(model, batch)
+  spec = "nvfp4:rht_on=fprop+wgrad,random_signs=per_call"
+  key = jax.random.key(0)
+  res = model_probes.model_probe(model, batch, spec, key, reference=reference, num_draws=2)
+  fn, params = model_probes._loss_and_grad_fn(model_probes.with_recipes(model, spec))  # pylint: disable=protected-access
+  draws = [fn(params, jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"]), jax.random.fold_in(key, d))
+           for d in range(2)]
+  losses = [float(d[0]) for d in draws]
+  assert losses[0] != losses[1]
+  assert res["loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+  np.testing.assert_allclose(res["seq_dloss"], np.mean([np.asarray(d[1]) for d in draws], 0) - reference.seq_losses,
+                             rtol=1e-5)
+  se = np.hypot(probes.standard_error(res["seq_dloss"]), probes.standard_error(losses))
+  assert res["dloss_se"] == pytest.approx(se, rel=1e-6)
