@@ -7,8 +7,9 @@ by `outlier-scale`. Blocks run along the last axis (the GEMM's contraction axis)
 that holds an outlier channel has its scale set by the outlier. Each format is applied directly and after a
 16-point random Hadamard transform along the blocked axis (the error is measured after transforming back).
 Columns: relative Frobenius error, SNR in dB, fraction of zero codes (elements quantized to +-0), fraction of
-saturated elements (clipped: larger in magnitude than the largest value their block can represent; for NVFP4 these
-are mostly block maxima whose E4M3 scale rounded down, for MXFP4 "floor" maxima in (6, 8) x 2^e), bits/element.
+saturated elements (clipped: larger in magnitude than the largest value their block can represent, by more than
+float32 rounding; for NVFP4 these are mostly block maxima whose E4M3 scale rounded down, for MXFP4 "floor" maxima in
+(6, 8) x 2^e; FP8 and MXFP4 "ceil" clip nothing), bits/element.
 
 On such a tensor the RHT halves the zero codes and lowers MXFP4's error, but raises NVFP4's and FP8's: a 16-point
 transform of a tile holding one large outlier puts every element of the tile near the outlier's magnitude / 4,
@@ -56,6 +57,10 @@ def sample_tensor(seed: int = 0, rows: int = 4096, cols: int = 1024, outliers: i
   return jnp.asarray(x_RxC)
 
 
+# Relative excess over the block's largest value below which an element counts as represented, not clipped.
+_CLIP_TOLERANCE = 2.0**-16
+
+
 def _code_stats(q: QArray, x_q, dq):
   """(fraction of zero codes, fraction of clipped elements) of the quantized tensor `x_q` (before any inverse RHT)."""
   if q.fmt.is_fp4:
@@ -64,8 +69,9 @@ def _code_stats(q: QArray, x_q, dq):
   else:
     value = jnp.abs(q.codes.astype(jnp.float32))
     is_zero, at_max = value == 0, value == q.fmt.elem_max
-  # At the largest code, an element whose magnitude exceeds its dequantized value lay beyond the block's range.
-  clipped = at_max & (jnp.abs(x_q.astype(jnp.float32)) > jnp.abs(dq))
+  # At the largest code, an element whose magnitude exceeds its dequantized value lay beyond the block's range; by
+  # more than float32 rounding of the scale (amax / 448 * 448 can fall an ulp short of amax: not a clip).
+  clipped = at_max & (jnp.abs(x_q.astype(jnp.float32)) > jnp.abs(dq) * (1 + _CLIP_TOLERANCE))
   return jnp.mean(is_zero.astype(jnp.float32)), jnp.mean(clipped.astype(jnp.float32))
 
 

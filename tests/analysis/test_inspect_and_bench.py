@@ -95,6 +95,14 @@ def test_compare_formats_columns():
   assert rows[2]["saturated_frac"] == 0.0  # the ceil scale rule never clips
 
 
+def test_block_scaled_fp8_clips_nothing():
+  """FP8 block scales are amax / 448: amax / 448 * 448 falling one float32 ulp short of amax counted as clipped."""
+  x = fp4_inspect.sample_tensor(seed=0, rows=64, cols=256, outliers=4)
+  rows = _by_key(fp4_inspect.compare_formats(x, [("fp8b", fp4jax.FP8(scaling="block")), ("nv", "nvfp4")]))
+  assert rows[("fp8b", False)]["saturated_frac"] == 0.0 and rows[("fp8b", True)]["saturated_frac"] == 0.0
+  assert rows[("nv", False)]["saturated_frac"] > 0.01  # NVFP4's E4M3 scales rounded down do clip
+
+
 def test_compare_formats_exact_input_has_zero_error():
   # E2M1 grid values times a power of two per 16-block, each block holding +-6 * 2^k, and amax = 2688 = 6 * 448:
   # S_enc = 1, so every block scale is exactly 2^k (or 448) and NVFP4 reproduces the tensor bit for bit.
