@@ -71,7 +71,8 @@ def capture_layer_tensors(model: nnx.Module, batch: Mapping[str, Any]
   """(BF16 loss, {layer name: LayerTensors}) from one forward/backward of `model` with every linear layer in BF16.
 
   dY is the gradient of the mean cross-entropy of `batch` with respect to the layer's (compute-dtype) output: what
-  the layer's Dgrad and Wgrad receive in training. `model` is not modified.
+  the layer's Dgrad and Wgrad receive in training. `model` is not modified. A linear layer that runs other than
+  once in the forward (shared, or unused) is a ValueError: its x and dY would not belong together.
   """
   tokens_BxT, targets_BxT = _check_batch(batch, model)
   tapped = with_recipes(model, recipes_lib.bf16())
@@ -86,11 +87,12 @@ def capture_layer_tensors(model: nnx.Module, batch: Mapping[str, Any]
       m = nnx.merge(graphdef, dys, rest, copy=True)  # fresh variables: the taps write theirs in this trace
       logits_BxTxV = m(tokens_BxT, key=key).astype(jnp.float32)
       loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT).mean()
-      return loss, nnx.state(m, taps.TapInput)
-    (loss, inputs), grads = jax.value_and_grad(loss_fn, has_aux=True)(dys)
-    return loss, inputs, grads
+      return loss, (nnx.state(m, taps.TapInput), nnx.state(m, taps.TapCalls))
+    (loss, (inputs, calls)), grads = jax.value_and_grad(loss_fn, has_aux=True)(dys)
+    return loss, inputs, calls, grads
 
-  loss, inputs, grads = run(dys, rest, tokens_BxT, targets_BxT)
+  loss, inputs, calls, grads = run(dys, rest, tokens_BxT, targets_BxT)
+  taps.check_calls(taps.by_layer(calls))  # x from one call, dY summed over all: a layer must run exactly once
   inputs, dys = taps.by_layer(inputs), taps.by_layer(grads)
   out = {}
   for name, w_KxN in kernels.items():

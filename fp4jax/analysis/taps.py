@@ -3,8 +3,8 @@
 A `Tap` keeps the input its layer received (cast to the layer's compute dtype: what the layer's GEMMs quantize) in
 a `TapInput` variable and, when asked, adds a zero `TapOutputGrad` variable to the layer's output: the gradient of
 a loss with respect to that zero is the layer's output gradient dY. Taps change the model they are put in: tap a
-throwaway copy (e.g. from nnx.merge). Used by fp4jax.analysis.probes (x, W, dY per layer) and by
-fp4jax.pretrain.metrics (per-layer input statistics).
+throwaway copy (e.g. from nnx.merge). A `TapCalls` counter lets captures refuse a layer that ran other than once.
+Used by fp4jax.analysis.probes (x, W, dY per layer) and by fp4jax.pretrain.metrics (per-layer input statistics).
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ class TapOutputGrad(nnx.Variable):
   """A zero added to a tapped layer's output; its gradient is the layer's output gradient dY."""
 
 
+class TapCalls(nnx.Variable):
+  """How many times a tapped layer ran: a tap holds one call's input, so a capture needs exactly one."""
+
+
 class Tap(nnx.Module):
   """Wraps a linear layer (anything with in_features, out_features, dtype and `__call__(x, *, key)`)."""
 
@@ -32,8 +36,10 @@ class Tap(nnx.Module):
     self.inner = inner
     self.x_in = TapInput(jnp.zeros((*batch_shape, inner.in_features), inner.dtype))
     self.dy = TapOutputGrad(jnp.zeros((*batch_shape, inner.out_features), inner.dtype)) if output_grad else None
+    self.calls = TapCalls(jnp.zeros((), jnp.int32))
 
   def __call__(self, x, *, key=None):
+    self.calls[...] = self.calls[...] + 1
     self.x_in[...] = x.astype(self.inner.dtype)  # what the layer's GEMMs see (Linear casts its input so)
     y = self.inner(x, key=key)
     return y if self.dy is None else y + self.dy[...]
@@ -84,6 +90,17 @@ def by_layer(state: Any) -> dict[str, jax.Array]:
   return out
 
 
+def check_calls(calls: dict[str, Any]) -> None:
+  """ValueError unless every tapped layer ran exactly once ({layer name: TapCalls value}, e.g. by_layer's).
+
+  A layer run twice would pair its last input with the sum of both output gradients; one never run, zeros."""
+  bad = {name: int(n) for name, n in calls.items() if int(n) != 1}
+  if bad:
+    name, n = next(iter(bad.items()))
+    raise ValueError(f"tapped layer {name!r} ran {n} times in one forward ({len(bad)} layers ran other than once); "
+                     "a tap records one call's input: capture a model that runs each linear layer exactly once.")
+
+
 def check_key(model: nnx.Module, key: jax.Array | None) -> jax.Array:
   """`key`, or a placeholder key when no linear layer needs randomness (else ValueError).
 
@@ -99,8 +116,12 @@ def check_key(model: nnx.Module, key: jax.Array | None) -> jax.Array:
 
 
 def capture_inputs(model: nnx.Module, tokens_BxT: jax.Array, key: jax.Array | None) -> dict[str, jax.Array]:
-  """Runs `model` on tokens and returns each linear layer's input by layer name. Taps `model`: pass a copy."""
+  """Runs `model` on tokens and returns each linear layer's input by layer name. Taps `model`: pass a copy.
+  Outside jit, a layer that ran other than once is a ValueError (check_calls)."""
   key = check_key(model, key)
   taps = tap_linear_layers(model, tokens_BxT.shape)
   model(tokens_BxT, key=key)
+  calls = {name: tap.calls[...] for name, tap in taps.items()}
+  if not any(isinstance(n, jax.core.Tracer) for n in calls.values()):  # under jit (metrics) the counts are traced
+    check_calls(calls)
   return {name: tap.x_in[...] for name, tap in taps.items()}

@@ -286,7 +286,8 @@ def test_model_probe_averages_the_loss_of_a_random_forward(tiny_model):
   spec = "nvfp4:rht_on=fprop+wgrad,random_signs=per_call"
   key = jax.random.key(0)
   res = model_probes.model_probe(model, batch, spec, key, reference=reference, num_draws=2)
-  fn, params = model_probes._loss_and_grad_fn(model_probes.with_recipes(model, spec))  # pylint: disable=protected-access
+  quantized = model_probes.with_recipes(model, spec)
+  fn, params = model_probes._loss_and_grad_fn(quantized)  # pylint: disable=protected-access
   draws = [fn(params, jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"]), jax.random.fold_in(key, d))
            for d in range(2)]
   losses = [float(d[0]) for d in draws]

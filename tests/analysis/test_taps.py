@@ -101,6 +101,35 @@ def test_a_model_without_linear_layers_is_refused_clearly():
     taps.capture_inputs(Block(nnx.Rngs(params=0)), jnp.zeros((2, 4), jnp.int32), None)
 
 
+class _Repeat(nnx.Module):
+  """A toy LM whose one linear layer runs `times` times per forward."""
+
+  def __init__(self, times, rngs):
+    self.times = times
+    self.lin = fp4jax.nn.Linear(16, 16, recipe="bf16", rngs=rngs)
+
+  def linear_layers(self):
+    return {"lin": self.lin}
+
+  def __call__(self, tokens_BxT, *, key=None):
+    x = jax.nn.one_hot(tokens_BxT, 16)
+    for _ in range(self.times):
+      x = self.lin(x, key=key)
+    return x
+
+
+@pytest.mark.parametrize("times", [0, 2])
+def test_a_layer_run_other_than_once_is_refused(times):
+  """A layer run twice paired its last input with the sum of both output gradients (never run: zeros), silently."""
+  from fp4jax.analysis import model_probes  # pylint: disable=g-import-not-at-top
+  tokens = np.arange(8, dtype=np.int32).reshape(2, 4)
+  with pytest.raises(ValueError, match=f"'lin' ran {times} times in one forward"):
+    taps.capture_inputs(_Repeat(times, nnx.Rngs(params=0)), jnp.asarray(tokens), None)
+  with pytest.raises(ValueError, match=f"'lin' ran {times} times in one forward"):
+    model_probes.capture_layer_tensors(_Repeat(times, nnx.Rngs(params=0)), {"inputs": tokens, "targets": tokens})
+  model_probes.capture_layer_tensors(_Repeat(1, nnx.Rngs(params=0)), {"inputs": tokens, "targets": tokens})
+
+
 def test_quant_stats_measure_the_tapped_inputs(tiny):
   model, tokens_BxT = tiny
   graphdef, params = nnx.split(model, nnx.Param)
