@@ -11,7 +11,9 @@ compared with the BF16 GEMMs the model trains with:
           and standard error across groups). Noise averages away like 1/sqrt(K); a bias stays. References:
             "bf16"       the BF16 GEMM (total error; the deterministic weight/activation rounding never averages out),
             "exact_grad" the same recipe with its output-gradient operand left unrounded (RHT kept): isolates the
-                         gradient rounding, which stochastic rounding makes unbiased and round-to-nearest does not,
+                         gradient rounding, which stochastic rounding makes unbiased and round-to-nearest does not
+                         (where the other operand is drawn per step, by per-call RHT signs or stochastic rounding of
+                         a re-quantized W or x, each draw's own: the mean of K draws against the mean of theirs),
             "chain"      the exact gradient of the quantized forward (straight-through): dY Wq_fprop^T for Dgrad,
                          Q_fprop(x)^T dY for Wgrad.
   chain   the Dgrad weight's distance from the Fprop weight, ||dY (Wq_dgrad - Wq_fprop)^T|| / ||dY Wq_fprop^T||:
@@ -190,24 +192,29 @@ def exact_gradient_recipe(recipe: recipes_lib.Recipe) -> recipes_lib.Recipe:
                         wgrad=recipes_lib.GemmConfig(unrounded(recipe.wgrad.lhs), recipe.wgrad.rhs))
 
 
+def _exact_grads(dy_MxN, recipe, key, ops: Operands):
+  """(dx, dW) float32 of `recipe` on the operands `ops` with its output-gradient operands left unrounded."""
+  dy = dy_MxN.astype(jnp.float32)
+  m = dy.shape[0]
+  exact = exact_gradient_recipe(recipe)
+  # Pad dY as Wgrad pads x (the exact-gradient recipe may need a smaller token multiple).
+  dy_pad = jnp.pad(dy, ((0, ops.x_wgrad.shape[0] - m), (0, 0)))
+  dx = to_input_basis(_mm(dgrad_gradient(dy, exact, key, jnp.float32), ops.w_dgrad, (1, 1))[:m], ops.x_mask, recipe,
+                      key, axis=1, in_fprop_basis=recipe.dgrad.rhs.requantize)
+  dw = to_input_basis(_mm(ops.x_wgrad, wgrad_gradient(dy_pad, exact, key, jnp.float32), (0, 0)), ops.w_mask, recipe,
+                      key, axis=0, in_fprop_basis=recipe.wgrad.rhs.requantize, what="w")
+  return dx, dw
+
+
 def _references(x_MxK, w_KxN, dy_MxN, recipe, key, ops: Operands):
   """{"bf16", "exact_grad", "chain"} references for dx and dW (float32); see the module docstring."""
   y_ref, dx_ref, dw_ref = bf16_gemms(x_MxK, w_KxN, dy_MxN, x_MxK.dtype)
   dy = dy_MxN.astype(jnp.float32)
-  m = x_MxK.shape[0]
-  exact = exact_gradient_recipe(recipe)
-  # Pad dY as Wgrad pads x (the exact-gradient recipe may need a smaller token multiple).
-  dy_pad = jnp.pad(dy, ((0, ops.x_wgrad.shape[0] - m), (0, 0)))
   # Gradients of the Fprop inputs come back from the Fprop RHT basis and get their clip masks as the rule's do.
-  dx_basis = lambda g, fprop_basis: to_input_basis(g, ops.x_mask, recipe, key, axis=1, in_fprop_basis=fprop_basis)
-  dw_basis = lambda g, fprop_basis: to_input_basis(g, ops.w_mask, recipe, key, axis=0, in_fprop_basis=fprop_basis,
-                                                   what="w")
-  dx_exact = dx_basis(_mm(dgrad_gradient(dy, exact, key, jnp.float32), ops.w_dgrad, (1, 1))[:m],
-                      recipe.dgrad.rhs.requantize)
-  dw_exact = dw_basis(_mm(ops.x_wgrad, wgrad_gradient(dy_pad, exact, key, jnp.float32), (0, 0)),
-                      recipe.wgrad.rhs.requantize)
-  dx_chain = dx_basis(_mm(dy, ops.w_fprop, (1, 1)), True)
-  dw_chain = dw_basis(_mm(ops.x_fprop, dy, (0, 0)), True)
+  dx_chain = to_input_basis(_mm(dy, ops.w_fprop, (1, 1)), ops.x_mask, recipe, key, axis=1, in_fprop_basis=True)
+  dw_chain = to_input_basis(_mm(ops.x_fprop, dy, (0, 0)), ops.w_mask, recipe, key, axis=0, in_fprop_basis=True,
+                            what="w")
+  dx_exact, dw_exact = _exact_grads(dy_MxN, recipe, key, ops)
   refs_dx = {"bf16": dx_ref, "exact_grad": dx_exact, "chain": dx_chain}
   refs_dw = {"bf16": dw_ref, "exact_grad": dw_exact, "chain": dw_chain}
   return y_ref, refs_dx, refs_dw
@@ -261,6 +268,7 @@ def _operands_need_key(recipe) -> bool:
 
 def _probe_layer(x_MxK, w_KxN, dy_MxN, key, recipe, num_draws):
   levels = bias_levels(num_draws)
+  fresh = False
   if not recipe.is_quantized:
     y_ref, dx_ref, dw_ref = bf16_gemms(x_MxK, w_KxN, dy_MxN, x_MxK.dtype)
     refs_dx = dict.fromkeys(BIAS_REFERENCES, dx_ref)
@@ -273,7 +281,11 @@ def _probe_layer(x_MxK, w_KxN, dy_MxN, key, recipe, num_draws):
     y_ref, refs_dx, refs_dw = _references(x_MxK, w_KxN, dy_MxN, recipe, key, ops)
     fresh = _operands_need_key(recipe)
     def draw(k):
-      return quantized_gemms(x_MxK, w_KxN, dy_MxN, recipe, k, None if fresh else ops)[1:3]
+      if not fresh:
+        return quantized_gemms(x_MxK, w_KxN, dy_MxN, recipe, k, ops)[1:3]
+      # Operands drawn anew each step: the "exact_grad" reference is this draw's own (same operands, dY unrounded).
+      ops_k = quantized_operands(x_MxK, w_KxN, recipe, k)
+      return quantized_gemms(x_MxK, w_KxN, dy_MxN, recipe, k, ops_k)[1:3] + _exact_grads(dy_MxN, recipe, k, ops_k)
     y, _, _, dyq, dyq_t = quantized_gemms(x_MxK, w_KxN, dy_MxN, recipe, jax.random.fold_in(key, 0),
                                           None if fresh else ops)
     # Wgrad pads the tokens with zero rows; an RHT along M mixes them into the data, so they count only with one.
@@ -283,18 +295,23 @@ def _probe_layer(x_MxK, w_KxN, dy_MxN, key, recipe, num_draws):
              "wgrad.dY": operand_stats(dyq_t, rows), "wgrad.x": operand_stats(ops.x_wgrad, rows)}
     stats = {k: v for k, v in stats.items() if v}
 
-  refs_dx_R = jnp.stack([refs_dx[r] for r in BIAS_REFERENCES])
-  refs_dw_R = jnp.stack([refs_dw[r] for r in BIAS_REFERENCES])
   n_refs, n_levels = len(BIAS_REFERENCES), len(levels)
   sizes_L = jnp.asarray(levels, jnp.int32)
 
-  def series_errors(mean_dx_L, mean_dw_L):
-    """[2 * refs, L] relative errors of per-level means (dgrad refs first, then wgrad refs)."""
-    def rel(mean_L, refs_R):
-      num = jnp.sqrt(jnp.sum(jnp.square(mean_L[None] - refs_R[:, None]), axis=(2, 3)))
-      den = jnp.sqrt(jnp.sum(jnp.square(refs_R), axis=(1, 2)))[:, None]
+  def series_errors(mean_dx_L, mean_dw_L, exact_dx_L=None, exact_dw_L=None):
+    """[2 * refs, L] relative errors of per-level means (dgrad refs first, then wgrad refs); exact_*_L: per-level
+    means of the draws' own "exact_grad" references (operands drawn per step), else the fixed references."""
+    def rel(mean_L, ref):
+      ref = ref if ref.ndim == 3 else ref[None]
+      num = jnp.sqrt(jnp.sum(jnp.square(mean_L - ref), axis=(1, 2)))
+      den = jnp.broadcast_to(jnp.sqrt(jnp.sum(jnp.square(ref), axis=(1, 2))), num.shape)
       return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
-    return jnp.concatenate([rel(mean_dx_L, refs_dx_R), rel(mean_dw_L, refs_dw_R)])
+    own = {"dgrad": exact_dx_L, "wgrad": exact_dw_L}
+    out = []
+    for gemm, mean_L, refs in (("dgrad", mean_dx_L, refs_dx), ("wgrad", mean_dw_L, refs_dw)):
+      out += [rel(mean_L, own[gemm] if r == "exact_grad" and own[gemm] is not None else refs[r])
+              for r in BIAS_REFERENCES]
+    return jnp.stack(out)
 
   def per_draw_metrics(dx, dw):
     return jnp.stack([rel_error(dx, refs_dx["bf16"]), cosine(dx, refs_dx["bf16"]),
@@ -302,31 +319,30 @@ def _probe_layer(x_MxK, w_KxN, dy_MxN, key, recipe, num_draws):
 
   if not recipe.needs_key:
     # Every draw is the same: the mean of any K draws is the single draw, so each group has the same error.
-    dx, dw = draw(key)
+    dx, dw = draw(key)[:2]
     errors = series_errors(dx[None], dw[None])  # [series, 1]
     table = jnp.broadcast_to(errors[:, :, None], (2 * n_refs, n_levels, num_draws))
     per_draw = jnp.broadcast_to(per_draw_metrics(dx, dw)[:, None], (4, num_draws))
   else:
     def body(d, carry):
-      sums_dx, sums_dw, table, per_draw = carry
-      dx, dw = draw(jax.random.fold_in(key, d))
-      per_draw = per_draw.at[:, d].set(per_draw_metrics(dx, dw))
-      sums_dx, sums_dw = sums_dx + dx[None], sums_dw + dw[None]
+      sums, table, per_draw = carry  # sums: dx, dW (and with fresh operands their exact_grad references) [L, ...]
+      outs = draw(jax.random.fold_in(key, d))
+      per_draw = per_draw.at[:, d].set(per_draw_metrics(*outs[:2]))
+      sums = tuple(s + o[None] for s, o in zip(sums, outs))
       # Level l closes a group of sizes_L[l] draws every sizes_L[l] draws: record its error, restart its sum.
       done_L = (d + 1) % sizes_L == 0
       scale_L = 1.0 / sizes_L.astype(jnp.float32)
-      errors = series_errors(sums_dx * scale_L[:, None, None], sums_dw * scale_L[:, None, None])
+      errors = series_errors(*(s * scale_L[:, None, None] for s in sums))
       rows, groups = jnp.arange(n_levels), d // sizes_L
       table = table.at[:, rows, groups].set(jnp.where(done_L[None], errors, table[:, rows, groups]))
-      sums_dx = jnp.where(done_L[:, None, None], 0.0, sums_dx)
-      sums_dw = jnp.where(done_L[:, None, None], 0.0, sums_dw)
-      return sums_dx, sums_dw, table, per_draw
+      sums = tuple(jnp.where(done_L[:, None, None], 0.0, s) for s in sums)
+      return sums, table, per_draw
 
-    init = (jnp.zeros((n_levels,) + refs_dx["bf16"].shape, jnp.float32),
-            jnp.zeros((n_levels,) + refs_dw["bf16"].shape, jnp.float32),
+    shapes = (refs_dx["bf16"].shape, refs_dw["bf16"].shape) * (2 if fresh else 1)
+    init = (tuple(jnp.zeros((n_levels,) + shape, jnp.float32) for shape in shapes),
             jnp.full((2 * n_refs, n_levels, num_draws), jnp.nan, jnp.float32),
             jnp.zeros((4, num_draws), jnp.float32))
-    _, _, table, per_draw = jax.lax.fori_loop(0, num_draws, body, init)
+    _, table, per_draw = jax.lax.fori_loop(0, num_draws, body, init)
 
   return {
       "fprop_err": rel_error(y, y_ref), "fprop_cos": cosine(y, y_ref),

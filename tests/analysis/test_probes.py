@@ -297,3 +297,24 @@ def test_model_probe_averages_the_loss_of_a_random_forward(tiny_model):
                              rtol=1e-5)
   se = np.hypot(probes.standard_error(res["seq_dloss"]), probes.standard_error(losses))
   assert res["dloss_se"] == pytest.approx(se, rel=1e-6)
+
+
+def test_exact_grad_reference_of_operands_drawn_per_step_is_each_draws_own():
+  """Per-call RHT signs re-draw Wgrad's x each step: every draw was compared with draw `key`'s exact gradient, so
+  its rounding noise of x read as a gradient-rounding bias (K=8 floor ~0.1 vs ~0.01 with fixed signs)."""
+  t = random_tensors()
+  # float32 x and dY: the rule then keeps the unrounded dY in float32, as the probe's reference does.
+  t = probes.LayerTensors(t.x_MxK[:64, :32].astype(jnp.float32), t.w_KxN[:32, :32],
+                          t.dy_MxN[:64, :32].astype(jnp.float32))
+  recipe, key, draws = probes.as_probed("nvfp4:random_signs=per_call"), jax.random.key(3), 4
+  curve = probes.probe_layer(t, recipe, key, num_draws=draws)["bias"]["wgrad"]["exact_grad"]
+  exact = probes.exact_gradient_recipe(recipe)
+  dw, ref = [], []
+  for d in range(draws):
+    k = jax.random.fold_in(key, d)
+    dw.append(np.float64(probes.quantized_gemms(*t, recipe, k)[2]))
+    ref.append(np.float64(probes.quantized_gemms(*t, exact, k)[2]))  # the same x operand, dY unrounded
+  for size, groups in zip(curve["K"], curve["groups"]):
+    want = [np.linalg.norm(np.mean(dw[g:g + size], 0) - np.mean(ref[g:g + size], 0))
+            / np.linalg.norm(np.mean(ref[g:g + size], 0)) for g in range(0, draws, size)]
+    np.testing.assert_allclose(groups, want, rtol=1e-4)
