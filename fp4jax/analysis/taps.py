@@ -97,8 +97,9 @@ def check_calls(calls: dict[str, Any]) -> None:
   bad = {name: int(n) for name, n in calls.items() if int(n) != 1}
   if bad:
     name, n = next(iter(bad.items()))
-    raise ValueError(f"tapped layer {name!r} ran {n} times in one forward ({len(bad)} layers ran other than once); "
-                     "a tap records one call's input: capture a model that runs each linear layer exactly once.")
+    others = f" (and {len(bad) - 1} more layers)" if len(bad) > 1 else ""
+    raise ValueError(f"tapped layer {name!r} ran {n} times in one forward{others}; a tap records one call's input: "
+                     "capture a model that runs each linear layer exactly once.")
 
 
 def check_key(model: nnx.Module, key: jax.Array | None) -> jax.Array:
