@@ -157,8 +157,8 @@ def _probe(x_MxK, w_KxN, dy_MxN, exact, key, recipe, num_draws):
         out.append(jnp.full((n_levels,), jnp.nan, jnp.float32))
         continue
       mean_L = sums[gemm_of_series[s]] * scale_L[:, None, None]
-      num = jnp.sqrt(jnp.sum(jnp.square(mean_L - ref[None]), axis=(1, 2)))
-      den = jnp.sqrt(jnp.sum(jnp.square(ref)))
+      num = probes.level_norms(mean_L - ref[None])
+      den = probes.level_norms(ref[None])[0]
       out.append(jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0)))
     return jnp.stack(out)  # [series, L]
 

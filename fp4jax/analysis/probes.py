@@ -72,12 +72,20 @@ def recipe_variants() -> dict[str, recipes_lib.Recipe]:
 
 # --- small reductions --------------------------------------------------------------------------------------------
 
-def _norm(v) -> jax.Array:
-  """Frobenius norm of a float32 array, scaled by its max |v| first: a plain sum of squares overflows to inf from
-  |v| ~ 1e19 (a diverging layer), and inf / inf made errors and cosines NaN. inf / NaN entries give inf / NaN."""
-  m = jnp.max(jnp.abs(v)) if v.size else jnp.float32(0.0)
+def _norm(v, axis=None) -> jax.Array:
+  """Frobenius norm of a float32 array (over `axis`), scaled by its max |v| first: a plain sum of squares overflows
+  to inf from |v| ~ 1e19 (a diverging layer), and inf / inf made errors and cosines NaN. inf / NaN give inf / NaN."""
+  if not v.size:
+    return jnp.zeros(jnp.sum(v, axis=axis).shape, jnp.float32)
+  m = jnp.max(jnp.abs(v), axis=axis, keepdims=True)
   scale = jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0)
-  return jnp.where(jnp.isfinite(m), scale * jnp.linalg.norm(v / scale), m)
+  norm = jnp.squeeze(scale, axis) * jnp.sqrt(jnp.sum(jnp.square(v / scale), axis=axis))
+  return jnp.where(jnp.isfinite(jnp.squeeze(m, axis)), norm, jnp.squeeze(m, axis))
+
+
+def level_norms(v_LxMxN) -> jax.Array:
+  """[L] Frobenius norms of the [M, N] slices of a stack, overflow-safe as `rel_error`'s."""
+  return _norm(v_LxMxN, axis=(1, 2))
 
 
 def rel_error(a, ref) -> jax.Array:
@@ -303,8 +311,8 @@ def _probe_layer(x_MxK, w_KxN, dy_MxN, key, recipe, num_draws):
     means of the draws' own "exact_grad" references (operands drawn per step), else the fixed references."""
     def rel(mean_L, ref):
       ref = ref if ref.ndim == 3 else ref[None]
-      num = jnp.sqrt(jnp.sum(jnp.square(mean_L - ref), axis=(1, 2)))
-      den = jnp.broadcast_to(jnp.sqrt(jnp.sum(jnp.square(ref), axis=(1, 2))), num.shape)
+      num = level_norms(mean_L - ref)
+      den = jnp.broadcast_to(level_norms(ref), num.shape)
       return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
     own = {"dgrad": exact_dx_L, "wgrad": exact_dw_L}
     out = []

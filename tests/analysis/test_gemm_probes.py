@@ -42,6 +42,11 @@ def test_bf16_matches_a_float64_reference():
     curve = res["bias"][g][ref]
     assert len(set(curve["mean"])) == 1 and all(s == 0 for s in curve["se"])
   assert np.all(res["chain"]["dgrad"] == 0) and np.isnan(res["maxima"]["dgrad"]).all()
+  # Entries ~2^60 (a diverging layer): the bias table's sums of squares overflowed float32 (inf / inf = NaN).
+  big = gemm_probes.probe_gemms(LayerTensors(t.x_MxK * 2.0**60, t.w_KxN, t.dy_MxN * 2.0**60), "bf16", KEY,
+                                num_draws=4)
+  for g, ref in gemm_probes.SERIES:
+    np.testing.assert_allclose(big["bias"][g][ref]["mean"], res["bias"][g][ref]["mean"], rtol=1e-4)
 
 
 def test_draws_are_the_rules_gemms():

@@ -277,6 +277,14 @@ def test_wgrad_code_statistics_skip_the_token_padding():
   assert stats["wgrad.x"]["zero"] == pytest.approx(np.mean(x_wgrad[:24] == 0))
   fprop_x = np.asarray(fp4jax.dequantize(ops.x_fprop, jnp.float32))
   assert stats["fprop.x"]["zero"] == pytest.approx(np.mean(fprop_x == 0))
+  # A diverging layer (entries ~2^58: sums of squares overflow float32) scores as the same layer scaled down; its
+  # bias table was NaN (inf / inf) beside finite per-draw errors.
+  big = probes.LayerTensors(t.x_MxK * 2.0**58, t.w_KxN, t.dy_MxN * 2.0**58)
+  small, large = probes.probe_layer(t, recipe, None, num_draws=2), probes.probe_layer(big, recipe, None, num_draws=2)
+  for gemm in ("dgrad", "wgrad"):
+    for ref in probes.BIAS_REFERENCES:
+      np.testing.assert_allclose(large["bias"][gemm][ref]["mean"], small["bias"][gemm][ref]["mean"], rtol=1e-4)
+    np.testing.assert_allclose(large[f"{gemm}_err"], small[f"{gemm}_err"], rtol=1e-4)
 
 
 def test_model_probe_averages_the_loss_of_a_random_forward(tiny_model):
