@@ -23,6 +23,9 @@ Multi-process (one process per host, all with the same arguments; see fp4jax.pre
 Processes started with different settings (any but --data.cache_dir, --progress, --log-every and --profile) all
 exit with code 2 before reading data, naming the options that differ. A process whose command line or config is
 invalid (a bad flag on one host) makes every process exit with code 2 at once, each naming that process's error.
+`fp4jax eval` runs the same way (every process evaluates, process 0 prints): its processes must share --out, --step,
+--eval-batches and --corpus, and one that cannot parse its flags or read its checkpoint's config and data (a missing
+or changed corpus on its host) makes every process exit with code 2 at once.
 
 Compiled steps are kept in a cache folder, one per CPU type (~/.cache/fp4jax/xla-<cpu id>; FP4JAX_COMPILE_CACHE=DIR
 picks another, FP4JAX_COMPILE_CACHE=off none; see fp4jax.pretrain.compile_cache): a rerun skips the compile.
@@ -76,7 +79,7 @@ def _train_parser(prog: str = "fp4jax train") -> argparse.ArgumentParser:
 
 
 def _eval_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="fp4jax eval", description="Validation loss of a run's checkpoint.")
+  parser = _Parser(prog="fp4jax eval", description="Validation loss of a run's checkpoint.")
   parser.add_argument("--out", required=True, help="run folder (as given to fp4jax train --out)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   parser.add_argument("--eval-batches", "--eval_batches", dest="eval_batches", type=int, default=None,
@@ -178,11 +181,24 @@ def _run_train(argv: Sequence[str]) -> int:
   return 0
 
 
+# The options of `fp4jax eval` every process of a multi-process run must share (--json only changes process 0's print).
+EVAL_FLAGS = {"out": "--out", "step": "--step", "eval_batches": "--eval-batches", "corpus": "--corpus"}
+
+
 def _run_eval(argv: Sequence[str]) -> int:
+  from fp4jax.pretrain import distributed  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
-  args = _eval_parser().parse_args(list(argv))
-  result = trainer.evaluate(args.out, args.step, eval_batches=args.eval_batches, corpus=args.corpus,
-                            log=lambda line: print(line, file=sys.stderr))
+  # As in _run_train: each process parses and reads its checkpoint's config and data on its own, and all agree on
+  # that before the checkpoint restore, whose collective a process that failed alone would never join.
+  args = _all_started("parse its command line", lambda: _eval_parser().parse_args(list(argv)))
+  distributed.check_same_run({k: getattr(args, k) for k in EVAL_FLAGS}, EVAL_FLAGS)
+  main_process = distributed.is_main_process()
+  log = (lambda line: print(line, file=sys.stderr)) if main_process else None
+  setup = _all_started("read its checkpoint and data", lambda: trainer.eval_setup(
+      args.out, args.step, eval_batches=args.eval_batches, corpus=args.corpus, log=log))
+  result = trainer.evaluate_setup(args.out, setup)
+  if not main_process:
+    return 0
   if args.json:
     print(json.dumps(result))
   else:

@@ -20,12 +20,13 @@ Failure handling (all bounded, none silent):
 - a process whose command line or run config cannot be built (an invalid flag on one host only) would exit alone
   and leave the others waiting in their first collective until that timeout: `check_all_started` (a small
   collective the CLI joins on every process right after parsing, and again after building the config) makes the
-  others raise PeerStartError (the CLI exits with code 2) naming the process and its error, within seconds;
+  others raise PeerStartError (the CLI exits with code 2) naming the process and its error, within seconds
+  (`fp4jax eval`: after parsing, and again after each process read its checkpoint's config and data);
 - processes started with different settings (another --lr, --recipe, --seed, ...) would train apart silently, hang
   in mismatched collectives or fail deep inside JAX: `check_same_run` (the first thing `trainer.train` does) compares
   digests of every process's run config and makes all of them raise ConfigMismatchError (the CLI exits with code 2)
   naming the options that differ, before any data is read or step compiled. The settings each host may keep its own
-  are PER_PROCESS_FIELDS.
+  are PER_PROCESS_FIELDS. `fp4jax eval` compares its --out, --step, --eval-batches and --corpus the same way.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ fp4jax.pretrain.resume).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pathlib
 import signal
 import threading
@@ -422,6 +423,67 @@ class _Loop:
 
 # --- evaluation of a saved run ------------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class EvalSetup:
+  """What `evaluate` reads before restoring the checkpoint's arrays."""
+
+  step: int
+  meta: dict[str, Any]
+  config: TrainConfig  # with the corpus and the validation batches it evaluates on
+  val: list[dict[str, np.ndarray]]  # the fixed validation batches
+
+
+def eval_setup(out: str | pathlib.Path, step: int | None = None, *, eval_batches: int | None = None,
+               corpus: str | None = None, log: Callable[[str], None] | None = print) -> EvalSetup:
+  """The checkpoint's step, meta and config and the checked validation data `evaluate` uses (see there).
+
+  Each process of a multi-process run reads on its own (no collective), so one that fails here can tell the others
+  (the CLI's start check) instead of leaving them waiting in orbax's restore.
+  """
+  log = log or (lambda _: None)
+  manager = ckpt.open_manager(out, create=False, local=True)
+  try:
+    step, meta = ckpt.restore_meta(manager, step)
+  finally:
+    manager.close()
+  config = TrainConfig.from_dict(meta["config"])
+  stored_corpus = config.data.corpus
+  named = corpus is not None
+  corpus = corpus if named else resume_lib.recorded_corpus(meta, step, f"fp4jax eval --out {out}")
+  if corpus is not None:
+    config = config.replace(**{"data.corpus": corpus})
+  if eval_batches is None and not config.evaluation.batches:
+    eval_batches = config_lib.EvalConfig().batches  # the run itself did not validate
+  if eval_batches is not None:
+    if eval_batches < 1:
+      raise ValueError(f"eval_batches must be >= 1 to evaluate; got {eval_batches}.")
+    config = config.replace(eval_batches=eval_batches)
+  dataset, val = load_data(config)
+  note = resume_lib.eval_data_note(meta.get("data"), dataset.identity, step, named, stored_corpus)
+  if note:
+    log(note)
+  return EvalSetup(step=step, meta=meta, config=config, val=val)
+
+
+def evaluate_setup(out: str | pathlib.Path, setup: EvalSetup) -> dict[str, Any]:
+  """Restores checkpoint `setup.step` of the run in `out` and takes its validation loss (a collective in
+  multi-process runs: every process calls it)."""
+  config = setup.config
+  keys = run_keys(config.seed)
+  model = build_model(config, keys["init"])
+  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
+  target = initial_state(config, nnx.state(model, nnx.Param), optimizer.init)
+  manager = ckpt.open_manager(out, create=False)
+  try:
+    step, restored, _ = ckpt.restore(manager, target._asdict(), setup.step)
+  finally:
+    manager.close()
+  phases = Phases(config, model, optimizer)
+  at = min(step, config.steps - 1)
+  val_loss = phases.val_loss(restored["params"], setup.val, keys["eval"], at, restored.get("outcontrol"))
+  return {"step": step, "val_loss": val_loss, "phase": phases.phase(at), "eval_batches": config.evaluation.batches}
+
+
 def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: int | None = None,
              corpus: str | None = None, log: Callable[[str], None] | None = print) -> dict[str, Any]:
   """Validation loss of the checkpoint at `step` (default: latest) of the run in `out`.
@@ -431,34 +493,4 @@ def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: 
   other data to evaluate on (a note, through `log`, says when it is not the data the checkpoint trained on).
   Returns {"step", "val_loss", "phase", "eval_batches"}. Raises CheckpointError if there is no readable checkpoint.
   """
-  log = log or (lambda _: None)
-  manager = ckpt.open_manager(out, create=False)
-  try:
-    step, meta = ckpt.restore_meta(manager, step)
-    config = TrainConfig.from_dict(meta["config"])
-    stored_corpus = config.data.corpus
-    named = corpus is not None
-    corpus = corpus if named else resume_lib.recorded_corpus(meta, step, f"fp4jax eval --out {out}")
-    if corpus is not None:
-      config = config.replace(**{"data.corpus": corpus})
-    if eval_batches is None and not config.evaluation.batches:
-      eval_batches = config_lib.EvalConfig().batches  # the run itself did not validate
-    if eval_batches is not None:
-      if eval_batches < 1:
-        raise ValueError(f"eval_batches must be >= 1 to evaluate; got {eval_batches}.")
-      config = config.replace(eval_batches=eval_batches)
-    dataset, val = load_data(config)
-    note = resume_lib.eval_data_note(meta.get("data"), dataset.identity, step, named, stored_corpus)
-    if note:
-      log(note)
-    keys = run_keys(config.seed)
-    model = build_model(config, keys["init"])
-    optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
-    target = initial_state(config, nnx.state(model, nnx.Param), optimizer.init)
-    step, restored, _ = ckpt.restore(manager, target._asdict(), step)
-    phases = Phases(config, model, optimizer)
-    at = min(step, config.steps - 1)
-    val_loss = phases.val_loss(restored["params"], val, keys["eval"], at, restored.get("outcontrol"))
-    return {"step": step, "val_loss": val_loss, "phase": phases.phase(at), "eval_batches": config.evaluation.batches}
-  finally:
-    manager.close()
+  return evaluate_setup(out, eval_setup(out, step, eval_batches=eval_batches, corpus=corpus, log=log))

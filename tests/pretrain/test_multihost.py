@@ -56,14 +56,16 @@ def _env(tmp: pathlib.Path, devices: int, **extra) -> dict[str, str]:
   return env
 
 
-def _launch(tmp, args, nprocs: int, log_name: str, process_args=None, **extra) -> list[subprocess.Popen]:
+def _launch(tmp, args, nprocs: int, log_name: str, process_args=None, process_env=None,
+            **extra) -> list[subprocess.Popen]:
   """`python -m fp4jax ARGS` as `nprocs` processes (2 devices each) or one process with 4 devices; process i also
-  gets `process_args[i]` where given."""
+  gets `process_args[i]` and the environment variables `process_env[i]` where given."""
   port = _free_port()
   procs = []
   for pid in range(nprocs):
     env = _env(tmp, 2, FP4JAX_COORDINATOR=f"localhost:{port}", FP4JAX_NUM_PROCESSES=str(nprocs),
                FP4JAX_PROCESS_ID=str(pid), **extra) if nprocs > 1 else _env(tmp, 4, **extra)
+    env.update(process_env[pid] if process_env else {})
     own = list(process_args[pid]) if process_args else []
     with open(tmp / f"{log_name}.{pid}.log", "w", encoding="utf-8") as log:  # the child keeps its own handle
       procs.append(subprocess.Popen([sys.executable, "-m", "fp4jax", *args, *own], cwd=REPO, env=env, stdout=log,
@@ -400,6 +402,77 @@ def test_a_process_that_cannot_start_stops_all_promptly(tmp_path):
   assert not (tmp_path / "x").exists() and sorted(p.name for p in (stored / "checkpoints").iterdir()) == ["4"]
 
 
+def test_cli_eval_joins_the_start_checks_with_its_own_error(monkeypatch, tmp_path):
+  # `fp4jax eval` once joined no start check: a bad flag on one process left the others in orbax's restore barrier.
+  rows = []
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  monkeypatch.setattr(distributed, "check_all_started", lambda what, reason: rows.append((what, reason)))
+  with pytest.raises(SystemExit) as info:
+    cli._run_eval(["--out", "x", "--eval-batches", "abc"])  # pylint: disable=protected-access
+  assert info.value.code == 2
+  assert rows == [("parse its command line",
+                   "fp4jax eval: error: argument --eval-batches/--eval_batches: invalid int value: 'abc'")]
+  rows.clear()
+  with pytest.raises(ckpt.CheckpointError, match="No checkpoints found"):
+    cli._run_eval(["--out", str(tmp_path / "none")])  # pylint: disable=protected-access
+  assert rows == [("parse its command line", None),
+                  ("read its checkpoint and data", f"No checkpoints found: {tmp_path / 'none' / 'checkpoints'} does "
+                   "not exist.")]
+
+
+def test_cli_eval_compares_its_settings_across_processes(monkeypatch):
+  compared = []
+  monkeypatch.setattr(distributed, "check_same_run", lambda settings, flags: compared.append((settings, flags)))
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  with pytest.raises(ckpt.CheckpointError):
+    cli._run_eval(["--out", "nowhere", "--step", "4", "--corpus", "c.txt"])  # pylint: disable=protected-access
+  assert compared == [({"out": "nowhere", "step": 4, "eval_batches": None, "corpus": "c.txt"},
+                       {"out": "--out", "step": "--step", "eval_batches": "--eval-batches", "corpus": "--corpus"})]
+
+
+@pytest.mark.slow
+def test_eval_a_process_that_cannot_start_stops_all_promptly(tmp_path):
+  """`fp4jax eval` on 2 processes: a bad flag on process 1 only left process 0 in orbax's restore barrier until
+  FP4JAX_SHUTDOWN_TIMEOUT (300 s by default). Now every process exits 2 within seconds, naming the process and its
+  error: also when the processes were given different settings, or one host lacks the corpus."""
+  stored = tmp_path / "stored"
+  manager = ckpt.open_manager(stored)
+  config = config_lib.TrainConfig.from_options(out=str(stored), steps=4, seq_len=32)
+  ckpt.save(manager, 4, {"w": np.zeros(3, np.float32)}, {"config": config.to_dict()}, force=True)
+  manager.wait_until_finished()
+  manager.close()
+  homes = [tmp_path / "home0", tmp_path / "home1"]  # one host has the corpus at ~/corpus.txt, the other does not
+  for home in homes:
+    home.mkdir()
+  (homes[0] / "corpus.txt").write_text("To be, or not to be, that is the question. " * 100)
+  slow_exit = {"FP4JAX_SHUTDOWN_TIMEOUT": "300"}
+  args = ["eval", "--out", str(stored)]
+  t0 = time.monotonic()
+  procs = (_launch(tmp_path, args, 2, "parse", process_args=[[], ["--eval-batches", "abc"]], **slow_exit)
+           + _launch(tmp_path, args, 2, "differ", process_args=[[], ["--step", "8"]], **slow_exit)
+           + _launch(tmp_path, args + ["--corpus", "~/corpus.txt"], 2, "data",
+                     process_env=[{"HOME": str(home)} for home in homes], **slow_exit))
+  codes = _wait(procs, timeout=90)
+  logs = "".join(_logs(tmp_path, name, 2) for name in ("parse", "differ", "data"))
+  assert codes == [2] * 6, logs
+  assert time.monotonic() - t0 < 90, logs
+  reason = {"parse": "fp4jax eval: error: argument --eval-batches/--eval_batches: invalid int value: 'abc'",
+            "data": f"Corpus path does not exist: {homes[1] / 'corpus.txt'}"}
+  what = {"parse": "parse its command line", "data": "read its checkpoint and data"}
+  for name in ("parse", "data"):
+    first, second = [(tmp_path / f"{name}.{pid}.log").read_text() for pid in (0, 1)]
+    want = (f"fp4jax: error: process 1 of this multi-process run could not {what[name]}, so this process (0 of 2) "
+            f"stops too: process 1: {reason[name]}. Fix it and start every process again with the same flags.")
+    assert want in first and reason[name] in second, logs
+    assert "Traceback" not in first + second and "stops too" not in second, logs
+  for pid, value in enumerate(["null", "8"]):
+    log = (tmp_path / f"differ.{pid}.log").read_text()
+    want = ("fp4jax: error: the processes of this multi-process run were started with different settings: process "
+            "1's --step (step) differs from process 0's. Start every process with the same flags (only the FP4JAX_* "
+            f"variables differ between them). This process ({pid} of 2) has step={value}.")
+    assert want in log and "Traceback" not in log, logs
+
+
 @pytest.mark.slow
 def test_processes_started_with_different_flags_all_exit_naming_them(tmp_path):
   # Before the check, another --lr trained apart silently (exit 0), another --recipe hung in mismatched collectives
@@ -461,6 +534,24 @@ def test_resume_one_process_checkpoint_on_two_processes(runs):
   _copy_checkpoint(runs / "one", out, 8)
   _run(runs, TRAIN_ARGS + ["--out", str(out), "--resume"], 2, "one_to_two")
   _assert_losses_match(_losses(out), _losses(runs / "one"), 8)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group(RUNS_GROUP)
+def test_eval_on_two_processes_matches_one_process(runs):
+  # Every process evaluates (each on its own devices); process 0 alone prints the result.
+  args = ["eval", "--out", str(runs / "two"), "--eval-batches", "2", "--json"]
+  codes = _wait(_launch(runs, args, 2, "eval_two") + _launch(runs, args, 1, "eval_one"))
+  assert codes == [0, 0, 0], _logs(runs, "eval_two", 2) + _logs(runs, "eval_one", 1)
+
+  def result(name):
+    lines = [line for line in (runs / name).read_text().splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in lines]
+
+  (two,), (one,) = result("eval_two.0.log"), result("eval_one.0.log")
+  assert result("eval_two.1.log") == []
+  assert two["step"] == one["step"] == STEPS and two["eval_batches"] == 2
+  np.testing.assert_allclose(two["val_loss"], one["val_loss"], rtol=1e-5)
 
 
 def _launch_and_wait_for_first_step(tmp, out, log_name):
