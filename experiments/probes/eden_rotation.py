@@ -86,8 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--layers", default="blocks.0.attn.q,blocks.2.attn.q")
   parser.add_argument("--sizes", default="32,128")
   args = parser.parse_args(argv)
-  config, model, _, _ = training.restore_run(args.checkpoint)
-  batch = training.probe_batch(training.load_dataset(config), recipe_gemms.get_preset("cpu").base, config)
+  config, model, _, _, dataset = training.restore_run(args.checkpoint)
+  batch = training.probe_batch(dataset, recipe_gemms.get_preset("cpu").base, config)
   _, tensors = model_probes.capture_layer_tensors(model, batch)
   print("| layer | size | rotation | err (1 draw) | bias (mean of draws) | floor |\n|---|---|---|---|---|---|")
   for layer in args.layers.split(","):

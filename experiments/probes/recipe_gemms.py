@@ -146,8 +146,8 @@ def run(preset_name: str, out: str | pathlib.Path, *, checkpoint: str | None = N
   t0 = time.perf_counter()
   run_dir = (pathlib.Path(checkpoint) if checkpoint
              else training.ensure_base(preset.base, out, retrain=retrain_base, log=log))
-  config, model, _, step = training.restore_run(run_dir)
-  batch = training.probe_batch(training.load_dataset(config), preset.base, config)
+  config, model, _, step, dataset = training.restore_run(run_dir, log=log)
+  batch = training.probe_batch(dataset, preset.base, config)
   loss, tensors = model_probes.capture_layer_tensors(model, batch)
   m = next(iter(tensors.values())).x_MxK.shape[0]
   log(f"Captured x, W, dY of {len(tensors)} layers ({m} tokens, BF16 loss {loss:.4f}); probing {len(recipes)} "

@@ -115,8 +115,7 @@ def run(preset_name: str, out: str | pathlib.Path, *, checkpoint: str | None = N
   out.mkdir(parents=True, exist_ok=True)
   t0 = time.perf_counter()
   run_dir = pathlib.Path(checkpoint) if checkpoint else training.ensure_base(preset, out, retrain=retrain_base, log=log)
-  config, model, state, step = training.restore_run(run_dir)
-  dataset = training.load_dataset(config)
+  config, model, state, step, dataset = training.restore_run(run_dir, log=log)
   batch = training.probe_batch(dataset, preset, config)
   results = {"preset": preset_name, "checkpoint": str(run_dir), "step": step,
              "model_name": training.model_name(preset.model, preset.model_overrides, config, checkpoint, log=log),

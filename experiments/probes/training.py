@@ -3,6 +3,9 @@
 This is the one file of experiments.probes that uses fp4jax.pretrain's TrainConfig, trainer and checkpoints.
 A continuation continues a restored train state under per-layer recipes for a few steps with a constant learning
 rate (the base run's stable phase), the way the paper's ablations resume a run mid-training.
+
+A restored checkpoint's data is the corpus it recorded, at its absolute path, and is refused when its content or
+tokenizer changed since (as `fp4jax eval` refuses it): the probes measure the run on its own data.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from fp4jax.pretrain import data
 from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
+from fp4jax.pretrain import resume as resume_lib
 from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
@@ -70,12 +74,17 @@ def ensure_base(preset: ProbePreset, out: pathlib.Path, *, retrain: bool = False
   return run_dir
 
 
-def restore_run(run_dir: str | pathlib.Path, step: int | None = None):
-  """(TrainConfig, model with the restored params, TrainState, step) of a fp4jax training run's checkpoint."""
+def restore_run(run_dir: str | pathlib.Path, step: int | None = None, *, log=print):
+  """(TrainConfig, model with the restored params, TrainState, step, dataset) of a fp4jax training run's checkpoint.
+
+  The dataset is the corpus the checkpoint recorded, at its absolute path (a relative --data.corpus means what it
+  meant when the run trained, wherever this runs), refused like `fp4jax eval` refuses it when its content or
+  tokenizer changed since; the returned config names that corpus.
+  """
   manager = ckpt.open_manager(run_dir, create=False)
   try:
     step, meta = ckpt.restore_meta(manager, step)
-    config = TrainConfig.from_dict(meta["config"])
+    config, dataset = recorded_data(meta, step, log=log)  # before the restore: a refused corpus costs nothing
     model = trainer.build_model(config, trainer.run_keys(config.seed)["init"])
     params = nnx.state(model, nnx.Param)
     target = trainer.initial_state(config, params, optimizer_lib.make_optimizer(config.optimizer, config.steps).init)
@@ -84,7 +93,21 @@ def restore_run(run_dir: str | pathlib.Path, step: int | None = None):
     manager.close()
   state = steps_lib.TrainState(**restored)
   nnx.update(model, state.params)
-  return config, model, state, step
+  return config, model, state, step, dataset
+
+
+def recorded_data(meta: dict[str, Any], step: int, *, log=print) -> tuple[TrainConfig, data.TokenDataset]:
+  """(the stored config with the recorded corpus, its dataset) of checkpoint `step` with metadata `meta`."""
+  config = TrainConfig.from_dict(meta["config"])
+  stored_corpus = config.data.corpus
+  corpus = resume_lib.recorded_corpus(meta, step, None)  # the probes take no --corpus
+  if corpus is not None:
+    config = config.replace(**{"data.corpus": corpus})
+  dataset = data.load_dataset(config.data)
+  note = resume_lib.eval_data_note(meta.get("data"), dataset.identity, step, False, stored_corpus, corpus_flag=None)
+  if note:
+    log(note)
+  return config, dataset
 
 
 _SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "mlp")
@@ -101,11 +124,6 @@ def model_name(preset_model: str, preset_overrides, config: TrainConfig, checkpo
         "weights and activations as if it had been.")
   shapes = {f: getattr(config.model, f) for f in _SHAPE_FIELDS}
   return f"{checkpoint} {shapes}"
-
-
-def load_dataset(config: TrainConfig):
-  """The dataset the run `config` trained on."""
-  return data.load_dataset(config.data)
 
 
 def probe_batch(dataset, preset: ProbePreset, config: TrainConfig) -> dict[str, np.ndarray]:

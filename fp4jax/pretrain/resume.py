@@ -166,10 +166,11 @@ def restore_readable(out_dir: str | pathlib.Path, target: dict[str, Any], step: 
   return result
 
 
-def recorded_corpus(meta: dict[str, Any], step: int, retry: str) -> str | None:
+def recorded_corpus(meta: dict[str, Any], step: int, retry: str | None) -> str | None:
   """The absolute corpus spec checkpoint `step` recorded (None in checkpoints from before it was recorded).
 
-  Raises FileNotFoundError when a recorded path is gone; `retry` is the command to name the corpus with instead.
+  Raises FileNotFoundError when a recorded path is gone; `retry` is the command to name the corpus with instead
+  (None where no option names it: the message then says to put it back).
   """
   recorded = meta.get("data")
   if not recorded:
@@ -177,9 +178,10 @@ def recorded_corpus(meta: dict[str, Any], step: int, retry: str) -> str | None:
   corpus = recorded["corpus"]
   missing = [e for e in corpus.split(",") if e != data_lib.BUILTIN_CORPUS and not pathlib.Path(e).exists()]
   if missing:
+    fix = (f"name it: {retry} --corpus PATH" if retry is not None else "put it back at that path")
     raise FileNotFoundError(f"Checkpoint {step} was trained on the corpus {corpus!r}, and {', '.join(missing)} no "
-                            f"longer exists. If the corpus moved, name it: {retry} --corpus PATH (its content is "
-                            "checked against the checkpoint's fingerprint).")
+                            f"longer exists. If the corpus moved, {fix} (its content is checked against the "
+                            "checkpoint's fingerprint).")
   return corpus
 
 
@@ -206,10 +208,11 @@ def check_data_kept(recorded: dict[str, Any] | None, current: data_lib.DataIdent
 
 
 def eval_data_note(recorded: dict[str, Any] | None, current: data_lib.DataIdentity, step: int, named: bool,
-                   stored_corpus: str) -> str | None:
+                   stored_corpus: str, corpus_flag: str | None = "--corpus") -> str | None:
   """Refuses evaluating checkpoint `step` on data other than it trained on, unless the corpus was `named`.
 
-  `stored_corpus`: the config's --data.corpus as typed. Returns a note to log, or None.
+  `stored_corpus`: the config's --data.corpus as typed. `corpus_flag`: the option that names other data (None where
+  there is none). Returns a note to log, or None.
   """
   if not recorded:
     relative = [e for e in stored_corpus.split(",")
@@ -224,9 +227,10 @@ def eval_data_note(recorded: dict[str, Any] | None, current: data_lib.DataIdenti
   if named:
     return (f"Note: evaluating checkpoint {step} on other data than it was trained on: {'; '.join(changes)}. The "
             "val_loss is not comparable with the run's own.")
+  named_instead = ("" if corpus_flag is None else f", or name the corpus explicitly ({corpus_flag} {current.corpus}) "
+                   "to evaluate on this data deliberately")
   raise ValueError(f"The data differs from what checkpoint {step} was trained on: {'; '.join(changes)}. Restore "
-                   "the corpus to evaluate on the run's own validation split, or name the corpus explicitly "
-                   f"(--corpus {current.corpus}) to evaluate on this data deliberately.")
+                   f"the corpus to evaluate on the run's own validation split{named_instead}.")
 
 
 def keep_schedule(stored: TrainConfig, config: TrainConfig, start: int | None = None) -> TrainConfig:

@@ -104,3 +104,51 @@ def test_a_probed_checkpoint_is_named_by_its_own_shapes_and_a_quantized_one_note
   bf16 = config.replace(recipe="bf16")
   training.model_name("tiny", {}, bf16, "runs/mine", log=notes.append)
   assert len(notes) == 1
+
+
+def test_restore_run_reads_the_recorded_corpus_and_refuses_changed_data(tmp_path, monkeypatch):
+  # restore_run read a checkpoint's --data.corpus as typed (a relative path: from the probe's own folder) and never
+  # checked the data against the identity the checkpoint recorded: the probes could measure other text unnoticed.
+  from experiments.probes import training  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  text = "To be, or not to be, that is the question. " * 60
+  corpus, cache = tmp_path / "proj" / "corpus.txt", str(tmp_path / "cache")
+  corpus.parent.mkdir()
+  corpus.write_text(text)
+  recorded = data.load_dataset(data.DataConfig(corpus=str(corpus), cache_dir=cache)).identity
+  stored = TrainConfig(out=str(tmp_path / "run"), steps=8).replace(
+      **{"data.corpus": "corpus.txt", "data.cache_dir": cache})  # typed relative to proj/, where the run trained
+  manager = ckpt.open_manager(tmp_path / "run")
+  ckpt.save(manager, 4, {"w": np.zeros(3, np.float32)}, {"config": stored.to_dict(), "data": recorded.to_dict()},
+            force=True)
+  ckpt.save(manager, 8, {"w": np.zeros(3, np.float32)}, {"config": stored.to_dict()}, force=True)  # an older one
+  manager.wait_until_finished()
+  manager.close()
+  built = []
+
+  def build_model(config, key):  # what restore_run builds once the data passed; stops it there
+    del key
+    built.append(config.data.corpus)
+    raise InterruptedError
+
+  monkeypatch.setattr(training.trainer, "build_model", build_model)
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "corpus.txt").write_text("Other text. " * 300)  # what ./corpus.txt reads as from here
+  with pytest.raises(InterruptedError):
+    training.restore_run(tmp_path / "run", 4)
+  assert built == [recorded.corpus]
+  notes = []
+  with pytest.raises(InterruptedError):
+    training.restore_run(tmp_path / "run", 8, log=notes.append)  # no identity recorded: as typed, with a note
+  assert built[1:] == ["corpus.txt"] and len(notes) == 1 and "does not record which data" in notes[0]
+  corpus.write_text(text.replace("question", "answer!!"))
+  with pytest.raises(ValueError, match=r"^The data differs from what checkpoint 4 was trained on: the corpus "
+                     r".* holds other text.*Restore the corpus to evaluate on the run's own validation split\.$"):
+    training.restore_run(tmp_path / "run", 4)
+  corpus.unlink()
+  with pytest.raises(FileNotFoundError, match=r"corpus.txt no longer exists\. If the corpus moved, put it back at "
+                     r"that path \(its content is checked against the checkpoint's fingerprint\)\.$"):
+    training.restore_run(tmp_path / "run", 4)
+  assert len(built) == 2
