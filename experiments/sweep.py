@@ -4,7 +4,8 @@ A `Run` is a name plus TrainConfig overrides (what the experiment varies); a `Sw
 shared by all of them (the preset's base, plus any given on the command line), the number of seeds and the
 reference run the loss gaps are measured against. A finished run leaves `summary.json` in its folder; running a
 sweep again skips those, resumes runs that left checkpoints and restarts the rest, so an interrupted sweep is
-continued by repeating its command.
+continued by repeating its command. A run is resumed only under its own settings and on its own data (the corpus's
+content and tokenizer its checkpoint recorded): otherwise the sweep stops before anything runs, saying what to do.
 
 Override keys are TrainConfig fields (`steps`, `lr`, `recipe`, `bf16_last`, `switch_at`, ...), `model` (a preset
 name) and `model.FIELD` / `data.FIELD` sub-fields; `out`, `seed`, `resume`, `resume_step` and `overwrite` are set
@@ -264,6 +265,23 @@ def _check_same_unfinished(folder: pathlib.Path, config: TrainConfig) -> None:
     raise ValueError(f"{folder} holds an unfinished run (checkpoint {step}) with different settings "
                      f"({', '.join(changed)}); rerun with its settings to finish it, use another --out, or delete "
                      "that folder to start it afresh.")
+  _check_same_data(folder, step, meta, config)
+
+
+def _check_same_data(folder: pathlib.Path, step: int, meta: Mapping[str, Any], config: TrainConfig) -> None:
+  """The resume's data check (resume.check_data_kept), before anything runs and with advice a sweep's command can
+  follow: a sweep takes no --data-changed, since runs trained on other data would no longer compare."""
+  if not meta.get("data"):  # an older checkpoint: the resume itself notes it is unchecked
+    return
+  current = fp4jax.pretrain.data.load_dataset(config.data).identity
+  try:
+    resume_lib.check_data_kept(meta["data"], current, step)
+  except resume_lib.DataChangedError as e:
+    raise ValueError(
+        f"{folder} holds an unfinished run (checkpoint {step}) trained on other data than this sweep's: "
+        f"{'; '.join(e.changes)}. Restore the corpus at {e.recorded_corpus!r} and repeat the command to finish it; "
+        f"or delete {folder} to rerun it from the start on this data (this sweep's finished runs may have trained "
+        "on the old data: use another --out for a sweep on the new data).") from None
 
 
 def steady_tokens_per_s(records: Sequence[Mapping[str, Any]]) -> float | None:

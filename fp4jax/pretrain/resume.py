@@ -185,9 +185,18 @@ def recorded_corpus(meta: dict[str, Any], step: int, retry: str | None) -> str |
   return corpus
 
 
+class DataChangedError(ValueError):
+  """A checkpoint would resume on data other than it was trained on; `changes` and `recorded_corpus` say how."""
+
+  def __init__(self, message: str, changes: list[str], recorded_corpus: str):
+    super().__init__(message)
+    self.changes, self.recorded_corpus = changes, recorded_corpus
+
+
 def check_data_kept(recorded: dict[str, Any] | None, current: data_lib.DataIdentity, start: int,
                     data_changed: bool = False) -> str | None:
-  """Refuses resuming checkpoint `start` on data other than it was trained on, unless `data_changed`.
+  """Refuses resuming checkpoint `start` on data other than it was trained on (DataChangedError), unless
+  `data_changed`.
 
   `recorded`: the checkpoint meta's "data" (None in checkpoints from before it was recorded: not checked, a note).
   Returns a note to log, or None.
@@ -202,9 +211,10 @@ def check_data_kept(recorded: dict[str, Any] | None, current: data_lib.DataIdent
   if data_changed:
     return (f"Note: --data-changed: resuming checkpoint {start} on other data than it was trained on: "
             f"{'; '.join(changes)}. The run differs from an uninterrupted one.")
-  raise ValueError(f"The data differs from what checkpoint {start} was trained on: {'; '.join(changes)}. To continue "
-                   "the run on this data deliberately, pass --data-changed; to continue it on its own data, restore "
-                   f"the corpus at {recorded['corpus']!r}; or start a new run in another --out.")
+  raise DataChangedError(
+      f"The data differs from what checkpoint {start} was trained on: {'; '.join(changes)}. To continue the run on "
+      "this data deliberately, pass --data-changed; to continue it on its own data, restore the corpus at "
+      f"{recorded['corpus']!r}; or start a new run in another --out.", changes, recorded["corpus"])
 
 
 def eval_data_note(recorded: dict[str, Any] | None, current: data_lib.DataIdentity, step: int, named: bool,

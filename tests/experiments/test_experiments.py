@@ -247,6 +247,50 @@ def test_diverged_run_is_recorded_reported_and_not_rerun(tmp_path, monkeypatch):
   assert "| q | recipe=nvfp4, lr=10.0 | none | 0 (+1 diverged at step 1) | - | - |" in table
 
 
+def test_an_unfinished_run_on_changed_data_is_refused_before_anything_runs(tmp_path, monkeypatch):
+  # Resuming a sweep's run on an edited corpus was refused by the resume itself, mid-sweep, with advice to pass
+  # --data-changed, which no sweep command takes (--set data_changed=true is refused: it needs a resume). Now the
+  # sweep refuses before anything runs, naming the run folder and what its command can do.
+  from fp4jax.pretrain import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
+  text = "To be, or not to be, that is the question. " * 60
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text(text)
+  base = dict(sweep_lib.base_overrides("smoke"), **{"data.corpus": str(corpus), "data.cache_dir": str(tmp_path / "c")})
+  sweep = sweep_lib.Sweep(experiment="data", preset="smoke", base=base, reference="a",
+                          runs=(sweep_lib.Run("a", {"recipe": "bf16"}),))
+  folder = sweep_lib.run_dir(tmp_path / "out", "a", 0)
+  config = sweep.config(sweep.runs[0], 0, folder)
+  recorded = data.load_dataset(config.data).identity
+  manager = ckpt.open_manager(folder)  # what an interrupted run leaves: a checkpoint, no summary.json
+  ckpt.save(manager, 6, {"w": np.zeros(3, np.float32)}, {"config": config.to_dict(), "data": recorded.to_dict()},
+            force=True)
+  manager.wait_until_finished()
+  manager.close()
+  resumed = []
+
+  def train(config, hooks=(), *, log=None, compile_cache=None):
+    del hooks, log, compile_cache
+    resumed.append(config.checkpointing.resume)
+    return {"final_val_loss": 1.0, "final_loss": 1.0}
+
+  monkeypatch.setattr(sweep_lib.trainer, "train", train)
+  corpus.write_text(text.replace("question", "answer!!"))
+  with pytest.raises(ValueError) as info:
+    sweep_lib.run_sweep(sweep, tmp_path / "out", progress=False, log=None)
+  assert str(info.value) == (
+      f"{folder} holds an unfinished run (checkpoint 6) trained on other data than this sweep's: the corpus "
+      f"'{recorded.corpus}' holds other text: 1 files, {len(text)} bytes, fingerprint "
+      f"{data.load_dataset(config.data).identity.fingerprint} (it was 1 files, {len(text)} bytes, fingerprint "
+      f"{recorded.fingerprint}). Restore the corpus at '{recorded.corpus}' and repeat the command to finish it; or "
+      f"delete {folder} to rerun it from the start on this data (this sweep's finished runs may have trained on the "
+      "old data: use another --out for a sweep on the new data).")
+  assert resumed == [] and not (folder / sweep_lib.SUMMARY_FILE).exists()
+  corpus.write_text(text)  # restored, as the message says: the run resumes
+  (record,) = sweep_lib.run_sweep(sweep, tmp_path / "out", progress=False, log=None)
+  assert record["status"] == "finished" and resumed == [True]
+
+
 # --- report arithmetic ---------------------------------------------------------------------------------------------
 
 def test_gaps_are_paired_by_seed_and_aggregated():
