@@ -253,6 +253,20 @@ def _check_same_settings(folder: pathlib.Path, stored: Mapping[str, Any], config
                      "use another --out, or delete that folder to rerun it.")
 
 
+def _check_same_finished_data(folder: pathlib.Path, stored: Mapping[str, Any], current) -> None:
+  """A finished run skipped by a sweep on an edited corpus would sit in one report beside runs trained on the new
+  data; refused before anything runs. `current`: () -> the sweep's DataIdentity (loaded once, when needed)."""
+  if not stored.get("data"):  # finished before summaries recorded their data, or diverged: nothing to compare
+    return
+  recorded = fp4jax.pretrain.data.DataIdentity.from_dict(stored["data"])
+  changes = fp4jax.pretrain.data.identity_changes(recorded, current())
+  if changes:
+    raise ValueError(
+        f"{folder} holds a finished run trained on other data than this sweep's: {'; '.join(changes)}. Its results "
+        f"would not compare with runs on this data: restore the corpus at {recorded.corpus!r} and repeat the "
+        "command, or use another --out for a sweep on the new data.")
+
+
 def _check_same_unfinished(folder: pathlib.Path, config: TrainConfig) -> None:
   """An interrupted run resumes only under its own settings: a changed one would mix two settings in one run (or,
   for a changed model, lose its checkpoints to a fresh start), so it is refused before anything runs."""
@@ -309,7 +323,8 @@ def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
          "final_loss": summary["final_loss"] if summary else None,
          "val_losses": {str(k): v for k, v in sorted(val.items())},
          "bf16_blocks": list(policy.bf16_blocks(config.model.n_layers)),
-         "recipe": str(policy.recipe), "config": config.to_dict()}
+         "recipe": str(policy.recipe), "config": config.to_dict(),
+         "data": summary.get("data") if summary else None}
   if diverged is not None:
     out.update(diverged_step=diverged.step, error=str(diverged))
   return out
@@ -321,6 +336,13 @@ def check_folders(sweep: Sweep, out: str | pathlib.Path, *, existing_only: bool 
   `out` holds other settings (checked before anything runs). `existing_only`: only the jobs that left a folder
   (the runs a --runs selection leaves out need not be valid under its settings)."""
   configs = {}
+  identities = {}
+
+  def identity(data_config):  # loaded once per data config and call: every run of a sweep usually shares one
+    if data_config not in identities:
+      identities[data_config] = fp4jax.pretrain.data.load_dataset(data_config).identity
+    return identities[data_config]
+
   for run in sweep.runs:
     for seed in range(sweep.seeds):
       folder = run_dir(out, run.name, seed)
@@ -330,6 +352,7 @@ def check_folders(sweep: Sweep, out: str | pathlib.Path, *, existing_only: bool 
       done = read_summary(folder)
       if done is not None:
         _check_same_settings(folder, done["config"], config)
+        _check_same_finished_data(folder, done, lambda c=config: identity(c.data))
       elif fp4jax.pretrain.checkpoint.checkpoint_dir(folder).is_dir():
         _check_same_unfinished(folder, config)
   return configs

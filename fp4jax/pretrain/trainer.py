@@ -126,7 +126,8 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
     error, after a checkpoint of the state it saw (single-process runs), so a bug in a hook never loses the training.
   Returns a summary: final_loss, final_val_loss (None without validation), val_losses {step: loss}, losses (this
     call's train losses), steps, start_step, tokens, wall_time, checkpoint_step, out, params (the final nnx.State),
-    layer_recipes ({phase: {layer: recipe name}} for the phases this call ran).
+    layer_recipes ({phase: {layer: recipe name}} for the phases this call ran), data (the DataIdentity trained on,
+    as a dict).
   compile_cache: reuse jitted steps across calls (see CompileCache).
   Multi-process runs: raises distributed.ConfigMismatchError on every process when the processes' configs differ
   (beyond distributed.PER_PROCESS_FIELDS), before anything is read or compiled.
@@ -418,7 +419,8 @@ class _Loop:
             "final_loss": losses[-1] if losses else None, "final_val_loss": self.val_losses.get(config.steps),
             "val_losses": self.val_losses, "tokens": (config.steps - self.start) * tokens_per_step,
             "wall_time": wall, "checkpoint_step": self.last_saved, "params": state.params,
-            "layer_recipes": layer_recipes}
+            "layer_recipes": layer_recipes,
+            "data": self.dataset.identity.to_dict() if self.dataset.identity is not None else None}
 
 
 # --- evaluation of a saved run ------------------------------------------------------------------------------------

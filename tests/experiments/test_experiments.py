@@ -291,6 +291,43 @@ def test_an_unfinished_run_on_changed_data_is_refused_before_anything_runs(tmp_p
   assert record["status"] == "finished" and resumed == [True]
 
 
+def test_a_finished_run_on_changed_data_is_refused_before_anything_runs(tmp_path, monkeypatch):
+  # A sweep rerun on an edited corpus skipped its finished runs and trained the rest on the new text: one report
+  # then compared runs trained on two corpora. Finished runs now record their data in summary.json.
+  from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
+  text = "To be, or not to be, that is the question. " * 60
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text(text)
+  base = dict(sweep_lib.base_overrides("smoke"), **{"data.corpus": str(corpus), "data.cache_dir": str(tmp_path / "c")})
+  sweep = sweep_lib.Sweep(experiment="data", preset="smoke", base=base, reference="a",
+                          runs=(sweep_lib.Run("a", {"recipe": "bf16"}), sweep_lib.Run("b", {"recipe": "nvfp4"})))
+  trained = []
+
+  def train(config, hooks=(), *, log=None, compile_cache=None):
+    del hooks, log, compile_cache
+    trained.append(config.out)
+    return {"final_val_loss": 1.0, "final_loss": 1.0, "data": data.load_dataset(config.data).identity.to_dict()}
+
+  monkeypatch.setattr(sweep_lib.trainer, "train", train)
+  (record,) = sweep_lib.run_sweep(sweep.select(["a"]), tmp_path / "out", progress=False, log=None)
+  folder = sweep_lib.run_dir(tmp_path / "out", "a", 0)
+  recorded = data.DataIdentity.from_dict(sweep_lib.read_summary(folder)["data"])
+  assert record["status"] == "finished" and recorded.fingerprint
+  corpus.write_text(text.replace("question", "answer!!"))
+  with pytest.raises(ValueError) as info:
+    sweep_lib.run_sweep(sweep, tmp_path / "out", progress=False, log=None)
+  edited = data.load_dataset(sweep.config(sweep.runs[0], 0, folder).data).identity
+  assert str(info.value) == (
+      f"{folder} holds a finished run trained on other data than this sweep's: the corpus '{recorded.corpus}' holds "
+      f"other text: 1 files, {len(text)} bytes, fingerprint {edited.fingerprint} (it was 1 files, {len(text)} bytes, fingerprint {recorded.fingerprint}). Its results would not compare with "
+      f"runs on this data: restore the corpus at '{recorded.corpus}' and repeat the command, or use another --out "
+      "for a sweep on the new data.")
+  assert len(trained) == 1
+  corpus.write_text(text)  # restored: the finished run is skipped, the other one trains
+  records = sweep_lib.run_sweep(sweep, tmp_path / "out", progress=False, log=None)
+  assert [r["status"] for r in records] == ["skipped", "finished"] and len(trained) == 2
+
+
 # --- report arithmetic ---------------------------------------------------------------------------------------------
 
 def test_gaps_are_paired_by_seed_and_aggregated():
