@@ -247,18 +247,24 @@ def test_diverged_run_is_recorded_reported_and_not_rerun(tmp_path, monkeypatch):
   assert "| q | recipe=nvfp4, lr=10.0 | none | 0 (+1 diverged at step 1) | - | - |" in table
 
 
+def _sweep_on_own_corpus(tmp_path, *runs):
+  """(text, corpus file, smoke Sweep of `runs` (name, recipe) on that corpus), the first run the reference."""
+  text = "To be, or not to be, that is the question. " * 60
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text(text)
+  base = dict(sweep_lib.base_overrides("smoke"), **{"data.corpus": str(corpus), "data.cache_dir": str(tmp_path / "c")})
+  sweep = sweep_lib.Sweep(experiment="data", preset="smoke", base=base, reference=runs[0][0],
+                          runs=tuple(sweep_lib.Run(name, {"recipe": recipe}) for name, recipe in runs))
+  return text, corpus, sweep
+
+
 def test_an_unfinished_run_on_changed_data_is_refused_before_anything_runs(tmp_path, monkeypatch):
   # Resuming a sweep's run on an edited corpus was refused by the resume itself, mid-sweep, with advice to pass
   # --data-changed, which no sweep command takes (--set data_changed=true is refused: it needs a resume). Now the
   # sweep refuses before anything runs, naming the run folder and what its command can do.
   from fp4jax.pretrain import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
-  text = "To be, or not to be, that is the question. " * 60
-  corpus = tmp_path / "corpus.txt"
-  corpus.write_text(text)
-  base = dict(sweep_lib.base_overrides("smoke"), **{"data.corpus": str(corpus), "data.cache_dir": str(tmp_path / "c")})
-  sweep = sweep_lib.Sweep(experiment="data", preset="smoke", base=base, reference="a",
-                          runs=(sweep_lib.Run("a", {"recipe": "bf16"}),))
+  text, corpus, sweep = _sweep_on_own_corpus(tmp_path, ("a", "bf16"))
   folder = sweep_lib.run_dir(tmp_path / "out", "a", 0)
   config = sweep.config(sweep.runs[0], 0, folder)
   recorded = data.load_dataset(config.data).identity
@@ -295,12 +301,7 @@ def test_a_finished_run_on_changed_data_is_refused_before_anything_runs(tmp_path
   # A sweep rerun on an edited corpus skipped its finished runs and trained the rest on the new text: one report
   # then compared runs trained on two corpora. Finished runs now record their data in summary.json.
   from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
-  text = "To be, or not to be, that is the question. " * 60
-  corpus = tmp_path / "corpus.txt"
-  corpus.write_text(text)
-  base = dict(sweep_lib.base_overrides("smoke"), **{"data.corpus": str(corpus), "data.cache_dir": str(tmp_path / "c")})
-  sweep = sweep_lib.Sweep(experiment="data", preset="smoke", base=base, reference="a",
-                          runs=(sweep_lib.Run("a", {"recipe": "bf16"}), sweep_lib.Run("b", {"recipe": "nvfp4"})))
+  text, corpus, sweep = _sweep_on_own_corpus(tmp_path, ("a", "bf16"), ("b", "nvfp4"))
   trained = []
 
   def train(config, hooks=(), *, log=None, compile_cache=None):
