@@ -128,7 +128,11 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
     print(f"Interrupted: finished runs are kept in {args.out}; repeat the command to resume.", file=sys.stderr)
     return 130
   if not args.no_report and fp4jax.pretrain.distributed.is_main_process():
-    written = report.write_report(args.out)
+    try:
+      written = report.write_report(args.out)
+    except ValueError as e:  # a run folder copied by hand into --out
+      print(f"error: {e}", file=sys.stderr)
+      return 2
     print(f"Report: {', '.join(str(p) for p in written)}")
   if args.merge_into and fp4jax.pretrain.distributed.is_main_process():
     try:

@@ -19,6 +19,7 @@ import argparse
 import csv
 import json
 import pathlib
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from experiments.common import SUMMARY_FILE, SWEEP_FILE, fmt, table
 
 RESULTS_JSONL, RESULTS_CSV, CURVES_CSV, RESULTS_MD = "results.jsonl", "results.csv", "curves.csv", "results.md"
 LOSS_PNG, GAP_PNG = "loss_curves.png", "loss_gap.png"
+_SEED_FOLDER = re.compile(r"seed(0|[1-9][0-9]*)")  # what run_dir names; seed0_old (a set-aside copy) is not one
 _ROW_FIELDS = ("experiment", "preset", "run", "label", "seed", "status", "final_val_loss", "gap_pct", "final_loss",
                "tokens_per_s", "steps", "tokens", "wall_time", "diverged_step", "bf16_blocks", "recipe_name")
 
@@ -54,7 +56,8 @@ def _row(summary: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def collect(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[tuple[str, int], dict]]:
-  """(meta, rows, curves) of the sweep in `folder` from its run folders; raises FileNotFoundError if none finished.
+  """(meta, rows, curves) of the sweep in `folder` from its run folders; raises FileNotFoundError if none finished,
+  ValueError if a summary.json sits in another run x seed's folder (a copy: one result counted twice, one lost).
 
   meta: sweep.json contents (or {} if absent), with "left_out" listing run folders of seeds beyond its "seeds"
   (an earlier command's, not read); rows: one dict per finished run x seed, in sweep order;
@@ -65,7 +68,14 @@ def collect(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[str, 
   meta = _read_meta(folder)
   found = {}
   for path in sorted(folder.glob(f"*/seed*/{SUMMARY_FILE}")):
+    name = _SEED_FOLDER.fullmatch(path.parent.name)
+    if name is None:  # e.g. seed0_old: a folder set aside by hand, whose summary would replace seed0's
+      continue
     summary = json.loads(path.read_text(encoding="utf-8"))
+    if (summary["run"], summary["seed"]) != (path.parent.parent.name, int(name.group(1))):
+      # A folder copied by hand: its result would replace the run x seed it names and leave its own place empty.
+      raise ValueError(f"{path} is the summary of {summary['run']}/seed{summary['seed']}, not of its folder "
+                       f"{path.parent.relative_to(folder)}: move it back or delete that folder.")
     found[summary["run"], summary["seed"]] = (path.parent, summary)
   if not found:
     if (folder / "results.json").is_file():  # a probes folder (experiments.probes), which has its own report

@@ -1,0 +1,54 @@
+"""Tests for experiments.report on sweep folders written by hand (no training): which run folders a table counts,
+what it says of the jobs it lacks, and what its plots average and over how many steps they smooth."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from experiments import report
+
+
+def _write_run(folder, run, seed, loss, *, steps=4, log_every=1, status="finished"):
+  """OUT/<run>/seed<seed> as the sweep leaves it: train loss logged every `log_every` steps, then the final val."""
+  d = folder / run / f"seed{seed}"
+  d.mkdir(parents=True)
+  logged = sorted(set(range(0, steps, log_every)) | {steps - 1})
+  records = [{"step": s, "loss": loss + 1.0 / (s + 1)} for s in logged] + [{"step": steps, "val_loss": loss}]
+  (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  (d / "summary.json").write_text(json.dumps(
+      {"experiment": "x", "preset": "smoke", "run": run, "label": run, "seed": seed, "overrides": {},
+       "status": status, "steps": steps, "tokens": 16 * steps, "final_val_loss": loss if status == "finished" else None,
+       "tokens_per_s": 100.0}))
+  return d
+
+
+def _sweep(folder, losses, seeds=2, **kwargs):
+  """A sweep folder of runs {run: [loss of seed 0, seed 1, ...]} with reference "a"."""
+  (folder / "sweep.json").write_text(json.dumps(
+      {"experiment": "x", "seeds": seeds, "reference": "a", "runs": [{"name": r} for r in losses]}))
+  for run, values in losses.items():
+    for seed, loss in enumerate(values):
+      _write_run(folder, run, seed, loss, **kwargs)
+  return folder
+
+
+def _table_row(text, run):
+  return next(line for line in text.splitlines() if line.startswith(f"| {run} |"))
+
+
+def test_a_summary_in_another_seeds_folder_is_refused_and_a_set_aside_copy_ignored(tmp_path):
+  """b/seed1 copied from b/seed0 counted b's seed-0 result once as "1 seed" with seed 1's loss (2.5, against a's
+  seed 0: +25 %), and b/seed0_old (a folder set aside before a rerun) replaced b/seed0's result (9.0) silently."""
+  _sweep(tmp_path, {"a": [2.0, 2.2], "b": [2.1]}, seeds=2)
+  _write_run(tmp_path / "aside", "b", 0, 9.0).rename(tmp_path / "b" / "seed0_old")
+  _, rows, _ = report.collect(tmp_path)
+  assert [(r["run"], r["seed"], r["final_val_loss"]) for r in rows if r["run"] == "b"] == [("b", 0, 2.1)]
+  copy = tmp_path / "b" / "seed1"
+  shutil.copytree(tmp_path / "b" / "seed0", copy)
+  summary = json.loads((copy / "summary.json").read_text())
+  (copy / "summary.json").write_text(json.dumps(dict(summary, final_val_loss=2.5)))
+  with pytest.raises(ValueError, match=r"b/seed1/summary.json is the summary of b/seed0, not of its folder b/seed1"):
+    report.collect(tmp_path)
+  assert report.main([str(tmp_path)]) == 2
