@@ -205,6 +205,15 @@ def _shared_settings(meta: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
           {k: v for k, v in base.items() if k in some and k not in every})
 
 
+def _missing(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> list[str]:
+  """The sweep's run x seed jobs (sweep.json's runs, seeds 0..seeds-1) without a row: unfinished, or never run."""
+  seeds, runs = meta.get("seeds"), [r["name"] for r in meta.get("runs") or []]
+  if not isinstance(seeds, int) or isinstance(seeds, bool):
+    return []
+  have = {(r["run"], r["seed"]) for r in rows}
+  return [f"{run}/seed{seed}" for run in runs for seed in range(seeds) if (run, seed) not in have]
+
+
 def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
   """The results.md text: a header describing the sweep, the per-run table, and how to read it."""
   reference = meta.get("reference")
@@ -225,6 +234,9 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
     listed = "; ".join(f"{r['run']}/seed{r['seed']}: {differs(r)}" for r in others)
     ours = ", ".join(f"{k} {first.get(k)}" for k in _COMPARED)
     lines += [f"**Not comparable** (no gap): {listed} (the reference's: {ours})."]
+  missing = _missing(meta, rows)
+  if missing:
+    lines += [f"**Missing** (not finished, not in the table): {', '.join(missing)}."]
   if meta.get("left_out"):
     lines += [f"Left out: {', '.join(meta['left_out'])} (seeds beyond this sweep's {meta.get('seeds')}, from an "
               "earlier command; rerun with more --seeds to include them)."]

@@ -26,6 +26,7 @@ def _write_run(folder, run, seed, loss, *, steps=4, log_every=1, status="finishe
 
 def _sweep(folder, losses, seeds=2, **kwargs):
   """A sweep folder of runs {run: [loss of seed 0, seed 1, ...]} with reference "a"."""
+  folder.mkdir(exist_ok=True)
   (folder / "sweep.json").write_text(json.dumps(
       {"experiment": "x", "seeds": seeds, "reference": "a", "runs": [{"name": r} for r in losses]}))
   for run, values in losses.items():
@@ -52,3 +53,17 @@ def test_a_summary_in_another_seeds_folder_is_refused_and_a_set_aside_copy_ignor
   with pytest.raises(ValueError, match=r"b/seed1/summary.json is the summary of b/seed0, not of its folder b/seed1"):
     report.collect(tmp_path)
   assert report.main([str(tmp_path)]) == 2
+
+
+def test_jobs_without_a_finished_run_are_named_in_the_table(tmp_path):
+  """A report of an interrupted sweep (c never ran, b's seed 1 unfinished) showed a table without c and b's one seed as
+  a plain "1" under "up to 2 seed(s) per run", saying nothing of either."""
+  _sweep(tmp_path, {"a": [2.0, 2.2], "b": [2.1], "c": []}, seeds=2)
+  (tmp_path / "b" / "seed1").mkdir()  # started, no summary.json yet
+  report.write_report(tmp_path)
+  text = (tmp_path / report.RESULTS_MD).read_text()
+  assert "**Missing** (not finished, not in the table): b/seed1, c/seed0, c/seed1." in text
+  assert _table_row(text, "b").startswith("| b | b | none | 1 | 2.1000 | +5.00 |")
+  _sweep(tmp_path / "complete", {"a": [2.0, 2.2], "b": [2.1, 2.3]}, seeds=2)
+  report.write_report(tmp_path / "complete")
+  assert "Missing" not in (tmp_path / "complete" / report.RESULTS_MD).read_text()
