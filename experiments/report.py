@@ -295,19 +295,26 @@ def write_tables(folder: pathlib.Path, meta, rows, curves) -> list[pathlib.Path]
 
 # --- plots -------------------------------------------------------------------------------------------------------
 
-def smooth(values: np.ndarray, window: int) -> np.ndarray:
-  """Trailing moving average (the first window-1 entries average what is available)."""
+def smooth(values: np.ndarray, window: int, steps: np.ndarray | None = None) -> np.ndarray:
+  """Trailing moving average over `window` entries, or, given the entries' increasing `steps`, over those of the
+  last `window` steps (s - window < step <= s): a run logged every 10 steps (log_every) averages window / 10
+  entries. The first entries average what is available."""
   values = np.asarray(values, float)
   if window <= 1 or len(values) == 0:
     return values
   csum = np.cumsum(np.insert(values, 0, 0.0))
   idx = np.arange(1, len(values) + 1)
-  lo = np.maximum(idx - window, 0)
+  if steps is None:
+    lo = np.maximum(idx - window, 0)
+  else:
+    steps = np.asarray(steps)
+    lo = np.searchsorted(steps, steps - window, side="right")
   return (csum[idx] - csum[lo]) / (idx - lo)
 
 
 def _default_window(curves) -> int:
-  longest = max((len(c["step"]) for c in curves.values()), default=1)
+  """1/20 of the longest run's logged steps, in steps (not in logged entries: those are fewer with log_every > 1)."""
+  longest = max((int(c["step"][-1] - c["step"][0]) + 1 for c in curves.values() if len(c["step"])), default=1)
   return max(1, longest // 20)
 
 
@@ -321,7 +328,7 @@ def _mean_curve(curves, run: str, key: str, step_key: str, window: int = 1):
     return None, None
   stacked = []
   for c in mine:
-    values = smooth(c[key], window) if window > 1 else c[key]
+    values = smooth(c[key], window, c[step_key]) if window > 1 else c[key]
     lookup = dict(zip(c[step_key].tolist(), values))
     stacked.append([lookup[s] for s in common])
   return np.asarray(common), np.mean(stacked, axis=0)
@@ -334,8 +341,8 @@ def _paired_gap(curves, run: str, reference: str, key: str, step_key: str, windo
     ref = curves.get((reference, seed))
     if name != run or ref is None or not len(c[step_key]) or not len(ref[step_key]):
       continue
-    a = dict(zip(c[step_key].tolist(), smooth(c[key], window) if window > 1 else c[key]))
-    b = dict(zip(ref[step_key].tolist(), smooth(ref[key], window) if window > 1 else ref[key]))
+    a = dict(zip(c[step_key].tolist(), smooth(c[key], window, c[step_key]) if window > 1 else c[key]))
+    b = dict(zip(ref[step_key].tolist(), smooth(ref[key], window, ref[step_key]) if window > 1 else ref[key]))
     common = sorted(set(a) & set(b))
     steps = common if steps is None else sorted(set(steps) & set(common))
     gaps.append({s: 100.0 * (a[s] - b[s]) / b[s] for s in common})

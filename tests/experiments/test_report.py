@@ -67,3 +67,20 @@ def test_jobs_without_a_finished_run_are_named_in_the_table(tmp_path):
   _sweep(tmp_path / "complete", {"a": [2.0, 2.2], "b": [2.1, 2.3]}, seeds=2)
   report.write_report(tmp_path / "complete")
   assert "Missing" not in (tmp_path / "complete" / report.RESULTS_MD).read_text()
+
+
+def test_plots_smooth_over_steps_when_the_loss_is_logged_every_few_steps(tmp_path):
+  """With log_every=10 the moving average ran over logged entries, not steps: `--smooth 40` averaged 40 entries (400
+  steps) and the default window, 2 entries (20 steps), was labelled "over 2 steps"."""
+  _sweep(tmp_path, {"a": [2.0]}, seeds=1, steps=400, log_every=10)
+  meta, rows, curves = report.collect(tmp_path)
+  logged = list(range(0, 400, 10)) + [399]
+  loss = {s: 2.0 + 1.0 / (s + 1) for s in logged}
+  for window in (40, None):
+    ax = report.loss_curves_figure(meta, rows, curves, window).axes[0]
+    steps = window or 20  # the default: 1/20 of the 400 steps
+    assert f"moving average over {steps} steps" in ax.get_ylabel()
+    expected = [np.mean([loss[t] for t in logged if s - steps < t <= s]) for s in logged]
+    train = ax.get_lines()[0]
+    np.testing.assert_allclose(train.get_xdata(), np.array(logged) * 16 / 1e6)
+    np.testing.assert_allclose(train.get_ydata(), expected, rtol=1e-12)
