@@ -115,7 +115,7 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
     return 2
   if args.merge_into:
     try:  # refused now rather than after every run has trained
-      merge.check_mergeable(args.merge_into, full_sweep_meta(get_config, args))
+      merge.check_mergeable(args.merge_into, full_sweep_meta(get_config, args), rerun=[r.name for r in sweep.runs])
     except (ValueError, FileNotFoundError) as e:
       print(f"error: {e}", file=sys.stderr)
       return 2

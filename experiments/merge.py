@@ -5,8 +5,9 @@ reference, which --runs keeps) and then rewrites STORED's results.jsonl, results
 sweep.json and plots: the rows and curves of the rerun runs (new runs included) come from NEW, every other run's
 from STORED, unchanged. The reference is not replaced: its rerun must reproduce the stored losses exactly (same
 seeds, same data order), else the merge refuses, since the stored runs' gaps would be measured against another
-reference than the new ones'. The result is what a full run would have written, except for the kept runs'
-throughput and wall times, which a full run would measure again.
+reference than the new ones'. The kept runs must still have the settings the sweep gives them (else rerun them
+too), and the two sweeps the same experiment, preset, shared settings and seed count. The result is what a full
+run would have written, except for the kept runs' throughput and wall times, which a full run would measure again.
 """
 
 from __future__ import annotations
@@ -31,7 +32,23 @@ def _check_same_reference(reference: str, stored_rows, new_rows) -> None:
                      "be measured against another reference; rerun the whole sweep instead.")
 
 
+def _check_kept_runs(stored, stored_meta: Mapping[str, Any], meta: Mapping[str, Any], rerun) -> None:
+  """The stored runs that are not rerun keep their rows: they must still be the runs the sweep defines, else their
+  numbers would be listed under settings they did not run with (a run's definition edited since)."""
+  old = {r["name"]: r.get("overrides") for r in stored_meta.get("runs") or []}
+  changed = [(r["name"], old[r["name"]], r.get("overrides")) for r in meta.get("runs") or []
+             if r["name"] in old and r["name"] not in rerun and r.get("overrides") != old[r["name"]]]
+  if changed:
+    listed = "; ".join(f"{name}: stored {a}, now {b}" for name, a, b in changed)
+    raise ValueError(f"Runs of the stored results in {stored} that this merge keeps have other settings in this "
+                     f"sweep ({listed}): their rows would be listed under the new settings; rerun them too (--runs).")
+
+
 def _check_same_sweep(stored, stored_meta: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+  for key in ("experiment", "preset"):
+    if stored_meta.get(key) != meta.get(key):
+      raise ValueError(f"The stored results in {stored} are of {key} {stored_meta.get(key)!r}, this sweep's "
+                       f"{meta.get(key)!r}: merge into that {key}'s results.")
   if stored_meta.get("base") != meta.get("base"):
     raise ValueError(f"The stored results in {stored} have other shared settings ({stored_meta.get('base')}) than "
                      f"this sweep ({meta.get('base')}); rerun the whole sweep instead.")
@@ -44,9 +61,13 @@ def _check_same_sweep(stored, stored_meta: Mapping[str, Any], meta: Mapping[str,
                      f"{meta.get('reference')!r}.")
 
 
-def check_mergeable(stored: str | pathlib.Path, meta: Mapping[str, Any]) -> None:
-  """What merge_into checks of the sweeps themselves (shared settings, reference), before any run is trained."""
-  _check_same_sweep(stored, report.read_results(stored)[0], meta)
+def check_mergeable(stored: str | pathlib.Path, meta: Mapping[str, Any], rerun=None) -> None:
+  """What merge_into checks of the sweeps themselves (experiment, preset, shared settings, reference and, given the
+  names of the runs to rerun, the settings of the kept runs), before any run is trained."""
+  stored_meta = report.read_results(stored)[0]
+  _check_same_sweep(stored, stored_meta, meta)
+  if rerun is not None:
+    _check_kept_runs(stored, stored_meta, meta, set(rerun) | {meta.get("reference")})
 
 
 def merge_results(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Mapping[str, Any]
@@ -64,6 +85,7 @@ def merge_results(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Map
   if reference is not None:
     _check_same_reference(reference, stored_rows, new_rows)
   replaced = {r["run"] for r in new_rows} - {reference}
+  _check_kept_runs(stored, stored_meta, meta, replaced | {reference})
   rows = [r for r in stored_rows if r["run"] not in replaced] + [r for r in new_rows if r["run"] in replaced]
   order = [r["name"] for r in meta.get("runs", [])]
   unknown = sorted({r["run"] for r in rows} - set(order))

@@ -85,10 +85,20 @@ def test_merge_keeps_the_other_runs_byte_identical(tmp_path):
   assert after[:4] == before[:4] and after[4:] != before[4:]  # bf16 and a unchanged, b replaced
 
 
+def _redefined(meta, run, overrides):
+  """`meta` with `run`'s own settings changed (its definition edited in the experiment's module)."""
+  return dict(meta, runs=[dict(r, overrides=overrides) if r["name"] == run else r for r in meta["runs"]])
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(losses={**NEW, ("bf16", 1): 2.1000001}), "does not reproduce the stored one"),
     (dict(meta=_meta(["bf16", "a", "c", "b"], base={"steps": 5})), "other shared settings"),
     (dict(meta=_meta(["bf16", "a", "b"])), r"Runs \['c'\] are not in the sweep's run list"),
+    # a kept, not rerun: its stored rows were listed under its new settings
+    (dict(meta=_redefined(_meta(["bf16", "a", "c", "b"]), "a", {"recipe": "a2"})),
+     r"merge keeps have other settings in this sweep \(a: stored \{'recipe': 'a'\}, now \{'recipe': 'a2'\}"),
+    (dict(meta=dict(_meta(["bf16", "a", "c", "b"]), experiment="other")),
+     "are of experiment 'toy', this sweep's 'other'"),
 ])
 def test_merge_refuses_what_a_full_run_would_not_give(tmp_path, change, message):
   stored = _stored(tmp_path)
@@ -124,4 +134,18 @@ def test_a_merge_into_other_shared_settings_is_refused_before_any_run(tmp_path, 
   rc = cli.main(_toy_config, ["--preset", "cpu", "--out", str(tmp_path / "o"), "--runs", "late", "--set", "lr=0.02",
                               "--merge-into", str(stored)], prog="toy", doc="")
   assert rc == 2 and "other shared settings" in capsys.readouterr().err
+  assert not (tmp_path / "o").exists()  # refused before any run
+
+
+def test_a_merge_that_keeps_a_redefined_run_is_refused_before_any_run(tmp_path, capsys, monkeypatch):
+  """The stored "nvidia" ran {"recipe": "nvidia"}, the sweep now defines it as nvfp4: a rerun of "late" alone merged
+  and listed the stored numbers under the new definition."""
+  def train(*args, **kwargs):
+    raise AssertionError("this command must not train")
+  monkeypatch.setattr(sweep_lib.trainer, "train", train)
+  stored = _stored(tmp_path, {(r, s): 2.0 + s for r in ("bf16", "nvidia", "late") for s in (0, 1)},
+                   runs=("bf16", "nvidia", "late"))
+  rc = cli.main(_toy_config, ["--preset", "cpu", "--out", str(tmp_path / "o"), "--runs", "late", "--merge-into",
+                              str(stored)], prog="toy", doc="")
+  assert rc == 2 and "nvidia: stored {'recipe': 'nvidia'}, now {'recipe': 'nvfp4'}" in capsys.readouterr().err
   assert not (tmp_path / "o").exists()  # refused before any run
