@@ -7,12 +7,14 @@ import shutil
 import pytest
 
 from experiments import cli
+from experiments import components
 from experiments import merge
 from experiments import report
 from experiments import sweep as sweep_lib
 
 TABLES = (report.RESULTS_JSONL, report.RESULTS_CSV, report.CURVES_CSV, report.RESULTS_MD, "sweep.json")
 BASE = {"steps": 4, "lr": 0.01}
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _meta(runs, base=BASE):
@@ -149,3 +151,13 @@ def test_a_merge_that_keeps_a_redefined_run_is_refused_before_any_run(tmp_path, 
                               str(stored)], prog="toy", doc="")
   assert rc == 2 and "nvidia: stored {'recipe': 'nvidia'}, now {'recipe': 'nvfp4'}" in capsys.readouterr().err
   assert not (tmp_path / "o").exists()  # refused before any run
+
+
+def test_the_stored_components_results_keep_their_runs_under_equivalent_definitions():
+  """no_hp_layers was stored as {recipe, bf16_last: 0} and is now defined with bf16_first: 0 too (the default): the
+  same run, which a merge keeps."""
+  meta = components.get_config("cpu").replace(seeds=4).to_dict()
+  merge.check_mergeable(REPO / "experiments" / "results" / "components_cpu", meta, rerun=["bf16", "full"])
+  with pytest.raises(ValueError, match="full: stored"):
+    merge.check_mergeable(REPO / "experiments" / "results" / "components_cpu",
+                          _redefined(meta, "full", {"recipe": "nvfp4:rht=false"}), rerun=["bf16"])
