@@ -7,6 +7,7 @@ and writes into OUT:
   results.md                   mean +- std over seeds per run, gap to the reference in %, tokens/s
   loss_curves.png              smoothed train loss (mean over seeds) and validation loss over tokens
   loss_gap.png                 relative loss gap to the reference over tokens, as in the paper's figures
+The plots average the seeds the table does (a run's finished ones; a run without any: its diverged ones).
 The gap of a run is computed per seed against the reference run with the same seed (same initialisation and data
 order), then averaged: (loss - loss_ref) / loss_ref * 100. `read_results(dir)` reads the written files back (a
 copied results folder needs only results.jsonl, curves.csv and sweep.json; `python -m experiments.report` redraws
@@ -318,9 +319,19 @@ def _default_window(curves) -> int:
   return max(1, longest // 20)
 
 
-def _mean_curve(curves, run: str, key: str, step_key: str, window: int = 1):
-  """(steps, mean over seeds of the smoothed curve) on the steps every seed of `run` logged."""
-  mine = [c for (name, _), c in sorted(curves.items()) if name == run and len(c[step_key])]
+def _plotted_seeds(rows, run: str) -> set[int]:
+  """The seeds of `run` the plots average: the finished ones the table averages (a diverged seed's curve would cut
+  the mean at its divergence step), or all of them for a run with none (its curves show where it diverged)."""
+  mine = [r for r in rows if r["run"] == run]
+  done = {r["seed"] for r in mine if r["status"] == "finished" and (
+      r.get("final_val_loss") is None or bool(np.isfinite(r["final_val_loss"])))}  # None: run without validation
+  return done or {r["seed"] for r in mine}
+
+
+def _mean_curve(curves, run: str, key: str, step_key: str, window: int = 1, seeds=None):
+  """(steps, mean over seeds (all, or those in `seeds`) of the smoothed curve) on the steps every seed logged."""
+  mine = [c for (name, seed), c in sorted(curves.items())
+          if name == run and (seeds is None or seed in seeds) and len(c[step_key])]
   if not mine:
     return None, None
   common = sorted(set.intersection(*(set(c[step_key].tolist()) for c in mine)))
@@ -334,12 +345,14 @@ def _mean_curve(curves, run: str, key: str, step_key: str, window: int = 1):
   return np.asarray(common), np.mean(stacked, axis=0)
 
 
-def _paired_gap(curves, run: str, reference: str, key: str, step_key: str, window: int):
-  """(steps, mean over seeds of 100 * (run - ref) / ref) using the smoothed curves of matching seeds."""
+def _paired_gap(curves, run: str, reference: str, key: str, step_key: str, window: int, seeds=None):
+  """(steps, mean over seeds (all, or those in `seeds`) of 100 * (run - ref) / ref) using the smoothed curves of
+  matching seeds."""
   gaps, steps = [], None
   for (name, seed), c in sorted(curves.items()):
     ref = curves.get((reference, seed))
-    if name != run or ref is None or not len(c[step_key]) or not len(ref[step_key]):
+    if name != run or ref is None or not len(c[step_key]) or not len(ref[step_key]) or (
+        seeds is not None and seed not in seeds):
       continue
     a = dict(zip(c[step_key].tolist(), smooth(c[key], window, c[step_key]) if window > 1 else c[key]))
     b = dict(zip(ref[step_key].tolist(), smooth(ref[key], window, ref[step_key]) if window > 1 else ref[key]))
@@ -377,11 +390,12 @@ def loss_curves_figure(meta, rows, curves, window: int | None = None):
     label = next(r.get("label", name) for r in rows if r["run"] == name)
     color = f"C{i % 10}"
     tps = _tokens_per_step(rows, name)
-    steps, loss = _mean_curve(curves, name, "loss", "step", window)
+    seeds = _plotted_seeds(rows, name)
+    steps, loss = _mean_curve(curves, name, "loss", "step", window, seeds)
     if steps is not None:
       ax.plot(steps * tps / 1e6, loss, color=color, lw=1.2, label=label)
       tail_values.extend(loss[len(loss) // 10:])
-    vsteps, vloss = _mean_curve(curves, name, "val_loss", "val_step")
+    vsteps, vloss = _mean_curve(curves, name, "val_loss", "val_step", 1, seeds)
     if vsteps is not None:
       ax.plot(vsteps * tps / 1e6, vloss, "o", color=color, ms=3.5)
       tail_values.extend(vloss[len(vloss) // 4:])
@@ -409,11 +423,12 @@ def loss_gap_figure(meta, rows, curves, reference: str, window: int | None = Non
       continue
     label = next(r.get("label", name) for r in rows if r["run"] == name)
     color, tps = f"C{i % 10}", _tokens_per_step(rows, name)
-    steps, gap = _paired_gap(curves, name, reference, "loss", "step", window)
+    seeds = _plotted_seeds(rows, name) & _plotted_seeds(rows, reference)  # the seeds the table's gap averages
+    steps, gap = _paired_gap(curves, name, reference, "loss", "step", window, seeds)
     if steps is not None:
       skip = len(steps) // 20  # the first steps' gaps are dominated by the warmup
       ax.plot(steps[skip:] * tps / 1e6, gap[skip:], color=color, lw=1.2, label=label)
-    vsteps, vgap = _paired_gap(curves, name, reference, "val_loss", "val_step", 1)
+    vsteps, vgap = _paired_gap(curves, name, reference, "val_loss", "val_step", 1, seeds)
     if vsteps is not None:
       keep = vsteps > 0
       ax.plot(vsteps[keep] * tps / 1e6, vgap[keep], "o", color=color, ms=3.5)

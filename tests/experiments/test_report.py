@@ -84,3 +84,22 @@ def test_plots_smooth_over_steps_when_the_loss_is_logged_every_few_steps(tmp_pat
     train = ax.get_lines()[0]
     np.testing.assert_allclose(train.get_xdata(), np.array(logged) * 16 / 1e6)
     np.testing.assert_allclose(train.get_ydata(), expected, rtol=1e-12)
+
+
+def test_plots_average_the_seeds_the_table_averages(tmp_path):
+  """b's seed 1 diverged at step 2: the table averaged b's finished seed 0, the plots both seeds on the steps they
+  share, so b's train curve and gap ended at step 2 in NaN."""
+  _sweep(tmp_path, {"a": [2.0, 2.2], "b": [2.1]}, seeds=2)
+  diverged = tmp_path / "b" / "seed1"
+  diverged.mkdir()
+  (diverged / "metrics.jsonl").write_text(
+      "".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in ((0, 3.0), (1, 2.9), (2, float("nan")))))
+  (diverged / "summary.json").write_text(json.dumps(
+      {"experiment": "x", "preset": "smoke", "run": "b", "label": "b", "seed": 1, "overrides": {}, "status": "diverged",
+       "steps": 4, "tokens": 64, "final_val_loss": None, "diverged_step": 2}))
+  meta, rows, curves = report.collect(tmp_path)
+  assert "| b | b | none | 1 (+1 diverged at step 2) | 2.1000 | +5.00 |" in report.markdown_table(meta, rows)
+  b_train = report.loss_curves_figure(meta, rows, curves).axes[0].get_lines()[2]
+  np.testing.assert_allclose(b_train.get_ydata(), [2.1 + 1.0 / (s + 1) for s in range(4)])
+  b_gap = report.loss_gap_figure(meta, rows, curves, "a").axes[0].get_lines()[1]  # after the zero line
+  np.testing.assert_allclose(b_gap.get_ydata(), [100 * ((2.1 - 2.0) / (2.0 + 1.0 / (s + 1))) for s in range(4)])
