@@ -49,6 +49,10 @@ def _check_kept_runs(stored, stored_meta: Mapping[str, Any], meta: Mapping[str, 
   """The stored runs that are not rerun keep their rows: they must still be the runs the sweep defines, else their
   numbers would be listed under settings they did not run with (a run's definition edited since)."""
   old = {r["name"]: r.get("overrides") for r in stored_meta.get("runs") or []}
+  gone = sorted(set(old) - {r["name"] for r in meta.get("runs") or []})
+  if gone:
+    raise ValueError(f"Runs {gone} of the stored results in {stored} are not in this sweep's run list: the merged "
+                     "table would keep runs the sweep no longer defines; rerun the whole sweep instead.")
   changed = [(r["name"], old[r["name"]], r.get("overrides")) for r in meta.get("runs") or []
              if r["name"] in old and r["name"] not in rerun and r.get("overrides") != old[r["name"]]
              and not _same_settings(meta.get("base") or {}, old[r["name"]], r.get("overrides"))]

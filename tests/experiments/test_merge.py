@@ -151,6 +151,13 @@ def test_a_merge_that_keeps_a_redefined_run_is_refused_before_any_run(tmp_path, 
                               str(stored)], prog="toy", doc="")
   assert rc == 2 and "nvidia: stored {'recipe': 'nvidia'}, now {'recipe': 'nvfp4'}" in capsys.readouterr().err
   assert not (tmp_path / "o").exists()  # refused before any run
+  # A stored run the sweep no longer defines was refused only after every rerun run had trained.
+  stored = _stored(tmp_path / "gone", {(r, s): 2.0 + s for r in ("bf16", "old", "late") for s in (0, 1)},
+                   runs=("bf16", "old", "late"))
+  rc = cli.main(_toy_config, ["--preset", "cpu", "--out", str(tmp_path / "o"), "--runs", "late", "--merge-into",
+                              str(stored)], prog="toy", doc="")
+  assert rc == 2 and "Runs ['old'] of the stored results" in capsys.readouterr().err
+  assert not (tmp_path / "o").exists()
 
 
 def test_the_stored_components_results_keep_their_runs_under_equivalent_definitions():
