@@ -267,8 +267,9 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
     lines += ["", f"No gaps: the reference run {reference!r} has no finished seed here."]
   lines += ["", "Final val loss: mean ± std over seeds on fixed held-out batches. Gap: (val loss - reference val "
             "loss) / reference val loss, computed per seed against the reference run with the same seed (same "
-            "initialisation and data order), then mean ± std. Tokens/s: median training throughput of the CPU/XLA "
-            "emulation (quantize, dequantize, float matmul), not the speed of FP4 hardware.", ""]
+            "initialisation and data order), then mean ± std. Tokens/s: mean over seeds of each run's median training "
+            "throughput, with the low-precision formats emulated (quantize, dequantize, bf16 or float32 matmul) on "
+            "the machine that ran the sweep: not the speed of FP4 hardware.", ""]
   return "\n".join(lines)
 
 
