@@ -5,6 +5,10 @@ head, no biases. The q/k/v/o projections and the MLP up/gate/down projections ar
 `recipe` attribute picks each GEMM's precision (see fp4jax.pretrain.policy for per-layer choices). Kept in high precision,
 as in the paper: embeddings, the LM head, norms, nonlinearities, the attention softmax (float32) and the two
 attention batched GEMMs (QK^T, PV: compute dtype in, float32 accumulation). The residual stream is float32.
+Attention is causal, but a recipe whose activations share one per-tensor scale (NVFP4's FP32 second level: nvfp4,
+four_over_six, quartet2) derives it from the amax of the whole batch, so later tokens and other sequences of the
+batch move earlier logits through that one scale (it carries no gradient); row-wise scaled recipes (bf16, mxfp4,
+fp8, tetrajet_v2, quartet) are exactly causal (tests/pretrain/test_model_reference.py).
 
 Layer names: "blocks.{i}.attn.{q,k,v,o}" and "blocks.{i}.mlp.{up,gate,down}" ("gate" only for SwiGLU), the same
 paths nnx.split / nnx.state use.
@@ -375,7 +379,9 @@ class Transformer(nnx.Module):
   initial recipe of the quantizable linear layers; change
   layers later through `linear_layers()` or `fp4jax.pretrain.policy.PrecisionPolicy.apply`. Quantization randomness comes
   only from `key` (each layer folds in its `layer_id`; fold the step in before calling); key=None is allowed
-  only when no layer's recipe needs randomness. `rngs` is used for initialisation only.
+  only when no layer's recipe needs randomness. `rngs` is used for initialisation only: every linear kernel (the
+  LM head's too) is LeCun normal (truncated at two standard deviations, std 1/sqrt(in_features)), the embedding a
+  normal of std 1/sqrt(d_model), the norm scales ones.
   """
 
   def __init__(self, config: ModelConfig, *, recipe=None, rngs: nnx.Rngs):
