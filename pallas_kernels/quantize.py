@@ -310,6 +310,11 @@ def _check(x, axis, block_2d, rounding, key, random_bits, rht_size):
     raise ValueError(f"random_bits must be one of {rounding_lib.RANDOM_BITS}; got {random_bits!r}.")
   if rht_size is not None:
     rht_lib.check_size(rht_size)
+    if x.shape[axis] % rht_size:
+      # fp4jax.random_hadamard transforms the axis before it is padded and refuses this; transforming the padded
+      # axis instead would mix the zeros into tiles whose outputs past the original length are then cropped.
+      raise ValueError(f"RHT size {rht_size} does not divide the length {x.shape[axis]} of axis {axis} (shape "
+                       f"{tuple(x.shape)}), as fp4jax.random_hadamard needs (the RHT runs before any padding).")
   return axis
 
 
@@ -354,9 +359,10 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
     key: JAX PRNG key for stochastic rounding.
     rht_size: None, or the RHT size (power of two 2..256) applied along `axis` with the default signs before
       quantizing; the result equals fp4jax.quantize(fp4jax.random_hadamard(x, size=rht_size, axis=axis), ...).
+      It must divide x.shape[axis] (ValueError otherwise, as random_hadamard).
     interpret: None = interpret mode on CPU, compiled on GPU (RuntimeError if the GPU cannot run the kernels).
     random_bits: 32 or 8, as in fp4jax.quantize.
-    pad: zero-pad the blocked axes (and for RHT, `axis`) to a multiple of 16 instead of raising ValueError.
+    pad: zero-pad the blocked axes to a multiple of 16 (after the RHT) instead of raising ValueError.
     rht_signs: the RHT sign vector, as fp4jax.random_hadamard's `signs`: None (the default fixed vector), a PRNG key
       (random signs) or a +-1 array of length rht_size.
     tile: (rows, cols) of the kernel's [P, R, C] view tile; powers of two. None picks one.
@@ -380,9 +386,6 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
   key, rht_signs = keys
   blocked = (x.ndim - 2, x.ndim - 1) if block_2d else (axis,)
   shape = _padded_shape(x.shape, blocked, pad)
-  if rht_size is not None and shape[axis] % rht_size:
-    raise ValueError(f"RHT size {rht_size} does not divide the length {shape[axis]} of axis {axis} "
-                     f"(shape {tuple(x.shape)}).")
   xp = x if shape == x.shape else jnp.pad(x, [(0, p - s) for s, p in zip(x.shape, shape)])
   rht_group = 0 if rht_size is None else max(rht_size, BLOCK)
 

@@ -130,8 +130,23 @@ def test_rht_bit_identical():
       ("RHT16 2d", _input((32, 32), jnp.bfloat16, 35), dict(block_2d=True, rht_size=16)),
       ("RHT16 signs from a key", _input((16, 32), jnp.bfloat16, 36), dict(rht_size=16, rht_signs=jax.random.key(5))),
       ("RHT8 no signs", _input((16, 32), jnp.float32, 37), dict(rht_size=8, rht_signs=jnp.ones((8,)))),
+      ("RHT8 pad=True (40 -> 48 after the RHT)", _input((8, 40), jnp.float32, 38), dict(rht_size=8, pad=True)),
   ]
   _check_group(cases)
+
+
+@pytest.mark.parametrize("shape, kw", [((32, 40), dict(rht_size=16)), ((24, 16), dict(rht_size=32, axis=0))])
+def test_rht_size_must_divide_the_unpadded_axis(shape, kw):
+  """fp4jax.random_hadamard refuses an RHT size not dividing the axis; with pad=True the kernel used to transform
+  the padded axis instead and return tiles whose outputs past the original length were cropped (for (32, 40) and
+  size 16: transformed values up to 2.2 in columns 40..47 dropped, so dequantize gave no RHT of x at all)."""
+  x = jax.ShapeDtypeStruct(shape, jnp.float32)
+  n, size = shape[kw.get("axis", -1)], kw["rht_size"]
+  match = f"RHT size {size} does not divide the length {n} "
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(lambda x: _reference(x, pad=True, **kw), x)  # the XLA path's refusal
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(lambda x: quantize_nvfp4(x, pad=True, interpret=True, **kw), x)
 
 
 def test_rht_of_float16_stays_float32():
