@@ -65,13 +65,16 @@ def _fallback(reason: str) -> None:
   warnings.warn(f"fp4jax backend='pallas': {reason}; using the XLA path for it.", stacklevel=3)
 
 
-def pallas_quantize(x, cfg, *, axis: int, recipe, key, signs):
+def pallas_quantize(x, cfg, *, axis: int, recipe, key, signs, with_mask: bool = False):
   """The fused Pallas NVFP4 quantizer (with the RHT fused in), or None if not covered."""
   if not isinstance(cfg.fmt, formats.NVFP4):
     _fallback(f"the quantize kernel is NVFP4-only (got {cfg.fmt.name})")
     return None
   if not cfg.fmt.is_default:
     _fallback(f"the quantize kernel has NVIDIA's scale rules only (got {cfg.fmt.label})")
+    return None
+  if with_mask:
+    _fallback("the quantize kernel returns no clip mask (clip_mask=True: QuEST's masked straight-through gradient)")
     return None
   return _kernels().quantize_nvfp4(x, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding, key=key,
                                    rht_size=recipe.rht_size if cfg.rht else None, rht_signs=signs,

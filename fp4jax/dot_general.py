@@ -121,9 +121,9 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
   codes: the rule's GEMM-only operands take this path. `unit="bf16"`: the exact bfloat16 form only (bf16 mode), a
   QArray otherwise; for residuals, which then take no more memory than the bf16 recipe's bfloat16 copy.
   """
-  if recipe.backend == "pallas" and cfg.quantized and not with_mask:
+  if recipe.backend == "pallas" and cfg.quantized:
     from fp4jax import backends  # pylint: disable=g-import-not-at-top
-    q = backends.pallas_quantize(x, cfg, axis=axis, recipe=recipe, key=key, signs=signs)
+    q = backends.pallas_quantize(x, cfg, axis=axis, recipe=recipe, key=key, signs=signs, with_mask=with_mask)
     if q is not None:
       return q
   if cfg.rht:

@@ -169,10 +169,6 @@ class Recipe:
     for op in (self.fprop.lhs, self.fprop.rhs):
       if op.clip_mask and not op.quantized:
         raise ValueError("clip_mask needs a quantized Fprop operand.")
-    ops = [op for g in GEMMS for op in (self.gemm(g).lhs, self.gemm(g).rhs)]
-    if self.backend == "pallas" and any(op.clip_mask or op.fmt == formats.MXFP4(scale_rule="tseng") for op in ops):
-      raise ValueError("backend='pallas': the Pallas kernels have no clip mask and decode OCP MXFP4 scales only "
-                       "(QuEST masks, Tseng's 4/3 decode); use backend='xla'.")
 
   def replace(self, **changes) -> "Recipe":
     """A copy with fields replaced. Unless `name` is among them, the name gets a tag per changed field

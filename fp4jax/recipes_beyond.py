@@ -122,9 +122,6 @@ def quartet(*, rht_size: int = 32, stochastic_rounding: bool = True, random_bits
   (`stochastic_rounding=False`).
   """
   _check_switches(stochastic_rounding=stochastic_rounding)
-  if backend == "pallas":
-    raise ValueError("quartet: the Pallas kernels have neither QuEST's clip mask nor Tseng's 4/3 decode; use "
-                     "backend='xla'.")
   lib = _recipes()
   fwd = lib.OperandConfig(fmt=formats.MXFP4(scale_rule="quest"), rht=True, clip_mask=True)
   bwd_fmt = formats.MXFP4(scale_rule="tseng")

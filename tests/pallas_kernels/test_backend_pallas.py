@@ -36,7 +36,27 @@ def test_scale_rules_beyond_nvidias_gemm_on_the_kernel():
   """4/6 with unbiased SR (headroom): the quantizers fall back to XLA (one warning), the GEMMs run on the kernel
   with the format's own tensor scale and equal the XLA path; 1x128 group scales fall back with a warning."""
   from fp4jax import backends
-  recipe = fp4jax.recipes.get_recipe("four_over_six:unbiased_sr=headroom")
+  x, w = _check_gemms_on_the_kernel(fp4jax.recipes.get_recipe("four_over_six:unbiased_sr=headroom"),
+                                    "scale rules only")
+  q = fp4jax.quantize(x, fp4jax.NVFP4(double_block=True), axis=1)
+  with pytest.warns(UserWarning, match="1x128 group scales"):
+    assert backends.pallas_gemm(q, fp4jax.quantize(w, "nvfp4", axis=0), (1, 0)) is None
+
+
+def test_quartet_gemms_on_the_kernel():
+  """Quartet on backend='pallas' (used to be refused): MXFP4 with QuEST's clip masks forward and Tseng et al.'s
+  rule (code x 2^e x 4/3) in Dgrad and Wgrad. The quantizers and masks stay on XLA (one warning); the three GEMMs
+  run on the kernel, whose epilogue applies the 4/3 tensor factor, and y, dx, dw equal the xla backend's to float32
+  summation order."""
+  recipe = fp4jax.recipes.get_recipe("quartet")
+  assert recipe.dgrad.lhs.fmt == fp4jax.MXFP4(scale_rule="tseng") and recipe.fprop.lhs.clip_mask
+  _check_gemms_on_the_kernel(recipe, "NVFP4-only")
+
+
+def _check_gemms_on_the_kernel(recipe, warning):
+  """Runs Fprop/Dgrad/Wgrad of `recipe` on the xla and the pallas backends (expecting the quantizers' fallback
+  `warning`), checks every GEMM reached the kernel and the outputs agree to summation order; returns (x, w)."""
+  from fp4jax import backends
   x = jax.random.normal(jax.random.key(0), (32, 64)).astype(jnp.bfloat16)
   w = jax.random.normal(jax.random.key(1), (64, 32)) * 0.1
   g = jax.random.normal(jax.random.key(2), (32, 32))
@@ -46,15 +66,13 @@ def test_scale_rules_beyond_nvidias_gemm_on_the_kernel():
   kernel = backends._kernels().fp4_matmul
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(backends._kernels(), "fp4_matmul", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    with pytest.warns(UserWarning, match="scale rules only"):
+    with pytest.warns(UserWarning, match=warning):
       out = _fwd_bwd(recipe.replace(backend="pallas"), x, w, g)
   assert len(calls) >= 3  # traced for Fprop (custom_vjp may trace it twice), Dgrad and Wgrad: none fell back
   for a, b in zip(out, ref):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
-  q = fp4jax.quantize(x, fp4jax.NVFP4(double_block=True), axis=1)
-  with pytest.warns(UserWarning, match="1x128 group scales"):
-    assert backends.pallas_gemm(q, fp4jax.quantize(w, "nvfp4", axis=0), (1, 0)) is None
+  return x, w
 
 
 def test_uncovered_operands_fall_back_with_a_warning():
@@ -64,6 +82,10 @@ def test_uncovered_operands_fall_back_with_a_warning():
   cfg = fp4jax.recipes.mxfp4().fprop.lhs
   with pytest.warns(UserWarning, match="NVFP4-only.*XLA path"):
     assert backends.pallas_quantize(x, cfg, axis=1, recipe=fp4jax.recipes.mxfp4(), key=None, signs=None) is None
+  nvfp4 = fp4jax.recipes.nvfp4()
+  with pytest.warns(UserWarning, match="no clip mask.*XLA path"):  # the caller needs (QArray, mask)
+    assert backends.pallas_quantize(x, nvfp4.fprop.lhs, axis=1, recipe=nvfp4, key=None, signs=None,
+                                    with_mask=True) is None
 
 
 class _no_warning:
