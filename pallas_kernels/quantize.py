@@ -33,8 +33,10 @@ only rarely (benchmarks/gpu/check.py counts such mismatches on the GPU). The RHT
 transform, so amax, scales and codes always agree with each other.
 
 Tiles are powers of two dividing the view (Triton's requirement), a few thousand elements when compiled and up to
-2^18 in interpret mode (each interpreted grid step costs ~1 ms); `tile=` overrides. With RHT, tensors too small to
-give a tile 16 RHT groups (Triton's dot minimum) get zero rows added, which are cropped from the outputs.
+2^18 in interpret mode (each interpreted grid step costs ~1 ms); `tile=` overrides. Where an axis's power-of-two
+divisors are all small (1021 tokens: only 1), the view is zero-padded to a multiple of a larger tile instead (see
+tile_length), so the grid stays small; with RHT, tensors too small to give a tile 16 RHT groups (Triton's dot
+minimum) get zero rows added. Padded rows and columns are cropped from the outputs.
 
 NaN/inf: as in fp4jax, amax propagates NaN and non-finite input poisons the tensor (dequantize gives NaN). Codes of
 NaN elements carry the NaN's sign bit, which is platform-dependent, so only NaN-free inputs are promised identical
@@ -70,6 +72,9 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Interpret mode: each grid step costs ~1 ms of Python, so use few, large tiles.
 GPU_TILE_ELEMENTS, GPU_MAX_COLS = 8192, 256
 INTERPRET_TILE_ELEMENTS, INTERPRET_MAX_COLS = 1 << 18, 1024
+# A tile dividing an axis is used unless it gives more than this many times the grid steps of a tile that needs the
+# axis padded (an odd token count has only 1-row divisors); padding costs a copy of the input, so not for less.
+MAX_STEP_GROWTH = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,17 +123,36 @@ def rht_padding(view, pack_axis: int, rht_group: int) -> int:
   return 0 if _pow2_divisor(n_other) >= BLOCK else -(-n_other // BLOCK) * BLOCK - n_other
 
 
+def _pow2_at_least(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def tile_length(n: int, cap: int, minimum: int) -> tuple[int, int]:
+  """(tile, padded length) along a view axis of n elements (a multiple of `minimum`): the largest power of two
+  dividing n, up to `cap`; or, where that gives over MAX_STEP_GROWTH times the steps, the power of two covering n up
+  to `cap`, with n padded to a multiple of it (1021 tokens: 1 tile of 1024 rows, not 1021 tiles of 1 row)."""
+  cap = max(cap, minimum)
+  t_div = max(min(_pow2_divisor(n), cap), minimum)
+  t_pad = max(min(_pow2_at_least(n), cap), minimum)
+  steps_pad = -(-n // t_pad)
+  if n % t_div == 0 and n // t_div <= MAX_STEP_GROWTH * steps_pad:
+    return t_div, n
+  return t_pad, steps_pad * t_pad
+
+
 def make_plan(view, block, pack_axis, rht_group, interpret, tile=None) -> Plan:
-  """Picks (or validates) a power-of-two tile dividing the view, holding whole blocks and RHT groups."""
-  _, r, c = view
+  """Picks (or validates) a power-of-two tile holding whole blocks and RHT groups. A picked tile may need the view's
+  R and C padded (with zeros, by the caller; the plan's view is the padded one); a given tile must divide the view."""
+  p, r, c = view
   mins = list(block)
   if rht_group:
     mins[pack_axis] = max(mins[pack_axis], rht_group)
   if tile is None:
     budget, max_cols = ((INTERPRET_TILE_ELEMENTS, INTERPRET_MAX_COLS) if interpret
                         else (GPU_TILE_ELEMENTS, GPU_MAX_COLS))
-    tc = max(min(_pow2_divisor(c), max_cols), mins[1])
-    tile = (max(min(_pow2_divisor(r), max(budget // tc, 1)), mins[0]), tc)
+    tc, c = tile_length(c, max_cols, mins[1])
+    tr, r = tile_length(r, max(budget // tc, 1), mins[0])
+    tile, view = (tr, tc), (p, r, c)
   for t, n, m, name in ((tile[0], r, mins[0], "rows"), (tile[1], c, mins[1], "cols")):
     if t <= 0 or t & (t - 1) or n % t or t % m:
       raise ValueError(f"tile {tuple(tile)}: the {name} tile {t} must be a power of two dividing {n} "
@@ -392,12 +416,13 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
   view, block, pack_axis = layout(shape, axis, block_2d)
   extra = rht_padding(view, pack_axis, rht_group)
   other = 2 - pack_axis  # the view axis that is neither blocked-and-packed nor P
-  widths = [(0, 0)] * 3
-  widths[other] = (0, extra)
-  padded_view = tuple(n + extra if i == other else n for i, n in enumerate(view))
-  plan = make_plan(padded_view, block, pack_axis, rht_group, interpret, tile)
+  rht_view = tuple(n + extra if i == other else n for i, n in enumerate(view))
+  plan = make_plan(rht_view, block, pack_axis, rht_group, interpret, tile)
+  # Zero rows/cols for the RHT's dot and for the tiles; their codes and scales are cropped below.
+  widths = [(0, padded - n) for n, padded in zip(view, plan.view)]
+  padded = plan.view != tuple(view)
   x_view = xp.reshape(view)
-  if extra:
+  if padded:
     x_view = jnp.pad(x_view, widths)
 
   h_mat = _rht_matrix(rht_size, rht_signs) if rht_size is not None else None
@@ -419,14 +444,15 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
     if random_bits == 8:
       bits = jax.lax.shift_right_logical(bits, jnp.uint32(24)).astype(jnp.uint8)
     bits_view = bits.reshape(view)
-    if extra:
+    if padded:
       bits_view = jnp.pad(bits_view, widths)
 
   codes_v, scale_bits_v = quantize_call(x_view, scal, h_mat, bits_view, plan, rounding=rounding,
                                         random_bits=random_bits, interpret=interpret, seed=seed, index_view=view)
-  if extra:
-    codes_v = jax.lax.slice_in_dim(codes_v, 0, view[other], axis=other)
-    scale_bits_v = jax.lax.slice_in_dim(scale_bits_v, 0, view[other], axis=other)
+  if padded:
+    unpadded = dataclasses.replace(plan, view=tuple(view))
+    codes_v = jax.lax.slice(codes_v, (0, 0, 0), unpadded.codes_view)
+    scale_bits_v = jax.lax.slice(scale_bits_v, (0, 0, 0), unpadded.scales_view)
 
   codes_shape = list(shape)
   codes_shape[axis] //= 2

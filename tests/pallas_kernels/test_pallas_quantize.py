@@ -5,6 +5,7 @@ Interpret-mode kernels cost ~1 s of compile each on CPU, so each test jit-compil
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 import ml_dtypes
 import numpy as np
 import pytest
@@ -115,6 +116,43 @@ def test_in_kernel_hash_bits_on_multi_tile_grids():
       ("SR threefry", _input((32, 64), jnp.float32, 57), dict(rounding="stochastic", key=k, sr_bits="threefry",
                                                               tile=(16, 32))),
   ]
+  _check_group(cases)
+
+
+def _pallas_grids(f, *args):
+  """The grid of every pallas_call in f's jaxpr (nested jaxprs included)."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found.append(tuple(eqn.params["grid_mapping"].grid))
+      for v in eqn.params.values():
+        for sub in v if isinstance(v, (list, tuple)) else [v]:
+          if isinstance(sub, jex_core.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, jex_core.Jaxpr):
+            walk(sub)
+
+  walk(jax.make_jaxpr(f)(*args).jaxpr)
+  return found
+
+
+def test_odd_token_counts_get_few_large_tiles():
+  """1021 tokens (prime): tiles used to divide the view, so rows came 1 per tile: 1021 grid steps compiled and in
+  interpret mode. The view is now zero-padded to whole tiles (and the outputs cropped): a few steps, same bits."""
+  k = jax.random.key(9)
+  cases = [
+      ("1021 tokens, row SR", _input((1021, 64), jnp.bfloat16, 60), dict(rounding="stochastic", key=k)),
+      ("1021 features, col SR (P=2)", _input((2, 32, 1021), jnp.float32, 61),
+       dict(axis=1, rounding="stochastic", key=k)),
+      ("1021 tokens, row threefry SR8", _input((1021, 32), jnp.float32, 62),
+       dict(rounding="stochastic", key=k, sr_bits="threefry", random_bits=8)),
+  ]
+  for interpret in (True, False):
+    for label, x, kw in cases:
+      grids = _pallas_grids(lambda x: quantize_nvfp4(x, interpret=interpret, **kw).codes, x)
+      assert len(grids) == 1 and np.prod(grids[0]) <= 16, (label, interpret, grids)
   _check_group(cases)
 
 
