@@ -21,8 +21,9 @@ whose content or tokenizer differs from the checkpoint's is refused: pass --data
 Multi-process (one process per host, all with the same arguments; see fp4jax.pretrain.distributed):
   FP4JAX_COORDINATOR=host0:12377 FP4JAX_NUM_PROCESSES=2 FP4JAX_PROCESS_ID=0 fp4jax train --mesh data=2,fsdp=2 ...
 Processes started with different settings (any but --data.cache_dir, --progress, --log-every and --profile) all
-exit with code 2 before reading data, naming the options that differ. A process whose command line or config is
-invalid (a bad flag on one host) makes every process exit with code 2 at once, each naming that process's error.
+exit with code 2 before reading data, naming the options that differ. A process whose command line, config, FP4JAX_*
+variables or data are invalid (a bad flag on one host) makes every process exit with code 2 at once, each naming
+that process's error.
 `fp4jax eval` runs the same way (every process evaluates, process 0 prints): its processes must share --out, --step,
 --eval-batches and --corpus, and one that cannot parse its flags or read its checkpoint's config and data (a missing
 or changed corpus on its host) makes every process exit with code 2 at once.
@@ -147,24 +148,14 @@ def _failure(e: BaseException) -> str:
     return e.message
   if isinstance(e, SystemExit):  # --help, or a bare exit
     return f"it exited with code {e.code}"
-  return str(e) if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: {e}"
+  from fp4jax.pretrain import distributed  # pylint: disable=g-import-not-at-top
+  return distributed.failure_text(e)
 
 
 def _all_started(what: str, build: Callable[[], Any]) -> Any:
-  """build(), after every process of a multi-process run has said whether its own build succeeded: a process that
-  failed alone would leave the others waiting in their next collective until FP4JAX_SHUTDOWN_TIMEOUT."""
-  import jax  # pylint: disable=g-import-not-at-top
+  """build(), after every process of a multi-process run has said whether its own build succeeded."""
   from fp4jax.pretrain import distributed  # pylint: disable=g-import-not-at-top
-  if not jax.distributed.is_initialized():
-    return build()
-  try:
-    result, error = build(), None
-  except (Exception, SystemExit) as e:  # pylint: disable=broad-exception-caught
-    result, error = None, e
-  distributed.check_all_started(what, None if error is None else _failure(error))
-  if error is not None:
-    raise error
-  return result
+  return distributed.all_started(what, build, _failure)
 
 
 def _run_train(argv: Sequence[str]) -> int:
@@ -220,8 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if argv else EXIT_USAGE
   from fp4jax.pretrain import distributed  # pylint: disable=g-import-not-at-top
   try:
-    # Before anything starts a JAX backend; a no-op unless the FP4JAX_* multi-process variables are set.
-    multi = distributed.init_distributed()
+    # Before anything starts a JAX backend; a no-op unless the FP4JAX_* multi-process variables are set. Invalid
+    # timeouts are reported in the first start check below, after joining with the defaults.
+    config, timeout_error = distributed.joinable_from_env()
+    multi = config is not None and distributed.init_distributed(config)
   except ValueError as e:
     print(f"fp4jax: error: {e}", file=sys.stderr)
     return EXIT_USAGE
@@ -231,9 +224,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import compile_cache  # pylint: disable=g-import-not-at-top
   from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
-  if not {"-h", "--help"} & set(argv):
-    compile_cache.enable(log=lambda line: print(line, file=sys.stderr))  # before the first compile
+
+  def read_environment():
+    if timeout_error is not None:
+      raise ValueError(timeout_error)
+    if not {"-h", "--help"} & set(argv):
+      compile_cache.enable(log=lambda line: print(line, file=sys.stderr))  # before the first compile
+
   try:
+    # The first start check: a process that failed here alone left the others waiting for it in their next one.
+    _all_started("read its FP4JAX_* environment variables", read_environment)
     return COMMANDS[argv[0]](argv[1:])
   except jax.errors.JaxRuntimeError as e:
     if not multi:

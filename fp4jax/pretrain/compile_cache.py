@@ -27,6 +27,7 @@ from collections.abc import Callable
 import jax
 
 from fp4jax import gemm
+from fp4jax.pretrain import data
 
 ENV = "FP4JAX_COMPILE_CACHE"
 OFF = ("off", "0", "false", "no", "none")
@@ -76,7 +77,9 @@ def prune(folder: pathlib.Path, max_bytes: int = MAX_BYTES) -> int:
 def enable(log: Callable[[str], None] | None = None) -> pathlib.Path | None:
   """Turns on JAX's persistent compilation cache as the module docstring says; returns the folder (None if off).
 
-  Call it before the first compile of the process: JAX opens its cache at the first compile and keeps it.
+  Call it before the first compile of the process: JAX opens its cache at the first compile and keeps it. Raises
+  ValueError for a FP4JAX_COMPILE_CACHE that names no folder ("~user/..." of an unknown user); a folder that cannot
+  be made or written is a note, and no cache.
   """
   configured = jax.config.jax_compilation_cache_dir
   if configured:
@@ -84,7 +87,7 @@ def enable(log: Callable[[str], None] | None = None) -> pathlib.Path | None:
   setting = os.environ.get(ENV, "").strip()
   if setting.lower() in OFF:
     return None
-  folder = pathlib.Path(setting).expanduser() if setting else default_dir()
+  folder = data.expand_folder(ENV, setting, f"(or {ENV}=off)") if setting else default_dir()
   try:
     folder.mkdir(parents=True, exist_ok=True)
     prune(folder)

@@ -308,10 +308,24 @@ def decode(dataset: TokenDataset, tokens: np.ndarray | Sequence[int]) -> str:
 # ------------------------------------------------------------------------------------------------ cache
 
 
+def expand_folder(name: str, setting: str, other: str) -> pathlib.Path:
+  """The folder `setting` of option or variable `name`, "~" and "~user" expanded; raises ValueError (saying `other`,
+  what else to give) for a "~user" of no user of this machine (pathlib raises a bare RuntimeError)."""
+  try:
+    return pathlib.Path(setting).expanduser()
+  except RuntimeError:
+    user = setting[1:].split("/", 1)[0] or "the current user"
+    raise ValueError(f"{name}={setting}: no home folder for {user} on this machine; give an existing folder "
+                     f"{other}.") from None
+
+
 def _cache_root(config: DataConfig) -> pathlib.Path:
   """Argument beats $FP4JAX_CACHE beats ~/.cache/fp4jax/data."""
-  root = config.cache_dir or os.environ.get("FP4JAX_CACHE") or "~/.cache/fp4jax/data"
-  return pathlib.Path(root).expanduser()
+  if config.cache_dir:
+    return expand_folder("--data.cache_dir", config.cache_dir, "(or leave it out for FP4JAX_CACHE or the default)")
+  if os.environ.get("FP4JAX_CACHE"):
+    return expand_folder("FP4JAX_CACHE", os.environ["FP4JAX_CACHE"], "(or unset it for ~/.cache/fp4jax/data)")
+  return pathlib.Path("~/.cache/fp4jax/data").expanduser()
 
 
 def _cache_key(digests: list[bytes], config: DataConfig) -> str:

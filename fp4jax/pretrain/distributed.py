@@ -21,7 +21,10 @@ Failure handling (all bounded, none silent):
   and leave the others waiting in their first collective until that timeout: `check_all_started` (a small
   collective the CLI joins on every process right after parsing, and again after building the config) makes the
   others raise PeerStartError (the CLI exits with code 2) naming the process and its error, within seconds
-  (`fp4jax eval`: after parsing, and again after each process read its checkpoint's config and data);
+  (`fp4jax eval`: after parsing, and again after each process read its checkpoint's config and data). The same
+  holds for a process whose FP4JAX_* variables are invalid (the CLI's first check; one with an invalid timeout joins
+  with the default first, see joinable_from_env) and, in `trainer.train`, one that cannot read its data (a corpus
+  or token cache folder its host lacks);
 - processes started with different settings (another --lr, --recipe, --seed, ...) would train apart silently, hang
   in mismatched collectives or fail deep inside JAX: `check_same_run` (the first thing `trainer.train` does) compares
   digests of every process's run config and makes all of them raise ConfigMismatchError (the CLI exits with code 2)
@@ -37,7 +40,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -105,6 +108,33 @@ class DistributedConfig:
                process_id=as_int(ENV_PROCESS_ID), init_timeout=as_int(ENV_INIT_TIMEOUT, 300),
                heartbeat_timeout=as_int(ENV_HEARTBEAT_TIMEOUT, 100),
                shutdown_timeout=as_int(ENV_SHUTDOWN_TIMEOUT, 300))
+
+
+TIMEOUT_VARIABLES = (ENV_INIT_TIMEOUT, ENV_HEARTBEAT_TIMEOUT, ENV_SHUTDOWN_TIMEOUT)
+
+
+def timeout_error(environ=None) -> str | None:
+  """Why the FP4JAX_*_TIMEOUT variables set are not whole numbers of seconds >= 1 (None when they all are)."""
+  env = os.environ if environ is None else environ
+  bad = [(name, env[name].strip()) for name in TIMEOUT_VARIABLES if env.get(name, "").strip()]
+  bad = [(name, text) for name, text in bad if not re.fullmatch(r"[+-]?[0-9]+", text) or int(text) < 1]
+  return " ".join(f"{name} must be a whole number of seconds >= 1; got {text!r}." for name, text in bad) or None
+
+
+def joinable_from_env(environ=None) -> tuple[DistributedConfig | None, str | None]:
+  """(the config to join the run with, the error of its timeout variables or None), from the FP4JAX_* variables.
+
+  A process whose timeouts are invalid still joins, with the defaults for those, so that the first start check
+  (check_all_started) stops every process at once naming its error: failing before joining left the others waiting
+  FP4JAX_INIT_TIMEOUT (300 s) for it, then aborted them. Invalid main variables (coordinator, process count or id)
+  raise ValueError as in DistributedConfig.from_env: without them no process can join.
+  """
+  env = dict(os.environ if environ is None else environ)
+  error = timeout_error(env)
+  if error is not None:
+    env = {k: v for k, v in env.items() if k not in TIMEOUT_VARIABLES or timeout_error({k: v}) is None}
+  config = DistributedConfig.from_env(env)
+  return config, error if config is not None else None  # one process reads no timeout
 
 
 def _backends_started() -> bool:
@@ -198,6 +228,28 @@ def check_all_started(what: str, reason: str | None) -> None:
       f"process{'es' if len(failed) > 1 else ''} {_join([str(p) for p in failed])} of this multi-process run could "
       f"not {what}, so this process ({jax.process_index()} of {jax.process_count()}) stops too: {parts}. Fix it and "
       "start every process again with the same flags.")
+
+
+def failure_text(e: BaseException) -> str:
+  """What check_all_started tells the other processes of error `e`: the message of the errors that explain
+  themselves (bad values, missing files), else with the error's type."""
+  return str(e) if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: {e}"
+
+
+def all_started(what: str, build: Callable[[], Any], describe: Callable[[BaseException], str] = failure_text) -> Any:
+  """build(), after every process of a multi-process run said whether its own build() succeeded (check_all_started,
+  `describe` giving the text of its error): a process that failed alone would leave the others waiting in their next
+  collective until FP4JAX_SHUTDOWN_TIMEOUT. Just build() outside a multi-process run."""
+  if not jax.distributed.is_initialized():
+    return build()
+  try:
+    result, error = build(), None
+  except (Exception, SystemExit) as e:  # pylint: disable=broad-exception-caught
+    result, error = None, e
+  check_all_started(what, None if error is None else describe(error))
+  if error is not None:
+    raise error
+  return result
 
 
 # --- every process runs the same configuration ------------------------------------------------------------------

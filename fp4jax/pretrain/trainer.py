@@ -158,7 +158,9 @@ def _train_locked(config, user_hooks, log, compile_cache, out) -> dict[str, Any]
   optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
   state = initial_state(config, nnx.state(model, nnx.Param), jax.jit(optimizer.init))
   placement = _placement(config, state)
-  dataset, val = load_data(config, *placement.batch_block())
+  # Each process reads its own corpus and token cache (a host may lack the corpus, or its cache folder be full):
+  # all agree before the first collective, which a process that failed alone would never join.
+  dataset, val = distributed.all_started("read its data", lambda: load_data(config, *placement.batch_block()))
   phases = Phases(config, model, optimizer, compile_cache, placement)
   # Committed like a restored state (restore reads onto these shardings), so a fresh and a resumed run hit the
   # same compiled step, and a checkpoint saved on one mesh restores onto another.

@@ -50,6 +50,17 @@ def test_an_unusable_folder_runs_without_the_cache(monkeypatch, tmp_path, cache_
   assert "no compilation cache" in notes[0] and f"{compile_cache.ENV}=off" in notes[0]
 
 
+def test_a_folder_of_no_user_is_a_clear_error(monkeypatch, cache_config):
+  # Once a bare RuntimeError traceback from pathlib (and, on one process of a multi-process run, all of them
+  # aborted after FP4JAX_SHUTDOWN_TIMEOUT): "~user" of a user this machine does not have names no folder.
+  jax.config.update("jax_compilation_cache_dir", None)
+  monkeypatch.setenv(compile_cache.ENV, "~fp4jax-no-such-user/xla")
+  with pytest.raises(ValueError, match=r"^FP4JAX_COMPILE_CACHE=~fp4jax-no-such-user/xla: no home folder for "
+                     r"fp4jax-no-such-user on this machine; give an existing folder \(or FP4JAX_COMPILE_CACHE=off\)"):
+    compile_cache.enable()
+  assert jax.config.jax_compilation_cache_dir is None
+
+
 def test_prune_deletes_the_oldest_files_first(tmp_path):
   for i in range(5):
     path = tmp_path / f"k{i}-cache"

@@ -28,6 +28,7 @@ from fp4jax.pretrain import distributed
 from fp4jax.pretrain import resume
 from fp4jax.pretrain import runfolder
 from fp4jax.pretrain import sharding
+from fp4jax.pretrain import trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 16  # enough steps left for a SIGINT sent after step 0 to land mid-run
@@ -163,6 +164,36 @@ def test_env_integers_are_plain_decimals():
   for bad in ({"num_processes": "2"}, {"num_processes": 2.5}, {"process_id": True}, {"init_timeout": 1.5}):
     with pytest.raises(ValueError, match="must be an int"):
       distributed.DistributedConfig(**{"coordinator": "h:1", "num_processes": 2, "process_id": 0, **bad})
+
+
+def test_invalid_timeouts_still_join_and_are_reported():
+  # A process with an invalid timeout joins with the default, so that the first start check can stop all processes.
+  main = {"FP4JAX_COORDINATOR": "h:1", "FP4JAX_NUM_PROCESSES": "2", "FP4JAX_PROCESS_ID": "1"}
+  env = {**main, "FP4JAX_INIT_TIMEOUT": "7", "FP4JAX_HEARTBEAT_TIMEOUT": "abc", "FP4JAX_SHUTDOWN_TIMEOUT": "0"}
+  config, error = distributed.joinable_from_env(env)
+  assert config == distributed.DistributedConfig("h:1", num_processes=2, process_id=1, init_timeout=7)
+  assert error == ("FP4JAX_HEARTBEAT_TIMEOUT must be a whole number of seconds >= 1; got 'abc'. "
+                   "FP4JAX_SHUTDOWN_TIMEOUT must be a whole number of seconds >= 1; got '0'.")
+  assert distributed.joinable_from_env({**main, "FP4JAX_INIT_TIMEOUT": " 7 "}) == (config, None)
+  assert distributed.joinable_from_env({"FP4JAX_INIT_TIMEOUT": "abc"}) == (None, None)  # one process: unused
+  with pytest.raises(ValueError, match="FP4JAX_PROCESS_ID must be an integer"):  # no id: cannot join at all
+    distributed.joinable_from_env({**env, "FP4JAX_PROCESS_ID": "one"})
+
+
+def test_train_joins_a_start_check_with_its_data_error(monkeypatch, tmp_path):
+  # A process that could not read its data (a cache folder or corpus its host lacks) failed alone: the others went
+  # on to their next collective and waited there until FP4JAX_SHUTDOWN_TIMEOUT, then all aborted (SIGABRT).
+  rows = []
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  monkeypatch.setattr(distributed, "check_all_started", lambda what, reason: rows.append((what, reason)))
+  monkeypatch.setenv("FP4JAX_CACHE", "~fp4jax-no-such-user/data")
+  config = config_lib.TrainConfig.from_options(out=str(tmp_path / "x"), model="tiny", seq_len=32, eval_batches=0,
+                                               progress=False)
+  want = ("FP4JAX_CACHE=~fp4jax-no-such-user/data: no home folder for fp4jax-no-such-user on this machine; give an "
+          "existing folder (or unset it for ~/.cache/fp4jax/data).")
+  with pytest.raises(ValueError) as info:
+    trainer.train(config, log=None)
+  assert str(info.value) == want and rows == [("read its data", want)]
 
 
 def test_init_after_backend_started_is_a_clear_error():
@@ -408,6 +439,42 @@ def test_a_process_that_cannot_start_stops_all_promptly(tmp_path):
   for name in ("parse", "build"):
     _assert_stopped_by_process_1(tmp_path, name, what[name], reason[name], logs)
   assert not (tmp_path / "x").exists() and sorted(p.name for p in (stored / "checkpoints").iterdir()) == ["4"]
+
+
+@pytest.mark.slow
+def test_a_process_with_an_invalid_variable_stops_all_promptly(tmp_path):
+  """An invalid FP4JAX_* timeout on one process only: it exited 2 before joining, and the other waited
+  FP4JAX_INIT_TIMEOUT (300 s by default) for it, then JAX aborted it (SIGABRT). Now the bad one joins with the
+  default and every process exits 2 within seconds, naming the process and its error."""
+  slow = {"FP4JAX_INIT_TIMEOUT": "300", "FP4JAX_SHUTDOWN_TIMEOUT": "300"}  # the defaults: what the other waited
+  procs = _launch(tmp_path, TRAIN_ARGS + ["--out", str(tmp_path / "x")], 2, "timeout",
+                  process_env=[{}, {"FP4JAX_SHUTDOWN_TIMEOUT": "abc"}], **slow)
+  codes = _wait(procs, timeout=PROMPT_S)
+  logs = _logs(tmp_path, "timeout", 2)
+  assert codes == [2, 2], logs
+  _assert_stopped_by_process_1(tmp_path, "timeout", "read its FP4JAX_* environment variables",
+                               "FP4JAX_SHUTDOWN_TIMEOUT must be a whole number of seconds >= 1; got 'abc'", logs)
+  assert not (tmp_path / "x").exists()
+
+
+def test_cli_joins_a_start_check_with_its_environment_error(monkeypatch):
+  # A compile cache folder of no user made one process die with a RuntimeError traceback after joining; the others
+  # waited in their first start check until FP4JAX_SHUTDOWN_TIMEOUT, then all aborted (SIGABRT).
+  rows = []
+  for name in ("FP4JAX_COORDINATOR", "FP4JAX_NUM_PROCESSES", "FP4JAX_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  monkeypatch.setattr(distributed, "check_all_started", lambda what, reason: rows.append((what, reason)))
+  monkeypatch.setenv("FP4JAX_COMPILE_CACHE", "~fp4jax-no-such-user/xla")
+  before = jax.config.jax_compilation_cache_dir  # JAX's own setting would win over FP4JAX_COMPILE_CACHE
+  jax.config.update("jax_compilation_cache_dir", None)
+  try:
+    assert cli.main(["train", "--out", "x"]) == 2
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)
+  assert rows == [("read its FP4JAX_* environment variables", "FP4JAX_COMPILE_CACHE=~fp4jax-no-such-user/xla: no "
+                   "home folder for fp4jax-no-such-user on this machine; give an existing folder (or "
+                   "FP4JAX_COMPILE_CACHE=off).")]
 
 
 def test_cli_eval_joins_the_start_checks_with_its_own_error(monkeypatch, tmp_path):
