@@ -6,12 +6,18 @@ data position (batches are a pure function of (seed, step), so the step is the p
 ("data": data.DataIdentity, checked on resume and evaluation; absent in checkpoints of fp4jax before 2026-12-05).
 
 Failures to find or read a checkpoint raise `CheckpointError` (`CorruptCheckpointError` for damaged files) and never
-delete or overwrite anything on disk.
+delete or overwrite anything on disk. A save that fails on the file system (a full disk) raises `CheckpointSaveError`
+naming the folder and its free space: orbax writes each step into a <step>.orbax-checkpoint-tmp* folder and renames
+it only once complete, so the unfinished step is never listed, restored or resumed from.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
+import shutil
+import weakref
 from typing import Any
 
 import jax
@@ -33,6 +39,27 @@ class CorruptCheckpointError(CheckpointError):
 class StateMismatchError(CheckpointError):
   """A readable checkpoint whose arrays do not fit this run's state (another model shape, OutControl or OsciReset
   switched on or off)."""
+
+
+class CheckpointSaveError(ValueError):
+  """A checkpoint could not be written (a full disk, a file too large for the file system, an I/O error)."""
+
+
+def os_reason(e: BaseException) -> str | None:
+  """The operating system's reason for a failed write (None when `e` is no OS error): an OSError's, or the error
+  code tensorstore ends its messages with ("... No space left on device [os_error_code='28']")."""
+  if isinstance(e, OSError) and e.errno:
+    return e.strerror or os.strerror(e.errno)
+  code = re.search(r"os_error_code='(\d+)'", str(e))
+  return os.strerror(int(code.group(1))) if code else None
+
+
+def free_space(folder: pathlib.Path) -> str:
+  """How much the file system holding `folder` has free, in MiB ("unknown" when it cannot be read)."""
+  try:
+    return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB"
+  except OSError:
+    return "unknown"
 
 
 def _short(e: Exception, limit: int = 400) -> str:
@@ -70,16 +97,61 @@ def open_manager(out_dir: str | pathlib.Path, *, max_to_keep: int | None = 3, sa
   return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
+# The step of each manager's save still being written in the background (orbax reports its failure later).
+_WRITING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _save_error(manager: ocp.CheckpointManager, step: int | None, reason: str) -> CheckpointSaveError:
+  """The error for a failed save: which checkpoint, where, why, the free space there, and what --resume will do."""
+  directory = pathlib.Path(manager.directory)
+  try:
+    finished = [s for s in available_steps(manager) if s != step]
+  except Exception:  # pylint: disable=broad-exception-caught
+    finished = []
+  which = f"checkpoint {step}" if step is not None else "a checkpoint"
+  kept = (f"--resume continues from the newest finished one, step {finished[-1]}" if finished else
+          "no checkpoint was finished before it, so start the run again (--overwrite)")
+  return CheckpointSaveError(
+      f"Could not write {which} in {directory}: {reason} ({free_space(directory)} free there). The run stopped; the "
+      f"unfinished step is no checkpoint and {kept}. Free space in {directory} (or give another --out), then run "
+      "again.")
+
+
 def save(manager: ocp.CheckpointManager, step: int, state: dict[str, Any], meta: dict[str, Any], *,
          force: bool = False) -> bool:
   """Saves `state` (a pytree of arrays) and `meta` (JSON-able) at `step`; returns whether a save happened.
 
   Without `force`, the manager's save interval decides. The caller must never pass a non-finite state.
-  Top-level None entries (TrainState.osci when OsciReset is off) are not stored.
+  Top-level None entries (TrainState.osci when OsciReset is off) are not stored. The save finishes in the
+  background: `wait` (or the next save) raises CheckpointSaveError if it failed on the file system.
   """
+  if force or manager.should_save(int(step)):
+    wait(manager)  # an earlier save that failed is reported as its own step's
   state = {k: v for k, v in state.items() if v is not None}
   args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-  return manager.save(int(step), args=args, force=force)
+  try:
+    saved = manager.save(int(step), args=args, force=force)
+  except Exception as e:
+    reason = os_reason(e)
+    if reason is None:
+      raise
+    raise _save_error(manager, int(step), reason) from e
+  if saved:
+    _WRITING[manager] = int(step)
+  return saved
+
+
+def wait(manager: ocp.CheckpointManager) -> None:
+  """Waits until the manager's background save finished; raises CheckpointSaveError if it failed on the file
+  system (other failures propagate as they are)."""
+  try:
+    manager.wait_until_finished()
+  except Exception as e:
+    reason = os_reason(e)
+    if reason is None:
+      raise
+    raise _save_error(manager, _WRITING.pop(manager, None), reason) from e
+  _WRITING.pop(manager, None)
 
 
 def available_steps(manager: ocp.CheckpointManager) -> list[int]:

@@ -31,8 +31,9 @@ or changed corpus on its host) makes every process exit with code 2 at once.
 Compiled steps are kept in a cache folder, one per CPU type (~/.cache/fp4jax/xla-<cpu id>; FP4JAX_COMPILE_CACHE=DIR
 picks another, FP4JAX_COMPILE_CACHE=off none; see fp4jax.pretrain.compile_cache): a rerun skips the compile.
 
-Exit codes: 0 done, 1 training diverged, 2 bad arguments/config/data, unusable checkpoint or processes started with
-different settings, 3 another process of a multi-process run failed, 130 interrupted.
+Exit codes: 0 done, 1 training diverged, 2 bad arguments/config/data, unusable checkpoint, a checkpoint that could not
+be written (a full disk) or processes started with different settings, 3 another process of a multi-process run
+failed, 130 interrupted.
 """
 
 from __future__ import annotations

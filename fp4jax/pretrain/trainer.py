@@ -133,7 +133,9 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
   (beyond distributed.PER_PROCESS_FIELDS), before anything is read or compiled.
   Raises TrainingDiverged on a non-finite loss (nothing non-finite is ever saved), CheckpointError when --resume
   finds no readable checkpoint (unreadable newer ones are moved aside, see fp4jax.pretrain.resume), RunLockedError
-  when another run holds --out, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C.
+  when another run holds --out, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C,
+  checkpoint.CheckpointSaveError when a checkpoint cannot be written (a full disk; --resume continues from the last
+  finished one).
   """
   if jax.process_count() > 1:  # first: a process started with other settings fails before any data or compile
     distributed.check_same_run(config.to_dict(), config_lib.field_flags())
@@ -178,8 +180,10 @@ def _train_locked(config, user_hooks, log, compile_cache, out) -> dict[str, Any]
     log(f"Data: {dataset.source}")
     return _Loop(config, log, out, dataset, val, keys, phases, manager, start).run(state, user_hooks)
   finally:
-    manager.wait_until_finished()
-    manager.close()
+    try:
+      ckpt.wait(manager)
+    finally:
+      manager.close()
 
 
 def _training_options_lines(config: TrainConfig) -> list[str]:
@@ -319,7 +323,7 @@ class _Loop:
                f"the last one is step {self.last_saved}.")
       return
     self.save(step, info.state, force=True)
-    self.manager.wait_until_finished()
+    ckpt.wait(self.manager)
     self.log(f"A hook raised after step {step}: checkpoint of step {step} saved in {ckpt.checkpoint_dir(self.out)} "
              "(resume with --resume).")
 
@@ -403,7 +407,7 @@ class _Loop:
         # All processes stop after the same step, so the checkpoint below is saved by all of them together.
         if distributed.any_process(interrupted.is_set()):
           self.save(step + 1, state, force=True)
-          self.manager.wait_until_finished()
+          ckpt.wait(self.manager)
           self.log(f"Interrupted after step {step + 1}: checkpoint saved in {ckpt.checkpoint_dir(self.out)}.")
           raise KeyboardInterrupt
 
@@ -413,6 +417,7 @@ class _Loop:
         hook(final)
       after(final)
       before[0](final)  # the final checkpoint last, after the final record
+      ckpt.wait(self.manager)  # before "Done": a final save that fails (a full disk) raises CheckpointSaveError
 
     wall = time.perf_counter() - t_start
     val_text = f", val_loss {self.val_losses[config.steps]:.4f}" if self.val else ""

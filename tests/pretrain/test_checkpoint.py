@@ -1,9 +1,14 @@
 """Tests for fp4jax.pretrain.checkpoint and fp4jax.pretrain.resume: bit-exact round trip, clear errors for missing or
 mismatched checkpoints, corrupt or superseded checkpoints moved aside byte for byte (never deleted or changed)."""
 
+import contextlib
 import dataclasses
+import errno
 import json
 import pathlib
+import resource
+import signal
+import time
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +27,7 @@ from fp4jax.pretrain import runfolder
 from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
+from train_helpers import run, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +175,82 @@ def test_a_save_killed_midway_is_no_checkpoint(tmp_path):
   assert not (out / metrics.METRICS_FILE).exists()
   _, lock = runfolder.open_run_folder(out, resume=False, overwrite=False, process_index=0, process_count=1)
   lock.release()
+
+
+# What tensorstore raised when a checkpoint filled a 2 MiB tmpfs (fp4jax train --out on it, 2026-12-05), shortened.
+TENSORSTORE_ENOSPC = ('RESOURCE_EXHAUSTED: Error writing "opt_state.1.0.nu.blocks.0.attn.o.kernel.value/0.0" in OCDBT '
+                      'database at local file "/mnt/run/checkpoints/6.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/'
+                      'ocdbt.process_0/": Failed to write 14793 bytes to file 5: No space left on device '
+                      "[os_error_code='28']")
+
+
+def test_os_reason_of_a_failed_write():
+  assert ckpt.os_reason(ValueError(TENSORSTORE_ENOSPC)) == "No space left on device"
+  assert ckpt.os_reason(OSError(errno.ENOSPC, "No space left on device")) == "No space left on device"
+  assert ckpt.os_reason(OSError(errno.EDQUOT, "")) == "Disk quota exceeded"
+  assert ckpt.os_reason(ValueError("another model")) is None and ckpt.os_reason(OSError("no errno")) is None
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+  """Writes (by any thread of this process) beyond `nbytes` of a file fail with EFBIG while inside, as writes on a
+  full disk fail with ENOSPC: the same error path in tensorstore and orbax, without root for a small tmpfs."""
+  before = resource.getrlimit(resource.RLIMIT_FSIZE)
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process
+  resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, before[1]))
+  try:
+    yield
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, before)
+    signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_save_that_cannot_be_written_names_the_folder_and_keeps_the_finished_ones(tmp_path):
+  manager = ckpt.open_manager(tmp_path)
+  state = {"w": np.arange(50_000, dtype=np.float32)}  # 200 KB: one data file beyond the limit below
+  assert ckpt.save(manager, 4, state, {"config": TrainConfig(out=str(tmp_path)).to_dict()}, force=True)
+  ckpt.wait(manager)
+  with file_size_limit(64 * 1024):
+    assert ckpt.save(manager, 8, state, {"config": TrainConfig(out=str(tmp_path)).to_dict()}, force=True)
+    with pytest.raises(ckpt.CheckpointSaveError) as info:
+      ckpt.wait(manager)
+  folder = ckpt.checkpoint_dir(tmp_path)
+  assert str(info.value).startswith(f"Could not write checkpoint 8 in {folder}: File too large (")
+  assert str(info.value).endswith(" MiB free there). The run stopped; the unfinished step is no checkpoint and "
+                                  f"--resume continues from the newest finished one, step 4. Free space in {folder} "
+                                  "(or give another --out), then run again.")
+  assert ckpt.available_steps(manager) == [4]
+  manager.close()
+  assert [p.name for p in folder.iterdir() if p.name.startswith("8")][0].startswith("8.orbax-checkpoint-tmp")
+  assert resume_lib.resume_meta(tmp_path)[0] == 4
+
+
+@pytest.mark.slow
+# tensorstore's write callbacks that land after orbax closed its event loop report "Event loop is closed" (noise).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_run_whose_checkpoint_cannot_be_written_stops_and_resumes_from_the_last_finished_one(env, tmp_path):
+  """The final save of a run fails (as on a full disk): the run logged "Done" and then died with orbax's raw
+  RESOURCE_EXHAUSTED ValueError (4 orbax tracebacks before it). Now it stops with CheckpointSaveError naming the
+  folder, its free space and the step --resume continues from; the unfinished step is not resumed from."""
+  config = tiny_config(env, tmp_path, steps=4, checkpoint_every=2, recipe="bf16")
+  limit = contextlib.ExitStack()
+
+  def fill_the_disk(step, record):
+    del record
+    if step == 3:  # after the last step, once checkpoint 2 is on disk: the final save (step 4) fails
+      deadline = time.monotonic() + 60
+      while not (ckpt.checkpoint_dir(tmp_path) / "2").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.05)
+      limit.enter_context(file_size_limit(16 * 1024))
+
+  lines = []
+  with limit, pytest.raises(ckpt.CheckpointSaveError, match=r"Could not write checkpoint 4 in .*: File too large "
+                            r"\(.* --resume continues from the newest finished one, step 2\."):
+    trainer.train(config, [fill_the_disk], log=lines.append, compile_cache=env["cache"])
+  assert not [line for line in lines if line.startswith("Done")]
+  assert resume_lib.resume_meta(tmp_path)[0] == 2
+  summary = run(env, config.replace(resume=True))
+  assert summary["start_step"] == 2 and summary["checkpoint_step"] == 4
 
 
 @pytest.mark.slow
