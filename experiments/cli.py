@@ -136,7 +136,7 @@ def main(get_config: Callable[[str], Sweep], argv: Sequence[str] | None, *, prog
     print(f"Report: {', '.join(str(p) for p in written)}")
   if args.merge_into and fp4jax.pretrain.distributed.is_main_process():
     try:
-      written = merge.merge_into(args.merge_into, args.out, full_sweep_meta(get_config, args))
+      written = merge.merge_into(args.merge_into, args.out, full_sweep_meta(get_config, args), log=print)
     except (ValueError, FileNotFoundError) as e:
       print(f"error: {e}", file=sys.stderr)
       return 2

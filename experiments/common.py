@@ -6,7 +6,7 @@ Imports nothing from the experiments, so the sweep, the sweep report and the pro
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,6 +14,11 @@ import numpy as np
 # Files of a sweep folder: OUT/sweep.json (runs, labels, reference), OUT/<run>/seed<k>/summary.json (one result).
 SWEEP_FILE = "sweep.json"
 SUMMARY_FILE = "summary.json"
+# What decides a run's numbers beyond its config, recorded in summary.json and results.jsonl (experiments.sweep
+# .provenance). A kept run's recipe_spec and gemm_mode must be what the current code and machine train its settings
+# with; runs recorded before these fields existed lack them and cannot be checked.
+PROVENANCE_FIELDS = ("recipe_spec", "gemm_mode", "jax_version", "platform")
+CHECKED_PROVENANCE = ("recipe_spec", "gemm_mode")
 
 
 def jsonable(value: Any) -> Any:
@@ -33,6 +38,11 @@ def jsonable(value: Any) -> Any:
   if value is None or isinstance(value, (bool, int, str)):
     return value
   return str(value)
+
+
+def has_provenance(recorded: Mapping[str, Any]) -> bool:
+  """Whether a summary or result row records the checked provenance fields (rows stored before them do not)."""
+  return all(recorded.get(k) is not None for k in CHECKED_PROVENANCE)
 
 
 def fmt(mean: float | None, spread: float | None = None, digits: int = 4, signed: bool = False) -> str:

@@ -5,8 +5,10 @@ reference, which --runs keeps) and then rewrites STORED's results.jsonl, results
 sweep.json and plots: the rows and curves of the rerun runs (new runs included) come from NEW, every other run's
 from STORED, unchanged. The reference is not replaced: its rerun must reproduce the stored losses exactly (same
 seeds, same data order), else the merge refuses, since the stored runs' gaps would be measured against another
-reference than the new ones'. The kept runs must still have the settings the sweep gives them (else rerun them
-too), and the two sweeps the same experiment, preset, shared settings and seed count. The result is what a full
+reference than the new ones'. The kept runs must still have the settings the sweep gives them, and have been
+trained under the recipe (defaults spelled out) and resolved GEMM mode this code and machine give those settings, as
+their rows record (else rerun them too; rows stored before they recorded these cannot be checked, which the merge
+says), and the two sweeps the same experiment, preset, shared settings and seed count. The result is what a full
 run would have written, except for the kept runs' throughput and wall times, which a full run would measure again.
 """
 
@@ -14,11 +16,11 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from experiments import report
-from experiments.common import SWEEP_FILE, jsonable
+from experiments.common import SWEEP_FILE, has_provenance, jsonable
 
 
 def _check_same_reference(reference: str, stored_rows, new_rows) -> None:
@@ -62,6 +64,47 @@ def _check_kept_runs(stored, stored_meta: Mapping[str, Any], meta: Mapping[str, 
                      f"sweep ({listed}): their rows would be listed under the new settings; rerun them too (--runs).")
 
 
+def _check_kept_provenance(stored, stored_rows, meta: Mapping[str, Any], rerun) -> list[str]:
+  """The kept runs' rows must have been trained under the numerics this code and machine give their settings: the
+  recipe in full (a default such as sr_bits changed since) and the GEMM mode "auto" resolves to (another CPU type or
+  platform), else they would sit beside rerun runs trained otherwise. Returns the kept run x seeds that could not be
+  checked (stored before results recorded these fields)."""
+  from experiments import sweep as sweep_lib  # pylint: disable=import-outside-toplevel  (imports JAX)
+  from fp4jax.pretrain import config as config_lib  # pylint: disable=import-outside-toplevel
+  overrides = {r["name"]: r.get("overrides") or {} for r in meta.get("runs") or []}
+  current, differ, unchecked = {}, [], []
+  for row in stored_rows:
+    name = row["run"]
+    if name in rerun or name not in overrides:  # a run the sweep no longer defines is refused by _check_kept_runs
+      continue
+    if not has_provenance(row):
+      unchecked.append(f"{name}/seed{row['seed']}")
+      continue
+    if name not in current:
+      try:
+        config = config_lib.config_from_overrides(sweep_lib.merge_overrides(meta.get("base") or {}, overrides[name]))
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"Run {name!r} of the stored results in {stored}: the current code does not build its "
+                         f"settings ({e}); rerun the whole sweep instead.") from e
+      current[name] = sweep_lib.provenance(config)
+    changed = sweep_lib.provenance_differences(row, current[name])
+    if changed:
+      differ.append(f"{name}/seed{row['seed']}: {sweep_lib.describe_differences(changed)}")
+  if differ:
+    runs = ",".join(dict.fromkeys(d.split("/")[0] for d in differ))
+    raise ValueError(f"Runs of the stored results in {stored} that this merge keeps were trained under other "
+                     f"numerics than this code gives their settings on this machine ({'; '.join(differ)}): their "
+                     f"rows would sit beside runs trained otherwise; rerun them too (--runs {runs}), or rerun the "
+                     "whole sweep.")
+  return unchecked
+
+
+def _unchecked_note(stored, unchecked: list[str]) -> str:
+  return (f"Note: {len(unchecked)} kept run x seed(s) of {stored} ({', '.join(unchecked)}) were stored before results "
+          "recorded the full recipe and GEMM mode: whether this code would train them the same way could not be "
+          "checked.")
+
+
 def _check_same_sweep(stored, stored_meta: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
   for key in ("experiment", "preset"):
     if stored_meta.get(key) != meta.get(key):
@@ -86,15 +129,16 @@ def check_mergeable(stored: str | pathlib.Path, meta: Mapping[str, Any], rerun=N
   _check_same_sweep(stored, stored_meta, meta)
   if rerun is not None:
     _check_kept_runs(stored, stored_meta, meta, set(rerun) | {meta.get("reference")})
+    _check_kept_provenance(stored, report.read_results(stored)[1], meta, set(rerun) | {meta.get("reference")})
 
 
-def merge_results(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Mapping[str, Any]
-                  ) -> tuple[dict[str, Any], list[dict[str, Any]], dict]:
+def merge_results(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Mapping[str, Any], *,
+                  log: Callable[[str], None] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], dict]:
   """(meta, rows, curves): STORED's written results with the runs of the sweep folder NEW replacing or adding theirs.
 
   meta: the full sweep's description (its run order, labels, reference, shared settings and command). The
   reference's rows stay STORED's (its rerun must match them); rows follow meta's run order; gaps are recomputed
-  (the same numbers for the kept runs).
+  (the same numbers for the kept runs). `log` gets a note naming the kept runs whose numerics could not be checked.
   """
   stored_meta, stored_rows, stored_curves = report.read_results(stored)
   _, new_rows, new_curves = report.collect(new)
@@ -104,6 +148,9 @@ def merge_results(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Map
     _check_same_reference(reference, stored_rows, new_rows)
   replaced = {r["run"] for r in new_rows} - {reference}
   _check_kept_runs(stored, stored_meta, meta, replaced | {reference})
+  unchecked = _check_kept_provenance(stored, stored_rows, meta, replaced | {reference})
+  if unchecked and log is not None:
+    log(_unchecked_note(stored, unchecked))
   rows = [r for r in stored_rows if r["run"] not in replaced] + [r for r in new_rows if r["run"] in replaced]
   order = [r["name"] for r in meta.get("runs", [])]
   unknown = sorted({r["run"] for r in rows} - set(order))
@@ -117,10 +164,11 @@ def merge_results(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Map
   return dict(meta), rows, curves
 
 
-def merge_into(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Mapping[str, Any]) -> list[pathlib.Path]:
+def merge_into(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Mapping[str, Any], *,
+               log: Callable[[str], None] | None = None) -> list[pathlib.Path]:
   """Writes the merge of `new` into the results folder `stored` (tables, sweep.json, plots); returns the paths."""
   stored = pathlib.Path(stored)
-  meta, rows, curves = merge_results(stored, new, meta)
+  meta, rows, curves = merge_results(stored, new, meta, log=log)
   report.write_tables(stored, meta, rows, curves)
   (stored / SWEEP_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
   # Redrawn from the written files, as any copied results folder is (curves at the CSV's precision).

@@ -3,6 +3,8 @@
 Reads OUT/<run>/seed<k>/{summary.json, metrics.jsonl} (and OUT/sweep.json for the run order, labels and reference)
 and writes into OUT:
   results.jsonl / results.csv  one row per run x seed: final val loss, gap to the reference (%), tokens/s, ...
+                               (results.jsonl also: recipe_spec, the recipe in full, gemm_mode as "auto" resolved,
+                               jax_version and platform; rows from before these were recorded lack them)
   curves.csv                   per-step train loss and validation loss of every run x seed (to replot elsewhere)
   results.md                   mean +- std over seeds per run, gap to the reference in %, tokens/s
   loss_curves.png              smoothed train loss (mean over seeds) and validation loss over tokens
@@ -27,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.common import SUMMARY_FILE, SWEEP_FILE, fmt, table
+from experiments.common import PROVENANCE_FIELDS, SUMMARY_FILE, SWEEP_FILE, fmt, has_provenance, table
 
 RESULTS_JSONL, RESULTS_CSV, CURVES_CSV, RESULTS_MD = "results.jsonl", "results.csv", "curves.csv", "results.md"
 LOSS_PNG, GAP_PNG = "loss_curves.png", "loss_gap.png"
@@ -53,6 +55,8 @@ def _row(summary: Mapping[str, Any]) -> dict[str, Any]:
   row["recipe_name"] = summary.get("recipe", "").split("'")[1] if "'" in summary.get("recipe", "") else None
   row["val_losses"] = summary.get("val_losses", {})
   row["overrides"] = summary.get("overrides", {})
+  # Summaries from before these were recorded lack them: their rows do too (see _provenance_lines).
+  row.update({k: summary[k] for k in PROVENANCE_FIELDS if summary.get(k) is not None})
   return row
 
 
@@ -215,6 +219,30 @@ def _missing(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> list
   return [f"{run}/seed{seed}" for run in runs for seed in range(seeds) if (run, seed) not in have]
 
 
+def _provenance_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+  """The GEMM modes ("auto" resolved) and jax / platform the rows record, and which rows record none (stored before
+  results recorded them: a merge cannot check those against the current code)."""
+  recorded = [r for r in rows if has_provenance(r)]
+  lines = []
+  if recorded:
+    modes: dict[str, list[str]] = {}
+    for r in recorded:
+      modes.setdefault(r["gemm_mode"], [])
+      if r["run"] not in modes[r["gemm_mode"]]:
+        modes[r["gemm_mode"]].append(r["run"])
+    where = sorted({f"jax {r.get('jax_version')} on {r.get('platform')}" for r in recorded})
+    lines += ["GEMM mode: " + "; ".join(f"{m} ({', '.join(runs)})" for m, runs in modes.items())
+              + f". Trained with {', '.join(where)}."]
+  unrecorded = [f"{r['run']}/seed{r['seed']}" for r in rows if not has_provenance(r)]
+  if unrecorded and not recorded:
+    lines += ["Full recipe and GEMM mode not recorded (results stored before they were): a merge cannot check these "
+              "runs against the current code."]
+  elif unrecorded:
+    lines += [f"**Not recorded** (full recipe and GEMM mode; stored before they were, not checked against the current "
+              f"code): {', '.join(unrecorded)}."]
+  return lines
+
+
 def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
   """The results.md text: a header describing the sweep, the per-run table, and how to read it."""
   reference = meta.get("reference")
@@ -241,6 +269,7 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
   if meta.get("left_out"):
     lines += [f"Left out: {', '.join(meta['left_out'])} (seeds beyond this sweep's {meta.get('seeds')}, from an "
               "earlier command; rerun with more --seeds to include them)."]
+  lines += _provenance_lines(rows)
   shared, unless_own = _shared_settings(meta)
   if shared:
     lines += [f"Shared settings: `{json.dumps(shared)}`."]

@@ -6,6 +6,8 @@ reference run the loss gaps are measured against. A finished run leaves `summary
 sweep again skips those, resumes runs that left checkpoints and restarts the rest, so an interrupted sweep is
 continued by repeating its command. A run is resumed only under its own settings and on its own data (the corpus's
 content and tokenizer its checkpoint recorded): otherwise the sweep stops before anything runs, saying what to do.
+A finished run is kept only if the full recipe and resolved GEMM mode its summary records (`provenance`) are what
+this code and machine give its settings (summaries from before they were recorded: kept, with a note).
 
 Override keys are TrainConfig fields (`steps`, `lr`, `recipe`, `bf16_last`, `switch_at`, ...), `model` (a preset
 name) and `model.FIELD` / `data.FIELD` sub-fields; `out`, `seed`, `resume`, `resume_step` and `overwrite` are set
@@ -23,21 +25,25 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import tqdm
 
+import fp4jax.gemm
 import fp4jax.pretrain.checkpoint
 import fp4jax.pretrain.data
 import fp4jax.pretrain.distributed
 import fp4jax.pretrain.metrics
 import fp4jax.pretrain.model
+import fp4jax.recipes
 from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import resume as resume_lib
 from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
 
-from experiments.common import SUMMARY_FILE, SWEEP_FILE, fmt, jsonable
+from experiments.common import CHECKED_PROVENANCE, SUMMARY_FILE, SWEEP_FILE, fmt, has_provenance, jsonable
 
 PRESETS = ("smoke", "cpu", "gpu")
 LOG_FILE = "train.log"
@@ -245,6 +251,71 @@ def _write_json(path: pathlib.Path, data: Any) -> None:
   tmp.replace(path)  # atomic: a killed process never leaves a half-written summary
 
 
+# --- provenance: what decides a run's numbers beyond its config --------------------------------------------------
+
+def recipe_spec(recipe: fp4jax.recipes.Recipe) -> str:
+  """Every field of `recipe` (formats included, defaults spelled out) but its name, a label."""
+  return repr(recipe).replace(f"name={recipe.name!r}, ", "", 1)
+
+
+def _unquantized_gemm_mode(recipe: fp4jax.recipes.Recipe) -> str:
+  """"bf16" or "f32": the output dtype an unquantized layer's GEMM asks for (fp4jax.gemm.unquantized_output_dtype)."""
+  return "bf16" if fp4jax.gemm.unquantized_output_dtype(recipe, jnp.bfloat16) == jnp.bfloat16 else "f32"
+
+
+def run_gemm_mode(config: TrainConfig) -> str:
+  """The GEMM mode(s) `config`'s run multiplies in on this machine, "auto" resolved: "bf16" or "f32" when every layer
+  uses one, else "bf16 (BF16 layers: f32)" (quantized layers, then the BF16 ones: its BF16 blocks, BF16 pattern or
+  full switch, which run fp4jax.recipes.bf16() and resolve "auto" on their own, e.g. f32 on every CPU)."""
+  policy = config.policy
+  high = _unquantized_gemm_mode(policy.recipe if not policy.recipe.is_quantized else fp4jax.recipes.bf16())
+  if not policy.recipe.is_quantized:
+    return high
+  low = fp4jax.gemm.resolve_gemm_mode(policy.recipe)
+  has_bf16_layers = (bool(policy.bf16_blocks(config.model.n_layers)) or policy.pattern is not None
+                     or (policy.switch_at is not None and policy.switch == "all"))
+  return low if low == high or not has_bf16_layers else f"{low} (BF16 layers: {high})"
+
+
+def provenance(config: TrainConfig) -> dict[str, str]:
+  """What a run of `config` trains under on this machine beyond its config: the recipe in full (every field, defaults
+  included, e.g. sr_bits), the GEMM mode "auto" resolves to (run_gemm_mode), the jax version and the platform."""
+  device = jax.devices()[0]
+  return {"recipe_spec": recipe_spec(config.policy.recipe), "gemm_mode": run_gemm_mode(config),
+          "jax_version": jax.__version__, "platform": f"{device.platform} ({device.device_kind})"}
+
+
+def provenance_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+  """[(field, recorded, current)] of the checked provenance fields that differ; fields `recorded` lacks (a run stored
+  before they were recorded) are not compared: see has_provenance."""
+  return [(k, recorded[k], current[k]) for k in CHECKED_PROVENANCE
+          if recorded.get(k) is not None and recorded[k] != current[k]]
+
+
+def describe_differences(differences: Sequence[tuple[str, Any, Any]]) -> str:
+  """"gemm_mode: recorded 'f32', now 'bf16'; ..." (recipe specs are long: from the field where they first differ)."""
+  parts = []
+  for field, old, new in differences:
+    if field == "recipe_spec":
+      at = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+      start = max(0, old.rfind("(", 0, at) + 1, old.rfind(", ", 0, at) + 2)
+      cut = lambda spec: ("..." if start else "") + spec[start:at + 30] + ("..." if at + 30 < len(spec) else "")
+      parts.append(f"{field}: recorded `{cut(old)}`, now `{cut(new)}`")
+    else:
+      parts.append(f"{field}: recorded {old!r}, now {new!r}")
+  return "; ".join(parts)
+
+
+def _check_same_provenance(folder: pathlib.Path, stored: Mapping[str, Any], config: TrainConfig) -> None:
+  """A finished run whose recipe defaults or resolved GEMM mode were others than this code and machine give its
+  settings (a default changed since, or "auto" resolving to another mode here) is refused before anything runs."""
+  changed = provenance_differences(stored, provenance(config))
+  if changed:
+    raise ValueError(f"{folder} holds a finished run trained under other numerics than this code gives its settings "
+                     f"on this machine ({describe_differences(changed)}); delete that folder to rerun it, or use "
+                     "another --out.")
+
+
 def _check_same_settings(folder: pathlib.Path, stored: Mapping[str, Any], config: TrainConfig) -> None:
   # Result-free fields (marked on the config fields) and fields added or dropped since the run are not changes.
   changed = config_lib.result_differences(stored, jsonable(config.to_dict()))
@@ -324,7 +395,7 @@ def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
          "val_losses": {str(k): v for k, v in sorted(val.items())},
          "bf16_blocks": list(policy.bf16_blocks(config.model.n_layers)),
          "recipe": str(policy.recipe), "config": config.to_dict(),
-         "data": summary.get("data") if summary else None}
+         "data": summary.get("data") if summary else None, **provenance(config)}
   if diverged is not None:
     out.update(diverged_step=diverged.step, error=str(diverged))
   return out
@@ -352,6 +423,7 @@ def check_folders(sweep: Sweep, out: str | pathlib.Path, *, existing_only: bool 
       done = read_summary(folder)
       if done is not None:
         _check_same_settings(folder, done["config"], config)
+        _check_same_provenance(folder, done, config)
         _check_same_finished_data(folder, done, lambda c=config: identity(c.data))
       elif fp4jax.pretrain.checkpoint.checkpoint_dir(folder).is_dir():
         _check_same_unfinished(folder, config)
@@ -395,6 +467,10 @@ def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], Non
     done = read_summary(folder)
     if done is not None:
       results.append({"run": run.name, "seed": seed, "status": "skipped", "out": str(folder), "summary": done})
+      if not has_provenance(done):
+        (tqdm.tqdm.write if progress else log)(
+            f"Note: kept {folder} was finished before summaries recorded the full recipe and GEMM mode; whether this "
+            "code trains it the same way could not be checked.")
       continue
     summary = _train_one(sweep, run, seed, config, folder, cache, hooks_for)
     _write_json(folder / SUMMARY_FILE, summary)

@@ -23,8 +23,9 @@ def _meta(runs, base=BASE):
           "runs": [{"name": n, "label": n.upper(), "overrides": {"recipe": n}} for n in runs]}
 
 
-def _write_run(folder: pathlib.Path, run: str, seed: int, final: float) -> None:
-  """A finished run folder as the sweep leaves it: summary.json and metrics.jsonl (4 steps, 2 validations)."""
+def _write_run(folder: pathlib.Path, run: str, seed: int, final: float, extra=None) -> None:
+  """A finished run folder as the sweep leaves it: summary.json and metrics.jsonl (4 steps, 2 validations).
+  `extra`: more summary fields (the provenance a sweep records)."""
   d = folder / run / f"seed{seed}"
   d.mkdir(parents=True)
   records = [{"step": s, "loss": final + 1.0 / (s + 1) + 1e-7 * seed} for s in range(4)]
@@ -34,13 +35,14 @@ def _write_run(folder: pathlib.Path, run: str, seed: int, final: float) -> None:
              "overrides": {"recipe": run}, "status": "finished", "steps": 4, "tokens_per_step": 8, "tokens": 32,
              "wall_time": 1.5 + seed, "tokens_per_s": 100.0 + final, "final_val_loss": final,
              "final_loss": final + 0.25, "val_losses": {"0": final + 2.0, "4": final}, "bf16_blocks": [],
-             "recipe": f"Recipe(name='{run}')"}
+             "recipe": f"Recipe(name='{run}')", **(extra or {})}
   (d / "summary.json").write_text(json.dumps(summary))
 
 
-def _write_sweep(folder: pathlib.Path, meta, losses) -> pathlib.Path:
+def _write_sweep(folder: pathlib.Path, meta, losses, extra=None) -> pathlib.Path:
+  """`extra`: {run: more summary fields} (see _write_run)."""
   for (run, seed), final in losses.items():
-    _write_run(folder, run, seed, final)
+    _write_run(folder, run, seed, final, (extra or {}).get(run))
   (folder / "sweep.json").write_text(json.dumps(meta, indent=1))
   return folder
 
@@ -49,9 +51,9 @@ OLD = {("bf16", 0): 2.0, ("bf16", 1): 2.1, ("a", 0): 2.2, ("a", 1): 2.3, ("b", 0
 NEW = {("bf16", 0): 2.0, ("bf16", 1): 2.1, ("b", 0): 2.15, ("b", 1): 2.45, ("c", 0): 2.05, ("c", 1): 2.2}
 
 
-def _stored(tmp_path, losses=OLD, runs=("bf16", "a", "b")) -> pathlib.Path:
+def _stored(tmp_path, losses=OLD, runs=("bf16", "a", "b"), extra=None) -> pathlib.Path:
   """A copied results folder (tables and sweep.json, no run folders), as experiments/results/* holds."""
-  full = _write_sweep(tmp_path / "old_runs", _meta(runs), losses)
+  full = _write_sweep(tmp_path / "old_runs", _meta(runs), losses, extra)
   report.write_report(full)
   stored = tmp_path / "stored"
   stored.mkdir()
