@@ -21,8 +21,8 @@ from fp4jax import explicit_axes
 from fp4jax import four_over_six
 from fp4jax import grids
 from fp4jax import keys
-from fp4jax import mxfp4
 from fp4jax import no_gradient
+from fp4jax import norms
 from fp4jax import prng
 from fp4jax import rounding as rounding_lib
 from fp4jax import qarray as qarray_lib
@@ -410,14 +410,8 @@ def _fake_quant_jit(x, key, *, fmt, axis, block_2d, rounding, random_bits, pad, 
 
 def quantization_error(x, fmt, **kwargs) -> jax.Array:
   """Relative Frobenius error ||fake_quant(x) - x|| / ||x|| in float32."""
-  x32 = jnp.asarray(x).astype(jnp.float32)
-  err = fake_quant(x, fmt, **kwargs).astype(jnp.float32) - x32
-  # Both norms scaled by the same power of two (exact, so the ratio keeps its bits) to max |x| < 1: squares of
-  # |x| > ~1.8e19 overflow to inf (NaN ratio), and of |x| < ~1e-19 underflow to 0 (a ratio of 0).
-  amax = jnp.max(jnp.abs(x32))
-  _, e = jnp.frexp(jnp.where(jnp.isfinite(amax) & (amax > 0), amax, jnp.float32(1.0)))
-  err, x32 = mxfp4.scale_by_pow2(err, -e), mxfp4.scale_by_pow2(x32, -e)
-  return jnp.linalg.norm(err) / jnp.maximum(jnp.linalg.norm(x32), jnp.finfo(jnp.float32).tiny)
+  # Scaled first: squares of |x| > ~1.8e19 overflow to inf (NaN ratio), of |x| < ~1e-19 underflow to 0 (ratio 0).
+  return norms.relative_error(fake_quant(x, fmt, **kwargs), x)
 
 
 def num_blocks(shape, fmt, *, axis=-1, block_2d=False, pad: bool = False) -> int:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4jax import formats
+from fp4jax import norms
 from fp4jax import rht
 from fp4jax.qarray import QArray
 from fp4jax.quantize import dequantize, quantize
@@ -76,12 +77,14 @@ def _code_stats(q: QArray, x_q, dq):
 
 
 def _measure(x, fmt, use_rht: bool, rht_size: int, axis: int, signs):
-  """(squared error, squared norm, zero fraction, clipped fraction) of one format on x."""
+  """(squared error, squared norm, zero fraction, clipped fraction) of one format on x; the squares of x and of
+  x_hat - x both scaled by one power of two."""
   x_q = rht.random_hadamard(x, size=rht_size, axis=axis, signs=signs) if use_rht else x
   q = quantize(x_q, fmt, axis=axis)
   dq = dequantize(q)
   x_hat = rht.random_hadamard(dq, size=rht_size, axis=axis, signs=signs, inverse=True) if use_rht else dq
-  x32 = x.astype(jnp.float32)
+  # Both scaled by one power of two (exact: the ratio keeps its bits): squares of |x| ~ 1e19 overflowed float32.
+  x32, x_hat = norms.unit_scaled(x, x_hat)
   zero, clipped = _code_stats(q, x_q, dq)
   return jnp.stack([jnp.sum(jnp.square(x_hat - x32)), jnp.sum(jnp.square(x32)), zero, clipped])
 

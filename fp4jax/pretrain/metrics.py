@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from fp4jax import formats
+from fp4jax import norms
 from fp4jax.analysis import taps
 from fp4jax.quantize import dequantize, quantize
 
@@ -37,9 +38,7 @@ def tensor_stats(x: jax.Array, fmt, *, axis: int = -1, block_2d: bool = False) -
   q = quantize(x, fmt, axis=axis, block_2d=block_2d, pad=True)
   # Padding elements would count as zero codes: look at the original extent only.
   magnitude = q.unpacked_codes()[tuple(slice(0, n) for n in q.orig_shape)] & 7
-  x32 = x.astype(jnp.float32)
-  err = jnp.linalg.norm(dequantize(q, jnp.float32) - x32) / jnp.maximum(jnp.linalg.norm(x32),
-                                                                         jnp.finfo(jnp.float32).tiny)
+  err = norms.relative_error(dequantize(q, jnp.float32), x)  # scaled first: |x| of ~1e19 overflowed the squares
   return {"zero": jnp.mean(magnitude == 0), "sat": jnp.mean(magnitude == 7), "err": err}
 
 

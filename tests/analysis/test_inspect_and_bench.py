@@ -124,6 +124,17 @@ def test_compare_formats_zero_and_nan_inputs_agree_across_columns():
   assert all(np.isnan(r["rel_error"]) and np.isnan(r["snr_db"]) for r in nan)
 
 
+def test_compare_formats_of_tiny_and_huge_tensors():
+  """Squares of |x| ~ 1e19 overflowed float32: rel. error NaN at 2^64 and 2^100; at 2^-84 they underflowed to 0.0,
+  an exact-looking row. NVFP4 and MXFP4 scale with the tensor (by powers of two here): the error must stay."""
+  x = np.asarray(np.random.default_rng(0).standard_normal((4, 64)), np.float32)
+  fmts = ["nvfp4", "mxfp4"]
+  want = [r["rel_error"] for r in fp4_inspect.compare_formats(jnp.asarray(x), fmts)]
+  for scale in (2.0**-84, 2.0**64, 2.0**100):
+    got = [r["rel_error"] for r in fp4_inspect.compare_formats(jnp.asarray(x * np.float32(scale)), fmts)]
+    np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"scale {scale:g}")
+
+
 def test_compare_formats_refuses_what_it_cannot_measure():
   """Zero signs passed the +-1 check (made inside the trace, where they have no values) and gave rel_error 1.0;
   an empty list failed in np.stack."""

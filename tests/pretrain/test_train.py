@@ -267,6 +267,17 @@ def test_tensor_stats_counts_codes():
     metrics.tensor_stats(x, "fp8")
 
 
+
+@pytest.mark.parametrize("scale", [1e-25, 1e19, 1e30])
+def test_tensor_stats_error_of_tiny_and_huge_tensors(scale):
+  # The squares in the norms underflowed to 0 or overflowed to inf: err came out 0.0 (1e-25, 1e19) or NaN (1e30).
+  # NVFP4's scales follow the tensor's magnitude, so the relative error must be the unit-scale one.
+  x = np.asarray(np.random.default_rng(0).standard_normal((4, 64)), np.float32)
+  stats = jax.jit(metrics.tensor_stats, static_argnums=1)
+  want = float(stats(jnp.asarray(x), "nvfp4")["err"])
+  assert 0.05 < want < 0.2
+  np.testing.assert_allclose(float(stats(jnp.asarray(x * np.float32(scale)), "nvfp4")["err"]), want, rtol=1e-5)
+
 # --- bad input -------------------------------------------------------------------------------------------------
 
 
