@@ -247,7 +247,8 @@ class MXFP4(_FP4Format):
   scale_rule:
     "floor": OCP rule, scale = 2^(floor(log2 amax_b) - 2); the block max may saturate to 6.
     "ceil":  the paper's rule (arXiv 2509.25149, Sec. 2 and App. B.4), scale = 2^ceil(log2(amax_b / 6)); never
-             saturates.
+             saturates below amax_b = 6 * 2^125 = 2.55e38. Above, 2^126 would put the grid's top past float32 (4 *
+             2^126 = 2^128 decoded to inf): the scale stays 2^125 and the block saturates there, as under "floor".
     "quest": QuEST's rule as Quartet's forward pass uses it (arXiv 2505.14669; IST-DASLab/Quartet,
              src/models/quantization/quantizers/mxfp4_triton.py): scale = 2^floor(log2(sigma * 2.92247856 / 6 +
              1e-8)), sigma the block's population standard deviation (mean-centred, ddof 0). Elements beyond 6
@@ -255,9 +256,11 @@ class MXFP4(_FP4Format):
              kernel rounds ties toward zero; here ties round to even, as every fp4jax rule.
     "tseng": Tseng et al.'s backward rule (arXiv 2502.20586; Quartet's AlbertTsengQuantizer): the "floor" scale,
              elements encoded at 3/4 of it (block max in [3, 6): no saturation, so stochastic rounding is
-             unbiased) and decoded with a per-tensor factor 4/3. That factor carries a block whose amax is
-             above ~3.0e38 (float32's largest is 3.4e38) past float32's range: such a block decodes to inf.
+             unbiased) and decoded with a per-tensor factor 4/3. A block with amax >= 2^127 = 1.7e38 gets scale
+             2^124, not 2^125 (whose top, 8 * 2^125 = 2^128, decoded to inf), and saturates at 8 * 2^124 = 2^127.
              A constant block under "quest" has sigma 0, so scale 2^-27, and all its elements clip.
+  Every rule's exponent is capped where the grid's top is still a finite float32 (fp4jax.mxfp4.max_exponent): a
+  "quest" block with sigma above ~1.75e38 gets 2^125 too.
   """
 
   scale_rule: Literal["floor", "ceil", "quest", "tseng"] = "floor"
@@ -297,7 +300,7 @@ class MXFP4(_FP4Format):
     if self.uses_std:
       raise ValueError("MXFP4 scale_rule 'quest' needs the blocks' standard deviations: use scaling_from_std.")
     rule = "floor" if self.scale_rule == "tseng" else self.scale_rule
-    e = mxfp4.scale_exponent(amax_b, rule)
+    e = mxfp4.scale_exponent(amax_b, rule, top=grids.E2M1_MAX * self.tensor_factor)
     encode = mxfp4.pow2_factors(-e)
     if self.scale_rule == "tseng":
       encode = encode + (jnp.float32(mxfp4.TSENG_ENCODE),)

@@ -77,7 +77,8 @@ class MXFP8(FormatBase):
 
   The scale is 2^ceil(log2(amax_b / 448)), the smallest power of two that keeps the block max within E4M3's 448
   (TetraJet-v2's kernels round amax_b / 448 up to E8M0: thu-ml/TetraJet-v2-NVFP4Training, kernels/csrc/quant_fp8.cu
-  and utils.hpp); elements round to nearest even. OutControl (fp4jax.outcontrol) runs outlier channels in it.
+  and utils.hpp); elements round to nearest even. OutControl (fp4jax.outcontrol) runs outlier channels in it. The
+  exponent is capped at 119 (448 * 2^119 = 2.98e38, the last finite grid): a block above saturates at that top.
   """
 
   block_size: int = 32

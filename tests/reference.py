@@ -192,8 +192,17 @@ def nvfp4_dequantize(codes, scales, amax, axis=-1, block_2d=False, block=16):
 # ---------------------------------------------------------------- MXFP4
 
 
-def mxfp4_exponent(amax_b, rule):
-  """E8M0 exponent per block, computed in float64 with log2/floor/ceil, clamped to [-127, 127]."""
+def top_exponent(top):
+  """The largest exponent e in E8M0's range whose grid top, top * 2^e, is at most float32's largest value."""
+  e = 127
+  while top * 2.0**e > FLT_MAX:
+    e -= 1
+  return e
+
+
+def mxfp4_exponent(amax_b, rule, top=6.0):
+  """E8M0 exponent per block, computed in float64 with log2/floor/ceil, clamped to [-127, top_exponent(top)] (the
+  grid top * 2^e must stay a finite float32); a block holding inf gets 127."""
   amax_b = np.asarray(amax_b, dtype=np.float64)
   with np.errstate(divide="ignore", invalid="ignore"):
     if rule == "floor":
@@ -202,7 +211,8 @@ def mxfp4_exponent(amax_b, rule):
       e = np.ceil(np.log2(amax_b / 6.0))
     else:
       raise ValueError(rule)
-  e = np.where(amax_b == 0, -127.0, np.clip(np.nan_to_num(e, nan=0.0, neginf=-127.0), -127, 127))
+  e = np.clip(np.nan_to_num(e, nan=0.0, neginf=-127.0, posinf=127.0), -127, top_exponent(top))
+  e = np.where(amax_b == 0, -127.0, np.where(amax_b == np.inf, 127.0, e))
   return e.astype(np.int64)
 
 
@@ -225,7 +235,8 @@ def mxfp4_quantize(x, axis=-1, block_2d=False, rule="floor", block=32):
 
 def mxfp8_quantize(x, axis=-1, block=32):
   """Reference MXFP8 (OCP MX, E4M3 elements): scale 2^e per `block` elements along `axis` with e = ceil(log2(amax_b
-  / 448)) (nothing saturates), clamped to [-127, 127] (-127 for all-zero blocks); elements e4m3_rne(x * 2^-e).
+  / 448)) (nothing saturates), clamped to [-127, top_exponent(448)] (-127 for all-zero blocks, 127 for a block
+  holding inf; above 448 * 2^119 a block saturates); elements e4m3_rne(x * 2^-e).
   The axis is zero-padded to whole blocks and cropped again. Returns dict(values (dequantized), exponents)."""
   x = as_f64(x)
   axis = axis % x.ndim
@@ -236,7 +247,8 @@ def mxfp8_quantize(x, axis=-1, block=32):
   amax_b = block_amax(np.abs(xp), block, axis, False)
   with np.errstate(divide="ignore"):
     e = np.ceil(np.log2(amax_b / E4M3_MAX))
-  e = np.where(amax_b == 0, -127.0, np.clip(e, -127, 127)).astype(np.int64)
+  e = np.clip(e, -127, top_exponent(E4M3_MAX))
+  e = np.where(amax_b == 0, -127.0, np.where(amax_b == np.inf, 127.0, e)).astype(np.int64)
   scale = np.ldexp(1.0, expand(e, block, axis, False))
   values = f32(e4m3_rne(f32(xp / scale)) * scale)
   return {"values": np.take(values, np.arange(n), axis=axis), "exponents": e}

@@ -189,8 +189,9 @@ def mxfp4_quest(x, *, axis=-1, block=32):
   """QuEST's MXFP4 quantizer: codes, scales (NaN for a block holding NaN or inf), mask, dequant, amax.
 
   sigma: each block's population standard deviation (float64, mean-centred, ddof 0). Scale 2^e with
-  e = floor(log2(sigma * 2.92247856 / 6 + 1e-8)), clamped to E8M0's [-127, 127]; elements x / 2^e rounded to
-  nearest even on E2M1, saturating at 6; mask: |x / 2^e| < 6 (the elements whose gradient passes).
+  e = floor(log2(sigma * 2.92247856 / 6 + 1e-8)), clamped to [-127, 125] (E8M0's range, and 6 * 2^e a finite
+  float32: ref.top_exponent(6)); elements x / 2^e rounded to nearest even on E2M1, saturating at 6; mask:
+  |x / 2^e| < 6 (the elements whose gradient passes).
   """
   x = ref.as_f64(x)
   axis = axis % x.ndim
@@ -198,7 +199,7 @@ def mxfp4_quest(x, *, axis=-1, block=32):
   finite = np.all(np.isfinite(t), axis=-1)
   with np.errstate(invalid="ignore", over="ignore"):
     sigma = np.std(np.where(finite[..., None], t, 0.0), axis=-1)
-  e = np.clip(np.floor(np.log2(sigma * QUEST_SCALE + QUEST_EPS)), -127, 127).astype(np.int64)
+  e = np.clip(np.floor(np.log2(sigma * QUEST_SCALE + QUEST_EPS)), -127, ref.top_exponent(6.0)).astype(np.int64)
   e = np.where(finite, e, 0)  # a block holding NaN or inf: exponent 0 (its scale is stored as NaN)
   e = _unblock_1d(e, axis)
   with np.errstate(over="ignore", invalid="ignore"):
@@ -214,11 +215,12 @@ def mxfp4_tseng(x, *, axis=-1, block=32):
   """Tseng et al.'s MXFP4 rule (arXiv 2502.20586), Quartet's backward quantizer, rounded to nearest.
 
   e = floor(log2 amax_b) - 2 (the OCP scale), elements x * 3/4 / 2^e (block max in [3, 6): never saturates),
-  values decoded as code * 2^e * 4/3 (4/3 as a float32 constant).
+  values decoded as code * 2^e * 4/3 (4/3 as a float32 constant). e is capped where the decoded top 6 * 4/3 * 2^e is
+  still a finite float32 (124): a block with amax_b >= 2^127 saturates.
   """
   x = ref.as_f64(x)
   axis = axis % x.ndim
-  e = ref.mxfp4_exponent(ref.block_amax(np.abs(x), block, axis, False), "floor")
+  e = ref.mxfp4_exponent(ref.block_amax(np.abs(x), block, axis, False), "floor", top=8.0)
   with np.errstate(over="ignore", invalid="ignore"):
     scaled = f32(x * np.ldexp(1.0, -ref.expand(e, block, axis, False)) * 0.75)
   codes = ref.e2m1_rne(scaled)

@@ -9,6 +9,7 @@ import pytest
 
 import fp4jax
 import reference as ref
+import reference_recipes as rref
 from op_by_op import op_by_op
 
 F32_MAX = np.finfo(np.float32).max
@@ -204,3 +205,35 @@ def test_storage_is_4_25_bits():
   q = _quantizer("floor", -1, False, True)(jnp.asarray(case_normal()))
   assert q.codes.shape == (4, 16, 32) and q.codes.dtype == jnp.uint8
   assert q.nbytes == 4 * 16 * 32 + 4 * 16 * 2 + 4
+
+
+def _near_max_reference(name, x):
+  """(dequantized values, scales) of the float64 reference for the E8M0-scaled format `name`."""
+  if name in ("mxfp4", "mxfp4_ceil"):
+    r = ref.mxfp4_quantize(x, rule="ceil" if name == "mxfp4_ceil" else "floor")
+    return ref.f32(ref.e2m1_value(r["codes"]) * ref.expand(r["scales"], 32, 1, False)), r["scales"]
+  if name == "mxfp8":
+    r = ref.mxfp8_quantize(x)
+    return r["values"], np.ldexp(1.0, r["exponents"])
+  r = (rref.mxfp4_quest if name == "mxfp4_quest" else rref.mxfp4_tseng)(x)
+  return r["dequant"], r["scales"]
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_ceil", "mxfp4_quest", "mxfp4_tseng", "mxfp8"])
+def test_blocks_near_float32_max_stay_finite(name):
+  """Blocks with amax above ~2.98e38 (2.84e38 for "tseng", 3.3e38 for MXFP8) decoded to inf: their scale put the
+  grid's top past float32 (ceil: 4 * 2^126 = 2^128). Each rule's exponent is capped where the top is finite, so the
+  block saturates there, as the reference says; "floor" never reached the cap and keeps its bits."""
+  rng = _rng(8)
+  x = rng.standard_normal((4, 64)).astype(np.float32)  # rows 2 and 3: ordinary blocks
+  for i, a in enumerate([2.6e38, 2.98e38, 3.3e38, F32_MAX]):
+    v = rng.uniform(0.3, 1.0, 32) * np.float64(a) * np.resize([1.0, -1.0], 32)  # signs alternate: sigma ~ amax
+    v[:2] = [a, -a]
+    _set_block(x, i, v)
+  want, scales = _near_max_reference(name, x)
+  assert np.all(np.isfinite(want))
+  fmt = fp4jax.get_format(name)
+  q = jax.jit(functools.partial(fp4jax.quantize, fmt=fmt))(jnp.asarray(x))
+  np.testing.assert_array_equal(ref.as_f64(q.scales), scales)
+  ref.assert_same_bits(_dequantize_jit(q), want)
+  ref.assert_same_bits(jax.jit(functools.partial(fp4jax.fake_quant, fmt=fmt))(jnp.asarray(x)), want)
