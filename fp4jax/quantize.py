@@ -178,8 +178,9 @@ def _quantize_eden(x32, fmt, block, rounding, key, random_bits, amax_b, amax, va
   scaling = fmt.scaling_from_amax(amax_b, amax)
   y = blocks.scale_blocks(x32, scaling.encode, block)
   # A block whose scale underflowed to 0 decodes to 0 whatever its elements; its y (x * FLT_MAX) must not enter the
-  # group sums (inf * 0 = NaN), so its elements are 0.
-  y = jnp.where(blocks.expand_blocks(scaling.decode[0] == 0, block), jnp.float32(0.0), y)
+  # group sums (inf * 0 = NaN), so its elements are 0, each with its sign (-0 stays -0, as in every other quantizer;
+  # +-0 add nothing to the sums).
+  y = jnp.where(blocks.expand_blocks(scaling.decode[0] == 0, block), jnp.copysign(jnp.float32(0.0), y), y)
   v = rounding_lib.round_e2m1_nearest(y)
   # Block decode scales are never negative, which XLA cannot know: the runtime 0 eden.correction rounds with, from
   # 1/16 of the data instead of a pass over the elements.

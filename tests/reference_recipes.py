@@ -147,7 +147,7 @@ def nvfp4_eden(x, *, axis=-1, block=16, group=8):
     s_b = ref.e4m3_rne(f32(amax_b * f32(s_enc * f32(1.0 / EDEN_ELEM_MAX))))
     enc = np.minimum(f32(1.0 / f32(s_b * s_dec)), ref.FLT_MAX)
     y = f32(x * ref.expand(enc, block, axis, False))
-    y = np.where(ref.expand(s_b, block, axis, False) == 0, 0.0, y)  # zero-scale blocks are zero
+    y = np.where(ref.expand(s_b, block, axis, False) == 0, np.copysign(0.0, y), y)  # zero-scale blocks: signed 0
     codes = ref.e2m1_rne(y)
     v = ref.e2m1_value(codes)
     per_block = lambda t: np.moveaxis(pairwise(blocks_last(t, block, axis, False), np.add), -1, axis)

@@ -60,3 +60,20 @@ def test_four_over_six_choice_does_not_depend_on_the_tensors_magnitude(k):
   got = np.asarray(fp4jax.fake_quant(jnp.asarray(x * s), fmt)) / s
   assert not np.array_equal(want, np.asarray(fp4jax.fake_quant(jnp.asarray(x), "nvfp4")))  # 4/6 does choose "4"
   np.testing.assert_array_equal(got, want)
+
+
+def test_eden_keeps_the_sign_of_zero_in_zero_scale_blocks():
+  # MS-EDEN set the elements of a block whose scale is 0 to +0 (to keep x * FLT_MAX out of the correction's sums), so
+  # -0 there came back +0 (code 0), where NVFP4's other rules and every other format give -0 (code 8).
+  x = np.zeros((2, 128), np.float32)
+  x[0] = np.random.default_rng(0).standard_normal(128)
+  x[0, 16:32] = -0.0  # an all -0 block beside ordinary ones
+  x[1] = -0.0  # an all -0 row of zero-scale blocks
+  for fmt in (fp4jax.NVFP4(), fp4jax.NVFP4(scale_rule="eden")):
+    q = jax.jit(lambda t, fmt=fmt: fp4jax.quantize(t, fmt))(jnp.asarray(x))
+    for name, got in (("dequantize", fp4jax.dequantize(q)), ("fake_quant", fp4jax.fake_quant(jnp.asarray(x), fmt))):
+      got = np.asarray(got)
+      np.testing.assert_array_equal(np.signbit(got[x == 0]), np.signbit(x[x == 0]), err_msg=f"{fmt.label} {name}")
+    np.testing.assert_array_equal(np.asarray(q.unpacked_codes())[1], 8)
+  z = np.full((1, 128), -0.0, np.float32)  # an all -0 tensor (amax 0)
+  assert np.all(np.signbit(np.asarray(fp4jax.fake_quant(jnp.asarray(z), fp4jax.NVFP4(scale_rule="eden")))))
