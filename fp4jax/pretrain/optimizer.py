@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fp4jax.pretrain.options import option
@@ -52,31 +54,56 @@ class OptimizerConfig:
     need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 = off); got {self.grad_clip!r}.")
 
 
+SCHEDULE_FIELDS = ("lr", "min_lr_ratio", "warmup_fraction", "decay_fraction", "decay_shape")
+
+
+class ScheduleArgs(NamedTuple):
+  """The numbers of a run's WSD schedule, float32 scalars: runtime inputs of the train step, so one compiled step
+  serves runs of any length (and peak LR, warmup, decay). Fields derived on the host, see `schedule_args`."""
+
+  peak: Any  # the peak learning rate
+  inv_warmup: Any  # 1 / warmup steps in float32; 0 without warmup
+  decay_start: Any  # the first step of the decay (steps - decay steps)
+  inv_decay: Any  # 1 / decay steps in float32; 0 without decay
+  floor: Any  # min_lr_ratio
+  rise: Any  # 1 - min_lr_ratio, taken in float64 then rounded
+  sqrt_decay: Any  # 1.0: the 1-sqrt decay; 0.0: linear
+
+
+def schedule_args(config: OptimizerConfig, steps: int) -> ScheduleArgs:
+  """The schedule of a `steps`-step run as float32 NumPy scalars.
+
+  They are the constants XLA made of the schedule when its numbers were Python constants of the step: a division
+  by a constant n became a multiplication by float32(1 / n), and 1 - min_lr_ratio was a float64 Python number. The
+  step computes with these exact values, so the learning rates (and losses) keep their bits.
+  """
+  warmup = round(config.warmup_fraction * steps)
+  decay = round(config.decay_fraction * steps)
+  f32 = np.float32
+  inverse = lambda n: f32(1.0) / f32(n) if n else f32(0.0)
+  return ScheduleArgs(peak=f32(config.lr), inv_warmup=inverse(warmup), decay_start=f32(steps - decay),
+                      inv_decay=inverse(decay), floor=f32(config.min_lr_ratio), rise=f32(1.0 - config.min_lr_ratio),
+                      sqrt_decay=f32(config.decay_shape == "1-sqrt"))
+
+
+def wsd_lr(args: ScheduleArgs, count) -> jax.Array:
+  """The learning rate after `count` updates (a scalar or an array of counts): linear warmup to the peak,
+  constant, then linear or 1-sqrt decay to `floor * peak`."""
+  s = jnp.asarray(count, jnp.float32)
+  # (s + 1) / warmup: the first step already moves the weights.
+  warm = jnp.where(args.inv_warmup > 0, jnp.minimum(1.0, (s + 1.0) * args.inv_warmup), 1.0)
+  # Reaches the floor at step `steps` (one past the last update), so the last update still moves the weights.
+  frac = jnp.clip((s - args.decay_start) * args.inv_decay, 0.0, 1.0)
+  shape = jnp.where(args.sqrt_decay > 0, jnp.sqrt(frac), frac)
+  tail = jnp.where(args.inv_decay > 0, args.floor + args.rise * (1.0 - shape), 1.0)
+  return args.peak * warm * tail
+
+
 def lr_schedule(config: OptimizerConfig, steps: int) -> optax.Schedule:
   """Warmup-stable-decay over `steps`: linear warmup to `lr`, constant, then linear or 1-sqrt decay to
   `min_lr_ratio * lr`."""
-  peak = config.lr
-  warmup = round(config.warmup_fraction * steps)
-  decay = round(config.decay_fraction * steps)
-  decay_start = steps - decay
-  floor = config.min_lr_ratio
-
-  def schedule(count):
-    s = jnp.asarray(count, jnp.float32)
-    # (s + 1) / warmup: the first step already moves the weights.
-    warm = jnp.minimum(1.0, (s + 1.0) / warmup) if warmup else jnp.float32(1.0)
-    if decay:
-      # Reaches the floor at step `steps` (one past the last update), so the last update still moves the weights.
-      frac = jnp.clip((s - decay_start) / decay, 0.0, 1.0)
-      shape = frac if config.decay_shape == "linear" else jnp.sqrt(frac)
-      tail = floor + (1.0 - floor) * (1.0 - shape)
-    else:
-      tail = jnp.float32(1.0)
-    # Broadcast: without warmup and decay every factor is a constant, and a caller passing many steps gets one LR
-    # per step, not one for all.
-    return jnp.broadcast_to(peak * warm * tail, s.shape)
-
-  return schedule
+  args = schedule_args(config, steps)
+  return lambda count: wsd_lr(args, count)
 
 
 def decay_mask(params):
@@ -84,10 +111,20 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(config: OptimizerConfig, steps: int) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW (b1, b2, decoupled weight decay on matrices) on the WSD schedule."""
-  adamw = optax.adamw(lr_schedule(config, steps), b1=config.b1, b2=config.b2, eps=config.eps,
+def make_optimizer(config: OptimizerConfig, steps: int | ScheduleArgs) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW (b1, b2, decoupled weight decay on matrices) on the WSD schedule.
+
+  steps: the run's length (the schedule's numbers become constants of a step that jits the optimizer), or its
+  ScheduleArgs (arrays a jitted step takes as inputs: see `step_settings`). The optimizer state is the same.
+  """
+  args = steps if isinstance(steps, ScheduleArgs) else schedule_args(config, steps)
+  adamw = optax.adamw(lambda count: wsd_lr(args, count), b1=config.b1, b2=config.b2, eps=config.eps,
                       weight_decay=config.weight_decay, mask=decay_mask)
   if config.grad_clip > 0:
     return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
   return adamw
+
+
+def step_settings(config: OptimizerConfig) -> tuple:
+  """The settings a train step taking ScheduleArgs compiles in: all but the schedule's (SCHEDULE_FIELDS)."""
+  return tuple((f.name, getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in SCHEDULE_FIELDS)

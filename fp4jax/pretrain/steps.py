@@ -8,6 +8,7 @@ precision phase (and each OutControl phase) has its own graphdef and its own com
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,7 +21,9 @@ from flax import nnx
 from fp4jax.pretrain import metrics as metrics_lib
 from fp4jax.pretrain import osci as osci_lib
 from fp4jax.pretrain import outcontrol as outcontrol_lib
+from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain.config import TrainConfig
+from fp4jax.pretrain.optimizer import ScheduleArgs
 from fp4jax.pretrain.sharding import Placement, path_str
 
 
@@ -98,11 +101,15 @@ def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation,
+def make_train_step(graphdef, optimizer: optax.GradientTransformation | Callable[[ScheduleArgs], Any],
                     osci: osci_lib.OsciResetConfig | None = None,
                     outcontrol: outcontrol_lib.OutControlConfig | None = None, oc_phase: str = "off",
                     gather_params: Callable | None = None) -> Callable:
   """step(state, batch, key) -> (new_state, metrics): one AdamW update; apply jax.jit (and shardings) yourself.
+
+  optimizer: an optax GradientTransformation; or a function of the LR schedule's numbers returning one (e.g.
+  functools.partial(optimizer_lib.make_optimizer, config)): the step is then step(state, batch, key, schedule),
+  `schedule` an optimizer.ScheduleArgs, so one compiled step serves runs of any length or peak LR.
 
   metrics: loss (of the params before the update), grad_norm (before clipping), and `finite`: whether loss, grads
   and new params are all finite. The caller must discard new_state when `finite` is false.
@@ -123,12 +130,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
     loss_fn = _outcontrol_loss_fn(graphdef, oc_phase)
   loss_fn = _reading_through(loss_fn, gather_params)
 
-  def step(state: TrainState, batch, key):
+  def step(state: TrainState, batch, key, schedule: ScheduleArgs | None = None):
+    tx = _optimizer_for(optimizer, schedule)
     if oc_phase != "off" and state.outcontrol is None:
       raise ValueError("OutControl is on but TrainState.outcontrol is None: build it with outcontrol.initial_state.")
     (loss, sq_norms), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, key, state.outcontrol)
     grad_norm = global_norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": grad_norm}
     osci_state = state.osci
@@ -146,6 +154,18 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
     return new_state, metrics
 
   return step
+
+
+def _optimizer_for(optimizer, schedule: ScheduleArgs | None) -> optax.GradientTransformation:
+  """The step's optimizer: `optimizer` itself, or what it makes of the schedule's numbers."""
+  fixed = isinstance(optimizer, optax.GradientTransformation)
+  if fixed and schedule is not None:
+    raise ValueError("This train step's optimizer has its schedule built in: call it as step(state, batch, key), or "
+                     "build it from a function of ScheduleArgs.")
+  if not fixed and schedule is None:
+    raise ValueError("This train step takes the LR schedule's numbers: call it as step(state, batch, key, schedule) "
+                     "with schedule = optimizer.schedule_args(config, steps).")
+  return optimizer if fixed else optimizer(schedule)
 
 
 def make_eval_step(graphdef, outcontrol: bool = False, gather_params: Callable | None = None) -> Callable:
@@ -184,6 +204,10 @@ class CompileCache:
 class Phases:
   """Graphdef and jitted step functions per precision phase of `config`'s policy, built on first use.
 
+  The train step takes the LR schedule's numbers as its 4th argument (`schedule`, this run's ScheduleArgs): they are
+  not compiled in, so runs that differ only in --steps (a lengthened resume, a sweep's runs) or in the schedule's
+  settings share one compiled step through the CompileCache and JAX's persistent cache.
+
   The policy sets `model`'s layer recipes when a phase is first needed, so each phase compiles once. The train step
   donates its TrainState: the new state is written into the old one's buffers (`paper_1b` with 2 layers, XLA:CPU's
   memory analysis: 3.94 instead of 4.17 GiB for bf16, 3.82 instead of 4.21 for nvfp4), so after a step the state
@@ -191,15 +215,17 @@ class Phases:
   their values: JAX does not donate a buffer that NumPy still views.
   """
 
-  def __init__(self, config: TrainConfig, model: nnx.Module, optimizer,
-               cache: CompileCache | None = None, placement: Placement | None = None):
-    self.config, self.policy, self.optimizer = config, config.policy, optimizer
+  def __init__(self, config: TrainConfig, model: nnx.Module, cache: CompileCache | None = None,
+               placement: Placement | None = None):
+    self.config, self.policy = config, config.policy
+    self.optimizer = functools.partial(optimizer_lib.make_optimizer, config.optimizer)
+    self.schedule = optimizer_lib.schedule_args(config.optimizer, config.steps)
     self.placement = placement or Placement.single_device()
     self.cache = cache if cache is not None else CompileCache()
     self._model = model
     self._model_phase = 0  # the model comes built with the step-0 recipes
     self._graphdefs = {}
-    self._optimizer_key = (config.optimizer, config.steps, config.osci_reset)
+    self._optimizer_key = (optimizer_lib.step_settings(config.optimizer), config.osci_reset)
 
   def phase(self, step: int) -> int:
     return self.policy.phase(step, self.config.steps)
@@ -228,7 +254,7 @@ class Phases:
                           lambda: jax.jit(pl.traced_on_mesh(make_train_step(
                               graphdef, self.optimizer, self.config.osci_reset, self.config.outcontrol, oc_phase,
                               pl.gather_params)),
-                                          in_shardings=(pl.state, pl.batch, pl.replicated),
+                                          in_shardings=(pl.state, pl.batch, pl.replicated, pl.replicated),
                                           out_shardings=(pl.state, pl.replicated), donate_argnums=0))
 
   def eval_step(self, step: int, outcontrol: bool = False):

@@ -163,7 +163,7 @@ def _train_locked(config, user_hooks, log, compile_cache, out) -> dict[str, Any]
   # Each process reads its own corpus and token cache (a host may lack the corpus, or its cache folder be full):
   # all agree before the first collective, which a process that failed alone would never join.
   dataset, val = distributed.all_started("read its data", lambda: load_data(config, *placement.batch_block()))
-  phases = Phases(config, model, optimizer, compile_cache, placement)
+  phases = Phases(config, model, compile_cache, placement)
   # Committed like a restored state (restore reads onto these shardings), so a fresh and a resumed run hit the
   # same compiled step, and a checkpoint saved on one mesh restores onto another.
   state = jax.device_put(state, placement.state)
@@ -330,6 +330,8 @@ class _Loop:
   def run(self, state: TrainState, user_hooks: list[Hook]) -> dict[str, Any]:
     config, phases = self.config, self.phases
     schedule = optimizer_lib.lr_schedule(config.optimizer, config.steps)
+    # The schedule's numbers, an input of every train step (not compiled in: see steps.Phases).
+    schedule_args = jax.device_put(phases.schedule, phases.placement.replicated)
     tokens_per_step = config.batch_size * config.train_seq_len
     losses, layer_recipes = [], {}
     t_start = time.perf_counter()
@@ -383,7 +385,7 @@ class _Loop:
         train_step = phases.train_step(step)
         profiler.before(step)
         t0 = time.perf_counter()
-        new_state, m = train_step(state, batch, jax.random.fold_in(self.keys["step"], step))
+        new_state, m = train_step(state, batch, jax.random.fold_in(self.keys["step"], step), schedule_args)
         loss, grad_norm, finite = float(m["loss"]), float(m["grad_norm"]), bool(m["finite"])
         step_time = time.perf_counter() - t0
         profiler.after(step)
@@ -487,7 +489,7 @@ def evaluate_setup(out: str | pathlib.Path, setup: EvalSetup) -> dict[str, Any]:
     step, restored, _ = ckpt.restore(manager, target._asdict(), setup.step)
   finally:
     manager.close()
-  phases = Phases(config, model, optimizer)
+  phases = Phases(config, model)
   at = min(step, config.steps - 1)
   val_loss = phases.val_loss(restored["params"], setup.val, keys["eval"], at, restored.get("outcontrol"))
   return {"step": step, "val_loss": val_loss, "phase": phases.phase(at), "eval_batches": config.evaluation.batches}

@@ -22,7 +22,7 @@ from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
 from fp4jax.pretrain.data import DataIdentity
-from train_helpers import tiny_config, tree_equal
+from train_helpers import tiny_config, train_step_compiles, tree_equal
 
 
 def make_config(env, out, **changes) -> TrainConfig:
@@ -172,6 +172,25 @@ def test_keep_schedule_keeps_warmup_decay_and_switch_in_steps():
   assert resume_lib.keep_schedule(stored, stored) == stored
   with pytest.raises(ValueError, match="do not fit"):
     resume_lib.keep_schedule(stored, stored.replace(steps=25))
+
+
+@pytest.mark.slow
+def test_runs_that_differ_only_in_schedule_share_one_compiled_step(env, tmp_path, monkeypatch):
+  """The schedule's numbers were constants of the compiled train step: `--resume --steps 4` of a 2-step run, and
+  every run of another length or peak LR, compiled the step again (4-13 s each on 2 cores)."""
+  cache = steps_lib.CompileCache()
+  first = make_config(env, tmp_path / "a", steps=2, checkpoint_every=2)
+  other = make_config(env, tmp_path / "b", steps=3, lr=3e-3, warmup_fraction=0.0, decay_fraction=0.7,
+                      min_lr_ratio=0.1, decay_shape="1-sqrt")
+  with train_step_compiles(monkeypatch) as compiles:
+    short = trainer.train(first, log=None, compile_cache=cache)
+    assert compiles == [False]  # compiled here
+    longer = trainer.train(first.replace(resume=True, steps=4), log=None, compile_cache=cache)
+    assert compiles == [False]  # the same compiled step (CompileCache)
+    lower = trainer.train(other, log=None, compile_cache=steps_lib.CompileCache())
+    assert compiles == [False, True]  # as a new process sees it: served by JAX's persistent cache
+  assert len(longer["losses"]) == 2 and lower["losses"][0] == short["losses"][0]  # same params at step 0
+  assert lower["losses"][1] != short["losses"][1]  # ... but another learning rate: the step reads its schedule
 
 
 def test_a_run_that_switched_to_bf16_is_not_switched_back():

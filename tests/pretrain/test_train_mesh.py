@@ -4,7 +4,6 @@ one mesh resume on another, clear errors for meshes that do not fit."""
 import dataclasses
 import os
 import shutil
-import uuid
 
 import jax
 import numpy as np
@@ -15,6 +14,7 @@ from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import steps as steps_lib
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
+from train_helpers import train_step_compiles
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated devices (tests/conftest.py)")
 
@@ -43,38 +43,13 @@ def _run(env, config):
 def _run_compiling(config, monkeypatch):
   """`_run` whose train step XLA compiles here, so that the partitioner's messages reach stderr.
 
-  A step served by the session's persistent compilation cache (tests/conftest.py: another test or worker compiled
-  the same graph first, or a kept cache from an earlier run) prints nothing, and a check of stderr would pass
-  without looking. The step gets a name no other run compiles (the name is part of the cache key), a compile cache
+  A step served by the session's persistent compilation cache prints nothing, and a check of stderr would pass
+  without looking: the step gets a name no other run compiles (train_helpers.train_step_compiles), a compile cache
   of its own, and the test fails unless XLA compiled it.
   """
-  name = f"mesh_probe_step_{uuid.uuid4().hex}"
-  make = steps_lib.make_train_step
-
-  def renamed(*args, **kwargs):
-    step = make(*args, **kwargs)
-    step.__name__ = step.__qualname__ = name
-    return step
-
-  compiles, hit = [], [False]  # (function, served by the persistent cache); JAX reports a hit just before its compile
-  on_event = lambda event, **kw: hit.__setitem__(0, True) if event.endswith("cache_hits") else None
-
-  def on_duration(event, duration, **kw):
-    del duration
-    if event.endswith("backend_compile_duration"):
-      compiles.append((str(kw.get("fun_name")), hit[0]))
-      hit[0] = False
-
-  jax.monitoring.register_event_listener(on_event)
-  jax.monitoring.register_event_duration_secs_listener(on_duration)
-  try:
-    with monkeypatch.context() as patch:
-      patch.setattr(steps_lib, "make_train_step", renamed)
-      summary = trainer.train(config, log=None, compile_cache=steps_lib.CompileCache())
-  finally:
-    jax.monitoring.unregister_event_listener(on_event)
-    jax.monitoring.unregister_event_duration_listener(on_duration)
-  assert [c for c in compiles if name in c[0]] == [(f"jit({name})", False)], compiles
+  with train_step_compiles(monkeypatch) as compiles:
+    summary = trainer.train(config, log=None, compile_cache=steps_lib.CompileCache())
+  assert compiles == [False], compiles
   return summary
 
 
