@@ -19,9 +19,9 @@ import optax
 from flax import nnx
 
 from fp4jax.pretrain import metrics as metrics_lib
+from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain import osci as osci_lib
 from fp4jax.pretrain import outcontrol as outcontrol_lib
-from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain.config import TrainConfig
 from fp4jax.pretrain.optimizer import ScheduleArgs
 from fp4jax.pretrain.sharding import Placement, path_str
