@@ -15,7 +15,7 @@ Failure handling (all bounded, none silent):
   aborts the process (SIGABRT, "DEADLINE_EXCEEDED");
 - a collective whose peer died fails at once when the socket closes (the CLI exits with code 3); a peer that stops
   sending heartbeats for FP4JAX_HEARTBEAT_TIMEOUT seconds (default 100) makes the coordination service abort the
-  others ("heartbeat timeout") instead of leaving them blocked forever;
+  others ("heartbeat timeout" or "stopped sending heartbeats") instead of leaving them blocked forever;
 - at exit, processes wait at most FP4JAX_SHUTDOWN_TIMEOUT seconds (default 300) for each other;
 - a process whose command line or run config cannot be built (an invalid flag on one host only) would exit alone
   and leave the others waiting in their first collective until that timeout: `check_all_started` (a small

@@ -667,7 +667,9 @@ def test_a_dead_process_makes_the_other_exit_with_an_error(runs):
   procs[1].wait(timeout=10)
   log = (runs / "dead.0.log").read_text()
   # Exit 3 with our message when a collective fails (gloo sees the closed socket); otherwise the coordination
-  # service's heartbeat timeout (10 s here) aborts the process (SIGABRT: -6) naming the dead task.
+  # service's heartbeat timeout (10 s here) aborts the process (SIGABRT: -6) naming the dead task, as "heartbeat
+  # timeout" or as "unhealthy (stopped sending heartbeats)": which check notices first varies (jax 0.10.2 and 0.11.2).
   assert code in (3, -6), log[-3000:]
-  assert "another process probably died" in log or "heartbeat timeout" in log, log[-3000:]
+  said = ("another process probably died", "heartbeat timeout", "stopped sending heartbeats")
+  assert any(text in log for text in said), log[-3000:]
   assert time.monotonic() - t0 < 60
