@@ -14,6 +14,11 @@ fp4jax` never does (a library must not write to the user's home on import). Sett
   FP4JAX_COMPILE_CACHE=DIR        this folder (shared by several CPU types, it is the user's choice)
   default                         $XDG_CACHE_HOME/fp4jax/xla-<cpu id> (XDG_CACHE_HOME defaults to ~/.cache)
 The folder is kept under MAX_BYTES: when it holds more, the least recently written programs are deleted first.
+
+A multi-process run on CPUs runs without the cache, whatever the settings: JAX writes entries from process 0 only
+and the other processes' keys differ, so process 0 loads its step from the cache and waits at the first collective
+while the others compile, and XLA:CPU's gloo setup gives up after a fixed 30 s (a rerun whose step compiled for
+longer failed with DEADLINE_EXCEEDED). Every process compiling is no slower, since all wait for the slowest.
 """
 
 from __future__ import annotations
@@ -82,12 +87,19 @@ def enable(log: Callable[[str], None] | None = None) -> pathlib.Path | None:
   be made or written is a note, and no cache.
   """
   configured = jax.config.jax_compilation_cache_dir
+  setting = os.environ.get(ENV, "").strip()
+  off = setting.lower() in OFF
+  if not configured and not off:  # a setting that names no folder is an error on every process
+    folder = data.expand_folder(ENV, setting, f"(or {ENV}=off)") if setting else default_dir()
+  if jax.distributed.is_initialized() and jax.default_backend() == "cpu":
+    jax.config.update("jax_enable_compilation_cache", False)
+    if log is not None and (configured or not off):
+      log("Note: no compilation cache in a multi-process CPU run (fp4jax.pretrain.compile_cache says why).")
+    return None
   if configured:
     return pathlib.Path(configured)
-  setting = os.environ.get(ENV, "").strip()
-  if setting.lower() in OFF:
+  if off:
     return None
-  folder = data.expand_folder(ENV, setting, f"(or {ENV}=off)") if setting else default_dir()
   try:
     folder.mkdir(parents=True, exist_ok=True)
     prune(folder)

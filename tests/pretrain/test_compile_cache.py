@@ -61,6 +61,25 @@ def test_a_folder_of_no_user_is_a_clear_error(monkeypatch, cache_config):
   assert jax.config.jax_compilation_cache_dir is None
 
 
+def test_a_multi_process_cpu_run_goes_without_the_cache(monkeypatch, tmp_path, cache_config):
+  # JAX writes entries from process 0 only and the others' keys differ: with a cache, process 0 waited at the first
+  # collective while the others compiled, and gloo's fixed 30 s setup deadline aborted the run.
+  before = jax.config.jax_enable_compilation_cache
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  notes = []
+  try:
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
+    assert compile_cache.enable(log=notes.append) is None and not jax.config.jax_enable_compilation_cache
+    assert notes == ["Note: no compilation cache in a multi-process CPU run (fp4jax.pretrain.compile_cache says "
+                     "why)."]
+    monkeypatch.setenv(compile_cache.ENV, "~fp4jax-no-such-user/xla")  # still an error on every process
+    jax.config.update("jax_compilation_cache_dir", None)
+    with pytest.raises(ValueError, match="no home folder"):
+      compile_cache.enable()
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
 def test_prune_deletes_the_oldest_files_first(tmp_path):
   for i in range(5):
     path = tmp_path / f"k{i}-cache"

@@ -2,7 +2,7 @@
 devices each (gloo collectives), against one process with 4 devices on the same (data=2, fsdp=2) mesh.
 
 The slow tests share one module-scoped pair of reference runs and a persistent compilation cache (which spares
-single-process launches and process 0 a recompile; JAX writes it from process 0 only, so process 1 always compiles).
+single-process launches a recompile; multi-process CPU runs go without it: fp4jax.pretrain.compile_cache).
 Every subprocess is bounded by a timeout: a hang fails the test instead of CI.
 """
 
