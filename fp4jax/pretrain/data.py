@@ -2,9 +2,12 @@
 
 The token stream is built once per (corpus content, tokenizer config) and cached as a zarr array through
 tensorstore; batches are a pure function of (seed, split, step), so a resumed or multi-process run sees exactly
-the batches a single uninterrupted run would. Each dataset carries its `DataIdentity` (the corpus resolved to
-absolute paths, a fingerprint of its bytes, the tokenizer and vocabulary), which checkpoints record so that a resume
-or an evaluation on other data is noticed (see fp4jax.pretrain.resume.check_data_kept).
+the batches a single uninterrupted run would. The byte tokenizer holds out the last val_fraction of the token
+stream as validation; BPE holds out the last val_fraction of the corpus text, learns its vocabulary from the text
+before it alone (validation text never shapes the merges) and encodes the two parts apart. Each dataset carries its
+`DataIdentity` (the corpus resolved to absolute paths, a fingerprint of its bytes, the tokenizer and vocabulary),
+which checkpoints record so that a resume or an evaluation on other data is noticed (see
+fp4jax.pretrain.resume.check_data_kept).
 
 Cache entries live in <cache_dir>/<key> (key: a hash of the corpus content and tokenizer config). Each records in
 its meta.json the token count and a blake2b hash of the tokens, and every read checks both: a chunk file that went
@@ -48,6 +51,9 @@ BUILTIN_CORPUS = "shakespeare"
 TEXT_SUFFIXES = (".txt", ".md")
 # Bumped whenever the on-disk layout or the tokenization scheme changes, so stale caches are never reused.
 # 2: meta.json holds a hash of the tokens that every read checks (format 1 entries had none: a lost chunk read as 0s).
+# BPE entries' keys also hold the byte where the held-out text begins (their vocabulary is learned from the text before
+# it): older BPE entries, whose vocabulary was learned from the whole corpus, are thereby never reused; byte entries
+# did not change and keep their keys.
 _CACHE_FORMAT = 2
 # Files are joined with a blank line so the last line of one document does not run into the next.
 _FILE_SEPARATOR = b"\n\n"
@@ -71,6 +77,8 @@ class DataConfig:
   corpus: str = BUILTIN_CORPUS  # "shakespeare" (built-in) or a path (file or folder); comma-separated allowed
   tokenizer: str = "byte"  # "byte" | "bpe"
   vocab_size: int = 256  # only used by "bpe"; "byte" is always 256
+  # Held out for validation: the last val_fraction of the tokens for "byte"; for "bpe" the last val_fraction of the
+  # corpus text (in bytes, at a character boundary), which the BPE vocabulary is not learned from.
   val_fraction: float = 0.05
   cache_dir: str | None = None  # default: $FP4JAX_CACHE or ~/.cache/fp4jax/data
 
@@ -97,13 +105,18 @@ class DataIdentity:
   num_files: int
   num_bytes: int
   cache_key: str  # the token cache entry's name: content, tokenizer config and cache format
+  # Hash of the BPE vocabulary and merges: the same corpus and vocab_size give other tokens when the text they are
+  # learned from changes (another val_fraction). "" for byte, and in records from before it was kept.
+  tokenizer_digest: str = ""
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
   @classmethod
   def from_dict(cls, data: Mapping[str, Any]) -> DataIdentity:
-    return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+    # Fields with a default may be missing: records written before they existed.
+    fields = [f for f in dataclasses.fields(cls) if f.name in data or f.default is dataclasses.MISSING]
+    return cls(**{f.name: data[f.name] for f in fields})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -111,7 +124,7 @@ class TokenDataset:
   """A tokenized corpus split into a train stream and a held-out tail (val)."""
 
   train: np.ndarray  # 1D uint16 (or int32 for vocab > 65536), read-only
-  val: np.ndarray  # 1D, the last val_fraction of the stream, contiguous after train
+  val: np.ndarray  # 1D, the held-out tail (see DataConfig.val_fraction), contiguous after train
   vocab_size: int
   source: str  # human-readable description of corpus and tokenizer
   tokenizer: str = "byte"
@@ -215,6 +228,14 @@ def identity_changes(recorded: DataIdentity, current: DataIdentity) -> list[str]
   if (recorded.tokenizer, recorded.vocab_size) != (current.tokenizer, current.vocab_size):
     changes.append(f"the tokenizer is {current.tokenizer} with vocab {current.vocab_size} (it was "
                    f"{recorded.tokenizer} with vocab {recorded.vocab_size})")
+  elif recorded.tokenizer_digest != current.tokenizer_digest:
+    if recorded.tokenizer_digest:
+      why = (f"digest {current.tokenizer_digest} (it was {recorded.tokenizer_digest}): it was learned from other "
+             "text, as another val_fraction holds out")
+    else:
+      why = ("it is learned from the train text alone, and this record's was learned by an older fp4jax from the "
+             "whole corpus, validation text included")
+    changes.append(f"the {current.tokenizer} vocabulary (vocab {current.vocab_size}) has other tokens: {why}")
   return changes
 
 
@@ -243,7 +264,7 @@ def _import_tokenizers():
   except ImportError as e:  # a ValueError: a setting this installation cannot run (the CLI exits 2 with it)
     raise ValueError(
         "tokenizer='bpe' needs the Hugging Face `tokenizers` package, which is not installed: run "
-        "`pip install tokenizers`, or use tokenizer='byte'."
+        "`pip install tokenizers` (or install fp4jax with its `bpe` extra), or use tokenizer='byte'."
     ) from e
   return tokenizers
 
@@ -255,19 +276,60 @@ def _decode_utf8(raw: bytes, path: pathlib.Path) -> str:
     raise ValueError(f"Corpus file {path} is not valid UTF-8 (needed by tokenizer='bpe'): {e}") from e
 
 
+def _pieces(raws: list[bytes]) -> list[bytes]:
+  """The joined corpus in order as pieces: each file's bytes, and the separator between two files."""
+  return [piece for i, raw in enumerate(raws) for piece in ((_FILE_SEPARATOR, raw) if i else (raw,))]
+
+
+def _bpe_cut(raws: list[bytes], val_fraction: float) -> int:
+  """Where the held-out text begins in the joined corpus, for BPE: the byte that leaves the last val_fraction of the
+  bytes after it, moved back to the start of its UTF-8 character (so both parts decode on their own)."""
+  pieces = _pieces(raws)
+  total = sum(len(p) for p in pieces)
+  cut = total - (int(np.ceil(total * val_fraction)) if val_fraction > 0 else 0)
+  start = 0
+  for piece in pieces:
+    if start <= cut < start + len(piece):
+      at = cut - start
+      while at > 0 and piece[at] & 0xC0 == 0x80:  # a continuation byte: inside a multi-byte character
+        at -= 1
+      return start + at
+    start += len(piece)
+  return cut  # the end: nothing held out
+
+
+def _split_pieces(raws: list[bytes], cut: int) -> tuple[list[bytes], list[bytes]]:
+  """The pieces of the joined corpus before and after byte `cut` (the piece it falls in split there)."""
+  before, after, start = [], [], 0
+  for piece in _pieces(raws):
+    at = min(max(cut - start, 0), len(piece))
+    before.append(piece[:at])
+    after.append(piece[at:])
+    start += len(piece)
+  return [p for p in before if p], [p for p in after if p]
+
+
 def _tokenize(
     raws: list[bytes], files: list[pathlib.Path], config: DataConfig, out_dir: pathlib.Path
-) -> tuple[np.ndarray, int]:
-  """Tokenizes the file contents into one 1D stream; returns (tokens, vocab_size).
+) -> tuple[np.ndarray, int, dict[str, Any]]:
+  """Tokenizes the file contents into one 1D stream; returns (tokens, vocab_size, what meta.json adds for it).
 
-  For BPE the trained tokenizer is saved to out_dir/tokenizer.json.
+  For BPE the stream is the train text's tokens followed by the held-out text's (its "num_train_tokens" says where
+  they meet); the vocabulary is learned from the train text only and saved to out_dir/tokenizer.json.
   """
   if config.tokenizer == "byte":
     stream = _FILE_SEPARATOR.join(raws)
-    return np.frombuffer(stream, dtype=np.uint8).astype(np.uint16), _BYTE_VOCAB
+    return np.frombuffer(stream, dtype=np.uint8).astype(np.uint16), _BYTE_VOCAB, {}
 
   tk = _import_tokenizers()
-  texts = [_decode_utf8(r, p) for r, p in zip(raws, files)]
+  for raw, path in zip(raws, files):  # a file that is not UTF-8 is named before any piece of it is decoded
+    _decode_utf8(raw, path)
+  cut = _bpe_cut(raws, config.val_fraction)
+  if cut == 0:
+    raise ValueError(f"Corpus has {sum(len(p) for p in _pieces(raws))} bytes: too few to hold out "
+                     f"val_fraction={config.val_fraction} and learn a BPE vocabulary from the rest.")
+  # Both parts split at character boundaries (_bpe_cut), so each piece decodes.
+  train_texts, val_texts = ([p.decode("utf-8") for p in part] for part in _split_pieces(raws, cut))
   tokenizer = tk.Tokenizer(tk.models.BPE())
   # Byte-level pre-tokenization: every byte is in the base alphabet, so no text is ever unknown.
   tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -278,20 +340,29 @@ def _tokenize(
       special_tokens=[],
       show_progress=False,
   )
-  tokenizer.train_from_iterator(texts, trainer=trainer)
+  tokenizer.train_from_iterator(train_texts, trainer=trainer)  # never the held-out text: it would shape the merges
   try:
     tokenizer.save(str(out_dir / "tokenizer.json"))
   except Exception as e:  # tokenizers raises a bare Exception for I/O errors; the caller reports OSErrors
     raise OSError(f"cannot save {out_dir / 'tokenizer.json'}: {e}") from e
   vocab = tokenizer.get_vocab_size()
-  sep_ids = tokenizer.encode(_FILE_SEPARATOR.decode()).ids
+  model = json.loads(tokenizer.to_str())["model"]
+  # tokenizers < 0.20 writes a merge as "a b", later ones as ["a", "b"]; byte-level tokens hold no space.
+  merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+  digest = hashlib.sha256(json.dumps([model["vocab"], merges], sort_keys=True).encode()).hexdigest()[:32]
   dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.int32
+  sep = _FILE_SEPARATOR.decode()
+  sep_ids = np.asarray(tokenizer.encode(sep).ids, dtype=dtype)
   parts = []
-  for i, text in enumerate(tqdm.tqdm(texts, desc="bpe encode", unit="file", leave=False)):
-    if i:
-      parts.append(np.asarray(sep_ids, dtype=dtype))
-    parts.append(np.asarray(tokenizer.encode(text).ids, dtype=dtype))
-  return np.concatenate(parts), vocab
+  with tqdm.tqdm(total=len(train_texts) + len(val_texts), desc="bpe encode", unit="piece", leave=False) as bar:
+    for texts in (train_texts, val_texts):
+      ids = []
+      for text in texts:  # a piece at a time, as the vocabulary was learned from them
+        ids.append(sep_ids if text == sep else np.asarray(tokenizer.encode(text).ids, dtype=dtype))
+        bar.update()
+      parts.append(np.concatenate(ids) if ids else np.zeros(0, dtype))
+  return np.concatenate(parts), vocab, {"num_train_tokens": int(parts[0].size), "train_bytes": cut,
+                                        "tokenizer_digest": digest}
 
 
 def decode(dataset: TokenDataset, tokens: np.ndarray | Sequence[int]) -> str:
@@ -328,13 +399,18 @@ def _cache_root(config: DataConfig) -> pathlib.Path:
   return pathlib.Path("~/.cache/fp4jax/data").expanduser()
 
 
-def _cache_key(digests: list[bytes], config: DataConfig) -> str:
+def _cache_key(digests: list[bytes], config: DataConfig, train_bytes: int | None = None) -> str:
   """Hash of the corpus content (the files' sha256 `digests`, in order) and tokenizer config; independent of paths
-  and mtimes."""
+  and mtimes. For BPE, `train_bytes` (_bpe_cut: the text its vocabulary is learned from) is part of it."""
+  settings = {"format": _CACHE_FORMAT, "tokenizer": config.tokenizer,
+              "vocab_size": config.vocab_size if config.tokenizer == "bpe" else _BYTE_VOCAB,
+              "separator": _FILE_SEPARATOR.hex(), "num_files": len(digests)}
+  if config.tokenizer == "bpe":
+    if train_bytes is None:
+      raise ValueError("A BPE cache key needs train_bytes (_bpe_cut).")
+    settings["train_bytes"] = train_bytes
   h = hashlib.sha256()
-  h.update(json.dumps({"format": _CACHE_FORMAT, "tokenizer": config.tokenizer,
-                       "vocab_size": config.vocab_size if config.tokenizer == "bpe" else _BYTE_VOCAB,
-                       "separator": _FILE_SEPARATOR.hex(), "num_files": len(digests)}).encode())
+  h.update(json.dumps(settings).encode())
   for digest in digests:
     h.update(digest)
   return h.hexdigest()[:32]
@@ -458,14 +534,14 @@ def _write_entry(entry: pathlib.Path, raws, files, config: DataConfig, source: s
     raise _write_error(entry, e) from e
   try:
     try:
-      tokens, vocab = _tokenize(raws, files, config, tmp)
+      tokens, vocab, extra = _tokenize(raws, files, config, tmp)
     except OSError as e:  # saving tokenizer.json; the ValueErrors of _tokenize are about the corpus, kept as they are
       raise _write_error(entry, e) from e
     if tokens.size == 0:
       raise ValueError(f"Corpus {config.corpus!r} produced no tokens.")
     meta = {"format": _CACHE_FORMAT, "num_tokens": int(tokens.size), "tokens_blake2b": _tokens_digest(tokens),
             "vocab_size": int(vocab), "tokenizer": config.tokenizer, "source": source,
-            "files": [str(f) for f in files]}
+            "files": [str(f) for f in files], **extra}
     try:
       _store(tmp, tokens, meta)
       _publish(tmp, entry)
@@ -532,7 +608,8 @@ def load_dataset(config: DataConfig) -> TokenDataset:
   source = _describe(config.corpus, files, num_bytes)
   digests = [hashlib.sha256(r).digest() for r in raws]
 
-  key = _cache_key(digests, config)
+  train_bytes = _bpe_cut(raws, config.val_fraction) if config.tokenizer == "bpe" else None
+  key = _cache_key(digests, config, train_bytes)
   entry = _cache_root(config) / key
   if entry.parent.is_dir():
     _remove_stale_temps(entry)
@@ -542,7 +619,12 @@ def load_dataset(config: DataConfig) -> TokenDataset:
   tokens.setflags(write=False)
 
   n = tokens.size
-  n_val = int(np.ceil(n * config.val_fraction)) if config.val_fraction > 0 else 0
+  if config.tokenizer == "bpe":  # the held-out text's tokens (learned apart from it) follow the train text's
+    if not isinstance(meta.get("num_train_tokens"), int) or not 0 <= meta["num_train_tokens"] <= n:
+      raise _damaged(entry, "its meta.json lacks a valid num_train_tokens (where BPE's held-out text begins)")
+    n_val = n - meta["num_train_tokens"]
+  else:  # the byte stream's last val_fraction of tokens
+    n_val = int(np.ceil(n * config.val_fraction)) if config.val_fraction > 0 else 0
   if n - n_val < 1:
     raise ValueError(f"Corpus has {n} tokens: too few to hold out val_fraction={config.val_fraction}.")
   tokenizer_file = str(entry / "tokenizer.json") if config.tokenizer == "bpe" else None
@@ -555,5 +637,6 @@ def load_dataset(config: DataConfig) -> TokenDataset:
       tokenizer_file=tokenizer_file,
       identity=DataIdentity(corpus=resolve_corpus(config.corpus), fingerprint=_fingerprint(digests),
                             tokenizer=config.tokenizer, vocab_size=int(meta["vocab_size"]), num_files=len(files),
-                            num_bytes=num_bytes, cache_key=key),
+                            num_bytes=num_bytes, cache_key=key,
+                            tokenizer_digest=meta.get("tokenizer_digest", "") if config.tokenizer == "bpe" else ""),
   )

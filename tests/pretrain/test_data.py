@@ -1,7 +1,9 @@
 """Tests for fp4jax.pretrain.data: corpus discovery, tensorstore cache, split, deterministic batches."""
 
+import dataclasses
 import errno
 import hashlib
+import json
 import os
 import pathlib
 import signal
@@ -423,6 +425,79 @@ def test_bpe_tokenizer(text_folder, tmp_path):
   assert tokens.size < sum(f.stat().st_size for f in data.corpus_files(str(text_folder)))
   assert tokens.max() < ds.vocab_size
   assert data.decode(ds, tokens).startswith("# first file\n# first file")
+
+
+def _bpe_corpus(folder):
+  """Two files whose held-out tail (the last 15% of the text, all in b.txt) repeats a word the train text never has."""
+  folder.mkdir()
+  (folder / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+  (folder / "b.txt").write_text("über die Brücke, the lazy dog sleeps. " * 40 + "qzxqzx " * 60)
+  raws = [f.read_bytes() for f in data.corpus_files(str(folder))]
+  return raws, b"\n\n".join(raws).decode()
+
+
+def test_bpe_vocabulary_is_learned_from_the_train_text_only(tmp_path, monkeypatch):
+  """The BPE vocabulary was learned from the whole corpus, so merges of validation-only text ("qzx") leaked in."""
+  tokenizers = pytest.importorskip("tokenizers")
+  raws, text = _bpe_corpus(tmp_path / "corpus")
+  cfg = data.DataConfig(corpus=str(tmp_path / "corpus"), tokenizer="bpe", vocab_size=320, val_fraction=0.15,
+                        cache_dir=str(tmp_path / "cache"))
+  ds = data.load_dataset(cfg)
+  tokenizer = tokenizers.Tokenizer.from_file(ds.tokenizer_file)
+  assert ds.vocab_size == tokenizer.get_vocab_size() and ds.vocab_size > 256 + 40  # merges were learned
+  assert not [t for t in tokenizer.get_vocab() if "qzx" in t]  # nothing learned from the held-out text
+  # The held-out text is the last 15% of the bytes (at a character boundary); val is exactly its encoding.
+  total = len(text.encode())
+  held_out = text[len(data.decode(ds, ds.train)):]
+  assert 0 <= len(held_out.encode()) - int(np.ceil(total * 0.15)) < 4 and held_out.endswith("qzxqzx " * 60)
+  assert len(held_out.encode()) < len(raws[1])  # the cut is inside b.txt: one piece, encoded as a whole
+  np.testing.assert_array_equal(ds.val, tokenizer.encode(held_out).ids)
+  assert data.decode(ds, ds.train) + data.decode(ds, ds.val) == text  # nothing lost or doubled at the cut
+  assert data.decode(ds, np.concatenate([ds.train, ds.val])) == text
+  with monkeypatch.context() as m:  # the cache is reused, split and all
+    m.setattr(data, "_tokenize", _no_tokenize)
+    again = data.load_dataset(cfg)
+  np.testing.assert_array_equal(again.train, ds.train)
+  np.testing.assert_array_equal(again.val, ds.val)
+  assert again.identity == ds.identity and ds.identity.tokenizer_digest
+  # Another val_fraction learns from other text: another cache entry, and none held out at 0.
+  whole = data.load_dataset(dataclasses.replace(cfg, val_fraction=0.0))
+  assert whole.identity.cache_key != ds.identity.cache_key and whole.val.size == 0
+  assert data.decode(whole, whole.train) == text
+  assert [t for t in tokenizers.Tokenizer.from_file(whole.tokenizer_file).get_vocab() if "qzx" in t]
+  # A corpus whose only character would be held out leaves nothing to learn from: refused.
+  (tmp_path / "tiny.txt").write_text("é")  # 2 bytes: the cut (byte 1) moves back to 0
+  with pytest.raises(ValueError, match=r"Corpus has 2 bytes: too few to hold out val_fraction=0.4"):
+    data.load_dataset(dataclasses.replace(cfg, corpus=str(tmp_path / "tiny.txt"), val_fraction=0.4))
+
+
+def test_bpe_cut_is_at_a_character_boundary():
+  euro = ("a" * 9 + "€").encode()  # 12 bytes; "€" is bytes 9-11
+  assert [data._bpe_cut([euro], f) for f in (0.0, 0.05, 0.1, 0.2, 0.5)] == [12, 9, 9, 9, 6]
+  # Across files: the cut may fall in a separator; the pieces either side keep every byte, in order.
+  assert data._bpe_cut([b"abc", b"d"], 0.5) == 3
+  assert data._split_pieces([b"abc", b"d"], 3) == ([b"abc"], [b"\n\n", b"d"])
+  assert data._split_pieces([b"abc", b"d"], 4) == ([b"abc", b"\n"], [b"\n", b"d"])
+  assert data._split_pieces([b"abc", b"d"], 6) == ([b"abc", b"\n\n", b"d"], [])
+
+
+@pytest.mark.parametrize("val_fraction", [0.0, 0.05, 0.15, 0.5])
+def test_byte_split_and_cache_key_are_unchanged(tmp_path, val_fraction):
+  """The byte tokenizer keeps its tokens, split (the last val_fraction of the tokens, not moved to a character
+  boundary as BPE's is) and cache key, so its cached entries and golden losses stay as they were."""
+  raws, text = _bpe_corpus(tmp_path / "corpus")
+  cfg = data.DataConfig(corpus=str(tmp_path / "corpus"), val_fraction=val_fraction, cache_dir=str(tmp_path / "c"))
+  ds = data.load_dataset(cfg)
+  stream = np.frombuffer(text.encode(), np.uint8)
+  n_val = int(np.ceil(stream.size * val_fraction)) if val_fraction > 0 else 0
+  np.testing.assert_array_equal(ds.train, stream[:stream.size - n_val])
+  np.testing.assert_array_equal(ds.val, stream[stream.size - n_val:])
+  assert ds.train.dtype == np.uint16
+  old_key = hashlib.sha256(json.dumps({"format": 2, "tokenizer": "byte", "vocab_size": 256, "separator": "0a0a",
+                                       "num_files": 2}).encode())
+  for raw in raws:
+    old_key.update(hashlib.sha256(raw).digest())
+  assert ds.identity.cache_key == old_key.hexdigest()[:32]
 
 
 def test_bpe_without_package_has_clear_error(text_folder, tmp_path, monkeypatch):

@@ -55,6 +55,33 @@ def test_identity_changes_say_what_changed(tmp_path):
       "the tokenizer is bpe with vocab 512 (it was byte with vocab 256)"]
 
 
+def test_identity_tells_bpe_vocabularies_learned_from_other_text_apart(tmp_path):
+  """BPE's vocabulary is learned from the train text alone, so another val_fraction (or a record from an fp4jax that
+  learned it from the whole corpus) gives other tokens for the same corpus and vocab_size: a change."""
+  pytest.importorskip("tokenizers")
+  text = TEXT + "Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous fortune. " * 20
+  bpe = identity(tmp_path / "a", text, tokenizer="bpe", vocab_size=300, val_fraction=0.1)
+  again = identity(tmp_path / "b", text, tokenizer="bpe", vocab_size=300, val_fraction=0.1)  # another cache
+  assert bpe.tokenizer_digest and again.tokenizer_digest == bpe.tokenizer_digest  # learned again: the same
+  assert data.identity_changes(bpe, again) == []
+  other = identity(tmp_path / "a", text, tokenizer="bpe", vocab_size=300, val_fraction=0.3)
+  assert (other.fingerprint, other.vocab_size) == (bpe.fingerprint, bpe.vocab_size) == (bpe.fingerprint, 300)
+  assert data.identity_changes(bpe, other) == [
+      f"the bpe vocabulary (vocab 300) has other tokens: digest {other.tokenizer_digest} (it was "
+      f"{bpe.tokenizer_digest}): it was learned from other text, as another val_fraction holds out"]
+  with pytest.raises(resume_lib.DataChangedError, match="the bpe vocabulary .* has other tokens"):
+    resume_lib.check_data_kept(bpe.to_dict(), other, 8)
+  # Records from before the digest: a byte one is the same data, a BPE one had a vocabulary learned from all text.
+  byte = identity(tmp_path / "a", text)
+  assert byte.tokenizer_digest == ""
+  older = {k: v for k, v in byte.to_dict().items() if k != "tokenizer_digest"}
+  assert resume_lib.check_data_kept(older, byte, 8) is None
+  older = {k: v for k, v in bpe.to_dict().items() if k != "tokenizer_digest"}
+  assert data.identity_changes(data.DataIdentity.from_dict(older), bpe) == [
+      "the bpe vocabulary (vocab 300) has other tokens: it is learned from the train text alone, and this record's "
+      "was learned by an older fp4jax from the whole corpus, validation text included"]
+
+
 def test_resume_on_changed_data_is_refused_unless_data_changed(tmp_path):
   old = identity(tmp_path / "a")
   recorded = old.to_dict()
