@@ -21,7 +21,7 @@ from fp4jax import formats
 from fp4jax import nvfp4
 from fp4jax import recipes as recipes_lib
 from fp4jax.qarray import QArray
-from fp4jax.quantize import decode_elements, dequantize, quantize_elements
+from fp4jax.quantize import decoded_values, dequantize
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -85,28 +85,30 @@ def bf16_values(operand):
 
 
 def unit_values(x, fmt, **quantize_kwargs) -> Unit | None:
-  """bf16_values(quantize(x, fmt, **quantize_kwargs)) bit for bit, computed from the quantizer's element values
-  instead of packed codes (3-7x faster for 16x16 weight blocks on XLA:CPU); None where bf16_values would be."""
+  """bf16_values(quantize(x, fmt, **quantize_kwargs)) bit for bit, computed from the quantizer's element values and
+  float32 block scales instead of packed codes and stored scales (3-7x faster for 16x16 weight blocks on XLA:CPU);
+  None where bf16_values would be."""
   fmt = formats.get_format(fmt)
   # Decided from the format, before quantizing, so that a caller falling back to another form quantizes once:
   # FP8 is left to f32_unit, and NVFP4's per-group (double_block) scales have no bfloat16 form (_unit_parts).
   if not fmt.is_fp4 or (isinstance(fmt, formats.NVFP4) and fmt.double_block):
     return None
-  elements, scales, amax, block = quantize_elements(x, fmt, **quantize_kwargs)
-  parts = _unit_parts(fmt, scales, amax)
+  values, amax = decoded_values(x, fmt, dtype=jnp.bfloat16, tensor_decode=False, **quantize_kwargs)
+  parts = _unit_parts(fmt, None, amax)
   assert parts is not None, fmt  # the formats left all have a bfloat16 form
-  fmt, scales, unit_amax, factor = parts
-  # As in bf16_values, a non-finite amax poisons the factor (and with it every product), not the values.
-  return Unit(decode_elements(elements, fmt, scales, unit_amax, block, jnp.shape(x), jnp.bfloat16),
-              factor)
+  _, _, unit_amax, factor = parts
+  # As in bf16_values: NVFP4 decodes with amax = R (tensor factor exactly 1) and a non-finite amax poisons the factor;
+  # MXFP4 decodes with its own amax, which poisons the values.
+  if unit_amax is amax:
+    values = jnp.where(jnp.all(jnp.isfinite(amax)), values, jnp.bfloat16(jnp.nan))
+  return Unit(values, factor)
 
 
 def f32_unit(x, fmt, **quantize_kwargs) -> Unit:
   """f32_values(quantize(x, fmt, **quantize_kwargs)) bit for bit, as a Unit with factor 1, computed from the
-  quantizer's element values instead of packed codes (any format): what an "f32"-mode GEMM reads."""
-  elements, scales, amax, block = quantize_elements(x, fmt, **quantize_kwargs)
-  fmt = formats.get_format(fmt)
-  return Unit(decode_elements(elements, fmt, scales, amax, block, jnp.shape(x), jnp.float32), jnp.float32(1.0))
+  quantizer's element values and float32 block scales instead of packed codes (any format): what an "f32"-mode GEMM
+  reads."""
+  return Unit(decoded_values(x, fmt, dtype=jnp.float32, **quantize_kwargs)[0], jnp.float32(1.0))
 
 
 # CPU flags under which XLA:CPU's bf16 x bf16 -> float32 dots were measured faster than float32 HIGHEST ones in the

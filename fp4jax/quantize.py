@@ -118,10 +118,11 @@ def _scale_shape(shape, block):
 def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False, sr_bits="hash", clip_mask=False):
   """The quantizer proper on the (padded) float32 tensor.
 
-  Returns (elements, scales, amax, decode): `elements` has x32's shape: E2M1 codes (int32 0..15) for FP4, or with
+  Returns (elements, scales, amax, scaling): `elements` has x32's shape: E2M1 codes (int32 0..15) for FP4, or with
   `values=True` the E2M1 values those codes stand for (float32); E4M3 values (float32) for FP8. `scales` are the
-  stored block scales. With `values=True`, `decode(elements)` is what `dequantize` returns before the non-finite
-  check, without the round trip through codes, packing and stored scales. With `clip_mask=True` a fifth output:
+  stored block scales, `scaling` the quantizer's own (formats.Scaling). With `values=True`,
+  `_decode(elements, scaling, block)` is what `dequantize` returns before the non-finite check, without the round
+  trip through codes, packing and stored scales. With `clip_mask=True` a fifth output:
   True where the scaled element lies strictly inside the element range (|x / s| < max; False for NaN).
   """
   amax_b = blocks.block_amax(x32, block)
@@ -149,14 +150,13 @@ def _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=False
 def _quantize_elements_of(y, fmt, scaling, block, rounding, key, random_bits, values, sr_bits, amax):
   """_quantize_elements' rounding step on the scaled tensor y."""
   scales = scaling.stored
-  decode = lambda v: _decode(v, scaling, block)
   if not fmt.is_fp4:  # E4M3 elements (FP8): round-to-nearest-even only
-    return grids.round_e4m3(y), scales, amax, decode
+    return grids.round_e4m3(y), scales, amax, scaling
   if values:  # the rounded values equal the decoded codes (up to NaN inputs, whose tensor dequantizes to NaN)
     rounded = rounding_lib.round_e2m1(y, rounding=rounding, key=key, random_bits=random_bits, sr_bits=sr_bits)
-    return rounded, scales, amax, decode
+    return rounded, scales, amax, scaling
   codes = rounding_lib.e2m1_codes(y, rounding=rounding, key=key, random_bits=random_bits, sr_bits=sr_bits)
-  return codes, scales, amax, decode
+  return codes, scales, amax, scaling
 
 
 def _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, amax, values, sr_bits, amax_b):
@@ -169,8 +169,7 @@ def _quantize_choosing(x32, fmt, candidates, block, rounding, key, random_bits, 
   elements, stored, dec, _ = four_over_six.choose(x32, candidates, block, fmt.select, round_fn, decode_fn, expand_fn,
                                                   select_round_fn, amax_b)
   scaling = formats.Scaling(stored, (), dec, candidates[0].tensor_decode)
-  decode = lambda v: _decode(v, scaling, block)
-  return (elements if values else grids.e2m1_codes(elements)), stored, amax, decode
+  return (elements if values else grids.e2m1_codes(elements)), stored, amax, scaling
 
 
 def _quantize_eden(x32, fmt, block, rounding, key, random_bits, amax_b, amax, values, sr_bits):
@@ -189,8 +188,7 @@ def _quantize_eden(x32, fmt, block, rounding, key, random_bits, amax_b, amax, va
   s_b = eden.round_scales(scaling.decode[0] * corr, rounding=rounding, key=key, random_bits=random_bits,
                           sr_bits=sr_bits)
   scaling = formats.Scaling(s_b.astype(jnp.float8_e4m3fn), (), (s_b,) + scaling.decode[1:], scaling.tensor_decode)
-  decode = lambda e: _decode(e, scaling, block)
-  return (v if values else rounding_lib.e2m1_codes_nearest(y)), scaling.stored, amax, decode
+  return (v if values else rounding_lib.e2m1_codes_nearest(y)), scaling.stored, amax, scaling
 
 
 # --- quantize -----------------------------------------------------------------------------------------------------
@@ -373,6 +371,37 @@ def _quantize_elements_jit(x, key, *, fmt, axis, block_2d, rounding, random_bits
   return elements, scales.reshape(_scale_shape(shape, block)), amax
 
 
+def decoded_values(x, fmt, *, dtype=jnp.float32, tensor_decode: bool = True, axis: int = -1, block_2d: bool = False,
+                   rounding: str = "nearest", key=None, random_bits: int = 32, pad: bool = False,
+                   sr_bits: str = "hash") -> tuple[jax.Array, jax.Array]:
+  """(values in `dtype`, the tensor amax): x quantized, times the quantizer's own float32 block decode scales.
+
+  tensor_decode=True: `values` is dequantize(quantize(x, ...)) bit for bit (what fake_quant returns, in `dtype`).
+  tensor_decode=False: the per-tensor decode factor (NVFP4's amax / R, MXFP4 Tseng's 4/3) and the poisoning by a
+  non-finite amax are left to the caller, which applies both after a GEMM (fp4jax.gemm.unit_values).
+  The block scales are the float32 values the quantizer rounded, equal to the stored E4M3 / E8M0 scales read back.
+  Decoding from the stored ones instead, XLA:CPU fused their float8 round trip into every element's loop: 20 % of
+  the `small` nvfp4 train step (benchmarks/RESULTS.md). Not differentiable, as quantize.
+  """
+  fmt, x, axis = _checked(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
+  settings = _static(fmt, axis, block_2d, rounding, random_bits, pad, sr_bits, dtype=jnp.dtype(dtype),
+                     tensor_decode=bool(tensor_decode))
+  run = lambda x, key: no_gradient.refusing_gradient(x, key, _decoded_values_jit, "fp4jax.quantize.decoded_values",
+                                                     settings)
+  return _on_auto_axes(run, x, key)
+
+
+@functools.partial(jax.jit, static_argnames=_SETTINGS + ("dtype", "tensor_decode"))
+def _decoded_values_jit(x, key, *, fmt, axis, block_2d, rounding, random_bits, pad, sr_bits, dtype, tensor_decode):
+  x32, _, block = _prepare(x, fmt, axis, block_2d, pad)
+  elements, _, amax, scaling = _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=True,
+                                                  sr_bits=sr_bits)
+  if tensor_decode:
+    return _finish(_decode(elements, scaling, block), amax, x.shape, dtype), amax
+  values = _decode(elements, scaling._replace(tensor_decode=None), block)
+  return _finish(values, jnp.float32(0.0), x.shape, dtype), amax
+
+
 def fake_quant(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
                random_bits: int = 32, pad: bool = False, sr_bits: str = "hash") -> jax.Array:
   """dequantize(quantize(x, fmt, ...)) in x's dtype: the values a quantized GEMM would see.
@@ -404,9 +433,9 @@ def _fake_quant_straight_through_jvp(settings, primals, tangents):
 @functools.partial(jax.jit, static_argnames=_SETTINGS)
 def _fake_quant_jit(x, key, *, fmt, axis, block_2d, rounding, random_bits, pad, sr_bits):
   x32, _, block = _prepare(x, fmt, axis, block_2d, pad)
-  elements, _, amax, decode = _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=True,
-                                                 sr_bits=sr_bits)
-  return _finish(decode(elements), amax, x.shape, x.dtype)
+  elements, _, amax, scaling = _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=True,
+                                                  sr_bits=sr_bits)
+  return _finish(_decode(elements, scaling, block), amax, x.shape, x.dtype)
 
 
 def quantization_error(x, fmt, **kwargs) -> jax.Array:

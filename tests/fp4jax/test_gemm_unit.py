@@ -56,6 +56,21 @@ def test_unit_values_equal_bf16_values_of_the_qarray(fmt, layout, dtype):
   np.testing.assert_array_equal(_bits(got.factor), _bits(want[1]))
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_4over6"])
+@pytest.mark.parametrize("mode", ["bf16", "f32"])
+def test_gemm_operands_decode_with_float32_scales_not_float8_ones(fmt, mode):
+  """The GEMM operands are decoded with the float32 block scales the quantizer rounded, not the stored E4M3 scales
+  read back: XLA:CPU fused that float8 round trip into every element's loop (20 % of the `small` nvfp4 train step).
+  No computation of the compiled program that yields per-element values holds a float8 value."""
+  x = jax.random.normal(jax.random.key(1), (64, 128), jnp.float32)
+  unit = gemm.unit_values if mode == "bf16" else gemm.f32_unit
+  layout = dict(axis=0, rounding="stochastic", key=jax.random.key(2))
+  hlo = jax.jit(lambda x: unit(x, fmt, **layout)).lower(x).compile().as_text()
+  computations = re.split(r"\n(?=\S)", hlo)  # a computation starts at column 0
+  per_element = [c for c in computations if re.search(r"ROOT [^=]*= \(?\w+\[64,128\]", c)]
+  assert per_element and not [c for c in per_element if "f8e4m3fn" in c]
+
+
 def test_unit_values_of_a_non_finite_tensor_poison_the_factor():
   x = _edge_tensor(jnp.float32).at[3, 3].set(jnp.nan)
   u = gemm.unit_values(x, "nvfp4", axis=1)
