@@ -311,7 +311,7 @@ def test_numerics_lists_the_jitted_public_calls():
   listed = re.search(r"\*\*Plain calls are compiled\.\*\* (.*?) run their bodies", " ".join(NUMERICS.split()))
   names = re.findall(r"`(\w+)`", listed.group(1))
   assert names == ["quantize", "quantize_with_clip_mask", "dequantize", "fake_quant", "quantize_elements",
-                   "random_hadamard"]
+                   "decoded_values", "random_hadamard"]
   quantize_module = importlib.import_module("fp4jax.quantize")  # `fp4jax.quantize` is the function
   for name in names:
     assert callable(getattr(fp4jax, name, None) or getattr(quantize_module, name)), name
