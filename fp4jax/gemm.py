@@ -94,12 +94,10 @@ def unit_values(x, fmt, **quantize_kwargs) -> Unit | None:
   if not fmt.is_fp4 or (isinstance(fmt, formats.NVFP4) and fmt.double_block):
     return None
   values, amax = decoded_values(x, fmt, dtype=jnp.bfloat16, tensor_decode=False, **quantize_kwargs)
-  parts = _unit_parts(fmt, None, amax)
-  assert parts is not None, fmt  # the formats left all have a bfloat16 form
-  _, _, unit_amax, factor = parts
-  # As in bf16_values: NVFP4 decodes with amax = R (tensor factor exactly 1) and a non-finite amax poisons the factor;
-  # MXFP4 decodes with its own amax, which poisons the values.
-  if unit_amax is amax:
+  factor = _unit_parts(fmt, None, amax)[3]
+  # As in bf16_values: a non-finite amax poisons NVFP4's factor (its values decode with amax = R), and MXFP4's
+  # values (they decode with its own amax; its factor is a constant).
+  if isinstance(fmt, formats.MXFP4):
     values = jnp.where(jnp.all(jnp.isfinite(amax)), values, jnp.bfloat16(jnp.nan))
   return Unit(values, factor)
 

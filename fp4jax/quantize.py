@@ -399,7 +399,7 @@ def _decoded_values_jit(x, key, *, fmt, axis, block_2d, rounding, random_bits, p
   if tensor_decode:
     return _finish(_decode(elements, scaling, block), amax, x.shape, dtype), amax
   values = _decode(elements, scaling._replace(tensor_decode=None), block)
-  return _finish(values, jnp.float32(0.0), x.shape, dtype), amax
+  return _finish(values, jnp.float32(0.0), x.shape, dtype), amax  # a finite stand-in amax: cropped and cast only
 
 
 def fake_quant(x, fmt, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
@@ -432,10 +432,8 @@ def _fake_quant_straight_through_jvp(settings, primals, tangents):
 
 @functools.partial(jax.jit, static_argnames=_SETTINGS)
 def _fake_quant_jit(x, key, *, fmt, axis, block_2d, rounding, random_bits, pad, sr_bits):
-  x32, _, block = _prepare(x, fmt, axis, block_2d, pad)
-  elements, _, amax, scaling = _quantize_elements(x32, fmt, block, rounding, key, random_bits, values=True,
-                                                  sr_bits=sr_bits)
-  return _finish(_decode(elements, scaling, block), amax, x.shape, x.dtype)
+  return _decoded_values_jit(x, key, fmt=fmt, axis=axis, block_2d=block_2d, rounding=rounding,
+                             random_bits=random_bits, pad=pad, sr_bits=sr_bits, dtype=x.dtype, tensor_decode=True)[0]
 
 
 def quantization_error(x, fmt, **kwargs) -> jax.Array:
