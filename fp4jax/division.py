@@ -162,6 +162,16 @@ def computed_once(*quotients):
                                     default=lambda *q: tuple(jax.lax.optimization_barrier(q)))
 
 
+def computed_apart(x):
+  """`x` unchanged, computed in a kernel of its own rather than in every element of a broadcasting consumer.
+
+  On the CPU it becomes x / 1 (exact; NaN stays NaN): XLA:CPU removes optimization barriers before fusion but does
+  not duplicate a divide into a consumer that broadcasts it. Elsewhere `computed_once`'s barrier keeps it out.
+  """
+  return jax.lax.platform_dependent(x, cpu=lambda x: _cpu_divide(x, jnp.ones_like(x)),
+                                    default=lambda x: jax.lax.optimization_barrier(x))
+
+
 @jax.custom_jvp
 def divide(a, b):
   """a / b in float32 (broadcast together), correctly rounded on every backend and under jax.vmap: XLA's divide on

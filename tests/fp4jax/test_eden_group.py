@@ -2,6 +2,8 @@
 matches the NumPy reference with g-element groups, and a recipe whose RHT size differs from the group is refused.
 The correction's products are rounded under jit as eagerly (no fused multiply-adds)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 
 import fp4jax
 from fp4jax import eden
+from fp4jax import gemm
 import recipes_beyond_helpers as helpers
 import reference as ref
 import reference_recipes as rref
@@ -101,3 +104,31 @@ def test_eden_correction_is_the_same_under_jit(axis):
   jitted = jax.jit(lambda y, v: eden.correction(y, v, block, 4))(jnp.asarray(y), jnp.asarray(v))
   np.testing.assert_array_equal(np.asarray(eager, np.float64), want)
   np.testing.assert_array_equal(np.asarray(jitted, np.float64), want)
+
+
+def _per_element_computations(fn, x):
+  """The computations of fn's compiled program that hold an array of x's size (the per-element loops)."""
+  hlo = jax.jit(fn).lower(x).compile().as_text()
+  per_element = lambda c: any(np.prod([int(d) for d in s.split(",")]) == x.size
+                              for s in re.findall(r"\w+\[([\d,]+)\]", c))
+  return [c for c in re.split(r"\n(?=\S)", hlo) if per_element(c)]  # a computation starts at column 0
+
+
+@pytest.mark.parametrize("unit", ["unit_values", "f32_unit"])
+def test_eden_block_scales_are_rounded_once_per_block(unit):
+  """The stochastic E4M3 rounding of the corrected block scales (neighbours through float8, the hash) is computed
+  per block: XLA:CPU fused it into every element's loop (16x the work, most of the `small` quartet2 backward)."""
+  x = jax.random.normal(jax.random.key(1), (64, 128), jnp.float32)
+  fmt = fp4jax.NVFP4(scale_rule="eden", eden_group=64)
+  fn = lambda x: getattr(gemm, unit)(x, fmt, axis=0, rounding="stochastic", key=jax.random.key(2))
+  computations = _per_element_computations(fn, x)
+  assert computations and not [c for c in computations if "f8e4m3fn" in c]
+
+
+def test_eden_block_sums_read_the_elements_in_place():
+  """The correction sums each block where its elements lie (blocks along axis 0, as in the backward GEMMs): moving
+  them last put a transpose into the sums' per-element loops, which XLA:CPU then ran unvectorised."""
+  x = jax.random.normal(jax.random.key(1), (64, 128), jnp.float32)
+  fmt = fp4jax.NVFP4(scale_rule="eden", eden_group=64)
+  computations = _per_element_computations(lambda x: gemm.f32_unit(x, fmt, axis=0), x)
+  assert computations and not [c for c in computations if "transpose(" in c]
