@@ -3,6 +3,8 @@ SR bit generator (`sr_bits`) and GEMM modes (`gemm_mode`)."""
 
 import functools
 import importlib
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -98,3 +100,20 @@ def test_quantize_of_new_formats_follows_sr_bits(name):
   again = quantize(g, op.fmt, axis=0, rounding="stochastic", key=key, sr_bits="threefry")
   np.testing.assert_array_equal(np.asarray(again.codes), np.asarray(q["threefry"].codes))
   assert not np.array_equal(np.asarray(dequantize(q["hash"])), np.asarray(dequantize(q["threefry"])))
+
+
+@pytest.mark.parametrize("layout", [dict(axis=1), dict(axis=0), dict(block_2d=True)], ids=["minor", "axis0", "2d"])
+def test_four_over_six_rounds_elements_apart_from_its_error_sums(layout):
+  """4/6's per-block errors are summed from squared errors written out by the elementwise pass. XLA:CPU used to fuse
+  the rounding into the kernels of the sums' pairwise stages, which then wrote 1/8 of the elements each (loops of
+  width 2, or stride-16 reads): 4/6's `small` train step took 4.0x bf16's. Every compiled kernel that rounds (RNE)
+  writes one value per element or one per block, nothing in between."""
+  x = jax.random.normal(jax.random.key(1), (128, 256), jnp.float32)
+  fmt = fp4jax.NVFP4(scale_rule="4over6")
+  hlo = jax.jit(lambda x: fp4jax.fake_quant(x, fmt, **layout)).lower(x).compile().as_text()
+  rounding = [c for c in re.split(r"\n(?=\S)", hlo) if "round-nearest-even(" in c]  # a computation starts at column 0
+  outputs = [c.split("\n", 1)[0].split("->")[-1] for c in rounding]  # the computation's result shapes
+  sizes = {math.prod(int(d) for d in dims.split(",") if d) for out in outputs
+           for dims in re.findall(r"\[([\d,]*)\]", out)}
+  block = 256 if layout.get("block_2d") else 16
+  assert x.size in sizes and sizes <= {x.size, x.size // block}, sizes
