@@ -209,26 +209,27 @@ def _fprop_source(q, fn, arg):
   return q
 
 
-def dgrad_weight(w_KxN, wq_fprop, recipe, key, compute_dtype):
+def dgrad_weight(w_KxN, wq_fprop, recipe, key, compute_dtype, unit=False):
   """Dgrad's weight operand, blocked along N: the Fprop codes when the recipe allows it, else re-quantized
-  (from W, or from the dequantized Fprop W when the operand says `requantize`)."""
+  (from W, or from the dequantized Fprop W when the operand says `requantize`); `unit`: as gemm.Unit (see
+  quantize_operand) instead of a QArray when re-quantized."""
   if recipe.dgrad_reuses_weight:
     return wq_fprop
   if recipe.dgrad.rhs.requantize:
     w_KxN = gemm_lib.f32_values(_fprop_source(wq_fprop, "dgrad_weight", "wq_fprop")).astype(w_KxN.dtype)
   return quantize_operand(w_KxN, recipe.dgrad.rhs, axis=1, recipe=recipe, key=_sub_key(recipe, key, _DGRAD_W_SR),
-                          signs=_rht_signs(recipe, key), compute_dtype=compute_dtype)
+                          signs=_rht_signs(recipe, key), compute_dtype=compute_dtype, unit=unit)
 
 
 def wgrad_activations(x_MxK, recipe, key, xq_fprop=None, unit=False):
   """Wgrad's activation operand: x (or the dequantized Fprop x, with `requantize`) padded to the token multiple,
-  RHT and blocks along M (tokens). `unit`: as gemm.Unit where it has an exact bfloat16 form in bf16 mode
-  (quantize_operand's unit="bf16"), else a QArray."""
+  RHT and blocks along M (tokens). `unit` as in quantize_operand: True, a gemm.Unit; "bf16", a Unit where it has an
+  exact bfloat16 form in bf16 mode, else a QArray."""
   if recipe.wgrad.rhs.requantize:
     x_MxK = gemm_lib.f32_values(_fprop_source(xq_fprop, "wgrad_activations", "xq_fprop")).astype(x_MxK.dtype)
   x_MxK = _pad_tokens(x_MxK, _token_multiple(recipe))
   return quantize_operand(x_MxK, recipe.wgrad.rhs, axis=0, recipe=recipe, key=_sub_key(recipe, key, _WGRAD_X_SR),
-                          signs=_rht_signs(recipe, key), compute_dtype=x_MxK.dtype, unit="bf16" if unit else False)
+                          signs=_rht_signs(recipe, key), compute_dtype=x_MxK.dtype, unit=unit)
 
 
 def dgrad_gradient(dy_MxN, recipe, key, compute_dtype=None, unit=False):
@@ -266,19 +267,23 @@ def layer_operands(x_MxK, w_KxN, recipe: recipes_lib.Recipe, key, *, backward: b
                    unit: bool = False) -> Operands:
   """Quantizes x and W for Fprop and, if `backward`, for Dgrad and Wgrad, as the custom_vjp rule does.
 
-  With `unit`, the Fprop operands that nothing but a GEMM reads (not re-quantized for the backward) come as
-  gemm.Unit (see quantize_operand), and so does Dgrad's weight when it reuses them, and Wgrad's x where it has an
-  exact bfloat16 form in bf16 mode: the rule's own fast path, with the same GEMM inputs bit for bit.
+  With `unit`, the Fprop operands come as gemm.Unit (see quantize_operand), and so do the backward's re-quantized
+  operands, Dgrad's weight when it reuses Fprop's, and Wgrad's x where it has an exact bfloat16 form in bf16 mode:
+  the rule's own fast path, with the same GEMM inputs bit for bit.
   """
-  unit_x = unit and not recipe.wgrad.rhs.requantize
-  unit_w = unit and not recipe.dgrad.rhs.requantize
-  xq, wq, x_mask, w_mask = _fprop_operands_and_masks(x_MxK, w_KxN, recipe, key, unit_x, unit_w)
+  xq, wq, x_mask, w_mask = _fprop_operands_and_masks(x_MxK, w_KxN, recipe, key, unit, unit)
   if not backward:
     return Operands(xq, wq)
   # Wgrad's x is a residual: its bfloat16 Unit (2 bytes per element, as the bf16 recipe keeps x) where there is
   # one; unpacking codes in the backward cost the `small` step ~0.07 of the bf16 step on XLA:CPU (RESULTS.md).
-  return Operands(xq, wq, dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype),
-                  wgrad_activations(x_MxK, recipe, key, xq, unit=unit), x_mask, w_mask)
+  # Re-quantized operands are rebuilt from the Fprop operands, whose packed codes XLA:CPU fused into their readers:
+  # each element recomputed both codes of its byte and its block's E4M3 scale. As Units of any form (float32 values
+  # where there is no bfloat16 one: NVFP4 double-block) they are decoded from float32 scales, with the same temp
+  # memory in the `small` train step (RESULTS.md).
+  requant_w, requant_x = unit and recipe.dgrad.rhs.requantize, unit and recipe.wgrad.rhs.requantize
+  return Operands(xq, wq, dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype, unit=requant_w),
+                  wgrad_activations(x_MxK, recipe, key, xq, unit=True if requant_x else ("bf16" if unit else False)),
+                  x_mask, w_mask)
 
 
 def fprop(ops: Operands, recipe: recipes_lib.Recipe):
