@@ -36,21 +36,6 @@ def _group_sum(per_block, axis, group_blocks):
   return jnp.moveaxis(four_over_six.pairwise(t, jnp.add), -1, axis)
 
 
-def _block_sum(t, axis, b):
-  """Sums of each run of `b` elements of `t` along `axis` in four_over_six.pairwise's order (halving, then a reduction
-  over the last two), with the blocks' elements kept in place: four_over_six.blocks_last moves them last, a
-  transpose that XLA:CPU fused into the per-element loops, which then ran unvectorised (the backward's blocks run
-  along axis 0). The halves are sliced on the middle axis of [.., n / b, b, ..], contiguous along the axes after it."""
-  t = t.reshape(t.shape[:axis] + (t.shape[axis] // b, b) + t.shape[axis + 1:])
-  inner = axis + 1
-  while t.shape[inner] > 2:
-    if t.shape[inner] % 2:
-      raise ValueError(f"block of {t.shape[inner]} elements: the pairwise reduction needs a power of two.")
-    h = t.shape[inner] // 2
-    t = jax.lax.slice_in_dim(t, 0, h, axis=inner) + jax.lax.slice_in_dim(t, h, 2 * h, axis=inner)
-  return jnp.sum(t, axis=inner)
-
-
 def correction(y, v, block, group_blocks: int = GROUP_BLOCKS, zero=None):
   """Per-block factor S of each block's group of `group_blocks` blocks: sum(y^2) / sum(y * v) (1 where that sum
   is 0). `zero`: a runtime uint32 0 (four_over_six.rounded); by default derived from v, a pass over the elements."""
@@ -58,7 +43,7 @@ def correction(y, v, block, group_blocks: int = GROUP_BLOCKS, zero=None):
   if len(axes) != 1:
     raise ValueError("NVFP4 scale_rule='eden' needs 1D blocks (1x16 along one axis); got 2D blocks.")
   axis = axes[0]
-  per_block = lambda t: _block_sum(t, axis, block[axis])
+  per_block = lambda t: four_over_six.block_reduce(t, block, jnp.add)
   # Under jit XLA contracts each product with the first addition of its sum into an FMA (one rounding instead of
   # two: ~10% of the corrections moved by an ulp on heavy-tailed data); rounding the products explicitly keeps jit,
   # eager and the float32 reference bit-identical (four_over_six.rounded; |v| <= 6, so `zero` is a runtime 0).

@@ -24,18 +24,6 @@ from fp4jax import grids
 SELECT_METRICS = ("mse", "mae", "absmax")
 
 
-def blocks_last(a, block):
-  """`a` with each block's elements gathered on one trailing axis (row major within a 2D tile): [..blocks.., B]."""
-  split, inner = [], []
-  for n, b in zip(a.shape, block):
-    if b > 1:
-      inner.append(len(split) + 1)
-    split.extend((n // b, b) if b > 1 else (n,))
-  outer = [i for i in range(len(split)) if i not in inner]
-  t = jnp.transpose(a.reshape(split), outer + inner)
-  return t.reshape(t.shape[:len(outer)] + (-1,))
-
-
 def pairwise(t, op):
   """Reduces the trailing axis by halving: t[..., :h] op t[..., h:] until one element is left (length 2^k).
 
@@ -67,21 +55,10 @@ def rounded(v, zero):
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def kept(v, one):
-  """float32 `v` unchanged (divided by `one`, a runtime 1.0), computed in a kernel of its own.
-
-  XLA fuses cheap producers into each of their consumers, so a per-block sum read by per-element selects was
-  recomputed for every element; it neither duplicates a divide on the CPU nor crosses `division.computed_once`'s
-  barrier elsewhere. The quotient is exact (NaN stays NaN).
-  """
-  (q,) = division.computed_once(division.divide(v, one))
-  return q
-
-
-def block_reduce(a, block, op, one):
+def block_reduce(a, block, op):
   """Per-block `op`-reduction (jnp.add or jnp.maximum) of `a` by pairwise halving over each block's elements laid
   out row major (a 2D tile's rows halve first, then its columns), with the blocks' shape; computed in a kernel of
-  its own (`kept`).
+  its own (`division.computed_apart`: XLA would otherwise recompute a sum in every element of a reader).
 
   The halvings run where the blocked axes lie, so each stage reads whole rows, except along the array's minor axis:
   there the block's 16 elements are 16 slices, which XLA:CPU reads from memory (it fuses a producer into at most 15
@@ -109,7 +86,7 @@ def block_reduce(a, block, op, one):
         terms = [op(jax.lax.slice_in_dim(terms[0], 0, h, axis=axis),
                     jax.lax.slice_in_dim(terms[0], h, 2 * h, axis=axis))]
     t = terms[0]
-  return kept(t.reshape([t.shape[i] for i in range(t.ndim) if i not in inner]), one)
+  return division.computed_apart(t.reshape([t.shape[i] for i in range(t.ndim) if i not in inner]))
 
 
 def block_error(err, block, metric: str, zero):
@@ -118,13 +95,12 @@ def block_error(err, block, metric: str, zero):
   "mse": sum of squares, "mae": sum of |err|, "absmax": max |err| (NaN-propagating), all float32. `zero` is a runtime
   uint32 0 (see `rounded`): the squares are rounded before they are summed, under any jit.
   """
-  one = jax.lax.convert_element_type(zero + 1, jnp.float32)
   if metric == "mse":
-    return block_reduce(rounded(err * err, zero), block, jnp.add, one)
+    return block_reduce(rounded(err * err, zero), block, jnp.add)
   if metric == "mae":
-    return block_reduce(jnp.abs(err), block, jnp.add, one)
+    return block_reduce(jnp.abs(err), block, jnp.add)
   if metric == "absmax":
-    return block_reduce(jnp.abs(err), block, jnp.maximum, one)
+    return block_reduce(jnp.abs(err), block, jnp.maximum)
   raise ValueError(f"select must be one of {SELECT_METRICS}; got {metric!r}.")
 
 
