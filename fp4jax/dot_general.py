@@ -280,10 +280,10 @@ def layer_operands(x_MxK, w_KxN, recipe: recipes_lib.Recipe, key, *, backward: b
   # each element recomputed both codes of its byte and its block's E4M3 scale. As Units of any form (float32 values
   # where there is no bfloat16 one: NVFP4 double-block) they are decoded from float32 scales, with the same temp
   # memory in the `small` train step (RESULTS.md).
-  requant_w, requant_x = unit and recipe.dgrad.rhs.requantize, unit and recipe.wgrad.rhs.requantize
-  return Operands(xq, wq, dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype, unit=requant_w),
-                  wgrad_activations(x_MxK, recipe, key, xq, unit=True if requant_x else ("bf16" if unit else False)),
-                  x_mask, w_mask)
+  unit_x = (True if recipe.wgrad.rhs.requantize else "bf16") if unit else False
+  unit_w = unit and recipe.dgrad.rhs.requantize
+  return Operands(xq, wq, dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype, unit=unit_w),
+                  wgrad_activations(x_MxK, recipe, key, xq, unit=unit_x), x_mask, w_mask)
 
 
 def fprop(ops: Operands, recipe: recipes_lib.Recipe):

@@ -5,7 +5,7 @@ Quartet II's Hadamard size) gets the factor
 S = sum(y^2) / sum(y * q(y)) (y: elements on the E2M1 scale, q(y): their rounded values; 1 when the denominator is 0)
 multiplied into its 8 block scales, which are then rounded stochastically to a neighbouring E4M3 value, without
 stochastic rounding of the elements (IST-DASLab/Quartet-II, src/models/quantization/quantizers/nvfp4_triton.py,
-`eden_1x16s_fp4_kernel`). Sums are float32 in a fixed pairwise order (four_over_six.block_error's).
+`eden_1x16s_fp4_kernel`). Sums are float32 in a fixed pairwise order (four_over_six.block_reduce's).
 
 Following a random rotation (the RHT) this is unbiased at group level, E<x, x_hat> = |x|^2, only where the group's
 block scales are equal: y is in units of each block's own scale, so with unequal scales the unweighted sums leave a

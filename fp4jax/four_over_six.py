@@ -132,11 +132,8 @@ def choose(x32, candidates, block, metric, round_fn, decode_fn, expand_fn, selec
   if amax_b is None:
     unit, x_unit = None, x32
   else:  # each product is exact, so the rounding of the difference and the candidates' order keep their bits
-    # 2^-e as the exact quotient 1 / 2^e: XLA fused the cheaper bit arithmetic into every element's loop (~25
-    # operations per element), but computes a divide once per block (division.computed_once off the CPU).
-    (unit_b,) = division.computed_once(division.divide(
-        jnp.float32(1.0), grids.pow2(jnp.clip(grids.exponent_of(amax_b), -126, 126))))
-    unit = expand_fn(unit_b)
+    # Once per block: XLA fused this bit arithmetic into every element's loop (~25 operations per element).
+    unit = expand_fn(division.computed_apart(grids.pow2(-jnp.clip(grids.exponent_of(amax_b), -126, 126))))
     x_unit = x32 * unit
   best = None
   for i, sc in enumerate(candidates):
