@@ -100,8 +100,9 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
   trainer traces its steps on FSDP meshes), size 16 runs as the dot too: XLA's partitioner reshards the dot's
   operand once, but each of the 16 multiply-add terms on its own (on an FSDP mesh: 16 resharding kernels and an
   all-to-all per term). The two forms agree up to float32 summation order: the loop adds in a fixed order on every
-  machine, the dot in its backend's (on XLA:CPU the same bits on an AVX-512 machine, others in the last bits on
-  AVX2, where the dot adds sequentially; tested to that bound).
+  machine, the dot in its backend's (on XLA:CPU the same bits on an AVX-512 machine from two tiles on, others in
+  the last bits on AVX2, where the dot adds sequentially; tested to that bound; docs/numerics.md, "Summation
+  order", has the orders measured for every size).
   """
   check_size(size)
   x = jnp.asarray(x)
