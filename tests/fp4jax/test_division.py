@@ -19,6 +19,7 @@ from jax.extend import core as jcore
 
 import fp4jax
 from fp4jax import division, eden, fp8, grids, nvfp4
+import compiled_hlo
 
 def off_by_ulps(max_ulps: int):
   """A float32 division up to `max_ulps` ulps off (the offset a hash of the operands' bits), as a stand-in for an
@@ -236,12 +237,8 @@ def test_no_quotient_is_recomputed_per_element_on_sm90():
   # the quotients went behind computed_once's barrier; per-block arrays here have at most 1024^2 / 16 entries.
   text = aot.compiled_hlo(_layer_fwd_bwd, jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16),
                           jax.ShapeDtypeStruct((1024, 1024), jnp.float32))
-  bodies = dict(re.findall(r"\n%?([\w.\-]+) \([^\n]*\{\n(.*?)\n\}", text, re.S))
-  entry = text[text.index("ENTRY"):]
-  per_element = []
-  for shape, called in re.findall(r"= (\(.*?\)|\S+) fusion\([^\n]*calls=%?([\w.\-]+)", entry):
-    sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\[([\d,]*)\]", shape)]
-    if max(sizes) >= 1024 * 1024 // 4 and re.search(_QUOTIENT_MARK, bodies.get(called, "")):
-      per_element.append((shape, called))
+  per_element = [(i.type, i.calls) for i in compiled_hlo.instructions(compiled_hlo.entry(text))
+                 if i.opcode == "fusion" and max(compiled_hlo.sizes(i.type)) >= 1024 * 1024 // 4
+                 and re.search(_QUOTIENT_MARK, compiled_hlo.body(text, i))]
   assert not per_element, per_element
   assert re.search(_QUOTIENT_MARK, text)

@@ -2,8 +2,6 @@
 matches the NumPy reference with g-element groups, and a recipe whose RHT size differs from the group is refused.
 The correction's products are rounded under jit as eagerly (no fused multiply-adds)."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +10,7 @@ import pytest
 import fp4jax
 from fp4jax import eden
 from fp4jax import gemm
+import compiled_hlo
 import recipes_beyond_helpers as helpers
 import reference as ref
 import reference_recipes as rref
@@ -108,10 +107,8 @@ def test_eden_correction_is_the_same_under_jit(axis):
 
 def _per_element_computations(fn, x):
   """The computations of fn's compiled program that hold an array of x's size (the per-element loops)."""
-  hlo = jax.jit(fn).lower(x).compile().as_text()
-  per_element = lambda c: any(np.prod([int(d) for d in s.split(",")]) == x.size
-                              for s in re.findall(r"\w+\[([\d,]+)\]", c))
-  return [c for c in re.split(r"\n(?=\S)", hlo) if per_element(c)]  # a computation starts at column 0
+  hlo = compiled_hlo.compiled_text(fn, x)
+  return [c for c in compiled_hlo.computations(hlo) if x.size in compiled_hlo.sizes(c.text)]
 
 
 @pytest.mark.parametrize("unit", ["unit_values", "f32_unit"])
@@ -122,7 +119,8 @@ def test_eden_block_scales_are_rounded_once_per_block(unit):
   fmt = fp4jax.NVFP4(scale_rule="eden", eden_group=64)
   fn = lambda x: getattr(gemm, unit)(x, fmt, axis=0, rounding="stochastic", key=jax.random.key(2))
   computations = _per_element_computations(fn, x)
-  assert computations and not [c for c in computations if "f8e4m3fn" in c]
+  assert computations
+  assert not [c.name for c in computations if "f8e4m3fn" in c.text]
 
 
 def test_eden_block_sums_read_the_elements_in_place():
@@ -131,4 +129,5 @@ def test_eden_block_sums_read_the_elements_in_place():
   x = jax.random.normal(jax.random.key(1), (64, 128), jnp.float32)
   fmt = fp4jax.NVFP4(scale_rule="eden", eden_group=64)
   computations = _per_element_computations(lambda x: gemm.f32_unit(x, fmt, axis=0), x)
-  assert computations and not [c for c in computations if "transpose(" in c]
+  assert computations
+  assert not [c.name for c in computations if "transpose(" in c.text]

@@ -17,6 +17,7 @@ import pytest
 import fp4jax
 from fp4jax import gemm
 from fp4jax import recipes
+import compiled_hlo
 
 dg = importlib.import_module("fp4jax.dot_general")  # the module (fp4jax.dot_general is the function)
 
@@ -65,10 +66,10 @@ def test_gemm_operands_decode_with_float32_scales_not_float8_ones(fmt, mode):
   x = jax.random.normal(jax.random.key(1), (64, 128), jnp.float32)
   unit = gemm.unit_values if mode == "bf16" else gemm.f32_unit
   layout = dict(axis=0, rounding="stochastic", key=jax.random.key(2))
-  hlo = jax.jit(lambda x: unit(x, fmt, **layout)).lower(x).compile().as_text()
-  computations = re.split(r"\n(?=\S)", hlo)  # a computation starts at column 0
-  per_element = [c for c in computations if re.search(r"ROOT [^=]*= \(?\w+\[64,128\]", c)]
-  assert per_element and not [c for c in per_element if "f8e4m3fn" in c]
+  hlo = compiled_hlo.compiled_text(lambda x: unit(x, fmt, **layout), x)
+  per_element = [c for c in compiled_hlo.computations(hlo) if x.size in compiled_hlo.result_sizes(c)]
+  assert per_element
+  assert not [c.name for c in per_element if "f8e4m3fn" in c.text]
 
 
 def test_unit_values_of_a_non_finite_tensor_poison_the_factor():

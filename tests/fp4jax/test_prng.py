@@ -4,8 +4,6 @@ Every statistic uses fixed keys and a 5-sigma bound (chi-square statistics: mean
 chi-square distribution, df + 5 sqrt(2 df)), so a failure means a real defect, not bad luck (p ~ 3e-7 per check).
 """
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +11,7 @@ import pytest
 
 import fp4jax
 from fp4jax import prng
+import compiled_hlo
 
 SHAPE = (1024, 1024)  # 2^20 words per draw
 N = SHAPE[0] * SHAPE[1]
@@ -151,10 +150,8 @@ def test_one_bit_index_change_flips_each_output_bit_half_the_time():
 
 def _entry_ops_with_shape(fn, args, shape_text):
   """Top-level ops of the compiled computation (kernels and their outputs) whose result has type `shape_text`."""
-  text = jax.jit(fn).lower(*args).compile().as_text()
-  entry = text[text.index("\nENTRY"):].splitlines()[1:]
-  pattern = re.compile(r"\s*(ROOT )?%\S+ = " + re.escape(shape_text))
-  return [line for line in entry if pattern.match(line)]
+  entry = compiled_hlo.entry(compiled_hlo.compiled_text(fn, *args))
+  return [i.line for i in compiled_hlo.instructions(entry) if i.type.split("{")[0] == shape_text]
 
 
 @pytest.mark.parametrize("sr_bits,fused", [("hash", True), ("threefry", False)])

@@ -3,7 +3,6 @@ SR bit generator (`sr_bits`) and GEMM modes (`gemm_mode`)."""
 
 import functools
 import importlib
-import math
 import re
 
 import jax
@@ -17,6 +16,7 @@ from fp4jax import gemm
 from fp4jax import recipes
 from fp4jax import rounding as rounding_lib
 from fp4jax.quantize import dequantize, quantize
+import compiled_hlo
 
 dg = importlib.import_module("fp4jax.dot_general")  # the module (fp4jax.dot_general is also the function)
 DN = (((1,), (0,)), ((), ()))
@@ -110,10 +110,45 @@ def test_four_over_six_rounds_elements_apart_from_its_error_sums(layout):
   writes one value per element or one per block, nothing in between."""
   x = jax.random.normal(jax.random.key(1), (128, 256), jnp.float32)
   fmt = fp4jax.NVFP4(scale_rule="4over6")
-  hlo = jax.jit(lambda x: fp4jax.fake_quant(x, fmt, **layout)).lower(x).compile().as_text()
-  rounding = [c for c in re.split(r"\n(?=\S)", hlo) if "round-nearest-even(" in c]  # a computation starts at column 0
-  outputs = [c.split("\n", 1)[0].split("->")[-1] for c in rounding]  # the computation's result shapes
-  sizes = {math.prod(int(d) for d in dims.split(",") if d) for out in outputs
-           for dims in re.findall(r"\[([\d,]*)\]", out)}
+  hlo = compiled_hlo.compiled_text(lambda x: fp4jax.fake_quant(x, fmt, **layout), x)
+  sizes = {s for c in compiled_hlo.computations(hlo) if "round-nearest-even(" in c.text
+           for s in compiled_hlo.result_sizes(c)}
   block = 256 if layout.get("block_2d") else 16
   assert x.size in sizes and sizes <= {x.size, x.size // block}, sizes
+
+
+# Packed FP4 codes and E8M0 scales are uint8 values, NVFP4's E4M3 scales float8 ones.
+_CODES_OR_SCALES = re.compile(r"\b(u8|f8e4m3fn|f8e8m0fnu)\[")
+
+
+@pytest.mark.parametrize("name, checked", [("tetrajet_v2", ("fprop", "dgrad", "wgrad")),
+                                           ("quartet", ("dgrad", "wgrad"))], ids=["tetrajet_v2", "quartet"])
+def test_requantizing_recipes_decode_gemm_operands_from_float32_scales(name, checked):
+  """tetrajet_v2's and quartet's Fprop operands and re-quantized backward operands (Dgrad's W, Wgrad's x) are
+  gemm.Units, decoded with the quantizer's float32 block scales. As packed QArrays, XLA:CPU fused quantize, pack,
+  unpack and decode into the kernel that writes each GEMM operand: every element recomputed both codes of its byte
+  and its block's scale. No kernel writing an operand of the checked GEMMs, nor the GEMM's own, holds a uint8 or
+  float8 value. (quartet's Fprop operands stay QArrays: their clip masks come from the quantizer.)"""
+  if jax.default_backend() != "cpu":
+    pytest.skip("checks XLA:CPU's kernels")
+  m, k, n = 64, 128, 256  # each operand and product has its own element count
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+  w = jnp.asarray((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32))
+  g = jnp.asarray((rng.standard_normal((m, n)) * 1e-3).astype(np.float32))
+  fn = functools.partial(_fwd_and_grads, recipe=recipes.get_recipe(name))
+  text = compiled_hlo.compiled_text(fn, x, w, g, jax.random.key(4))
+  # (product's size, operands' sizes); the operand sizes tell the layer's GEMMs from the RHT's (a Hadamard tile).
+  sizes = {"fprop": (m * n, {m * k, k * n}), "dgrad": (m * k, {m * n, k * n}), "wgrad": (k * n, {m * n, m * k})}
+  for gemm_name in checked:
+    product, operand_sizes = sizes[gemm_name]
+    found = []
+    for op in compiled_hlo.gemms(text):
+      writers = [compiled_hlo.writer(text, o) for o in op.operands]
+      written = {compiled_hlo.sizes(kernel.type)[0] for kernel in writers}
+      if compiled_hlo.sizes(op.type) == [product] and written == operand_sizes:
+        found.append((op, writers))
+    assert len(found) == 1, (gemm_name, found)
+    op, writers = found[0]
+    for kernel in [op] + writers:
+      assert not _CODES_OR_SCALES.search(compiled_hlo.body(text, kernel)), (gemm_name, kernel.name)
