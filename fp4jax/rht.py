@@ -22,6 +22,8 @@ REFERENCE_SIGNS_16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 MIN_SIZE, MAX_SIZE = 2, 256
 # The tile size whose transform runs as elementwise multiply-adds instead of a dot (off a mesh), see _mix.
 FUSED_SIZE = 16
+# The tile sizes whose transform along a non-minor axis runs as a dot batched over the tiles, see _tile_batched_dot.
+TILE_BATCHED_SIZES = (64, 128)
 
 
 def check_size(size: int) -> None:
@@ -155,9 +157,25 @@ def _random_hadamard_jit(x, signs, *, size, axis, inverse, as_dot):
   tiles = x.reshape(p, size, -1)
   if not as_dot:
     y = _mix(tiles, h, 1)
+  elif size in TILE_BATCHED_SIZES:
+    y = _tile_batched_dot(grids.exact_float32(tiles), h)
   else:
     y = jnp.einsum("ji,ajk->aik", h, grids.exact_float32(tiles), precision=jax.lax.Precision.HIGHEST)
   return y.reshape(x.shape).astype(out_dtype)
+
+
+def _tile_batched_dot(tiles, h):
+  """H^T applied to every [size, Q] tile of float32 `tiles` [P, size, Q]: one dot batched over the P tiles.
+
+  XLA:CPU runs the einsum form as a transpose of the tiles to [P, Q, size], a dot, and a transpose back that it
+  fuses into every reader of the result (whose reads are then strided). This form is one dot of its own that writes
+  [P, size, Q] directly: ~2x faster alone (size 64 along axis 0 of [1024, 512]: 1.26 against 2.46 ms). Both add each
+  output's products in one sequential chain of fused multiply-adds for sizes 64 and 128, so the bits are the same
+  (tested); for size 32 (the einsum's dot adds in two chains) and 256 (another order on narrow tiles) they are not,
+  and those sizes keep the einsum.
+  """
+  h_pxjxi = jnp.broadcast_to(h, (tiles.shape[0],) + h.shape)
+  return jax.lax.dot_general(h_pxjxi, tiles, (((1,), (1,)), ((0,), (0,))), precision=jax.lax.Precision.HIGHEST)
 
 
 def _mix(tiles, h, j_axis):
