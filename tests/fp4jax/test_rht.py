@@ -193,6 +193,26 @@ def test_large_tiles_along_a_non_minor_axis_transform_without_transposes(size):
   assert not [c.name for c in compiled_hlo.computations(hlo) if "transpose(" in c.text]
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices for a 4 x 2 mesh")
+@pytest.mark.parametrize("size", [64, 128])
+def test_large_tiles_on_a_sharded_token_axis_keep_their_bits(size):
+  """The batched dot over the tiles, traced under a mesh and partitioned over tokens and features, gives each tile
+  the bits of the single-device transform (the partitioner splits the batch of tiles, never a tile's sum)."""
+  rng = np.random.default_rng(size)
+  x = jnp.asarray(rng.standard_normal((8 * size, 48)) * np.exp(2 * rng.standard_normal((8 * size, 48))), jnp.float32)
+  auto = (jax.sharding.AxisType.Auto,) * 2
+  mesh = jax.make_mesh((4, 2), ("fsdp", "model"), auto)
+  rht = functools.partial(fp4jax.random_hadamard, size=size, axis=0, signs=jax.random.key(2))
+
+  def on_mesh(x):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return rht(x)
+  sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", "model")))
+  got = np.asarray(jax.jit(on_mesh)(sharded))
+  want = np.asarray(jax.jit(rht)(x))
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def _moved_axis_rht(x, size, axis, inverse):
   """The transform on the axis moved last (tiles [.., size] along the minor axis), moved back."""
   y = fp4jax.random_hadamard(jnp.moveaxis(x, axis, -1), size=size, axis=-1, inverse=inverse)
