@@ -139,7 +139,7 @@ def quantize_operand(x, cfg: recipes_lib.OperandConfig, *, axis: int, recipe: re
     if u is not None:
       return u
     if unit != "bf16":
-      # No exact bfloat16 form (FP8's float32 block scales, NVFP4 per-group scales) or "f32" mode: the GEMM reads
+      # No exact bfloat16 form (FP8's float32 block scales) or "f32" mode: the GEMM reads
       # the dequantized float32 values either way.
       return gemm_lib.f32_unit(x, cfg.fmt, **kwargs)
   return (quantize_with_clip_mask if with_mask else quantize)(x, cfg.fmt, **kwargs)
@@ -278,8 +278,8 @@ def layer_operands(x_MxK, w_KxN, recipe: recipes_lib.Recipe, key, *, backward: b
   # one; unpacking codes in the backward cost the `small` step ~0.07 of the bf16 step on XLA:CPU (RESULTS.md).
   # Re-quantized operands are rebuilt from the Fprop operands, whose packed codes XLA:CPU fused into their readers:
   # each element recomputed both codes of its byte and its block's E4M3 scale. As Units of any form (float32 values
-  # where there is no bfloat16 one: NVFP4 double-block) they are decoded from float32 scales, with the same temp
-  # memory in the `small` train step (RESULTS.md).
+  # where there is no bfloat16 one) they are decoded from float32 scales, with the same temp memory in the `small`
+  # train step (RESULTS.md).
   unit_x = (True if recipe.wgrad.rhs.requantize else "bf16") if unit else False
   unit_w = unit and recipe.dgrad.rhs.requantize
   return Operands(xq, wq, dgrad_weight(w_KxN, wq, recipe, key, x_MxK.dtype, unit=unit_w),

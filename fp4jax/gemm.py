@@ -3,7 +3,12 @@
 "f32" multiplies the fully dequantized float32 values at HIGHEST precision (the reference). "bf16" multiplies code x
 block scale in bfloat16, exact for FP4 (at most 6 significant bits), with float32 accumulation and the per-tensor
 scales applied to the float32 output: the same products, so the two differ only in float32 summation order.
-Operands with no exact bfloat16 form (FP8 block scales, NVFP4 per-group scales, float32 arrays) take the "f32" path.
+NVFP4 with double-block scales (TetraJet-v2) has an FP32 scale per 1x128 group along the contraction axis: "bf16"
+multiplies each group's codes x block scales in a GEMM of its own and applies both operands' group scales to that
+partial product (`grouped_gemm`), as a block-scaled GEMM on tensor cores does per k-block. The products are exact
+again; "f32" rounds each dequantized element to float32 first, so there the two differ by that rounding as well
+(both within float32's error of the exact GEMM). Operands with no exact bfloat16 form (FP8 block scales, float32
+arrays) take the "f32" path.
 The custom_vjp rule (fp4jax.dot_general) runs its three GEMMs through `gemm`.
 """
 
@@ -27,13 +32,42 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class Unit(NamedTuple):
-  """A quantized operand as a GEMM reads it: `values` (the input's shape) times the float32 scalar `factor` are its
-  dequantized values. bf16 mode: code x block scale in bfloat16 (`bf16_values`, `unit_values`); f32 mode: the
-  dequantized float32 values and factor 1 (`f32_unit`). `unit_values` and `f32_unit` build it straight from a
-  tensor, without packing codes; the rule multiplies operands it needs only for a GEMM this way."""
+  """A quantized operand as a GEMM reads it: `values` (the input's shape) times the float32 `factor` are its
+  dequantized values. `factor` is a scalar, or for NVFP4 double-block scales one factor per 1x128 group along the
+  blocked axis (`values`' shape with that axis cut to its group count; `group_axis`, `expand_factor`).
+  bf16 mode: code x block scale in bfloat16 (`bf16_values`, `unit_values`); f32 mode: the dequantized float32 values
+  and factor 1 (`f32_unit`). `unit_values` and `f32_unit` build it straight from a tensor, without packing codes;
+  the rule multiplies operands it needs only for a GEMM this way."""
 
   values: jax.Array
   factor: jax.Array
+
+
+GROUP = formats.DOUBLE_BLOCK_GROUP * formats.NVFP4().block_size  # elements per double-block group (128)
+
+
+def group_axis(unit: Unit) -> int | None:
+  """The axis a Unit's per-group factors run along (NVFP4 double-block); None for a scalar factor.
+
+  It is the one axis where `factor` is shorter than `values`: a blocked axis of n >= 16 elements has
+  ceil(n / 128) < n groups, and every other axis has `values`' length."""
+  if jnp.ndim(unit.factor) == 0:
+    return None
+  axes = [i for i, (v, f) in enumerate(zip(unit.values.shape, unit.factor.shape)) if v != f]
+  if jnp.ndim(unit.factor) != unit.values.ndim or len(axes) != 1 or unit.factor.shape[axes[0]] != -(
+      -unit.values.shape[axes[0]] // GROUP):
+    raise ValueError(f"a Unit's factor is a scalar or one per {GROUP}-element group along one axis of its values; "
+                     f"got values {unit.values.shape} and factor {jnp.shape(unit.factor)}.")
+  return axes[0]
+
+
+def expand_factor(unit: Unit):
+  """The Unit's factor broadcastable against its values: a scalar, or each group's repeated over its elements."""
+  a = group_axis(unit)
+  if a is None:
+    return unit.factor
+  n = unit.values.shape[a]
+  return jax.lax.slice_in_dim(jnp.repeat(unit.factor, GROUP, axis=a), 0, n, axis=a)
 
 
 def f32_values(operand):
@@ -41,19 +75,19 @@ def f32_values(operand):
   if isinstance(operand, QArray):
     return dequantize(operand, jnp.float32)
   if isinstance(operand, Unit):
-    return operand.values.astype(jnp.float32) * operand.factor
+    # (code x block scale) x group scale: dequantize's order for double-block scales, so the same bits.
+    return operand.values.astype(jnp.float32) * expand_factor(operand)
   return operand.astype(jnp.float32)
 
 
 def _unit_parts(fmt, scales, amax):
   """(fmt, scales, amax, factor) whose dequantized values are exact in bfloat16, times `factor` the operand's; or
   None where there is no such split (see bf16_values)."""
-  poison = lambda f: jnp.where(jnp.isfinite(amax), f, jnp.float32(jnp.nan))
+  poison = lambda f: jnp.where(jnp.all(jnp.isfinite(amax)), f, jnp.float32(jnp.nan))
   if isinstance(fmt, formats.NVFP4):
-    if jnp.ndim(amax):  # double_block: second-level scales per 1x128 group vary along the contraction
-      return None
-    # Dequantizing with amax = the format's global range (2688 for NVIDIA's rule) multiplies by a global scale of
-    # exactly 1 and skips no other step.
+    # double_block: one amax per 1x128 group, so one factor per group (a non-finite one poisons them all, as
+    # dequantize poisons the whole tensor). Dequantizing with amax = the format's global range (2688 for NVIDIA's
+    # rule) multiplies by a global scale of exactly 1 and skips no other step.
     r = fmt.global_range
     # Poisoned before the division, so the NaN check joins the division's scalar kernel (NaN / r is NaN).
     return fmt, scales, jnp.full_like(amax, r), nvfp4.global_decode_scale(poison(amax), r)
@@ -68,9 +102,10 @@ def bf16_values(operand):
   """(bfloat16 values, float32 per-tensor factor) with values * factor == f32_values(operand), or None if not exact.
 
   NVFP4: E2M1 code x E4M3 block scale (<= 2 x 4 significant bits) and the factor amax / R (R = the format's global
-  range, 2688 for NVIDIA's rule); MXFP4: code x 2^e and 1; FP8 with one tensor scale: the E4M3 code and that scale.
-  FP8's float32 block scales, NVFP4's per-group (double_block) second-level scales and float32 operands have no
-  exact bfloat16 form. A non-finite amax makes the factor NaN, as dequantize poisons the whole tensor.
+  range, 2688 for NVIDIA's rule), with double_block one factor per 1x128 group (a Unit whose factor is per group:
+  values * expand_factor(unit)); MXFP4: code x 2^e and 1; FP8 with one tensor scale: the E4M3 code and that scale.
+  FP8's float32 block scales and float32 operands have no exact bfloat16 form. A non-finite amax makes the factor
+  NaN, as dequantize poisons the whole tensor.
   """
   if isinstance(operand, Unit):  # an f32_unit (float32 values) has no bfloat16 form either
     return operand if operand.values.dtype == jnp.bfloat16 else None
@@ -90,8 +125,8 @@ def unit_values(x, fmt, **quantize_kwargs) -> Unit | None:
   None where bf16_values would be."""
   fmt = formats.get_format(fmt)
   # Decided from the format, before quantizing, so that a caller falling back to another form quantizes once:
-  # FP8 is left to f32_unit, and NVFP4's per-group (double_block) scales have no bfloat16 form (_unit_parts).
-  if not fmt.is_fp4 or (isinstance(fmt, formats.NVFP4) and fmt.double_block):
+  # FP8 is left to f32_unit.
+  if not fmt.is_fp4:
     return None
   values, amax = decoded_values(x, fmt, dtype=jnp.bfloat16, tensor_decode=False, **quantize_kwargs)
   factor = _unit_parts(fmt, None, amax)[3]
@@ -179,6 +214,43 @@ def scale_output(out, fa, fb):
   return jnp.where(jnp.isinf(t) & jnp.isfinite(out), (out * fb) * fa, t * fb)
 
 
+def _group_slices(unit: Unit, axis: int, k: int):
+  """(values, factor) of each GROUP-element slice of `unit` along `axis`; the factor is that group's, or the
+  scalar, shaped to broadcast over the slice's GEMM output once the contracted axis is dropped."""
+  g_axis = group_axis(unit)
+  if g_axis is not None and g_axis != axis:
+    raise ValueError(f"a Unit's per-group factors must run along the contracted axis {axis}; they run along "
+                     f"{g_axis} (values {unit.values.shape}).")
+  for g, start in enumerate(range(0, k, GROUP)):
+    values = jax.lax.slice_in_dim(unit.values, start, min(start + GROUP, k), axis=axis)
+    factor = unit.factor if g_axis is None else jax.lax.index_in_dim(unit.factor, g, axis=axis, keepdims=False)
+    yield values, factor
+
+
+def grouped_gemm(a: Unit, b: Unit, contract):
+  """a . b for Units with per-group factors along the contracted axes (NVFP4 double-block), 2-D operands.
+
+  For each 128-element group of the contraction: the exact bfloat16 products summed in float32, times a's factor
+  for that group (per row of the output) and b's (per column), added to the running float32 sum, group by group.
+  A block-scaled GEMM on tensor cores applies scales per k-block the same way (DeepSeek-V3's FP8 GEMMs do so per
+  1x128 block). A scalar factor (a Unit without groups) applies to every group.
+  """
+  ca, cb = contract
+  if a.values.ndim != 2 or b.values.ndim != 2:
+    raise ValueError(f"grouped_gemm multiplies 2-D operands; got {a.values.shape} and {b.values.shape}.")
+  k = a.values.shape[ca]
+  if b.values.shape[cb] != k:
+    raise ValueError(f"contracted axes differ in length: {a.values.shape}[{ca}] and {b.values.shape}[{cb}].")
+  dims = (((ca,), (cb,)), ((), ()))
+  out = None
+  for (av, fa), (bv, fb) in zip(_group_slices(a, ca, k), _group_slices(b, cb, k)):
+    part = jax.lax.dot_general(av, bv, dims, preferred_element_type=jnp.float32)
+    fa, fb = division.computed_once(fa, fb)  # quotients: not recomputed per output element off the CPU
+    part = scale_output(part, fa[:, None] if jnp.ndim(fa) else fa, fb[None, :] if jnp.ndim(fb) else fb)
+    out = part if out is None else out + part
+  return out
+
+
 def gemm(a, b, contract, recipe):
   """a . b contracting axes `contract` = (a_axis, b_axis), float32 accumulation, in the recipe's GEMM mode."""
   if recipe.backend == "pallas" and isinstance(a, QArray) and isinstance(b, QArray):
@@ -189,7 +261,12 @@ def gemm(a, b, contract, recipe):
   dims = (((contract[0],), (contract[1],)), ((), ()))
   if resolve_gemm_mode(recipe) == "bf16":
     av, bv = bf16_values(a), bf16_values(b)
-    if av is not None and bv is not None:
+    if av is not None and bv is not None and (group_axis(av) is not None or group_axis(bv) is not None):
+      # Per-group factors: grouped GEMMs, except where XLA:CPU would widen them to float32 anyway (below); there
+      # one float32 GEMM on the dequantized values was faster than a float32 GEMM per group (RESULTS.md).
+      if contract[0] == av.values.ndim - 1 or jax.default_backend() != "cpu":
+        return grouped_gemm(av, bv, contract)
+    elif av is not None and bv is not None:
       if contract[0] != av[0].ndim - 1 and jax.default_backend() == "cpu":
         # XLA:CPU has no bf16 x bf16 -> f32 kernel for an lhs contracted on its first axis once vmap gives the rhs
         # a second free axis (Wgrad under vmap): that fails at run time ("Unsupported element type for DotThunk").

@@ -377,8 +377,9 @@ def decoded_values(x, fmt, *, dtype=jnp.float32, tensor_decode: bool = True, axi
   """(values in `dtype`, the tensor amax): x quantized, times the quantizer's own float32 block decode scales.
 
   tensor_decode=True: `values` is dequantize(quantize(x, ...)) bit for bit (what fake_quant returns, in `dtype`).
-  tensor_decode=False: the per-tensor decode factor (NVFP4's amax / R, MXFP4 Tseng's 4/3) and the poisoning by a
-  non-finite amax are left to the caller, which applies both after a GEMM (fp4jax.gemm.unit_values).
+  tensor_decode=False: the per-tensor decode factor (NVFP4's amax / R, with double_block each 1x128 group's; MXFP4
+  Tseng's 4/3) and the poisoning by a non-finite amax are left to the caller, which applies both after a GEMM
+  (fp4jax.gemm.unit_values).
   The block scales are the float32 values the quantizer rounded, equal to the stored E4M3 / E8M0 scales read back.
   Decoding from the stored ones instead, XLA:CPU fused their float8 round trip into every element's loop: 20 % of
   the `small` nvfp4 train step (benchmarks/RESULTS.md). Not differentiable, as quantize.
@@ -398,7 +399,10 @@ def _decoded_values_jit(x, key, *, fmt, axis, block_2d, rounding, random_bits, p
                                                   sr_bits=sr_bits)
   if tensor_decode:
     return _finish(_decode(elements, scaling, block), amax, x.shape, dtype), amax
-  values = _decode(elements, scaling._replace(tensor_decode=None), block)
+  scaling = scaling._replace(tensor_decode=None)
+  if getattr(fmt, "double_block", False):  # NVFP4 decode scales (s_b, group's amax / R): the group's is left out too
+    scaling = scaling._replace(decode=scaling.decode[:-1])
+  values = _decode(elements, scaling, block)
   return _finish(values, jnp.float32(0.0), x.shape, dtype), amax  # a finite stand-in amax: cropped and cast only
 
 

@@ -113,8 +113,10 @@ class Recipe:
       (jax.random.bits; the generator of earlier runs). See fp4jax.prng.
     gemm_mode: how the xla backend multiplies quantized operands: "f32" (dequantized float32 values at HIGHEST
       precision, the reference), "bf16" (code x block scale, exact in bf16, with float32 accumulation and the
-      per-tensor scales applied to the output: equal to "f32" up to summation order) or "auto" (the faster one on
-      this machine: bf16 on GPUs, TPUs and AVX-512 CPUs, f32 on other CPUs; see fp4jax.gemm.auto_gemm_mode).
+      per-tensor scales applied to the output: equal to "f32" up to summation order; NVFP4 double-block scales are
+      applied per 1x128 group, after one bf16 GEMM each: equal to "f32" up to float32 rounding) or "auto" (the
+      faster one on this machine: bf16 on GPUs, TPUs and AVX-512 CPUs, f32 on other CPUs; see
+      fp4jax.gemm.auto_gemm_mode).
   """
 
   name: str = "bf16"

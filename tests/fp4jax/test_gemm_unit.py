@@ -22,7 +22,7 @@ import compiled_hlo
 dg = importlib.import_module("fp4jax.dot_general")  # the module (fp4jax.dot_general is the function)
 
 FORMATS = ["nvfp4", fp4jax.NVFP4(scale_rule="up"), fp4jax.NVFP4(scale_rule="4over6"),
-           fp4jax.NVFP4(scale_rule="eden", eden_group=32),
+           fp4jax.NVFP4(scale_rule="eden", eden_group=32), fp4jax.NVFP4(double_block=True),
            "mxfp4", fp4jax.MXFP4(scale_rule="tseng"), fp4jax.MXFP4(scale_rule="quest")]
 LAYOUTS = [dict(axis=1), dict(axis=0), dict(axis=0, block_2d=True),
            dict(axis=1, rounding="stochastic", key=jax.random.key(4)),
@@ -40,8 +40,9 @@ def _bits(a):
   return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
-# MS-EDEN corrects 1D blocks only (eden.py refuses 2D blocks).
-CASES = [(f, l) for f in FORMATS for l in LAYOUTS if not (getattr(f, "scale_rule", "") == "eden" and l.get("block_2d"))]
+# MS-EDEN corrects 1D blocks only (eden.py refuses 2D blocks), and double-block groups are 1x128 (1D too).
+CASES = [(f, l) for f in FORMATS for l in LAYOUTS
+         if not ((getattr(f, "scale_rule", "") == "eden" or getattr(f, "double_block", False)) and l.get("block_2d"))]
 
 
 @pytest.mark.parametrize("fmt,layout", CASES,
@@ -82,7 +83,6 @@ def test_unit_values_of_a_non_finite_tensor_poison_the_factor():
 def test_formats_without_an_exact_bf16_form_have_no_unit():
   x = _edge_tensor(jnp.float32)
   assert gemm.unit_values(x, fp4jax.FP8(), axis=1) is None  # float32 block scales: the rule takes f32_unit
-  assert gemm.unit_values(x, fp4jax.NVFP4(double_block=True), axis=1) is None
   # An f32_unit has no bfloat16 form either: a bf16-mode GEMM must multiply it at HIGHEST precision, not at the
   # backend's default (TF32 on NVIDIA GPUs).
   assert gemm.bf16_values(gemm.f32_unit(x, fp4jax.FP8(), axis=1, pad=True)) is None

@@ -33,11 +33,16 @@ def test_bf16_operand_times_factor_is_the_dequantized_value_for_other_scale_rule
   np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32) * factor).view(np.uint32), want)
 
 
-def test_double_block_operands_keep_the_f32_gemm():
-  """Per-group second-level scales vary along the contraction: no per-tensor factor, "bf16" runs the reference."""
-  x = jnp.asarray(np.random.default_rng(2).standard_normal((32, 256)).astype(np.float32))
+def test_double_block_operands_have_a_bf16_unit_with_a_factor_per_group():
+  """Per-group second-level scales vary along the contraction: the bf16 form carries one factor per 1x128 group
+  (grouped GEMMs apply them per group, tests/fp4jax/test_grouped_gemm.py), and values times the expanded factors are
+  the dequantized values bit for bit."""
+  x = jnp.asarray(np.random.default_rng(2).standard_t(3, (32, 256)).astype(np.float32))
   q = quantize(x, fp4jax.NVFP4(double_block=True), axis=1)
-  assert gemm.bf16_values(q) is None
+  unit = gemm.bf16_values(q)
+  assert unit.values.dtype == jnp.bfloat16 and unit.factor.shape == (32, 2) and gemm.group_axis(unit) == 1
+  want = np.asarray(dequantize(q)).view(np.uint32)
+  np.testing.assert_array_equal(np.asarray(gemm.f32_values(unit)).view(np.uint32), want)
   np.testing.assert_array_equal(np.asarray(dequantize(q)), np.asarray(fp4jax.fake_quant(x, q.fmt, axis=1)))
 
 
@@ -128,7 +133,8 @@ def test_requantizing_recipes_decode_gemm_operands_from_float32_scales(name, che
   gemm.Units, decoded with the quantizer's float32 block scales. As packed QArrays, XLA:CPU fused quantize, pack,
   unpack and decode into the kernel that writes each GEMM operand: every element recomputed both codes of its byte
   and its block's scale. No kernel writing an operand of the checked GEMMs, nor the GEMM's own, holds a uint8 or
-  float8 value. (quartet's Fprop operands stay QArrays: their clip masks come from the quantizer.)"""
+  float8 value. (quartet's Fprop operands stay QArrays: their clip masks come from the quantizer.) A GEMM may run
+  as one dot per 128-group of its contraction (tetrajet_v2's double-block scales in bf16 mode, gemm.grouped_gemm)."""
   if jax.default_backend() != "cpu":
     pytest.skip("checks XLA:CPU's kernels")
   m, k, n = 64, 128, 256  # each operand and product has its own element count
@@ -139,16 +145,18 @@ def test_requantizing_recipes_decode_gemm_operands_from_float32_scales(name, che
   fn = functools.partial(_fwd_and_grads, recipe=recipes.get_recipe(name))
   text = compiled_hlo.compiled_text(fn, x, w, g, jax.random.key(4))
   # (product's size, operands' sizes); the operand sizes tell the layer's GEMMs from the RHT's (a Hadamard tile).
-  sizes = {"fprop": (m * n, {m * k, k * n}), "dgrad": (m * k, {m * n, k * n}), "wgrad": (k * n, {m * n, m * k})}
+  sizes = {"fprop": (m * n, {m * k, k * n}, k), "dgrad": (m * k, {m * n, k * n}, n),
+           "wgrad": (k * n, {m * n, m * k}, m)}
   for gemm_name in checked:
-    product, operand_sizes = sizes[gemm_name]
-    found = []
+    product, operand_sizes, length = sizes[gemm_name]
+    per_group = {s // length * gemm.GROUP for s in operand_sizes}  # each operand's slice of one 128-group
+    found = {"whole": [], "grouped": []}
     for op in compiled_hlo.gemms(text):
       writers = [compiled_hlo.writer(text, o) for o in op.operands]
       written = {compiled_hlo.sizes(kernel.type)[0] for kernel in writers}
-      if compiled_hlo.sizes(op.type) == [product] and written == operand_sizes:
-        found.append((op, writers))
-    assert len(found) == 1, (gemm_name, found)
-    op, writers = found[0]
-    for kernel in [op] + writers:
-      assert not _CODES_OR_SCALES.search(compiled_hlo.body(text, kernel)), (gemm_name, kernel.name)
+      if compiled_hlo.sizes(op.type) == [product] and written in (operand_sizes, per_group):
+        found["whole" if written == operand_sizes else "grouped"].append((op, writers))
+    assert (len(found["whole"]), len(found["grouped"])) in ((1, 0), (0, length // gemm.GROUP)), (gemm_name, found)
+    for op, writers in found["whole"] + found["grouped"]:
+      for kernel in [op] + writers:
+        assert not _CODES_OR_SCALES.search(compiled_hlo.body(text, kernel)), (gemm_name, kernel.name)
