@@ -50,12 +50,18 @@ def test_grouped_gemm_is_the_exact_gemm_to_float32_error(m, k, n, contract):
   the form that runs grouped off the CPU)."""
   ca, cb = contract
   a_shape, b_shape = ((m, k), (n, k)) if ca else ((k, m), (k, n))
-  a = gemm.unit_values(_operand(jax.random.key(0), a_shape, ca, outlier=(3, 5)), DB, axis=ca)
-  b = gemm.unit_values(_operand(jax.random.key(1), b_shape, cb), DB, axis=cb)
+
+  @jax.jit  # one program (the suite's time is compiles)
+  def run(xa, xb):
+    a, b = gemm.unit_values(xa, DB, axis=ca), gemm.unit_values(xb, DB, axis=cb)
+    f32 = jax.lax.dot_general(gemm.f32_values(a), gemm.f32_values(b), (((ca,), (cb,)), ((), ())),
+                              precision=jax.lax.Precision.HIGHEST)
+    return a, b, gemm.grouped_gemm(a, b, contract), f32
+
+  a, b, got, f32 = run(_operand(jax.random.key(0), a_shape, ca, outlier=(3, 5)),
+                       _operand(jax.random.key(1), b_shape, cb))
   assert gemm.group_axis(a) == ca and a.factor.shape[ca] == -(-k // 128)
-  got = np.asarray(jax.jit(gemm.grouped_gemm, static_argnums=2)(a, b, contract), np.float64)
-  f32 = np.asarray(jax.lax.dot_general(gemm.f32_values(a), gemm.f32_values(b), (((ca,), (cb,)), ((), ())),
-                                       precision=jax.lax.Precision.HIGHEST), np.float64)
+  got, f32 = np.asarray(got, np.float64), np.asarray(f32, np.float64)
   ea, eb = _exact(a, ca), _exact(b, cb)
   ea, eb = (ea, eb.T) if ca else (ea.T, eb)  # [M, K] and [K, N]
   exact = ea @ eb
@@ -69,9 +75,10 @@ def test_grouped_gemm_takes_a_scalar_factor_operand_against_a_grouped_one():
   """A double-block operand against a plain NVFP4 one (one tensor factor for every group)."""
   x = _operand(jax.random.key(2), (32, 256), 1)
   w = jax.random.normal(jax.random.key(3), (256, 16), jnp.float32)
-  a, b = gemm.unit_values(x, DB, axis=1), gemm.unit_values(w, "nvfp4", axis=0)
+  a, b, got = jax.jit(lambda x, w: (lambda a, b: (a, b, gemm.grouped_gemm(a, b, (1, 0))))(
+      gemm.unit_values(x, DB, axis=1), gemm.unit_values(w, "nvfp4", axis=0)))(x, w)
   assert gemm.group_axis(b) is None
-  got = np.asarray(gemm.grouped_gemm(a, b, (1, 0)), np.float64)
+  got = np.asarray(got, np.float64)
   ea, eb = _exact(a, 1), _exact(b, 0)
   assert np.all(np.abs(got - ea @ eb) <= 258 * EPS * (np.abs(ea) @ np.abs(eb)))
 
@@ -87,9 +94,10 @@ def test_grouped_gemm_refuses_groups_along_a_free_axis():
 def test_a_non_finite_group_poisons_the_whole_product(poison):
   """As dequantize: a non-finite value anywhere makes the whole operand NaN, so every output is NaN."""
   x = _operand(jax.random.key(6), (16, 384), 1).at[2, 300].set(poison)
-  a = gemm.unit_values(x, DB, axis=1)
-  b = gemm.unit_values(jax.random.normal(jax.random.key(7), (384, 16)), DB, axis=0)
-  assert np.isnan(np.asarray(gemm.grouped_gemm(a, b, (1, 0)))).all()
+  w = jax.random.normal(jax.random.key(7), (384, 16))
+  out = jax.jit(lambda x, w: gemm.grouped_gemm(gemm.unit_values(x, DB, axis=1), gemm.unit_values(w, DB, axis=0),
+                                               (1, 0)))(x, w)
+  assert np.isnan(np.asarray(out)).all()
 
 
 def test_group_axis_rejects_a_factor_of_the_wrong_shape():
