@@ -99,7 +99,8 @@ def _unit_parts(fmt, scales, amax):
 
 
 def bf16_values(operand):
-  """(bfloat16 values, float32 per-tensor factor) with values * factor == f32_values(operand), or None if not exact.
+  """A Unit (bfloat16 values, float32 factor per tensor or per 1x128 group) with values * expand_factor(unit) ==
+  f32_values(operand) bit for bit, or None if there is no exact one.
 
   NVFP4: E2M1 code x E4M3 block scale (<= 2 x 4 significant bits) and the factor amax / R (R = the format's global
   range, 2688 for NVIDIA's rule), with double_block one factor per 1x128 group (a Unit whose factor is per group:
