@@ -111,7 +111,7 @@ def bf16_values(operand):
   if isinstance(operand, Unit):  # an f32_unit (float32 values) has no bfloat16 form either
     return operand if operand.values.dtype == jnp.bfloat16 else None
   if not isinstance(operand, QArray):
-    return (operand, jnp.float32(1.0)) if operand.dtype == jnp.bfloat16 else None
+    return Unit(operand, jnp.float32(1.0)) if operand.dtype == jnp.bfloat16 else None
   parts = _unit_parts(operand.fmt, operand.scales, operand.amax)
   if parts is None:
     return None

@@ -2,8 +2,9 @@
 
 `linear`: jitted value_and_grad of sum(y * G) for y = x W (x bf16 [T, D_in], W float32 [D_in, D_out]) under the
 bf16 recipe and nvfp4 on the xla path in its default bf16-operand GEMM mode, in its float32 HIGHEST mode (the
-reference) and on the Pallas backend. Quantized rows compare (dx, dW) with the float32-mode reference run on the
-same key (same stochastic-rounding draws); the bf16 row with a float32 HIGHEST layer.
+reference) and on the Pallas backend, then tetrajet_v2 in its float32 mode and its bf16 mode (one bf16 GEMM per
+1x128 group: is that faster than FP32 units on this GPU at K = 4096?). Quantized rows compare (dx, dW) with their
+recipe's float32-mode run on the same key (same stochastic-rounding draws); the bf16 row with a float32 HIGHEST layer.
 `train`: `fp4jax.pretrain` train steps (AdamW, real batches) of the `small` model and of a 2-layer slice of the
 paper's 1.2B model (d_model 2048, 1024-token sequences), in groups timed together: first bf16 and nvfp4 on each
 model, then the other nvfp4 rows with bf16 once more. Each recipe of a group is compiled and warmed up, then the
@@ -32,6 +33,8 @@ from benchmarks.gpu import report
 SMALL_BATCH_SEQ = (32, 128)  # the `small` model's train rows: sequences x tokens
 REFERENCE = "nvfp4 xla f32"  # the quantized rows' reference: dequantized float32 operands at HIGHEST precision
 NVFP4 = "nvfp4 xla bf16"  # the default nvfp4 train row: the xla path, bf16-operand GEMMs
+TETRAJET_REFERENCE = "tetrajet_v2 xla f32"  # `linear` only: double-block operands, float32 HIGHEST GEMMs
+TETRAJET = "tetrajet_v2 xla bf16"  # `linear` only: one bf16 GEMM per 1x128 group of the contraction
 # The `repeat` section's extra row: nvfp4 traced with XLA's own float32 divide for the scale quotients.
 NATIVE_DIVISION = f"{NVFP4}, native division"
 # Train rows: after WARMUP_STEPS (the first compiles or loads), TIMING_BLOCKS blocks of BLOCK_STEPS timed steps per
@@ -49,6 +52,16 @@ def _recipes():
   nvfp4 = fp4jax.recipes.nvfp4()
   return [("bf16", fp4jax.recipes.bf16()), (NVFP4, nvfp4.replace(gemm_mode="bf16")),
           (REFERENCE, nvfp4.replace(gemm_mode="f32")), ("nvfp4 pallas", nvfp4.replace(backend="pallas"))]
+
+
+def _linear_recipes():
+  """_recipes(), then tetrajet_v2 in its float32 GEMM mode and in bf16 mode, where its double-block operands run one
+  bf16 GEMM per 1x128 group of the contraction (fp4jax.gemm.grouped_gemm: 32 per GEMM at D_in = 4096, 64 for Wgrad
+  over 8192 tokens). Last, so they run only with time to spare in the section."""
+  import fp4jax  # pylint: disable=g-import-not-at-top
+  tetrajet = fp4jax.recipes.tetrajet_v2()
+  return _recipes() + [(TETRAJET_REFERENCE, tetrajet.replace(gemm_mode="f32")),
+                       (TETRAJET, tetrajet.replace(gemm_mode="bf16"))]
 
 
 def run_linear(sec: report.Section) -> None:
@@ -79,26 +92,32 @@ def run_linear(sec: report.Section) -> None:
     y = jax.lax.dot_general(x.astype(jnp.float32), w, dims, precision=jax.lax.Precision.HIGHEST)
     return jnp.sum(y * g)
 
-  recipes = _recipes()
+  recipes = _linear_recipes()
   refs = {"bf16": jax.jit(jax.value_and_grad(f32_loss, argnums=(0, 1)))(x, w, key, g),
           REFERENCE: step_fn(dict(recipes)[REFERENCE])(x, w, key, g)}
+  ref_of = {"bf16": "bf16", TETRAJET_REFERENCE: TETRAJET_REFERENCE, TETRAJET: TETRAJET_REFERENCE}
   times = {}
   for name, recipe in recipes:
     label = f"linear fwd+bwd {name} [{tokens}x{d_in}]@[{d_in}x{d_out}]"
     if not sec.has_time(12):
       sec.skip(label, "time budget")
       continue
+    if name == TETRAJET and TETRAJET_REFERENCE not in refs:  # its row failed or was skipped
+      sec.skip(label, f"no {TETRAJET_REFERENCE} run to compare with")
+      continue
     try:
       fn = step_fn(recipe)
       t = report.median_time(fn, [(x, w, key, g)], target_s=0.1, reps=2 if sec.dry else 5)
       out = fn(x, w, key, g)
-      ref = refs["bf16" if name == "bf16" else REFERENCE]
+      if name == TETRAJET_REFERENCE:
+        refs[name] = out
+      ref = refs[ref_of.get(name, REFERENCE)]
       errs = [report.rel_errors(o, r) for o, r in zip(out[1], ref[1])]
       fro, mx, fin = max(e[0] for e in errs), max(e[1] for e in errs), all(e[2] for e in errs)
       times[name] = t
       tol = 3e-2 if name == "bf16" else 1e-3  # bf16 rounding of y and the grads / summation order only
       sec.add(label, t * 1e3, "ms", times.get("bf16", 0) * 1e3 or None, "bf16 ms", err=mx, ok=bool(fin and fro < tol),
-              note=f"grads rel err {fro:.2g} vs {'f32 layer' if name == 'bf16' else REFERENCE}")
+              note=f"grads rel err {fro:.2g} vs {'f32 layer' if name == 'bf16' else ref_of.get(name, REFERENCE)}")
     except Exception as e:  # pylint: disable=broad-except
       sec.fail(label, e)
 

@@ -134,3 +134,14 @@ def test_tetrajet_v2_modes_agree_to_float32_error_and_fprop_dgrad_multiply_bf16(
   assert len(bf16_dots) == 2 + 1  # Fprop: K = 256, two groups; Dgrad: N = 128, one group
   if jax.default_backend() == "cpu":  # Wgrad contracts the first axes: one float32 GEMM, f32 mode's bits
     np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(ref[2]))
+
+
+def test_unquantized_bf16_operands_still_take_the_plain_bf16_gemm():
+  """A recipe's BF16 GEMMs (a policy's BF16 layers, a forward switched to BF16) pass plain bfloat16 arrays: their
+  bf16 form is a Unit with factor 1, never mistaken for grouped factors (it was a bare tuple, which broke here)."""
+  x = jax.random.normal(jax.random.key(12), (8, 32), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(13), (32, 16), jnp.bfloat16)
+  assert isinstance(gemm.bf16_values(x), gemm.Unit) and gemm.group_axis(gemm.bf16_values(x)) is None
+  got = gemm.gemm(x, w, (1, 0), recipes.nvfp4(gemm_mode="bf16"))
+  want = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
