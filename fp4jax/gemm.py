@@ -21,6 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fp4jax import blocks
 from fp4jax import division
 from fp4jax import formats
 from fp4jax import nvfp4
@@ -66,8 +67,8 @@ def expand_factor(unit: Unit):
   a = group_axis(unit)
   if a is None:
     return unit.factor
-  n = unit.values.shape[a]
-  return jax.lax.slice_in_dim(jnp.repeat(unit.factor, GROUP, axis=a), 0, n, axis=a)
+  block = tuple(GROUP if i == a else 1 for i in range(unit.values.ndim))
+  return jax.lax.slice_in_dim(blocks.expand_blocks(unit.factor, block), 0, unit.values.shape[a], axis=a)
 
 
 def f32_values(operand):
