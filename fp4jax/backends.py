@@ -92,10 +92,6 @@ def pallas_gemm(a, b, contract, *, routes=None):
   if not (a.fmt.is_fp4 and b.fmt.is_fp4) or a.ndim != 2 or b.ndim != 2:
     _fallback("the GEMM kernel takes 2D NVFP4/MXFP4 operands")
     return None
-  if any(getattr(q.fmt, "double_block", False) for q in (a, b)):
-    # The kernel applies one decode scale per operand, after the GEMM; 1x128 groups each have their own.
-    _fallback("the GEMM kernel takes one FP32 scale per operand, not NVFP4's 1x128 group scales")
-    return None
   if jax.default_backend() == "gpu":
     if choose_gemm_backend(*gemm_dims(a, b, contract), jax.devices()[0].device_kind, routes) == "xla":
       return None  # a measured choice, not a gap: no warning

@@ -31,6 +31,13 @@ Shapes that are not multiples of the tile (or of BK * split_k along K) are zero-
 before the kernel and the output is cropped; code 0 decodes to 0 whatever its scale, so padding is exact.
 NaN/inf: a non-finite amax of either operand makes the whole output NaN, like dequantize-then-matmul.
 
+NVFP4 double-block operands (TetraJet-v2: one FP32 scale per 1x128 group of the contraction, `NVFP4(double_block=
+True)`) have no per-tensor factor for the epilogue. With either operand so scaled, each K step covers exactly one
+group (BK = 128): its float32 partial product is multiplied by a's group factor (one per output row) and b's (one
+per output column), one at a time as gemm.scale_output does, and added to the accumulator. That is what the XLA
+path's gemm.grouped_gemm computes with one GEMM per group, and what block-scaled FP8 GEMMs do per k-block
+(DeepSeek-V3's 1x128 scales); here it is one kernel. An operand without groups gets its tensor factor per step.
+
 When both operands are packed along the contraction axis (Fprop, Wgrad), each K step is two dots over the even and
 the odd contraction indices (low and high nibbles), so codes are never interleaved in registers; otherwise (Dgrad
 with the reused 2D weight) the nibbles are joined into natural order first.
@@ -63,6 +70,7 @@ class Operand:
   pack_axis: int  # stored axis the nibbles are packed along
   block: tuple[int, int]  # (br, bc) scaling block in stored orientation
   kind: str  # "nvfp4" | "mxfp4"
+  grouped: bool = False  # NVFP4 double-block: one FP32 decode factor per 1x128 group of the contraction
 
   def stored_dims(self, nk: int, kk: int) -> tuple[int, int]:
     """Logical (rows, cols) of a stored tile with `nk` non-contracted and `kk` contracted elements."""
@@ -75,6 +83,10 @@ class Operand:
   def scales_dims(self, nk: int, kk: int) -> tuple[int, int]:
     r, c = self.stored_dims(nk, kk)
     return (r // self.block[0], c // self.block[1])
+
+  def factors_dims(self, nk: int, kk: int) -> tuple[int, int]:
+    """Per-group decode factors (one per GROUP contraction elements) of a stored tile."""
+    return self.stored_dims(nk, kk // gemm_lib.GROUP)
 
 
 def _scale_values(scale_u8, op: Operand):
@@ -136,9 +148,19 @@ def _dot(a, a_k, b, b_k):
   return jax.lax.dot_general(a, b, (((a_k,), (b_k,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _matmul_kernel(a_codes_ref, a_scales_ref, b_codes_ref, b_scales_ref, g_ref, out_ref, *, a: Operand, b: Operand,
-                   tiles: tuple[int, int, int], k_steps: int):
-  """One (BM, BN) output tile over one split's K range: per K step each operand tile is decoded once, then dotted."""
+def _group_factor(factor_ref, op: Operand, k_step, out_axis: int):
+  """The k-th group's decode factors of one operand tile, shaped to broadcast over the output tile: [BM, 1] for a
+  (out_axis 0, one per output row), [1, BN] for b (out_axis 1, one per output column)."""
+  f = _load(factor_ref, op, 1, k_step)  # [n, 1] when the stored contraction axis is 1, else [1, n]
+  return f if (1 - op.contract) == out_axis else f.T
+
+
+def _matmul_kernel(*refs, a: Operand, b: Operand, tiles: tuple[int, int, int], k_steps: int, grouped: bool):
+  """One (BM, BN) output tile over one split's K range: per K step each operand tile is decoded once, then dotted.
+
+  grouped: a K step is one 1x128 group; its partial product gets both operands' group factors before it is summed.
+  Otherwise the per-tensor factors (g_ref) scale the sum once, in the epilogue."""
+  a_codes_ref, a_scales_ref, b_codes_ref, b_scales_ref, *factor_refs, out_ref = refs
   bm, bn, bk = tiles
   halves = a.pack_axis == a.contract and b.pack_axis == b.contract
 
@@ -146,24 +168,40 @@ def _matmul_kernel(a_codes_ref, a_scales_ref, b_codes_ref, b_scales_ref, g_ref, 
     code_len = bk // 2 if op.pack_axis == op.contract else bk
     return _load(codes_ref, op, code_len, k), _load(scales_ref, op, bk // op.block[op.contract], k)
 
-  def body(k, acc):
+  def product(k):
     a_tiles, b_tiles = load(a_codes_ref, a_scales_ref, a, k), load(b_codes_ref, b_scales_ref, b, k)
     if halves:
       (a_even, a_odd), (b_even, b_odd) = _decode_halves(*a_tiles, a), _decode_halves(*b_tiles, b)
-      return acc + _dot(a_even, a.contract, b_even, b.contract) + _dot(a_odd, a.contract, b_odd, b.contract)
+      return _dot(a_even, a.contract, b_even, b.contract), _dot(a_odd, a.contract, b_odd, b.contract)
     a_tile, a_k = _decode_natural(*a_tiles, a)
     b_tile, b_k = _decode_natural(*b_tiles, b)
-    return acc + _dot(a_tile, a_k, b_tile, b_k)
+    return (_dot(a_tile, a_k, b_tile, b_k),)
+
+  def body(k, acc):
+    parts = product(k)
+    if not grouped:
+      for part in parts:
+        acc = acc + part
+      return acc
+    a_factor_ref, b_factor_ref = factor_refs
+    part = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    fa, fb = _group_factor(a_factor_ref, a, k, 0), _group_factor(b_factor_ref, b, k, 1)
+    return acc + gemm_lib.scale_output(part, fa, fb)
 
   acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((bm, bn), jnp.float32))
-  out_ref[...] = gemm_lib.scale_output(acc, g_ref[0], g_ref[1])
+  if grouped:
+    out_ref[...] = acc
+  else:
+    (g_ref,) = factor_refs
+    out_ref[...] = gemm_lib.scale_output(acc, g_ref[0], g_ref[1])
 
 
 def matmul_call(a_codes, a_scales, b_codes, b_scales, g, a: Operand, b: Operand, m: int, n: int, k: int,
                 tiles: tuple[int, int, int], *, split_k: int = 1, interpret: bool, num_warps: int | None = None,
                 num_stages: int = 3):
   """The pallas_call on already-padded operands (m, n multiples of BM, BN; k of BK * split_k); scales as uint8;
-  g: float32 [2], the two per-tensor decode factors.
+  g: float32 [2], the two per-tensor decode factors; or, if either operand is grouped (then BK = GROUP), a pair
+  (a's, b's) of float32 per-group factors in stored orientation (Operand.factors_dims of the whole operand).
 
   Grid (M/BM, N/BN, split_k): split s sums K range [s K/split_k, (s+1) K/split_k) into out[s]; the splits are
   added in XLA (float32). Splitting K gives skinny (small-M) GEMMs enough programs to keep every SM loading.
@@ -180,19 +218,26 @@ def matmul_call(a_codes, a_scales, b_codes, b_scales, g, a: Operand, b: Operand,
       return pl.BlockSpec(block, lambda i, j, s: (s, nk(i, j)))
     return pl.BlockSpec(block, lambda i, j, s: (nk(i, j), s))
 
-  kernel = functools.partial(_matmul_kernel, a=a, b=b, tiles=tiles, k_steps=kc // bk)
+  grouped = a.grouped or b.grouped
+  if grouped:
+    if bk != gemm_lib.GROUP:
+      raise ValueError(f"matmul_call: double-block operands take one K step per {gemm_lib.GROUP}-element group; "
+                       f"got BK={bk}.")
+    factor_specs, factors = [spec(a, a.factors_dims(bm, kc), True), spec(b, b.factors_dims(bn, kc), False)], g
+  else:
+    factor_specs, factors = [pl.BlockSpec((2,), lambda i, j, s: (0,))], (g,)
+  kernel = functools.partial(_matmul_kernel, a=a, b=b, tiles=tiles, k_steps=kc // bk, grouped=grouped)
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((split_k, m, n), jnp.float32),
       grid=(m // bm, n // bn, split_k),
       in_specs=[spec(a, a.codes_dims(bm, kc), True), spec(a, a.scales_dims(bm, kc), True),
-                spec(b, b.codes_dims(bn, kc), False), spec(b, b.scales_dims(bn, kc), False),
-                pl.BlockSpec((2,), lambda i, j, s: (0,))],
+                spec(b, b.codes_dims(bn, kc), False), spec(b, b.scales_dims(bn, kc), False), *factor_specs],
       out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
       interpret=interpret,
       compiler_params=platform.compiler_params(num_warps=num_warps, num_stages=num_stages),
       name="fp4_matmul",
-  )(a_codes, a_scales, b_codes, b_scales, g)
+  )(a_codes, a_scales, b_codes, b_scales, *factors)
   return out[0] if split_k == 1 else jnp.sum(out, axis=0)
 
 
@@ -207,10 +252,6 @@ def _operand(q: QArray, contract: int, name: str) -> Operand:
     kind = "mxfp4"
   else:
     raise ValueError(f"fp4_matmul: {name} must be NVFP4 or MXFP4; got {q.fmt.name}.")
-  if getattr(q.fmt, "double_block", False):
-    # The epilogue applies one decode scale per operand; 1x128 group amaxes would need one per group of 8 blocks.
-    raise ValueError(f"fp4_matmul: {name} is {q.fmt.label}, whose 1x128 groups each have their own FP32 scale; the "
-                     f"kernel applies one per-tensor scale. Use fp4jax.dequantize and a float matmul for it.")
   if q.ndim != 2:
     raise ValueError(f"fp4_matmul: {name} must be 2D; got shape {q.shape} (reshape leading dims first).")
   if contract not in (0, 1):
@@ -223,17 +264,30 @@ def _operand(q: QArray, contract: int, name: str) -> Operand:
       raise ValueError(f"fp4_matmul: {name} has 1D blocks along axis {q.axis} but is contracted along axis "
                        f"{contract}; 1D blocks must run along the contraction axis (quantize with axis={contract}).")
     block = (bs, 1) if contract == 0 else (1, bs)
-  return Operand(contract=contract, pack_axis=q.axis, block=block, kind=kind)
+  return Operand(contract=contract, pack_axis=q.axis, block=block, kind=kind,
+                 grouped=bool(getattr(q.fmt, "double_block", False)))
 
 
 def _global_scale(q: QArray):
-  """The operand's per-tensor decode factor: amax / R for NVFP4 (R = 2688 for NVIDIA's rule, the format's
-  `global_range` for 4/6, 16/17 headroom and MS-EDEN), MXFP4's tensor factor (4/3 for Tseng's rule, else 1)."""
+  """The operand's decode factor after code x block scale: amax / R for NVFP4 (R = 2688 for NVIDIA's rule, the
+  format's `global_range` for 4/6, 16/17 headroom and MS-EDEN; with double_block one per 1x128 group, stored
+  orientation), MXFP4's tensor factor (4/3 for Tseng's rule, else 1). A non-finite amax anywhere makes it all NaN,
+  as dequantize poisons the whole tensor."""
   if isinstance(q.fmt, formats.NVFP4):
     g = nvfp4.global_decode_scale(q.amax, q.fmt.global_range)
   else:
     g = jnp.float32(q.fmt.tensor_factor)
-  return jnp.where(jnp.isfinite(q.amax), g, jnp.nan)
+  return jnp.where(jnp.all(jnp.isfinite(q.amax)), g, jnp.nan)
+
+
+def _group_factors(q: QArray, op: Operand, nk_to: int, k_to: int):
+  """float32 decode factors per 1x128 group, stored orientation, for an nk_to x k_to (padded) operand: the group
+  amaxes' for a double-block operand, its tensor factor repeated otherwise. Padded groups get 1 (their codes are 0)."""
+  dims = op.factors_dims(nk_to, k_to)
+  f = _global_scale(q).astype(jnp.float32)
+  if not op.grouped:
+    return jnp.broadcast_to(f, dims)
+  return jnp.pad(f, [(0, d - s) for s, d in zip(f.shape, dims)], constant_values=1.0)
 
 
 def _pow2_at_least(n: int, lo: int, hi: int) -> int:
@@ -310,17 +364,22 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
   k = max(k, k_b)  # operands padded to different block multiples (pad=True): both are zero-padded to one K
   m_out, n_out = a.orig_shape[1 - op_a.contract], b.orig_shape[1 - op_b.contract]
   interpret = platform.resolve_interpret(interpret)
-  # Both factors, applied one at a time (gemm.scale_output): their product under- or overflows float32 for amaxes
-  # near 1e-19 or 1e22 where the GEMM's outputs do not (all zeros or all inf/NaN before).
-  g = jnp.stack([_global_scale(a), _global_scale(b)]).astype(jnp.float32)
+  grouped = op_a.grouped or op_b.grouped
 
   if use_blackwell is None:
     use_blackwell = not interpret and platform.use_blackwell_path()
-  if use_blackwell and op_a.kind == op_b.kind == "nvfp4" and not a.block_2d and not b.block_2d:
-    out = gemm_lib.scale_output(blackwell_matmul(a, b, op_a, op_b), g[0], g[1])
+  if use_blackwell and op_a.kind == op_b.kind == "nvfp4" and not a.block_2d and not b.block_2d and not grouped:
+    # Both factors, applied one at a time (gemm.scale_output): their product under- or overflows float32 for amaxes
+    # near 1e-19 or 1e22 where the GEMM's outputs do not (all zeros or all inf/NaN before).
+    out = gemm_lib.scale_output(blackwell_matmul(a, b, op_a, op_b), _global_scale(a), _global_scale(b))
     return out[:m_out, :n_out]
 
   bm, bn, bk = tiles or default_tiles(m, n, k, interpret)
+  if grouped and tiles is None:
+    bk = gemm_lib.GROUP
+  if grouped and bk != gemm_lib.GROUP:
+    raise ValueError(f"fp4_matmul: double-block (1x128 group) operands need BK = {gemm_lib.GROUP}, one K step per "
+                     f"group; got tiles {tiles}.")
   for t, lo, name in ((bm, MIN_TILE_MN, "BM"), (bn, MIN_TILE_MN, "BN"), (bk, MIN_TILE_K, "BK")):
     if t < lo or t & (t - 1):
       raise ValueError(f"fp4_matmul: tile {name}={t} must be a power of two >= {lo}.")
@@ -337,6 +396,10 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
   mp, np_, kp = -(-m // bm) * bm, -(-n // bn) * bn, -(-k // kq) * kq
   a_codes, a_scales = _pad_operand(a, op_a, mp, kp)
   b_codes, b_scales = _pad_operand(b, op_b, np_, kp)
+  if grouped:
+    g = (_group_factors(a, op_a, mp, kp), _group_factors(b, op_b, np_, kp))
+  else:
+    g = jnp.stack([_global_scale(a), _global_scale(b)]).astype(jnp.float32)
   out = matmul_call(a_codes, a_scales, b_codes, b_scales, g, op_a, op_b, mp, np_, kp, (bm, bn, bk),
                     split_k=split_k, interpret=interpret, num_warps=num_warps, num_stages=num_stages or 3)
   return out[:m_out, :n_out]

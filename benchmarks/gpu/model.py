@@ -2,9 +2,11 @@
 
 `linear`: jitted value_and_grad of sum(y * G) for y = x W (x bf16 [T, D_in], W float32 [D_in, D_out]) under the
 bf16 recipe and nvfp4 on the xla path in its default bf16-operand GEMM mode, in its float32 HIGHEST mode (the
-reference) and on the Pallas backend, then tetrajet_v2 in its float32 mode and its bf16 mode (one bf16 GEMM per
-1x128 group: is that faster than FP32 units on this GPU at K = 4096?). Quantized rows compare (dx, dW) with their
-recipe's float32-mode run on the same key (same stochastic-rounding draws); the bf16 row with a float32 HIGHEST layer.
+reference) and on the Pallas backend, then tetrajet_v2 in its float32 mode, its bf16 mode (one bf16 GEMM per
+1x128 group: is that faster than FP32 units on this GPU at K = 4096?) and on the Pallas backend (quantizers on
+XLA, GEMMs in the Pallas kernel, which scales each K step of 128 by the group factors). Quantized rows compare
+(dx, dW) with their recipe's float32-mode run on the same key (same stochastic-rounding draws); the bf16 row with a
+float32 HIGHEST layer.
 `train`: `fp4jax.pretrain` train steps (AdamW, real batches) of the `small` model and of a 2-layer slice of the
 paper's 1.2B model (d_model 2048, 1024-token sequences), in groups timed together: first bf16 and nvfp4 on each
 model, then the other nvfp4 rows with bf16 once more. Each recipe of a group is compiled and warmed up, then the
@@ -35,6 +37,7 @@ REFERENCE = "nvfp4 xla f32"  # the quantized rows' reference: dequantized float3
 NVFP4 = "nvfp4 xla bf16"  # the default nvfp4 train row: the xla path, bf16-operand GEMMs
 TETRAJET_REFERENCE = "tetrajet_v2 xla f32"  # `linear` only: double-block operands, float32 HIGHEST GEMMs
 TETRAJET = "tetrajet_v2 xla bf16"  # `linear` only: one bf16 GEMM per 1x128 group of the contraction
+TETRAJET_PALLAS = "tetrajet_v2 pallas"  # `linear` only: the Pallas GEMM, one K step per 1x128 group
 # The `repeat` section's extra row: nvfp4 traced with XLA's own float32 divide for the scale quotients.
 NATIVE_DIVISION = f"{NVFP4}, native division"
 # Train rows: after WARMUP_STEPS (the first compiles or loads), TIMING_BLOCKS blocks of BLOCK_STEPS timed steps per
@@ -55,13 +58,15 @@ def _recipes():
 
 
 def _linear_recipes():
-  """_recipes(), then tetrajet_v2 in its float32 GEMM mode and in bf16 mode, where its double-block operands run one
+  """_recipes(), then tetrajet_v2 in its float32 GEMM mode, in bf16 mode, where its double-block operands run one
   bf16 GEMM per 1x128 group of the contraction (fp4jax.gemm.grouped_gemm: 32 per GEMM at D_in = 4096, 64 for Wgrad
-  over 8192 tokens). Last, so they run only with time to spare in the section."""
+  over 8192 tokens), and on the Pallas backend (one kernel per GEMM). Last, so they run only with time to spare in
+  the section."""
   import fp4jax  # pylint: disable=g-import-not-at-top
   tetrajet = fp4jax.recipes.tetrajet_v2()
   return _recipes() + [(TETRAJET_REFERENCE, tetrajet.replace(gemm_mode="f32")),
-                       (TETRAJET, tetrajet.replace(gemm_mode="bf16"))]
+                       (TETRAJET, tetrajet.replace(gemm_mode="bf16")),
+                       (TETRAJET_PALLAS, tetrajet.replace(backend="pallas"))]
 
 
 def run_linear(sec: report.Section) -> None:
@@ -95,14 +100,15 @@ def run_linear(sec: report.Section) -> None:
   recipes = _linear_recipes()
   refs = {"bf16": jax.jit(jax.value_and_grad(f32_loss, argnums=(0, 1)))(x, w, key, g),
           REFERENCE: step_fn(dict(recipes)[REFERENCE])(x, w, key, g)}
-  ref_of = {"bf16": "bf16", TETRAJET_REFERENCE: TETRAJET_REFERENCE, TETRAJET: TETRAJET_REFERENCE}
+  ref_of = {"bf16": "bf16", TETRAJET_REFERENCE: TETRAJET_REFERENCE, TETRAJET: TETRAJET_REFERENCE,
+            TETRAJET_PALLAS: TETRAJET_REFERENCE}
   times = {}
   for name, recipe in recipes:
     label = f"linear fwd+bwd {name} [{tokens}x{d_in}]@[{d_in}x{d_out}]"
     if not sec.has_time(12):
       sec.skip(label, "time budget")
       continue
-    if name == TETRAJET and TETRAJET_REFERENCE not in refs:  # its row failed or was skipped
+    if name in (TETRAJET, TETRAJET_PALLAS) and TETRAJET_REFERENCE not in refs:  # its row failed or was skipped
       sec.skip(label, f"no {TETRAJET_REFERENCE} run to compare with")
       continue
     try:

@@ -34,13 +34,16 @@ def test_pallas_backend_matches_xla():
 
 def test_scale_rules_beyond_nvidias_gemm_on_the_kernel():
   """4/6 with unbiased SR (headroom): the quantizers fall back to XLA (one warning), the GEMMs run on the kernel
-  with the format's own tensor scale and equal the XLA path; 1x128 group scales fall back with a warning."""
-  from fp4jax import backends
-  x, w = _check_gemms_on_the_kernel(fp4jax.recipes.get_recipe("four_over_six:unbiased_sr=headroom"),
-                                    "scale rules only")
-  q = fp4jax.quantize(x, fp4jax.NVFP4(double_block=True), axis=1)
-  with pytest.warns(UserWarning, match="1x128 group scales"):
-    assert backends.pallas_gemm(q, fp4jax.quantize(w, "nvfp4", axis=0), (1, 0)) is None
+  with the format's own tensor scale and equal the XLA path."""
+  _check_gemms_on_the_kernel(fp4jax.recipes.get_recipe("four_over_six:unbiased_sr=headroom"), "scale rules only")
+
+
+def test_tetrajet_v2_gemms_on_the_kernel():
+  """TetraJet-v2's double-block operands (an FP32 scale per 1x128 group; they used to fall back to XLA): the
+  quantizers stay on XLA (one warning), the three GEMMs run on the kernel, one K step per group, and y, dx, dw
+  equal the xla backend's (grouped bf16 GEMMs) to float32 summation order. Fprop contracts 3 groups, Dgrad 2 (the
+  second partial), Wgrad 2 (over the tokens)."""
+  _check_gemms_on_the_kernel(fp4jax.recipes.get_recipe("tetrajet_v2"), "scale rules only", shape=(256, 384, 160))
 
 
 def test_quartet_gemms_on_the_kernel():
@@ -53,13 +56,15 @@ def test_quartet_gemms_on_the_kernel():
   _check_gemms_on_the_kernel(recipe, "NVFP4-only")
 
 
-def _check_gemms_on_the_kernel(recipe, warning):
-  """Runs Fprop/Dgrad/Wgrad of `recipe` on the xla and the pallas backends (expecting the quantizers' fallback
-  `warning`), checks every GEMM reached the kernel and the outputs agree to summation order; returns (x, w)."""
+def _check_gemms_on_the_kernel(recipe, warning, shape=(32, 64, 32)):
+  """Runs Fprop/Dgrad/Wgrad of `recipe` on x [M, K] and w [K, N] (shape = (M, K, N)) on the xla and the pallas
+  backends (expecting the quantizers' fallback `warning`), checks every GEMM reached the kernel and the outputs
+  agree to summation order; returns (x, w)."""
   from fp4jax import backends
-  x = jax.random.normal(jax.random.key(0), (32, 64)).astype(jnp.bfloat16)
-  w = jax.random.normal(jax.random.key(1), (64, 32)) * 0.1
-  g = jax.random.normal(jax.random.key(2), (32, 32))
+  m, k, n = shape
+  x = jax.random.normal(jax.random.key(0), (m, k)).astype(jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (k, n)) * 0.1
+  g = jax.random.normal(jax.random.key(2), (m, n))
   ref = _fwd_bwd(recipe, x, w, g)
   backends._fallback.cache_clear()
   calls = []

@@ -69,9 +69,10 @@ def test_full_dry_run(tmp_path):
   over = [r for r in rows if r["name"].startswith("over 3 runs: ")]
   assert len(over) == 3 and all(r["ok"] and r["min_ratio"] <= r["median_ratio"] for r in over), over
   assert any(gpu_model.NATIVE_DIVISION in r["name"] for r in over)
-  # `linear`: tetrajet_v2's grouped bf16 GEMMs against its own float32 mode (not nvfp4's), both rows measured.
+  # `linear`: tetrajet_v2's grouped bf16 GEMMs and its Pallas GEMMs against its own float32 mode (not nvfp4's), all
+  # three rows measured.
   tetrajet = [r for r in rows if r["section"] == "linear" and "tetrajet_v2" in r["name"]]
-  assert len(tetrajet) == 2 and all(r["ok"] and "skipped" not in r["note"] for r in tetrajet), tetrajet
+  assert len(tetrajet) == 3 and all(r["ok"] and "skipped" not in r["note"] for r in tetrajet), tetrajet
   assert all(gpu_model.TETRAJET_REFERENCE in r["note"] for r in tetrajet), tetrajet
 
 
@@ -85,6 +86,8 @@ def test_timed_recipes_pin_their_gemm_modes():
   linear = dict(gpu_model._linear_recipes())
   assert linear[gpu_model.TETRAJET].gemm_mode == "bf16" and linear[gpu_model.TETRAJET_REFERENCE].gemm_mode == "f32"
   assert linear[gpu_model.TETRAJET].fprop.lhs.fmt.double_block  # the rows time the grouped GEMMs
+  pallas = linear[gpu_model.TETRAJET_PALLAS]
+  assert pallas.backend == "pallas" and pallas.fprop.lhs.fmt.double_block
 
 
 def test_bits_round_trip_on_cpu(tmp_path, monkeypatch):

@@ -262,17 +262,92 @@ def test_scale_rules_beyond_nvidias():
   _check_group(cases)
 
 
-def test_group_scales_are_refused():
-  """NVFP4's 1x128 double-block amaxes are one FP32 scale per group; the epilogue has one per operand."""
-  fmt = fp4jax.NVFP4(double_block=True)
-  a, b = _abstract((16, 256), fmt, axis=1), _abstract((256, 16), fmt, axis=0)
-  with pytest.raises(ValueError, match="one per-tensor scale"):
-    jax.eval_shape(lambda a, b: fp4_matmul(a, b, interpret=True), a, b)
+def _grouped_input(shape, seed, axis):
+  """_input with each 128-run along `axis` scaled by its own power of 16 (1, 16^-3, 16^2, ...), so that the 1x128
+  group amaxes differ by orders of magnitude and a group factor applied to the wrong group shows."""
+  x = np.asarray(_input(shape, seed))
+  groups = np.arange(shape[axis]) // 128
+  gain = 16.0 ** np.array([0, -3, 2, -1, 3, -2])[groups % 6]
+  return jnp.asarray(x * np.expand_dims(gain, 1 - axis).astype(np.float32))
 
 
-@pytest.mark.parametrize("kind", ["nvfp4_1d", "nvfp4_2d_dgrad", "wgrad_transposed", "mxfp4"])
+DOUBLE = fp4jax.NVFP4(double_block=True)
+
+
+def test_double_block_layouts():
+  """NVFP4 double-block (TetraJet-v2: an FP32 scale per 1x128 group): each K step is one group, scaled by both
+  operands' group factors. Fprop, Wgrad (both contracted on axis 0), b as [N, K], a partial last group, mixed with
+  plain NVFP4 and with MXFP4, split-K, and K padded to whole groups."""
+  x, w = _grouped_input((48, 384), 50, 1), _grouped_input((384, 40), 51, 0)
+  x_t, w_nk = _grouped_input((384, 48), 52, 0), _grouped_input((40, 384), 53, 1)
+  x_p, w_p = _grouped_input((24, 208), 54, 1), _grouped_input((208, 40), 55, 0)
+  cases = [
+      ("a[M,K] @ b[K,N], 3 groups", _q(x, DOUBLE, axis=1), _q(w, DOUBLE, axis=0), (1, 0), None),
+      ("Wgrad: a[K,M], b[K,N]", _q(x_t, DOUBLE, axis=0), _q(w, DOUBLE, axis=0), (0, 0), (16, 16, 128)),
+      ("b[N,K]", _q(x, DOUBLE, axis=1), _q(w_nk, DOUBLE, axis=1), (1, 1), None),
+      ("K = 208: a partial second group", _q(x_p, DOUBLE, axis=1), _q(w_p, DOUBLE, axis=0), (1, 0), None),
+      ("double-block x nvfp4", _q(x, DOUBLE, axis=1), _q(w, "nvfp4", axis=0), (1, 0), None),
+      ("nvfp4 2D x double-block", _q(x, "nvfp4", axis=1, block_2d=True), _q(w, DOUBLE, axis=0), (1, 0), None),
+      ("mxfp4 x double-block", _q(x, "mxfp4", axis=1), _q(w, DOUBLE, axis=0), (1, 0), None),
+      ("split-K 3 (K padded to 3 x 128)", _q(x, DOUBLE, axis=1), _q(w, DOUBLE, axis=0), (1, 0), (16, 32, 128), 3),
+      ("split-K 2 (K padded to 512)", _q(x, DOUBLE, axis=1), _q(w, DOUBLE, axis=0), (1, 0), (16, 32, 128), 2),
+  ]
+  _check_group(cases)
+
+
+def test_double_block_matches_the_xla_grouped_gemm():
+  """The kernel computes what the XLA path's gemm.grouped_gemm computes (per group: the exact products summed in
+  float32, times a's then b's group factor, added in group order); only the order within a group differs."""
+  from fp4jax import gemm
+  x, w = _grouped_input((32, 512), 56, 1), _grouped_input((512, 48), 57, 0)
+
+  @jax.jit
+  def both(x, w):
+    a, b = fp4jax.quantize(x, DOUBLE, axis=1), fp4jax.quantize(w, DOUBLE, axis=0)
+    grouped = gemm.grouped_gemm(gemm.bf16_values(a), gemm.bf16_values(b), (1, 0))
+    return fp4_matmul(a, b, interpret=True), grouped, *_reference(a, b, (1, 0))
+
+  out, grouped, ref, bound = (np.asarray(v) for v in both(x, w))
+  assert np.all(np.abs(out - grouped) <= 1e-6 * bound)
+  # Against the dequantized reference the two differ by about as much: neither is the other's rounding of it.
+  assert np.max(np.abs(out - ref) / bound) < 1e-6 and np.max(np.abs(grouped - ref) / bound) < 1e-6
+
+
+def test_double_block_nonfinite_group_poisons_the_output():
+  """A non-finite 1x128 group amax makes the whole output NaN (dequantize poisons the whole tensor); a zero group
+  (amax 0, factor 0) contributes 0."""
+  x, w = np.asarray(_grouped_input((16, 256), 58, 1)), _grouped_input((256, 32), 59, 0)
+  x_inf, x_zero = x.copy(), x.copy()
+  x_inf[3, 200] = np.inf
+  x_zero[:, 128:] = 0.0
+
+  @jax.jit
+  def run(x_inf, x_zero, w):
+    b = fp4jax.quantize(w, DOUBLE, axis=0)
+    a_inf, a_zero = fp4jax.quantize(x_inf, DOUBLE, axis=1), fp4jax.quantize(x_zero, DOUBLE, axis=1)
+    return fp4_matmul(a_inf, b, interpret=True), fp4_matmul(a_zero, b, interpret=True), *_reference(a_zero, b, (1, 0))
+
+  poisoned, zero_group, ref, bound = (np.asarray(v) for v in run(jnp.asarray(x_inf), jnp.asarray(x_zero), w))
+  assert np.all(np.isnan(poisoned))
+  assert np.all(np.abs(zero_group - ref) <= 1e-6 * bound)
+
+
+def test_double_block_needs_one_k_step_per_group():
+  a, b = _abstract((16, 256), DOUBLE, axis=1), _abstract((256, 16), DOUBLE, axis=0)
+  with pytest.raises(ValueError, match="BK = 128"):
+    jax.eval_shape(lambda a, b: fp4_matmul(a, b, interpret=True, tiles=(16, 16, 256)), a, b)
+  with pytest.raises(ValueError, match="1D blocks must run along the contraction axis"):
+    jax.eval_shape(lambda a, b: fp4_matmul(a, b, interpret=True), a, _abstract((256, 16), DOUBLE, axis=1))
+
+
+@pytest.mark.parametrize("kind", ["nvfp4_1d", "nvfp4_2d_dgrad", "wgrad_transposed", "mxfp4", "double_block",
+                                  "double_block_wgrad"])
 def test_lowers_for_cuda(kind):
-  if kind == "nvfp4_1d":
+  if kind == "double_block":  # split into 2: the group factors' blocks follow the split
+    a, b, c = _abstract((256, 512), DOUBLE, axis=1), _abstract((512, 128), "nvfp4", axis=0), (1, 0)
+  elif kind == "double_block_wgrad":
+    a, b, c = _abstract((384, 256), DOUBLE, axis=0), _abstract((384, 128), DOUBLE, axis=0), (0, 0)
+  elif kind == "nvfp4_1d":
     a, b, c = _abstract((256, 192), axis=1), _abstract((192, 128), axis=0), (1, 0)
   elif kind == "nvfp4_2d_dgrad":
     a, b, c = _abstract((256, 128), axis=1), _abstract((192, 128), axis=0, block_2d=True), (1, 1)
@@ -280,7 +355,7 @@ def test_lowers_for_cuda(kind):
     a, b, c = _abstract((192, 256), axis=0), _abstract((192, 128), axis=0), (0, 0)
   else:
     a, b, c = _abstract((256, 192), "mxfp4", axis=1), _abstract((192, 128), "mxfp4", axis=0), (1, 0)
-  split = 2 if kind == "nvfp4_1d" else None
+  split = 2 if kind in ("nvfp4_1d", "double_block") else None
   f = lambda a, b: fp4_matmul(a, b, contract=c, interpret=False, use_blackwell=False, split_k=split)
   text = platform.lower_for_cuda(f, a, b).as_text()  # jax 0.11 needs an abstract GPU here: see lower_for_cuda
   assert text.count("xla.gpu.triton") == 1
