@@ -5,7 +5,8 @@
       bit-identical to fp4jax.quantize(x, fp4jax.NVFP4(), ...) (after fp4jax.random_hadamard when rht_size is set).
   fp4_matmul(a, b, *, contract=(1, 0), interpret=None, tiles=None, split_k=None, use_blackwell=None,
              num_warps=None, num_stages=None) -> float32 [M, N]
-      dequantize(a) . dequantize(b) for NVFP4/MXFP4 QArrays, up to float32 summation order.
+      dequantize(a) . dequantize(b) for NVFP4/MXFP4 QArrays (NVFP4 double-block too: one K step per 1x128
+      group), up to float32 summation order.
   available(reason=False) -> bool (or (bool, why)): whether the kernels can run compiled on this machine.
   platform.lower_for_cuda(fn, *args): jax.jit(fn) lowered for cuda on any machine (jax 0.10 and 0.11).
 

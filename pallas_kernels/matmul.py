@@ -347,11 +347,12 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
     a, b: 2D NVFP4 or MXFP4 QArrays (see the module docstring for the accepted layouts).
     contract: contraction axis of a and of b; (1, 0): a [M, K] @ b [K, N]; (1, 1): b given as [N, K].
     interpret: None = interpret mode on CPU, compiled on GPU (RuntimeError if the GPU cannot run the kernels).
-    tiles: (BM, BN, BK) powers of two (BM, BN >= 16, BK >= 32 and a multiple of the block sizes); None picks.
+    tiles: (BM, BN, BK) powers of two (BM, BN >= 16, BK >= 32 and a multiple of the block sizes; BK = 128 with a
+      double-block operand); None picks.
     split_k: number of K splits (>= 1; partial products summed in float32); None picks (1 in interpret mode).
     num_warps, num_stages: Triton launch parameters; None picks (8 warps on >= 128x128 tiles, 3 stages).
     use_blackwell: None = native block-scaled MMA (jax.nn.scaled_matmul) when the GPU has compute capability
-      >= 10 and both operands are NVFP4 with 1D blocks; False = always the Pallas kernel.
+      >= 10 and both operands are NVFP4 with 1D blocks and no 1x128 group scales; False = always the Pallas kernel.
   """
   if not (isinstance(contract, (tuple, list)) and len(contract) == 2):
     raise ValueError(f"fp4_matmul: contract is (a's contraction axis, b's), e.g. (1, 0); got {contract!r}.")
