@@ -397,6 +397,7 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
   mp, np_, kp = -(-m // bm) * bm, -(-n // bn) * bn, -(-k // kq) * kq
   a_codes, a_scales = _pad_operand(a, op_a, mp, kp)
   b_codes, b_scales = _pad_operand(b, op_b, np_, kp)
+  # Both factors (per tensor, or per group and step), applied one at a time: see the Blackwell branch above.
   if grouped:
     g = (_group_factors(a, op_a, mp, kp), _group_factors(b, op_b, np_, kp))
   else:
