@@ -219,10 +219,7 @@ def matmul_call(a_codes, a_scales, b_codes, b_scales, g, a: Operand, b: Operand,
     return pl.BlockSpec(block, lambda i, j, s: (nk(i, j), s))
 
   grouped = a.grouped or b.grouped
-  if grouped:
-    if bk != gemm_lib.GROUP:
-      raise ValueError(f"matmul_call: double-block operands take one K step per {gemm_lib.GROUP}-element group; "
-                       f"got BK={bk}.")
+  if grouped:  # fp4_matmul has checked BK = GROUP
     factor_specs, factors = [spec(a, a.factors_dims(bm, kc), True), spec(b, b.factors_dims(bn, kc), False)], g
   else:
     factor_specs, factors = [pl.BlockSpec((2,), lambda i, j, s: (0,))], (g,)

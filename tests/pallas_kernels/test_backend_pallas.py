@@ -59,11 +59,11 @@ def test_quartet_gemms_on_the_kernel():
 def _check_gemms_on_the_kernel(recipe, warning, shape=(32, 64, 32)):
   """Runs Fprop/Dgrad/Wgrad of `recipe` on x [M, K] and w [K, N] (shape = (M, K, N)) on the xla and the pallas
   backends (expecting the quantizers' fallback `warning`), checks every GEMM reached the kernel and the outputs
-  agree to summation order; returns (x, w)."""
+  agree to summation order."""
   from fp4jax import backends
-  m, k, n = shape
-  x = jax.random.normal(jax.random.key(0), (m, k)).astype(jnp.bfloat16)
-  w = jax.random.normal(jax.random.key(1), (k, n)) * 0.1
+  m, d_in, n = shape  # (not k: the monkeypatched kernel below takes **k)
+  x = jax.random.normal(jax.random.key(0), (m, d_in)).astype(jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (d_in, n)) * 0.1
   g = jax.random.normal(jax.random.key(2), (m, n))
   ref = _fwd_bwd(recipe, x, w, g)
   backends._fallback.cache_clear()
@@ -77,7 +77,6 @@ def _check_gemms_on_the_kernel(recipe, warning, shape=(32, 64, 32)):
   for a, b in zip(out, ref):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
-  return x, w
 
 
 def test_uncovered_operands_fall_back_with_a_warning():
