@@ -1,7 +1,8 @@
 """Fused NVFP4 quantize kernel: (optional RHT) -> block amax -> E4M3 block scale -> E2M1 codes, packed, in one pass.
 
 `quantize_nvfp4(x, ...)` returns the same `fp4jax.QArray` as
-`fp4jax.quantize(x_t, fp4jax.NVFP4(), axis=..., block_2d=..., rounding=..., key=..., random_bits=..., pad=...)` with
+`fp4jax.quantize(x_t, fp4jax.NVFP4(double_block=...), axis=..., block_2d=..., rounding=..., key=..., random_bits=...,
+pad=...)` with
 `x_t = x`, or with rht_size set `x_t = fp4jax.random_hadamard(x, size=rht_size, axis=axis)` (in x's dtype; float32
 for float16 x, whose RHT sums can pass 65504): identical codes, scales, amax and dtype (`rht_signs` is passed on as
 random_hadamard's `signs`).
@@ -10,6 +11,9 @@ Data flow. The per-tensor amax is needed before any block can be encoded, so it 
 max|x|, or with RHT a Pallas pass that transforms each tile and writes only its tile maximum (the transformed tensor
 is never stored). The quantize kernel then reads each tile once (plus the random bits for stochastic rounding),
 applies the RHT in registers, and writes packed codes (0.5 B/element) and E4M3 scale bits (1/16 B/element).
+With `double_block=True` (TetraJet-v2: the FP32 second-level scale per 1x128 group along `axis`) the tiles hold
+whole groups, so the kernel takes each group's amax from its own tile and writes it (1/32 B/element): one pass, no
+amax pass before it.
 
 Layouts. The input is viewed as [P, R, C] and tiled over (R, C); P is a squeezed grid axis:
   1x16 along the last axis ("row"):  view [1, prod(leading), N],  blocks 1x16, codes packed along C.
@@ -85,6 +89,7 @@ class Plan:
   block: tuple[int, int]  # (br, bc): one scaling block within the tile
   pack_axis: int  # tile axis the codes are packed along (0 = R, 1 = C); RHT runs along it too
   rht_group: int  # 0 = no RHT, else the H matrix size applied along pack_axis (16, or rht_size if larger)
+  scale_group: int = 0  # 0 = one tensor amax, else elements per double-block amax group along pack_axis (128)
 
   @property
   def grid(self):
@@ -99,6 +104,19 @@ class Plan:
   def scales_view(self):
     p, r, c = self.view
     return (p, r // self.block[0], c // self.block[1])
+
+  @property
+  def group_blocks(self) -> tuple[int, int]:
+    """A double-block group in units of scaling blocks: (1, 8) along C, (8, 1) along R."""
+    n = self.scale_group // BLOCK
+    return (n, 1) if self.pack_axis == 0 else (1, n)
+
+  @property
+  def group_amax_view(self):
+    """[P, R, C] view of the double-block group amaxes (the scales' view with the packed axis divided by 8)."""
+    p, r, c = self.scales_view
+    gr, gc = self.group_blocks
+    return (p, r // gr, c // gc)
 
 
 def _pow2_divisor(n: int) -> int:
@@ -140,17 +158,18 @@ def tile_length(n: int, cap: int, minimum: int) -> tuple[int, int]:
   return t_pad, steps_pad * t_pad
 
 
-def make_plan(view, block, pack_axis, rht_group, interpret, tile=None) -> Plan:
-  """Picks (or validates) a power-of-two tile holding whole blocks and RHT groups. A picked tile may need the view's
-  R and C padded (with zeros, by the caller; the plan's view is the padded one); a given tile must divide the view."""
+def make_plan(view, block, pack_axis, rht_group, interpret, tile=None, scale_group=0) -> Plan:
+  """Picks (or validates) a power-of-two tile holding whole blocks, RHT groups and double-block groups
+  (`scale_group` elements along the pack axis). A picked tile may need the view's R and C padded (with zeros, by the
+  caller; the plan's view is the padded one); a given tile must divide the view."""
   p, r, c = view
   mins = list(block)
-  if rht_group:
-    mins[pack_axis] = max(mins[pack_axis], rht_group)
+  mins[pack_axis] = max(mins[pack_axis], rht_group, scale_group)
   if tile is None:
     budget, max_cols = ((INTERPRET_TILE_ELEMENTS, INTERPRET_MAX_COLS) if interpret
                         else (GPU_TILE_ELEMENTS, GPU_MAX_COLS))
-    tc, c = tile_length(c, max_cols, mins[1])
+    # Long minimum rows (a 128-row group, a big RHT along R) take columns from the budget, not add to it.
+    tc, c = tile_length(c, min(max_cols, max(budget // mins[0], 1)), mins[1])
     tr, r = tile_length(r, max(budget // tc, 1), mins[0])
     tile, view = (tr, tc), (p, r, c)
   for t, n, m, name in ((tile[0], r, mins[0], "rows"), (tile[1], c, mins[1], "cols")):
@@ -159,7 +178,8 @@ def make_plan(view, block, pack_axis, rht_group, interpret, tile=None) -> Plan:
                        f"and a multiple of {m} (view {view}).")
   if rht_group and tile[0] * tile[1] // rht_group < BLOCK:
     raise ValueError(f"tile {tuple(tile)} holds fewer than 16 RHT groups of {rht_group}; Triton's dot needs 16.")
-  return Plan(view=tuple(view), tile=tuple(tile), block=block, pack_axis=pack_axis, rht_group=rht_group)
+  return Plan(view=tuple(view), tile=tuple(tile), block=block, pack_axis=pack_axis, rht_group=rht_group,
+              scale_group=scale_group)
 
 
 # --- in-kernel helpers (operate on one [TR, TC] tile) ---------------------------------------------------------------
@@ -215,20 +235,41 @@ def _hash_bits_of_tile(seed_ref, tile, index_view):
   return prng.hash_bits((seed_ref[0], seed_ref[1]), index)
 
 
+def _group_scales(t, amax_b, plan: Plan, interpret: bool):
+  """Double-block second-level scales of one tile: (group amax [groups], S_enc / 6 and S_dec per block), the steps
+  of nvfp4.global_encode_scale and block_encode_scale applied to each 1x128 group's amax."""
+  gb = plan.group_blocks
+  # Triton's max drops NaN: a group with a NaN element gets a NaN amax from its own count, as blocks.tensor_amax.
+  has_nan = _block_max(_block_max(jnp.isnan(t).astype(jnp.float32), plan.block), gb) > 0
+  amax_g = jnp.where(has_nan, jnp.float32(jnp.nan), _block_max(amax_b, gb))
+  s_enc = numerics.exact_divide(jnp.full_like(amax_g, nvfp4.GLOBAL_RANGE), amax_g, interpret=interpret)
+  s_enc = numerics.keep_nan(s_enc, jnp.minimum(s_enc, grids.FLT_MAX))
+  s_enc = jnp.where((amax_g == 0) | (s_enc == 0), jnp.float32(1.0), s_enc)
+  s_dec = numerics.exact_divide(jnp.ones_like(s_enc), s_enc, interpret=interpret)
+  per_block = lambda v: _expand(v, gb, amax_b.shape)
+  return amax_g, per_block(s_enc * jnp.float32(1.0 / 6.0)), per_block(s_dec)
+
+
 def _quantize_kernel(*refs, plan: Plan, rht_dtype, rounding: str, random_bits: int, interpret: bool,
                      index_view=None):
   it = iter(refs)
-  x_ref, scal_ref = next(it), next(it)
+  x_ref = next(it)
+  scal_ref = None if plan.scale_group else next(it)  # [S_enc / 6, S_dec] of the tensor
   h_ref = next(it) if plan.rht_group else None
   bits_ref = next(it) if rounding == "stochastic" else None  # random bits, or the hash seed with index_view
   codes_ref, scales_ref = next(it), next(it)
+  amax_ref = next(it) if plan.scale_group else None
 
   t = x_ref[...].astype(jnp.float32)
   if plan.rht_group:
     # The reference rounds the transformed tensor to random_hadamard's output dtype before quantizing it.
     t = _apply_rht(t, h_ref[...], plan.pack_axis).astype(rht_dtype).astype(jnp.float32)
-  s_enc_sixth, s_dec = scal_ref[0], scal_ref[1]
   amax_b = _block_max(jnp.abs(t), plan.block)
+  if plan.scale_group:
+    amax_g, s_enc_sixth, s_dec = _group_scales(t, amax_b, plan, interpret)
+    amax_ref[...] = amax_g
+  else:
+    s_enc_sixth, s_dec = scal_ref[0], scal_ref[1]
   s_b = numerics.round_e4m3(amax_b * s_enc_sixth)
   enc = numerics.exact_divide(jnp.ones_like(s_b), s_b * s_dec, interpret=interpret)
   enc = numerics.keep_nan(enc, jnp.minimum(enc, grids.FLT_MAX))
@@ -283,13 +324,17 @@ def rht_amax_call(x_view, h_mat, plan: Plan, *, interpret: bool):
 
 def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, random_bits: int, interpret: bool,
                   seed=None, index_view=None):
-  """Runs the quantize kernel on the [P, R, C] view; returns (codes view uint8, E4M3 scale bits view uint8).
+  """Runs the quantize kernel on the [P, R, C] view; returns (codes view uint8, E4M3 scale bits view uint8), plus
+  the float32 group amaxes (plan.group_amax_view) with double-block scales, where `scal` is unused (None).
   Stochastic rounding reads `bits_view`, or with `seed` (uint32 [2]) and `index_view` (the unpadded view) computes
   the hash generator's bits in the kernel."""
   tr, tc = plan.tile
   br, bc = plan.block
   codes_tile = (tr // 2, tc) if plan.pack_axis == 0 else (tr, tc // 2)
-  inputs, in_specs = [x_view, scal], [_tile_spec(plan.tile), _whole_spec(scal.shape)]
+  inputs, in_specs = [x_view], [_tile_spec(plan.tile)]
+  if not plan.scale_group:
+    inputs.append(scal)
+    in_specs.append(_whole_spec(scal.shape))
   if plan.rht_group:
     inputs.append(h_mat)
     in_specs.append(_whole_spec(h_mat.shape))
@@ -302,12 +347,18 @@ def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, 
   kernel = functools.partial(_quantize_kernel, plan=plan, rht_dtype=rht_output_dtype(x_view.dtype), rounding=rounding,
                              random_bits=random_bits, interpret=interpret,
                              index_view=tuple(index_view) if seed is not None else None)
+  out_shape = [jax.ShapeDtypeStruct(plan.codes_view, jnp.uint8), jax.ShapeDtypeStruct(plan.scales_view, jnp.uint8)]
+  out_specs = [_tile_spec(codes_tile), _tile_spec((tr // br, tc // bc))]
+  if plan.scale_group:
+    gr, gc = plan.group_blocks
+    out_shape.append(jax.ShapeDtypeStruct(plan.group_amax_view, jnp.float32))
+    out_specs.append(_tile_spec((tr // br // gr, tc // bc // gc)))
   return pl.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct(plan.codes_view, jnp.uint8), jax.ShapeDtypeStruct(plan.scales_view, jnp.uint8)),
+      out_shape=tuple(out_shape),
       grid=plan.grid,
       in_specs=in_specs,
-      out_specs=(_tile_spec(codes_tile), _tile_spec((tr // br, tc // bc))),
+      out_specs=tuple(out_specs),
       interpret=interpret,
       compiler_params=platform.compiler_params(num_warps=4, num_stages=2),
       name="nvfp4_quantize",
@@ -316,11 +367,16 @@ def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, 
 
 # --- public wrapper ----------------------------------------------------------------------------------------------
 
-def _check(x, axis, block_2d, rounding, key, random_bits, rht_size):
+def _check(x, axis, block_2d, rounding, key, random_bits, rht_size, double_block):
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
     raise ValueError(f"quantize_nvfp4 supports float32, bfloat16 and float16 inputs; got {jnp.dtype(x.dtype).name}.")
   if x.ndim < 1 or (block_2d and x.ndim < 2):
     raise ValueError(f"cannot quantize an array of shape {x.shape} with block_2d={block_2d}.")
+  if not isinstance(double_block, bool):
+    raise ValueError(f"double_block must be True or False; got {double_block!r}.")
+  if double_block and block_2d:
+    raise ValueError("double_block scales need 1D blocks (1x16 along one axis), as fp4jax.NVFP4(double_block=True); "
+                     "got block_2d=True.")
   if not -x.ndim <= axis < x.ndim:
     raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}.")
   axis %= x.ndim
@@ -372,7 +428,7 @@ def _rht_matrix(rht_size: int, signs=None) -> jax.Array:
 def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
                    rht_size: int | None = None, interpret: bool | None = None, random_bits: int = 32,
                    pad: bool = False, rht_signs=None, tile: tuple[int, int] | None = None,
-                   sr_bits: str = "hash") -> QArray:
+                   sr_bits: str = "hash", double_block: bool = False) -> QArray:
   """NVFP4-quantizes `x` with the fused Pallas kernel; same QArray as fp4jax.quantize (see the module docstring).
 
   Args:
@@ -391,21 +447,25 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
       (random signs) or a +-1 array of length rht_size.
     tile: (rows, cols) of the kernel's [P, R, C] view tile; powers of two. None picks one.
     sr_bits: the stochastic-rounding bit generator, as in fp4jax.quantize ("hash" or "threefry").
+    double_block: TetraJet-v2's scales, as fp4jax.NVFP4(double_block=True): the FP32 second-level scale of each
+      1x128 group along `axis` comes from that group's amax, computed in the same pass (tiles hold whole groups;
+      no tensor-wide reduction first). 1D blocks only. The QArray then stores one amax per group.
 
   Not differentiable, as fp4jax.quantize: reverse-mode autodiff that reaches it raises a TypeError (its gradient
   would be zero; JAX never traces into the kernel). Call it inside a custom_vjp rule, as fp4jax.dot_general does.
   """
   x = jnp.asarray(x)
-  axis = _check(x, axis, block_2d, rounding, key, random_bits, rht_size)
+  axis = _check(x, axis, block_2d, rounding, key, random_bits, rht_size, double_block)
   settings = dict(axis=axis, block_2d=block_2d, rounding=rounding, rht_size=rht_size,
                   interpret=platform.resolve_interpret(interpret), random_bits=random_bits, pad=pad, tile=tile,
-                  sr_bits=sr_bits)
+                  sr_bits=sr_bits, double_block=double_block)
   rht_signs = None if rht_signs is None else jnp.asarray(rht_signs)
   return no_gradient.refusing_gradient(x, (key, rht_signs), _quantize_nvfp4, "pallas_kernels.quantize_nvfp4",
                                        tuple(settings.items()))
 
 
-def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, random_bits, pad, tile, sr_bits):
+def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, random_bits, pad, tile, sr_bits,
+                    double_block):
   """quantize_nvfp4's computation on checked arguments; `keys` is (key, rht_signs)."""
   key, rht_signs = keys
   blocked = (x.ndim - 2, x.ndim - 1) if block_2d else (axis,)
@@ -417,7 +477,8 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
   extra = rht_padding(view, pack_axis, rht_group)
   other = 2 - pack_axis  # the view axis that is neither blocked-and-packed nor P
   rht_view = tuple(n + extra if i == other else n for i, n in enumerate(view))
-  plan = make_plan(rht_view, block, pack_axis, rht_group, interpret, tile)
+  scale_group = formats.DOUBLE_BLOCK_GROUP * BLOCK if double_block else 0
+  plan = make_plan(rht_view, block, pack_axis, rht_group, interpret, tile, scale_group)
   # Zero rows/cols for the RHT's dot and for the tiles; their codes and scales are cropped below.
   widths = [(0, padded - n) for n, padded in zip(view, plan.view)]
   padded = plan.view != tuple(view)
@@ -426,13 +487,17 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
     x_view = jnp.pad(x_view, widths)
 
   h_mat = _rht_matrix(rht_size, rht_signs) if rht_size is not None else None
-  if rht_size is None:
+  amax = scal = None
+  if double_block:
+    pass  # each group's amax and scales come from the quantize kernel's own tile: no pass before it
+  elif rht_size is None:
     # NaN-propagating, as fp4jax's: a float max over >= 4096 elements goes to YNNPACK on XLA:CPU, which drops NaN.
     amax = blocks.tensor_amax(jnp.abs(grids.exact_float32(xp)))
   else:
     amax = rht_amax_call(x_view, h_mat, plan, interpret=interpret)
-  s_enc = nvfp4.global_encode_scale(amax)
-  scal = jnp.stack([s_enc * jnp.float32(1.0 / 6.0), division.divide(jnp.float32(1.0), s_enc)])
+  if amax is not None:
+    s_enc = nvfp4.global_encode_scale(amax)
+    scal = jnp.stack([s_enc * jnp.float32(1.0 / 6.0), division.divide(jnp.float32(1.0), s_enc)])
 
   bits_view = seed = None
   if rounding == "stochastic" and sr_bits == "hash":
@@ -447,12 +512,19 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
     if padded:
       bits_view = jnp.pad(bits_view, widths)
 
-  codes_v, scale_bits_v = quantize_call(x_view, scal, h_mat, bits_view, plan, rounding=rounding,
-                                        random_bits=random_bits, interpret=interpret, seed=seed, index_view=view)
+  codes_v, scale_bits_v, *group_amax_v = quantize_call(x_view, scal, h_mat, bits_view, plan, rounding=rounding,
+                                                        random_bits=random_bits, interpret=interpret, seed=seed,
+                                                        index_view=view)
   if padded:
     unpadded = dataclasses.replace(plan, view=tuple(view))
     codes_v = jax.lax.slice(codes_v, (0, 0, 0), unpadded.codes_view)
     scale_bits_v = jax.lax.slice(scale_bits_v, (0, 0, 0), unpadded.scales_view)
+  if double_block:
+    # A last, partial group (the axis not a multiple of 128) was padded with zero blocks, as fp4jax pads them.
+    amax = group_amax_v[0]
+    groups = list(scale_bits_v.shape)
+    groups[1 + pack_axis] = -(-groups[1 + pack_axis] // formats.DOUBLE_BLOCK_GROUP)
+    amax = jax.lax.slice(amax, (0, 0, 0), tuple(groups))
 
   codes_shape = list(shape)
   codes_shape[axis] //= 2
@@ -461,7 +533,11 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
     scales_shape[a] //= BLOCK
   codes = codes_v.reshape(codes_shape)
   scales = jax.lax.bitcast_convert_type(scale_bits_v.reshape(scales_shape), jnp.float8_e4m3fn)
-  return QArray(codes, scales, amax.astype(jnp.float32), fmt=formats.NVFP4(), shape=shape,
+  if double_block:
+    amax_shape = list(scales_shape)
+    amax_shape[axis] = -(-amax_shape[axis] // formats.DOUBLE_BLOCK_GROUP)
+    amax = amax.reshape(amax_shape)
+  return QArray(codes, scales, amax.astype(jnp.float32), fmt=formats.NVFP4(double_block=double_block), shape=shape,
                 orig_shape=tuple(x.shape), axis=axis, block_2d=block_2d,
                 dtype=x.dtype if rht_size is None else rht_output_dtype(x.dtype))
 

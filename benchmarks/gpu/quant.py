@@ -5,6 +5,7 @@ fewest bytes it must move: the input read, packed codes (0.5 B/element) and E4M3
 (stochastic rounding's hash bits are computed in the kernel since 2026-12-04; the first H200 run counted 4 B/element
 of bits read, drawn by XLA, in the SR rows' GB/s). Each kernel's output is compared
 with `fp4jax.quantize` (XLA) on the same input: the fraction of differing code bytes (0 expected without RHT).
+The double-block row (TetraJet-v2) also writes one float32 amax per 1x128 group (1/32 B/element, not counted).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ QUANT_BENCH = [
     ("2d 16x16 RNE (weight)", dict(block_2d=True)),
     ("row SR32 (Dgrad dY)", dict(rounding="stochastic")),
     ("col RHT16 + SR32 (Wgrad dY^T)", dict(axis=0, rht_size=16, rounding="stochastic")),
+    # TetraJet-v2's Wgrad dY^T: one FP32 scale per 1x128 group, from the kernel's own tile (one pass, no amax pass).
+    ("col RHT16 + SR32 double-block (tetrajet_v2 Wgrad dY^T)",
+     dict(axis=0, rht_size=16, rounding="stochastic", double_block=True)),
 ]
 
 
@@ -47,12 +51,13 @@ def run(sec: report.Section) -> None:
       continue
     try:
       sr, rht = kw.get("rounding") == "stochastic", kw.get("rht_size")
-      ref_kw = {kk: v for kk, v in kw.items() if kk != "rht_size"}
+      ref_kw = {kk: v for kk, v in kw.items() if kk not in ("rht_size", "double_block")}
+      fmt = fp4jax.NVFP4(double_block=kw.get("double_block", False))
       kernel = jax.jit(lambda x, k, kw=kw, sr=sr: quantize_nvfp4(x, interpret=sec.dry, key=k if sr else None, **kw))
 
-      def xla(x, k, rht=rht, ref_kw=ref_kw, sr=sr, axis=kw.get("axis", -1)):
+      def xla(x, k, rht=rht, ref_kw=ref_kw, sr=sr, axis=kw.get("axis", -1), fmt=fmt):
         xr = x if rht is None else fp4jax.random_hadamard(x, size=rht, axis=axis)
-        return fp4jax.quantize(xr, "nvfp4", key=k if sr else None, **ref_kw)
+        return fp4jax.quantize(xr, fmt, key=k if sr else None, **ref_kw)
 
       xla = jax.jit(xla)
       t = report.median_time(kernel, [(x, k) for x in xs], reps=reps)

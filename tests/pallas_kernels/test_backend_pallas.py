@@ -38,12 +38,12 @@ def test_scale_rules_beyond_nvidias_gemm_on_the_kernel():
   _check_gemms_on_the_kernel(fp4jax.recipes.get_recipe("four_over_six:unbiased_sr=headroom"), "scale rules only")
 
 
-def test_tetrajet_v2_gemms_on_the_kernel():
-  """TetraJet-v2's double-block operands (an FP32 scale per 1x128 group; they used to fall back to XLA): the
-  quantizers stay on XLA (one warning), the three GEMMs run on the kernel, one K step per group, and y, dx, dw
-  equal the xla backend's (grouped bf16 GEMMs) to float32 summation order. Fprop contracts 3 groups, Dgrad 2 (the
-  second partial), Wgrad 2 (over the tokens)."""
-  _check_gemms_on_the_kernel(fp4jax.recipes.get_recipe("tetrajet_v2"), "scale rules only", shape=(256, 384, 160))
+def test_tetrajet_v2_on_the_kernels():
+  """TetraJet-v2's double-block operands (an FP32 scale per 1x128 group; they used to fall back to XLA): all six
+  quantizers (RHT + SR and the re-quantized Fprop operands included) and the three GEMMs run on the kernels, one
+  K step per group, with no fallback warning, and y, dx, dw equal the xla backend's (grouped bf16 GEMMs) to float32
+  summation order. Fprop contracts 3 groups, Dgrad 2 (the second partial), Wgrad 2 (over the tokens)."""
+  _check_gemms_on_the_kernel(fp4jax.recipes.get_recipe("tetrajet_v2"), None, shape=(256, 384, 160), quantizers=6)
 
 
 def test_quartet_gemms_on_the_kernel():
@@ -56,10 +56,10 @@ def test_quartet_gemms_on_the_kernel():
   _check_gemms_on_the_kernel(recipe, "NVFP4-only")
 
 
-def _check_gemms_on_the_kernel(recipe, warning, shape=(32, 64, 32)):
+def _check_gemms_on_the_kernel(recipe, warning, shape=(32, 64, 32), quantizers=0):
   """Runs Fprop/Dgrad/Wgrad of `recipe` on x [M, K] and w [K, N] (shape = (M, K, N)) on the xla and the pallas
-  backends (expecting the quantizers' fallback `warning`), checks every GEMM reached the kernel and the outputs
-  agree to summation order."""
+  backends (expecting the quantizers' fallback `warning`, or none), checks every GEMM reached the kernel, and at
+  least `quantizers` quantize calls, and the outputs agree to summation order."""
   from fp4jax import backends
   m, d_in, n = shape  # (not k: the monkeypatched kernel below takes **k)
   x = jax.random.normal(jax.random.key(0), (m, d_in)).astype(jnp.bfloat16)
@@ -67,13 +67,15 @@ def _check_gemms_on_the_kernel(recipe, warning, shape=(32, 64, 32)):
   g = jax.random.normal(jax.random.key(2), (m, n))
   ref = _fwd_bwd(recipe, x, w, g)
   backends._fallback.cache_clear()
-  calls = []
-  kernel = backends._kernels().fp4_matmul
+  calls, quantize_calls = [], []
+  kernel, quantize = backends._kernels().fp4_matmul, backends._kernels().quantize_nvfp4
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(backends._kernels(), "fp4_matmul", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    with pytest.warns(UserWarning, match=warning):
+    mp.setattr(backends._kernels(), "quantize_nvfp4", lambda *a, **k: quantize_calls.append(1) or quantize(*a, **k))
+    with pytest.warns(UserWarning, match=warning) if warning else _no_warning():
       out = _fwd_bwd(recipe.replace(backend="pallas"), x, w, g)
   assert len(calls) >= 3  # traced for Fprop (custom_vjp may trace it twice), Dgrad and Wgrad: none fell back
+  assert len(quantize_calls) >= quantizers
   for a, b in zip(out, ref):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())

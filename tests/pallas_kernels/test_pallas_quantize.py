@@ -26,12 +26,12 @@ def _input(shape, dtype, seed, scale=1.0):
   return jnp.asarray(x.astype(np.float32)).astype(dtype)
 
 
-def _reference(x, rht_size=None, **kw):
+def _reference(x, rht_size=None, double_block=False, **kw):
   kw.pop("tile", None)
   signs = kw.pop("rht_signs", None)
   if rht_size is not None:
     x = fp4jax.random_hadamard(x, size=rht_size, axis=kw.get("axis", -1), signs=signs)
-  return fp4jax.quantize(x, NVFP4, **kw)
+  return fp4jax.quantize(x, fp4jax.NVFP4(double_block=True) if double_block else NVFP4, **kw)
 
 
 def _bits(a):
@@ -214,6 +214,65 @@ def test_extreme_inputs_and_padding():
   _check_group(cases)
 
 
+def test_double_block_bit_identical():
+  """TetraJet-v2's double-block scales (fp4jax.NVFP4(double_block=True)): each 1x128 group's amax, its FP32 scale,
+  the E4M3 block scales and the codes come from one kernel pass, equal to fp4jax.quantize's bit for bit: groups
+  across several tiles, a partial last group (144 = 128 + 16: its zero padding must not change its amax), the
+  column (Wgrad) layout, RHT + SR as the recipe's backward runs them, and a zero group (amax 0: S_enc = 1)."""
+  k = jax.random.key(11)
+  # Group magnitudes spread over 16^4, so a scale taken from the wrong group changes codes.
+  spread = jnp.asarray(16.0 ** np.arange(-2, 2, dtype=np.float32).repeat(128))  # 4 groups of 128 along the row
+  with_zero_group = _input((16, 256), jnp.float32, 75).at[:, 128:].set(0.0)
+  cases = [
+      ("row, 4 groups, 2 col tiles", _input((32, 512), jnp.float32, 70) * spread, dict(tile=(16, 256))),
+      ("row bf16, partial last group", _input((8, 144), jnp.bfloat16, 71), {}),
+      ("col (Wgrad) bf16 3 groups, 3D", _input((2, 384, 24), jnp.bfloat16, 72), dict(axis=1)),
+      ("col RHT16 SR (dY^T)", (_input((512, 40), jnp.bfloat16, 73) * spread[:, None]).astype(jnp.bfloat16),
+       dict(axis=0, rht_size=16, rounding="stochastic", key=k, tile=(128, 8))),
+      ("row RHT16 SR8, pad=True", _input((3, 200), jnp.float32, 74),
+       dict(rht_size=8, rounding="stochastic", key=k, random_bits=8, pad=True)),
+      ("row, a zero group", with_zero_group, {}),
+      ("row threefry SR", _input((16, 128), jnp.float16, 76), dict(rounding="stochastic", key=k, sr_bits="threefry")),
+  ]
+  qs = _check_group([(label, x, dict(kw, double_block=True)) for label, x, kw in cases])
+  assert qs[0].amax.shape == (32, 4) and qs[1].amax.shape == (8, 2) and qs[2].amax.shape == (2, 3, 24)
+  assert qs[0].fmt == fp4jax.NVFP4(double_block=True)
+  np.testing.assert_array_equal(np.asarray(qs[5].amax[:, 1]), 0.0)
+  # One pass: no tensor-wide amax reduction before the kernel, so a single pallas_call in the jaxpr.
+  assert len(_pallas_grids(lambda x: quantize_nvfp4(x, double_block=True, rht_size=16, interpret=True).codes,
+                           cases[0][1])) == 1
+
+
+@pytest.mark.parametrize("layout_kw, rht_group, scale_group", [
+    (dict(axis=0), 0, 128), (dict(axis=1), 0, 128), (dict(axis=0), 256, 0), (dict(axis=0), 16, 128)])
+def test_compiled_tiles_stay_within_the_budget(layout_kw, rht_group, scale_group):
+  """A compiled kernel's tile holds a few thousand elements (registers, 4 warps). A long minimum along the rows (a
+  128-row double-block group, a 256-point RHT along the tokens) used to come on top of the full column width:
+  128 x 256 and 256 x 256 tiles, 4-8x the budget."""
+  from pallas_kernels import quantize as quantize_lib
+  view, block, pack_axis = quantize_lib.layout((4096, 4096), layout_kw["axis"], False)
+  plan = quantize_lib.make_plan(view, block, pack_axis, rht_group, interpret=False, scale_group=scale_group)
+  assert plan.tile[0] * plan.tile[1] <= quantize_lib.GPU_TILE_ELEMENTS, plan
+  assert plan.tile[pack_axis] % max(rht_group, scale_group, 16) == 0, plan
+
+
+def test_double_block_nonfinite_groups():
+  """A NaN gives its own 1x128 group a NaN amax and an inf an inf amax; the other groups' amaxes, and the codes and
+  scales outside the NaN group, are fp4jax.quantize's. Dequantizing is then NaN throughout, as fp4jax's."""
+  x = _input((16, 384), jnp.float32, 77).at[2, 7].set(jnp.nan).at[5, 300].set(jnp.inf)
+  q = quantize_nvfp4(x, interpret=True, double_block=True)
+  r = _reference(x, double_block=True)
+  np.testing.assert_array_equal(np.asarray(q.amax).view(np.uint32), np.asarray(r.amax).view(np.uint32))
+  amax = np.asarray(q.amax)
+  assert np.isnan(amax[2, 0]) and np.isposinf(amax[5, 2]) and np.isfinite(amax).sum() == amax.size - 2
+  codes, ref_codes = np.array(q.codes), np.array(r.codes)
+  scales, ref_scales = _bits(q.scales).copy(), _bits(r.scales).copy()
+  codes[2, :64] = ref_codes[2, :64] = scales[2, :8] = ref_scales[2, :8] = 0  # the NaN group: platform-dependent
+  np.testing.assert_array_equal(codes, ref_codes)
+  np.testing.assert_array_equal(scales, ref_scales)
+  assert np.isnan(np.asarray(fp4jax.dequantize(q))).all() and np.isnan(np.asarray(fp4jax.dequantize(r))).all()
+
+
 @pytest.mark.parametrize("shape, rht_size", [((16, 32), None), ((64, 128), None), ((64, 128), 16)])
 def test_nan_poisons_the_tensor(shape, rht_size):
   """NaN: amax is NaN and the whole tensor dequantizes to NaN (codes of NaN elements are platform-dependent), also
@@ -256,15 +315,23 @@ def test_bad_inputs_raise():
     quantize_nvfp4(jnp.ones((2, 16, 16)), axis=0, block_2d=True)
   with pytest.raises(ValueError, match="random_bits"):
     quantize_nvfp4(jnp.ones((4, 32)), rounding="stochastic", key=jax.random.key(0), random_bits=16)
+  with pytest.raises(ValueError, match="double_block scales need 1D blocks"):
+    quantize_nvfp4(jnp.ones((16, 128)), block_2d=True, double_block=True)
+  with pytest.raises(ValueError, match="double_block must be"):
+    quantize_nvfp4(jnp.ones((16, 128)), double_block=1)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    quantize_nvfp4(jnp.ones((16, 128)), double_block=True, tile=(16, 64))  # a tile must hold whole groups
 
 
 @pytest.mark.parametrize("kw", [
     dict(), dict(axis=0), dict(block_2d=True), dict(block_2d=True, axis=0),
     dict(rounding="stochastic", random_bits=8, axis=0, rht_size=16), dict(rht_size=4, rounding="stochastic"),
-], ids=["row", "col", "2d", "2d_rows", "col_sr8_rht16", "row_sr_rht4"])
+    dict(double_block=True), dict(double_block=True, axis=0, rht_size=16, rounding="stochastic"),
+], ids=["row", "col", "2d", "2d_rows", "col_sr8_rht16", "row_sr_rht4", "double_block", "double_block_col_rht_sr"])
 def test_lowers_for_cuda(kw):
-  """The compiled (Triton) kernels lower for cuda on a CPU-only machine; the custom call is XLA's Triton call."""
-  x = jnp.zeros((64, 256), jnp.bfloat16)
+  """The compiled (Triton) kernels lower for cuda on a CPU-only machine; the custom call is XLA's Triton call.
+  Double-block scales take one kernel (no RHT amax pass before it)."""
+  x = jnp.zeros((256, 256), jnp.bfloat16)
   key = jax.random.key(0)
 
   def f(x, key):
@@ -272,7 +339,7 @@ def test_lowers_for_cuda(kw):
     return q.codes, q.scales, q.amax
 
   text = platform.lower_for_cuda(f, x, key).as_text()
-  assert text.count("xla.gpu.triton") == (2 if "rht_size" in kw else 1)
+  assert text.count("xla.gpu.triton") == (2 if "rht_size" in kw and not kw.get("double_block") else 1)
 
 
 def test_platform_reports_cpu():
