@@ -70,9 +70,8 @@ def pallas_quantize(x, cfg, *, axis: int, recipe, key, signs, with_mask: bool = 
   if not isinstance(cfg.fmt, formats.NVFP4):
     _fallback(f"the quantize kernel is NVFP4-only (got {cfg.fmt.name})")
     return None
-  if not (cfg.fmt.is_default or cfg.fmt == formats.NVFP4(double_block=True)):
-    _fallback(f"the quantize kernel has NVIDIA's scale rules only, with or without double-block scales (got "
-              f"{cfg.fmt.label})")
+  if cfg.fmt.scale_rule not in ("nearest", "up"):
+    _fallback(f"the quantize kernel has NVIDIA's and the round-up scale rules only (got {cfg.fmt.label})")
     return None
   if with_mask:
     _fallback("the quantize kernel returns no clip mask (clip_mask=True: QuEST's masked straight-through gradient)")
@@ -80,7 +79,7 @@ def pallas_quantize(x, cfg, *, axis: int, recipe, key, signs, with_mask: bool = 
   return _kernels().quantize_nvfp4(x, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding, key=key,
                                    rht_size=recipe.rht_size if cfg.rht else None, rht_signs=signs,
                                    random_bits=recipe.random_bits, pad=cfg.pad, sr_bits=recipe.sr_bits,
-                                   double_block=cfg.fmt.double_block)
+                                   fmt=cfg.fmt)
 
 
 def gemm_dims(a, b, contract) -> tuple[int, int, int]:

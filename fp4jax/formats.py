@@ -144,7 +144,7 @@ class NVFP4(_FP4Format):
 
   @property
   def is_default(self) -> bool:
-    """NVIDIA's rules (what the Pallas quantize kernel implements)."""
+    """NVIDIA's rules: block scales rounded to nearest, no headroom, one tensor scale."""
     return self.scale_rule == "nearest" and not self.headroom and not self.double_block
 
   @property

@@ -1,10 +1,10 @@
 """Pallas (Triton backend) kernels for fp4jax: fused NVFP4 quantization and FP4 GEMMs.
 
   quantize_nvfp4(x, *, axis=-1, block_2d=False, rounding="nearest", key=None, rht_size=None, interpret=None,
-                 random_bits=32, pad=False, rht_signs=None, tile=None, sr_bits="hash", double_block=False)
+                 random_bits=32, pad=False, rht_signs=None, tile=None, sr_bits="hash", fmt=None)
                  -> fp4jax.QArray
-      bit-identical to fp4jax.quantize(x, fp4jax.NVFP4(double_block=double_block), ...) (after
-      fp4jax.random_hadamard when rht_size is set).
+      bit-identical to fp4jax.quantize(x, fmt, ...) (after fp4jax.random_hadamard when rht_size is set), for
+      fmt = fp4jax.NVFP4() (the default) and its scale_rule="up", headroom and double_block variants.
   fp4_matmul(a, b, *, contract=(1, 0), interpret=None, tiles=None, split_k=None, use_blackwell=None,
              num_warps=None, num_stages=None) -> float32 [M, N]
       dequantize(a) . dequantize(b) for NVFP4/MXFP4 QArrays (NVFP4 double-block too: one K step per 1x128

@@ -132,6 +132,15 @@ def round_e4m3(x):
   return jnp.copysign(r, x)
 
 
+def round_e4m3_up(x):
+  """nvfp4.round_e4m3_up: non-negative float32 onto E4M3 values rounded up (ceil on the grid), saturating at 448,
+  NaN kept. RNE lands at most one E4M3 quantum below x, the quantum of the rounded value's binade."""
+  r = round_e4m3(x)
+  quantum = grids.pow2(jnp.maximum(grids.exponent_of(r), grids.E4M3_MIN_EXPONENT) - grids.E4M3_MANTISSA_BITS)
+  up = jnp.where(r > 0, r + quantum, jnp.float32(2.0**-9))
+  return jnp.where(r < x, jnp.minimum(up, jnp.float32(grids.E4M3_MAX)), r)  # up is finite: no NaN to keep
+
+
 def e4m3_bits(v):
   """float8_e4m3fn bit patterns (int32 0..255) of float32 values already on the E4M3 grid.
 

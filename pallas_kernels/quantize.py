@@ -1,8 +1,8 @@
 """Fused NVFP4 quantize kernel: (optional RHT) -> block amax -> E4M3 block scale -> E2M1 codes, packed, in one pass.
 
 `quantize_nvfp4(x, ...)` returns the same `fp4jax.QArray` as
-`fp4jax.quantize(x_t, fp4jax.NVFP4(double_block=...), axis=..., block_2d=..., rounding=..., key=..., random_bits=...,
-pad=...)` with
+`fp4jax.quantize(x_t, fmt, axis=..., block_2d=..., rounding=..., key=..., random_bits=..., pad=...)` (fmt NVFP4 with
+NVIDIA's scale rule by default; "up", headroom and double-block scales too) with
 `x_t = x`, or with rht_size set `x_t = fp4jax.random_hadamard(x, size=rht_size, axis=axis)` (in x's dtype; float32
 for float16 x, whose RHT sums can pass 65504): identical codes, scales, amax and dtype (`rht_signs` is passed on as
 random_hadamard's `signs`).
@@ -11,7 +11,7 @@ Data flow. The per-tensor amax is needed before any block can be encoded, so it 
 max|x|, or with RHT a Pallas pass that transforms each tile and writes only its tile maximum (the transformed tensor
 is never stored). The quantize kernel then reads each tile once (plus the random bits for stochastic rounding),
 applies the RHT in registers, and writes packed codes (0.5 B/element) and E4M3 scale bits (1/16 B/element).
-With `double_block=True` (TetraJet-v2: the FP32 second-level scale per 1x128 group along `axis`) the tiles hold
+With double-block scales (TetraJet-v2: the FP32 second-level scale per 1x128 group along `axis`) the tiles hold
 whole groups, so the kernel takes each group's amax from its own tile and writes it (1/32 B/element): one pass, no
 amax pass before it.
 
@@ -56,6 +56,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+import numpy as np
 
 from fp4jax import blocks
 from fp4jax import division
@@ -72,6 +73,7 @@ from pallas_kernels import platform
 
 BLOCK = 16
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+SUPPORTED_SCALE_RULES = ("nearest", "up")
 # Tile budgets (elements). Compiled: a few thousand elements per program keeps the tile in registers with 4 warps.
 # Interpret mode: each grid step costs ~1 ms of Python, so use few, large tiles.
 GPU_TILE_ELEMENTS, GPU_MAX_COLS = 8192, 256
@@ -182,6 +184,24 @@ def make_plan(view, block, pack_axis, rht_group, interpret, tile=None, scale_gro
               scale_group=scale_group)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScaleRule:
+  """The constants of an NVFP4 format's two-level scales the kernel implements (formats.NVFP4, nvfp4.scales):
+  S_enc = global_range / amax, s_b = E4M3(amax_b * S_enc * inv_target), rounded up with `round_up`."""
+  global_range: float  # float32 R: 2688 for NVIDIA's rule, times 16/17 with headroom
+  inv_target: float  # float32 1 / (the value a block max maps to): 1/6, or 17/96 with headroom
+  round_up: bool  # scale_rule "up": no element saturates
+
+  @classmethod
+  def of(cls, fmt: formats.NVFP4) -> "ScaleRule":
+    if not isinstance(fmt, formats.NVFP4) or fmt.scale_rule not in SUPPORTED_SCALE_RULES:
+      raise ValueError(f"quantize_nvfp4 implements NVFP4 with scale_rule in {SUPPORTED_SCALE_RULES} (with or without "
+                       f"headroom and double_block); got {getattr(fmt, 'label', fmt)!r}. 4/6 and MS-EDEN choose or "
+                       "correct scales after rounding: use fp4jax.quantize.")
+    return cls(global_range=fmt.global_range, inv_target=float(np.float32(1.0 / fmt.targets[0])),
+               round_up=fmt.scale_rule == "up")
+
+
 # --- in-kernel helpers (operate on one [TR, TC] tile) ---------------------------------------------------------------
 
 def _apply_rht(t, h_mat, axis):
@@ -235,26 +255,26 @@ def _hash_bits_of_tile(seed_ref, tile, index_view):
   return prng.hash_bits((seed_ref[0], seed_ref[1]), index)
 
 
-def _group_scales(t, amax_b, plan: Plan, interpret: bool):
-  """Double-block second-level scales of one tile: (group amax [groups], S_enc / 6 and S_dec per block), the steps
-  of nvfp4.global_encode_scale and block_encode_scale applied to each 1x128 group's amax."""
+def _group_scales(t, amax_b, plan: Plan, rule: ScaleRule, interpret: bool):
+  """Double-block second-level scales of one tile: (group amax [groups], S_enc * inv_target and S_dec per block),
+  the steps of nvfp4.global_encode_scale and block_encode_scale applied to each 1x128 group's amax."""
   gb = plan.group_blocks
   # Triton's max drops NaN: a group with a NaN element gets a NaN amax from its own count, as blocks.tensor_amax.
   has_nan = _block_max(_block_max(jnp.isnan(t).astype(jnp.float32), plan.block), gb) > 0
   amax_g = jnp.where(has_nan, jnp.float32(jnp.nan), _block_max(amax_b, gb))
-  s_enc = numerics.exact_divide(jnp.full_like(amax_g, nvfp4.GLOBAL_RANGE), amax_g, interpret=interpret)
+  s_enc = numerics.exact_divide(jnp.full_like(amax_g, rule.global_range), amax_g, interpret=interpret)
   s_enc = numerics.keep_nan(s_enc, jnp.minimum(s_enc, grids.FLT_MAX))
   s_enc = jnp.where((amax_g == 0) | (s_enc == 0), jnp.float32(1.0), s_enc)
   s_dec = numerics.exact_divide(jnp.ones_like(s_enc), s_enc, interpret=interpret)
   per_block = lambda v: _expand(v, gb, amax_b.shape)
-  return amax_g, per_block(s_enc * jnp.float32(1.0 / 6.0)), per_block(s_dec)
+  return amax_g, per_block(s_enc * jnp.float32(rule.inv_target)), per_block(s_dec)
 
 
-def _quantize_kernel(*refs, plan: Plan, rht_dtype, rounding: str, random_bits: int, interpret: bool,
-                     index_view=None):
+def _quantize_kernel(*refs, plan: Plan, rule: ScaleRule, rht_dtype, rounding: str, random_bits: int,
+                     interpret: bool, index_view=None):
   it = iter(refs)
   x_ref = next(it)
-  scal_ref = None if plan.scale_group else next(it)  # [S_enc / 6, S_dec] of the tensor
+  scal_ref = None if plan.scale_group else next(it)  # [S_enc * inv_target, S_dec] of the tensor
   h_ref = next(it) if plan.rht_group else None
   bits_ref = next(it) if rounding == "stochastic" else None  # random bits, or the hash seed with index_view
   codes_ref, scales_ref = next(it), next(it)
@@ -266,11 +286,11 @@ def _quantize_kernel(*refs, plan: Plan, rht_dtype, rounding: str, random_bits: i
     t = _apply_rht(t, h_ref[...], plan.pack_axis).astype(rht_dtype).astype(jnp.float32)
   amax_b = _block_max(jnp.abs(t), plan.block)
   if plan.scale_group:
-    amax_g, s_enc_sixth, s_dec = _group_scales(t, amax_b, plan, interpret)
+    amax_g, s_enc_target, s_dec = _group_scales(t, amax_b, plan, rule, interpret)
     amax_ref[...] = amax_g
   else:
-    s_enc_sixth, s_dec = scal_ref[0], scal_ref[1]
-  s_b = numerics.round_e4m3(amax_b * s_enc_sixth)
+    s_enc_target, s_dec = scal_ref[0], scal_ref[1]
+  s_b = (numerics.round_e4m3_up if rule.round_up else numerics.round_e4m3)(amax_b * s_enc_target)
   enc = numerics.exact_divide(jnp.ones_like(s_b), s_b * s_dec, interpret=interpret)
   enc = numerics.keep_nan(enc, jnp.minimum(enc, grids.FLT_MAX))
   y = t * _expand(enc, plan.block, t.shape)
@@ -323,11 +343,11 @@ def rht_amax_call(x_view, h_mat, plan: Plan, *, interpret: bool):
 
 
 def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, random_bits: int, interpret: bool,
-                  seed=None, index_view=None):
+                  seed=None, index_view=None, rule: ScaleRule | None = None):
   """Runs the quantize kernel on the [P, R, C] view; returns (codes view uint8, E4M3 scale bits view uint8), plus
   the float32 group amaxes (plan.group_amax_view) with double-block scales, where `scal` is unused (None).
   Stochastic rounding reads `bits_view`, or with `seed` (uint32 [2]) and `index_view` (the unpadded view) computes
-  the hash generator's bits in the kernel."""
+  the hash generator's bits in the kernel. `rule`: the format's scale constants (default NVIDIA's)."""
   tr, tc = plan.tile
   br, bc = plan.block
   codes_tile = (tr // 2, tc) if plan.pack_axis == 0 else (tr, tc // 2)
@@ -344,7 +364,9 @@ def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, 
   elif rounding == "stochastic":
     inputs.append(bits_view)
     in_specs.append(_tile_spec(plan.tile))
-  kernel = functools.partial(_quantize_kernel, plan=plan, rht_dtype=rht_output_dtype(x_view.dtype), rounding=rounding,
+  rule = rule or ScaleRule.of(formats.NVFP4())
+  kernel = functools.partial(_quantize_kernel, plan=plan, rule=rule, rht_dtype=rht_output_dtype(x_view.dtype),
+                             rounding=rounding,
                              random_bits=random_bits, interpret=interpret,
                              index_view=tuple(index_view) if seed is not None else None)
   out_shape = [jax.ShapeDtypeStruct(plan.codes_view, jnp.uint8), jax.ShapeDtypeStruct(plan.scales_view, jnp.uint8)]
@@ -367,14 +389,13 @@ def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, 
 
 # --- public wrapper ----------------------------------------------------------------------------------------------
 
-def _check(x, axis, block_2d, rounding, key, random_bits, rht_size, double_block):
+def _check(x, axis, block_2d, rounding, key, random_bits, rht_size, fmt):
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
     raise ValueError(f"quantize_nvfp4 supports float32, bfloat16 and float16 inputs; got {jnp.dtype(x.dtype).name}.")
   if x.ndim < 1 or (block_2d and x.ndim < 2):
     raise ValueError(f"cannot quantize an array of shape {x.shape} with block_2d={block_2d}.")
-  if not isinstance(double_block, bool):
-    raise ValueError(f"double_block must be True or False; got {double_block!r}.")
-  if double_block and block_2d:
+  ScaleRule.of(fmt)  # refuses the rules the kernel does not implement
+  if fmt.double_block and block_2d:
     raise ValueError("double_block scales need 1D blocks (1x16 along one axis), as fp4jax.NVFP4(double_block=True); "
                      "got block_2d=True.")
   if not -x.ndim <= axis < x.ndim:
@@ -428,7 +449,7 @@ def _rht_matrix(rht_size: int, signs=None) -> jax.Array:
 def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str = "nearest", key=None,
                    rht_size: int | None = None, interpret: bool | None = None, random_bits: int = 32,
                    pad: bool = False, rht_signs=None, tile: tuple[int, int] | None = None,
-                   sr_bits: str = "hash", double_block: bool = False) -> QArray:
+                   sr_bits: str = "hash", fmt: formats.NVFP4 | None = None) -> QArray:
   """NVFP4-quantizes `x` with the fused Pallas kernel; same QArray as fp4jax.quantize (see the module docstring).
 
   Args:
@@ -447,27 +468,31 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
       (random signs) or a +-1 array of length rht_size.
     tile: (rows, cols) of the kernel's [P, R, C] view tile; powers of two. None picks one.
     sr_bits: the stochastic-rounding bit generator, as in fp4jax.quantize ("hash" or "threefry").
-    double_block: TetraJet-v2's scales, as fp4jax.NVFP4(double_block=True): the FP32 second-level scale of each
-      1x128 group along `axis` comes from that group's amax, computed in the same pass (tiles hold whole groups;
-      no tensor-wide reduction first). 1D blocks only. The QArray then stores one amax per group.
+    fmt: the NVFP4 format (default fp4jax.NVFP4(), NVIDIA's rule). Also implemented: scale_rule="up" and
+      headroom=True (the unbiased-SR block scales), and double_block=True (TetraJet-v2: the FP32 second-level scale
+      of each 1x128 group along `axis` from that group's amax, computed in the same pass: tiles hold whole groups,
+      no tensor-wide reduction first; 1D blocks only; the QArray stores one amax per group). "4over6" and "eden"
+      raise ValueError.
 
   Not differentiable, as fp4jax.quantize: reverse-mode autodiff that reaches it raises a TypeError (its gradient
   would be zero; JAX never traces into the kernel). Call it inside a custom_vjp rule, as fp4jax.dot_general does.
   """
   x = jnp.asarray(x)
-  axis = _check(x, axis, block_2d, rounding, key, random_bits, rht_size, double_block)
+  fmt = formats.NVFP4() if fmt is None else fmt
+  axis = _check(x, axis, block_2d, rounding, key, random_bits, rht_size, fmt)
   settings = dict(axis=axis, block_2d=block_2d, rounding=rounding, rht_size=rht_size,
                   interpret=platform.resolve_interpret(interpret), random_bits=random_bits, pad=pad, tile=tile,
-                  sr_bits=sr_bits, double_block=double_block)
+                  sr_bits=sr_bits, fmt=fmt)
   rht_signs = None if rht_signs is None else jnp.asarray(rht_signs)
   return no_gradient.refusing_gradient(x, (key, rht_signs), _quantize_nvfp4, "pallas_kernels.quantize_nvfp4",
                                        tuple(settings.items()))
 
 
 def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, random_bits, pad, tile, sr_bits,
-                    double_block):
+                    fmt):
   """quantize_nvfp4's computation on checked arguments; `keys` is (key, rht_signs)."""
   key, rht_signs = keys
+  rule, double_block = ScaleRule.of(fmt), fmt.double_block
   blocked = (x.ndim - 2, x.ndim - 1) if block_2d else (axis,)
   shape = _padded_shape(x.shape, blocked, pad)
   xp = x if shape == x.shape else jnp.pad(x, [(0, p - s) for s, p in zip(x.shape, shape)])
@@ -496,8 +521,8 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
   else:
     amax = rht_amax_call(x_view, h_mat, plan, interpret=interpret)
   if amax is not None:
-    s_enc = nvfp4.global_encode_scale(amax)
-    scal = jnp.stack([s_enc * jnp.float32(1.0 / 6.0), division.divide(jnp.float32(1.0), s_enc)])
+    s_enc = nvfp4.global_encode_scale(amax, rule.global_range)
+    scal = jnp.stack([s_enc * jnp.float32(rule.inv_target), division.divide(jnp.float32(1.0), s_enc)])
 
   bits_view = seed = None
   if rounding == "stochastic" and sr_bits == "hash":
@@ -514,7 +539,7 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
 
   codes_v, scale_bits_v, *group_amax_v = quantize_call(x_view, scal, h_mat, bits_view, plan, rounding=rounding,
                                                         random_bits=random_bits, interpret=interpret, seed=seed,
-                                                        index_view=view)
+                                                        index_view=view, rule=rule)
   if padded:
     unpadded = dataclasses.replace(plan, view=tuple(view))
     codes_v = jax.lax.slice(codes_v, (0, 0, 0), unpadded.codes_view)
@@ -537,7 +562,7 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
     amax_shape = list(scales_shape)
     amax_shape[axis] = -(-amax_shape[axis] // formats.DOUBLE_BLOCK_GROUP)
     amax = amax.reshape(amax_shape)
-  return QArray(codes, scales, amax.astype(jnp.float32), fmt=formats.NVFP4(double_block=double_block), shape=shape,
+  return QArray(codes, scales, amax.astype(jnp.float32), fmt=fmt, shape=shape,
                 orig_shape=tuple(x.shape), axis=axis, block_2d=block_2d,
                 dtype=x.dtype if rht_size is None else rht_output_dtype(x.dtype))
 

@@ -51,9 +51,11 @@ def run(sec: report.Section) -> None:
       continue
     try:
       sr, rht = kw.get("rounding") == "stochastic", kw.get("rht_size")
-      ref_kw = {kk: v for kk, v in kw.items() if kk not in ("rht_size", "double_block")}
       fmt = fp4jax.NVFP4(double_block=kw.get("double_block", False))
-      kernel = jax.jit(lambda x, k, kw=kw, sr=sr: quantize_nvfp4(x, interpret=sec.dry, key=k if sr else None, **kw))
+      kw = {kk: v for kk, v in kw.items() if kk != "double_block"}
+      ref_kw = {kk: v for kk, v in kw.items() if kk != "rht_size"}
+      kernel = jax.jit(lambda x, k, kw=kw, sr=sr, fmt=fmt: quantize_nvfp4(x, interpret=sec.dry, key=k if sr else None,
+                                                                          fmt=fmt, **kw))
 
       def xla(x, k, rht=rht, ref_kw=ref_kw, sr=sr, axis=kw.get("axis", -1), fmt=fmt):
         xr = x if rht is None else fp4jax.random_hadamard(x, size=rht, axis=axis)

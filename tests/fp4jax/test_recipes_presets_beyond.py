@@ -220,9 +220,9 @@ def test_quartet2_preset_and_backward():
 
 
 def test_pallas_backend_quantizes_other_scale_rules_on_xla():
-  """The Pallas quantizer implements NVIDIA's rules (with or without double-block scales) only: other NVFP4 variants
-  warn and quantize on the XLA path; the Pallas GEMM decodes them (the format's own tensor scale), equal to the XLA
-  path to float32 summation order."""
+  """The Pallas quantizer implements NVIDIA's and the round-up scale rules (with headroom, double-block scales)
+  only: 4/6 warns and quantizes on the XLA path; the Pallas GEMM decodes it (the format's own tensor scale), equal
+  to the XLA path to float32 summation order."""
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)

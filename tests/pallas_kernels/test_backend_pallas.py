@@ -19,14 +19,16 @@ def _fwd_bwd(recipe, x, w, g):
   return (y,) + vjp(g)
 
 
-def test_pallas_backend_matches_xla():
-  recipe = "nvfp4"  # SR on Dgrad/Wgrad, RHT fused into the Wgrad quantizer, 2D weight reused by Dgrad
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4:unbiased_sr=up", "nvfp4:unbiased_sr=headroom"])
+def test_pallas_backend_matches_xla(recipe):
+  """nvfp4: SR on Dgrad/Wgrad, RHT fused into the Wgrad quantizer, 2D weight reused by Dgrad. The unbiased-SR block
+  scales (rounded up, or 16/17 headroom) quantize on the kernel too: no fallback warning."""
   x = jax.random.normal(jax.random.key(0), (32, 64)).astype(jnp.bfloat16)
   w = jax.random.normal(jax.random.key(1), (64, 32)) * 0.1
   g = jax.random.normal(jax.random.key(2), (32, 32))
   ref = _fwd_bwd(fp4jax.recipes.get_recipe(recipe), x, w, g)
   with _no_warning():
-    out = _fwd_bwd(fp4jax.recipes.get_recipe(f"{recipe}:backend=pallas"), x, w, g)
+    out = _fwd_bwd(fp4jax.recipes.get_recipe(recipe).replace(backend="pallas"), x, w, g)
   for a, b in zip(out, ref):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())

@@ -12,11 +12,13 @@ import pytest
 
 import fp4jax
 from fp4jax import grids
+from fp4jax import nvfp4
 from pallas_kernels import numerics
 from pallas_kernels import platform
 from pallas_kernels import quantize_nvfp4
 
 NVFP4 = fp4jax.NVFP4()
+DOUBLE_BLOCK = fp4jax.NVFP4(double_block=True)
 
 
 def _input(shape, dtype, seed, scale=1.0):
@@ -26,12 +28,12 @@ def _input(shape, dtype, seed, scale=1.0):
   return jnp.asarray(x.astype(np.float32)).astype(dtype)
 
 
-def _reference(x, rht_size=None, double_block=False, **kw):
+def _reference(x, rht_size=None, fmt=NVFP4, **kw):
   kw.pop("tile", None)
   signs = kw.pop("rht_signs", None)
   if rht_size is not None:
     x = fp4jax.random_hadamard(x, size=rht_size, axis=kw.get("axis", -1), signs=signs)
-  return fp4jax.quantize(x, fp4jax.NVFP4(double_block=True) if double_block else NVFP4, **kw)
+  return fp4jax.quantize(x, fmt, **kw)
 
 
 def _bits(a):
@@ -234,13 +236,39 @@ def test_double_block_bit_identical():
       ("row, a zero group", with_zero_group, {}),
       ("row threefry SR", _input((16, 128), jnp.float16, 76), dict(rounding="stochastic", key=k, sr_bits="threefry")),
   ]
-  qs = _check_group([(label, x, dict(kw, double_block=True)) for label, x, kw in cases])
+  qs = _check_group([(label, x, dict(kw, fmt=DOUBLE_BLOCK)) for label, x, kw in cases])
   assert qs[0].amax.shape == (32, 4) and qs[1].amax.shape == (8, 2) and qs[2].amax.shape == (2, 3, 24)
-  assert qs[0].fmt == fp4jax.NVFP4(double_block=True)
+  assert qs[0].fmt == DOUBLE_BLOCK
   np.testing.assert_array_equal(np.asarray(qs[5].amax[:, 1]), 0.0)
   # One pass: no tensor-wide amax reduction before the kernel, so a single pallas_call in the jaxpr.
-  assert len(_pallas_grids(lambda x: quantize_nvfp4(x, double_block=True, rht_size=16, interpret=True).codes,
+  assert len(_pallas_grids(lambda x: quantize_nvfp4(x, fmt=DOUBLE_BLOCK, rht_size=16, interpret=True).codes,
                            cases[0][1])) == 1
+
+
+def test_unbiased_sr_scale_rules_bit_identical():
+  """The unbiased-SR block scales of `nvfp4(unbiased_sr=...)`: scale_rule "up" (E4M3 rounded up) and headroom (16/17
+  of the scale, R = 2688 * 16/17), alone and with RHT, 2D blocks and double-block scales, as fp4jax.quantize."""
+  k = jax.random.key(12)
+  up, headroom = fp4jax.NVFP4(scale_rule="up"), fp4jax.NVFP4(headroom=True)
+  cases = [
+      ("up, row SR", _input((32, 64), jnp.bfloat16, 80), dict(fmt=up, rounding="stochastic", key=k)),
+      ("up, col RHT16 SR", _input((64, 48), jnp.float32, 81), dict(fmt=up, axis=0, rht_size=16,
+                                                                  rounding="stochastic", key=k)),
+      ("up, 2d RNE", _input((64, 96), jnp.float32, 82), dict(fmt=up, block_2d=True)),
+      ("headroom, row SR8", _input((16, 64), jnp.float16, 83), dict(fmt=headroom, rounding="stochastic", key=k,
+                                                                    random_bits=8)),
+      ("headroom, col RHT16 SR", _input((32, 32), jnp.bfloat16, 84), dict(fmt=headroom, axis=0, rht_size=16,
+                                                                          rounding="stochastic", key=k)),
+      ("up + headroom + double-block, row SR", _input((16, 256), jnp.float32, 85),
+       dict(fmt=fp4jax.NVFP4(scale_rule="up", headroom=True, double_block=True), rounding="stochastic", key=k)),
+  ]
+  qs = _check_group(cases)
+  # The rules differ from NVIDIA's on these inputs, else the comparison would not tell them apart ("up": scales;
+  # headroom: codes, its block scales being NVIDIA's up to rounding).
+  for q, (label, x, kw) in zip(qs, cases):
+    nvidia = _reference(x, **dict(kw, fmt=NVFP4))
+    assert not (np.array_equal(_bits(q.scales), _bits(nvidia.scales))
+                and np.array_equal(np.asarray(q.codes), np.asarray(nvidia.codes))), label
 
 
 @pytest.mark.parametrize("layout_kw, rht_group, scale_group", [
@@ -260,8 +288,8 @@ def test_double_block_nonfinite_groups():
   """A NaN gives its own 1x128 group a NaN amax and an inf an inf amax; the other groups' amaxes, and the codes and
   scales outside the NaN group, are fp4jax.quantize's. Dequantizing is then NaN throughout, as fp4jax's."""
   x = _input((16, 384), jnp.float32, 77).at[2, 7].set(jnp.nan).at[5, 300].set(jnp.inf)
-  q = quantize_nvfp4(x, interpret=True, double_block=True)
-  r = _reference(x, double_block=True)
+  q = quantize_nvfp4(x, interpret=True, fmt=DOUBLE_BLOCK)
+  r = _reference(x, fmt=DOUBLE_BLOCK)
   np.testing.assert_array_equal(np.asarray(q.amax).view(np.uint32), np.asarray(r.amax).view(np.uint32))
   amax = np.asarray(q.amax)
   assert np.isnan(amax[2, 0]) and np.isposinf(amax[5, 2]) and np.isfinite(amax).sum() == amax.size - 2
@@ -316,18 +344,21 @@ def test_bad_inputs_raise():
   with pytest.raises(ValueError, match="random_bits"):
     quantize_nvfp4(jnp.ones((4, 32)), rounding="stochastic", key=jax.random.key(0), random_bits=16)
   with pytest.raises(ValueError, match="double_block scales need 1D blocks"):
-    quantize_nvfp4(jnp.ones((16, 128)), block_2d=True, double_block=True)
-  with pytest.raises(ValueError, match="double_block must be"):
-    quantize_nvfp4(jnp.ones((16, 128)), double_block=1)
+    quantize_nvfp4(jnp.ones((16, 128)), block_2d=True, fmt=DOUBLE_BLOCK)
   with pytest.raises(ValueError, match="multiple of 128"):
-    quantize_nvfp4(jnp.ones((16, 128)), double_block=True, tile=(16, 64))  # a tile must hold whole groups
+    quantize_nvfp4(jnp.ones((16, 128)), fmt=DOUBLE_BLOCK, tile=(16, 64))  # a tile must hold whole groups
+  for fmt in (fp4jax.NVFP4(scale_rule="4over6"), fp4jax.NVFP4(scale_rule="eden"), fp4jax.MXFP4()):
+    with pytest.raises(ValueError, match="scale_rule in"):
+      quantize_nvfp4(jnp.ones((16, 128)), fmt=fmt)
 
 
 @pytest.mark.parametrize("kw", [
     dict(), dict(axis=0), dict(block_2d=True), dict(block_2d=True, axis=0),
     dict(rounding="stochastic", random_bits=8, axis=0, rht_size=16), dict(rht_size=4, rounding="stochastic"),
-    dict(double_block=True), dict(double_block=True, axis=0, rht_size=16, rounding="stochastic"),
-], ids=["row", "col", "2d", "2d_rows", "col_sr8_rht16", "row_sr_rht4", "double_block", "double_block_col_rht_sr"])
+    dict(fmt=DOUBLE_BLOCK), dict(fmt=DOUBLE_BLOCK, axis=0, rht_size=16, rounding="stochastic"),
+    dict(fmt=fp4jax.NVFP4(scale_rule="up", headroom=True), rounding="stochastic"),
+], ids=["row", "col", "2d", "2d_rows", "col_sr8_rht16", "row_sr_rht4", "double_block", "double_block_col_rht_sr",
+        "up_headroom_sr"])
 def test_lowers_for_cuda(kw):
   """The compiled (Triton) kernels lower for cuda on a CPU-only machine; the custom call is XLA's Triton call.
   Double-block scales take one kernel (no RHT amax pass before it)."""
@@ -339,7 +370,7 @@ def test_lowers_for_cuda(kw):
     return q.codes, q.scales, q.amax
 
   text = platform.lower_for_cuda(f, x, key).as_text()
-  assert text.count("xla.gpu.triton") == (2 if "rht_size" in kw and not kw.get("double_block") else 1)
+  assert text.count("xla.gpu.triton") == (2 if "rht_size" in kw and kw.get("fmt") != DOUBLE_BLOCK else 1)
 
 
 def test_platform_reports_cpu():
@@ -389,10 +420,16 @@ def test_numerics_match_grids():
         grids.e2m1_codes(fp4jax.rounding.round_e2m1_stochastic(x, key, 32)),
         numerics.e2m1_code_stochastic(x, jax.lax.shift_right_logical(rb, jnp.uint32(24)).astype(jnp.uint8), 8),
         grids.e2m1_codes(fp4jax.rounding.round_e2m1_stochastic(x, key, 8)),
+        numerics.round_e4m3_up(scale_like), nvfp4.round_e4m3_up(scale_like),
     )
 
+  # Block scales are non-negative: E4M3 values, their midpoints and neighbours, subnormals, 448 and above, NaN.
+  grid = np.arange(127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  near = np.concatenate([grid, np.nextafter(grid, np.inf), np.nextafter(grid, 0), (grid[1:] + grid[:-1]) / 2,
+                         [448.5, 464, 480, 1e30, np.inf, np.nan, 2.0**-12, 1e-30]]).astype(np.float32)
+  scale_like = jnp.asarray(np.concatenate([near, np.abs(np.asarray(x))]))
   out = run(x)
-  names = ["round_half_even", "round_e4m3", "e2m1 RNE codes", "e2m1 SR32 codes", "e2m1 SR8 codes"]
+  names = ["round_half_even", "round_e4m3", "e2m1 RNE codes", "e2m1 SR32 codes", "e2m1 SR8 codes", "round_e4m3_up"]
   for name, a, b in zip(names, out[::2], out[1::2]):
     np.testing.assert_array_equal(_u32(a), _u32(b), err_msg=name)
   # round_half_even on halves and near-halves, where floor(x + 0.5) goes wrong.
