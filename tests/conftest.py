@@ -60,8 +60,8 @@ _RUNNING = {"slow": True}  # whether the test now running (setup, call, teardown
 def pytest_runtest_protocol(item, nextitem):
   """Keeps `pytest -m "not slow"` quick: a test that is not marked slow and starts training fails, naming the mark.
 
-  "Starts training" is building a train step (`steps.Phases.train_step`, what every `trainer.train` run does before
-  its first step), also from a module fixture the test sets up; a run refused before that (bad config, resume
+  "Starts training" is building a train step (`steps.Phases._cached_train_step`, what every `trainer.train` run does
+  before its first step), also from a module fixture the test sets up; a run refused before that (bad config, resume
   errors) is fine in a fast test. Subprocess runs are not seen: tests that launch them are marked by hand.
   """
   del nextitem
@@ -73,18 +73,18 @@ def pytest_runtest_protocol(item, nextitem):
 
 def _guard_train_steps():
   steps = sys.modules.get("fp4jax.pretrain.steps")  # imported at collection by every module that trains
-  if steps is None or getattr(steps.Phases.train_step, "guarded", False):
+  if steps is None or getattr(steps.Phases._cached_train_step, "guarded", False):
     return
-  build = steps.Phases.train_step
+  build = steps.Phases._cached_train_step
 
-  def train_step(self, step):
+  def cached_train_step(self, *args, **kwargs):
     if not _RUNNING["slow"]:
       raise AssertionError("This test trains a model (it builds a train step): mark it @pytest.mark.slow, so that "
                            "`pytest -m \"not slow\"` stays quick (tests/conftest.py).")
-    return build(self, step)
+    return build(self, *args, **kwargs)
 
-  train_step.guarded = True
-  steps.Phases.train_step = train_step
+  cached_train_step.guarded = True
+  steps.Phases._cached_train_step = cached_train_step
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks

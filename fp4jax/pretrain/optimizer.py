@@ -86,16 +86,21 @@ def schedule_args(config: OptimizerConfig, steps: int) -> ScheduleArgs:
                       sqrt_decay=f32(config.decay_shape == "1-sqrt"))
 
 
-def wsd_lr(args: ScheduleArgs, count) -> jax.Array:
+def wsd_lr(args: ScheduleArgs, count, xp=jnp) -> jax.Array:
   """The learning rate after `count` updates (a scalar or an array of counts): linear warmup to the peak,
-  constant, then linear or 1-sqrt decay to `floor * peak`."""
-  s = jnp.asarray(count, jnp.float32)
+  constant, then linear or 1-sqrt decay to `floor * peak`.
+
+  xp: jax.numpy, or numpy for the host (the trainer's logged LR: no device dispatch per step). Every operation is
+  one float32 rounding, correctly rounded in both, so NumPy gives eager JAX's bits (tested).
+  """
+  f32 = xp.float32
+  s = xp.asarray(count, f32)
   # (s + 1) / warmup: the first step already moves the weights.
-  warm = jnp.where(args.inv_warmup > 0, jnp.minimum(1.0, (s + 1.0) * args.inv_warmup), 1.0)
+  warm = xp.where(args.inv_warmup > 0, xp.minimum(f32(1.0), (s + f32(1.0)) * args.inv_warmup), f32(1.0))
   # Reaches the floor at step `steps` (one past the last update), so the last update still moves the weights.
-  frac = jnp.clip((s - args.decay_start) * args.inv_decay, 0.0, 1.0)
-  shape = jnp.where(args.sqrt_decay > 0, jnp.sqrt(frac), frac)
-  tail = jnp.where(args.inv_decay > 0, args.floor + args.rise * (1.0 - shape), 1.0)
+  frac = xp.clip((s - args.decay_start) * args.inv_decay, f32(0.0), f32(1.0))
+  shape = xp.where(args.sqrt_decay > 0, xp.sqrt(frac), frac)
+  tail = xp.where(args.inv_decay > 0, args.floor + args.rise * (f32(1.0) - shape), f32(1.0))
   return args.peak * warm * tail
 
 

@@ -225,6 +225,7 @@ class Phases:
     self._model = model
     self._model_phase = 0  # the model comes built with the step-0 recipes
     self._graphdefs = {}
+    self._train_steps = {}
     self._optimizer_key = (optimizer_lib.step_settings(config.optimizer), config.osci_reset)
 
   def phase(self, step: int) -> int:
@@ -246,9 +247,18 @@ class Phases:
     return {name: layer.recipe.name for name, layer in model.linear_layers().items()}
 
   def train_step(self, step: int):
+    """The jitted train step for `step`'s precision phase and OutControl phase."""
+    oc_phase = outcontrol_lib.phase(step, self.config.outcontrol)
+    phases = (self.phase(step), oc_phase)
+    # Looked up per step: the CompileCache key hashes the graphdef (every layer's recipe), ~1.6 ms for `small`,
+    # more than a tenth of a `tiny` step on a CPU, so each phase's function is kept here after its first lookup.
+    if phases not in self._train_steps:
+      self._train_steps[phases] = self._cached_train_step(step, oc_phase)
+    return self._train_steps[phases]
+
+  def _cached_train_step(self, step: int, oc_phase: str):
     graphdef = self.graphdef(step)
     pl = self.placement
-    oc_phase = outcontrol_lib.phase(step, self.config.outcontrol)
     oc_key = (oc_phase, self.config.outcontrol) if oc_phase != "off" else None  # "off" is the plain step
     return self.cache.get(("train", graphdef, self._optimizer_key, oc_key, pl.key),
                           lambda: jax.jit(pl.traced_on_mesh(make_train_step(

@@ -255,6 +255,32 @@ def test_wsd_schedule_shapes():
   assert float(lr(100)) == pytest.approx(0.1)
 
 
+def test_logged_lr_computed_on_the_host_keeps_eager_bits():
+  """The trainer logs the LR from NumPy (wsd_lr(xp=np)): a device computation per step cost ~0.45 ms, a few percent
+  of a tiny step. Every count (warmup, stable, linear and 1-sqrt decay, past the end) gives eager JAX's float32."""
+  for steps, options in [(37, dict(warmup_fraction=0.1, decay_fraction=0.2, min_lr_ratio=0.1)),
+                         (25, dict(lr=7.3e-4, warmup_fraction=0.3, decay_fraction=0.7, decay_shape="1-sqrt")),
+                         (9, dict(lr=3e-3, warmup_fraction=0.0, decay_fraction=0.0))]:
+    args = optimizer_lib.schedule_args(optimizer_lib.OptimizerConfig(**options), steps)
+    host = np.array([optimizer_lib.wsd_lr(args, count, xp=np) for count in range(steps + 2)])
+    eager = np.array([optimizer_lib.wsd_lr(args, count) for count in range(steps + 2)])
+    assert host.dtype == np.float32 and (len(set(host.tolist())) > 2 or not options["decay_fraction"]), host
+    np.testing.assert_array_equal(host.view(np.uint32), eager.view(np.uint32), err_msg=str(steps))
+
+
+def test_phases_look_up_each_step_function_once(env, tmp_path, monkeypatch):
+  """The CompileCache key hashes the whole graphdef (~1.6 ms for `small`, more than a tenth of a tiny CPU step, on
+  every step); Phases now asks the cache once per precision phase and keeps the function."""
+  config = make_config(env, tmp_path, recipe="fp8", bf16_pattern=r".*mlp\.down", switch_at=10)
+  model = trainer.build_model(config, jax.random.key(0))
+  phases = steps_lib.Phases(config, model, steps_lib.CompileCache())
+  lookups = []  # each lookup answers a new object (the step is not built: no test outside `slow` builds one)
+  monkeypatch.setattr(phases, "_cached_train_step", lambda step, oc_phase: lookups.append(step) or object())
+  fns = [phases.train_step(step) for step in range(STEPS)]
+  assert lookups == [0, 10]  # phase 0, then phase 1 after the switch
+  assert all(f is fns[0] for f in fns[:10]) and all(f is fns[10] for f in fns[10:]) and fns[0] is not fns[10]
+
+
 def test_schedule_as_step_inputs_keeps_the_compiled_in_bits():
   """The trainer's step takes the schedule's numbers as arrays (ScheduleArgs); with them as Python constants XLA
   turned each division by a step count into a product with its float32 reciprocal. Both give the same updates, bit
