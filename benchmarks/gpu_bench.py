@@ -1,6 +1,6 @@
 """Driver of the GPU check + benchmark: one section per process (benchmarks/gpu.sh runs them in order).
 
-  python benchmarks/gpu_bench.py SECTION --out DIR [--budget S] [--dry]   # env check gemm quant tiles linear train
+  python benchmarks/gpu_bench.py SECTION --out DIR [--budget S] [--dry]   # env check gemm quant tiles linear train loop
   python benchmarks/gpu_bench.py repeat --run K --out DIR [--dry]           # run K of the repeated train rows
   python benchmarks/gpu_bench.py repeats --out DIR                          # their min / median over the runs
   python benchmarks/gpu_bench.py record SECTION --out DIR --rc N --log FILE  # a section that died: one FAIL row
@@ -22,14 +22,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-SECTIONS = ("env", "check", "gemm", "quant", "tiles", "linear", "train", "repeat")
+SECTIONS = ("env", "check", "gemm", "quant", "tiles", "linear", "train", "repeat", "loop")
 ABORT_ENV = "FP4JAX_GPU_BENCH_ABORT"  # tests: a section named here aborts like a Triton `LLVM ERROR` would
 
 
 def _section_fn(name: str):
   from benchmarks.gpu import check, env, gemm, model, quant  # pylint: disable=g-import-not-at-top
   return {"env": env.run, "check": check.run, "gemm": gemm.run, "quant": quant.run, "tiles": gemm.run_tiles,
-          "linear": model.run_linear, "train": model.run_train, "repeat": model.run_repeat}[name]
+          "linear": model.run_linear, "train": model.run_train, "repeat": model.run_repeat,
+          "loop": model.run_loop}[name]
 
 
 def _record(out: str, section: str, rc: int, log: str | None) -> None:

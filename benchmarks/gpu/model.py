@@ -225,6 +225,50 @@ def run_repeat(sec: report.Section) -> None:
   _time_train_steps(sec, models, plan, prefix=f"run {sec.run}: ")
 
 
+LOOP_STEPS = 60  # `loop`: trainer steps per recipe; the first LOOP_SKIP (compile, first calls) are not counted
+LOOP_SKIP = 10
+
+
+def run_loop(sec: report.Section) -> None:
+  """Section `loop`: `fp4jax.pretrain.trainer.train` itself (what `fp4jax train` runs) on the `tiny` model, bf16 and
+  nvfp4, LOOP_STEPS steps each. A hook's clock gives the loop's period; the trainer's `step_time` (the step call
+  until its loss is on the host) is the step. Between steps the host reads the loss and prepares the next step, so
+  on a GPU with steps of a few ms a period well above the step means the device idles: host-bound training, which
+  the compiled-step rows of `train` do not show. Each row: median period against median step, the host's ms per
+  step, and the training loss at the last step."""
+  import statistics  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
+  steps = 16 if sec.dry else LOOP_STEPS
+  skip = 4 if sec.dry else LOOP_SKIP
+  for recipe in ("bf16", "nvfp4"):
+    label = f"trainer loop tiny {recipe} (batch 8)"
+    if not sec.has_time(20):
+      sec.skip(label, "time budget")
+      continue
+    clock, step_s = [], []
+
+    def hook(step, record, clock=clock, step_s=step_s):
+      clock.append(_now())
+      if "step_time" in record:
+        step_s.append(record["step_time"])
+
+    try:
+      with tempfile.TemporaryDirectory() as out:
+        config = config_lib.config_from_overrides(dict(
+            model="tiny", recipe=recipe, steps=steps, batch_size=8, out=out, progress=False, eval_every=0,
+            checkpoint_every=10**6, log_every=steps))
+        result = trainer.train(config, [hook], log=lambda _: None)
+      period = statistics.median(b - a for a, b in zip(clock[skip:-2], clock[skip + 1:-1]))  # -1: the final call
+      step = statistics.median(step_s[skip:])
+      sec.add(label, period * 1e3, "ms period", step * 1e3, "ms step", ok=True,
+              note=f"host work between steps {1e3 * (period - step):.2f} ms; loss {result['final_loss']:.4f} after "
+                   f"{steps} steps; {len(step_s) - skip} steps counted")
+    except Exception as e:  # pylint: disable=broad-except
+      sec.fail(label, e)
+
+
 def block_orders(names: list[str], n_blocks: int, offset: int = 0) -> list[list[str]]:
   """The order of the recipes in each timed block: every recipe in every block, so that a drift of the machine's
   speed during the run (clocks, heat, other load) hits all alike, rotated by one from block to block (and by

@@ -60,7 +60,7 @@ def test_budget_skips_sections_cleanly(tmp_path):
 def test_full_dry_run(tmp_path):
   _, rows = _run(tmp_path, "--dry")
   sections = {r["section"] for r in rows}
-  assert sections == {"env", "check", "gemm", "quant", "tiles", "linear", "train", "repeat"}
+  assert sections == {"env", "check", "gemm", "quant", "tiles", "linear", "train", "repeat", "loop"}
   failed = [r for r in rows if r["ok"] is False]
   assert not failed, failed
   # `repeat`: three separate processes, then one summary row per train row (the native-division one included).
@@ -74,6 +74,10 @@ def test_full_dry_run(tmp_path):
   tetrajet = [r for r in rows if r["section"] == "linear" and "tetrajet_v2" in r["name"]]
   assert len(tetrajet) == 3 and all(r["ok"] and "skipped" not in r["note"] for r in tetrajet), tetrajet
   assert all(gpu_model.TETRAJET_REFERENCE in r["note"] for r in tetrajet), tetrajet
+  # `loop`: the trainer's own loop, both recipes, its period at least the step it contains.
+  loop = [r for r in rows if r["section"] == "loop"]
+  assert [r["name"].split()[3] for r in loop] == ["bf16", "nvfp4"] and all(r["ok"] for r in loop), loop
+  assert all(r["value"] >= r["baseline"] > 0 and "host work between steps" in r["note"] for r in loop), loop
 
 
 def test_timed_recipes_pin_their_gemm_modes():
