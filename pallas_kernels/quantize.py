@@ -194,9 +194,11 @@ class ScaleRule:
 
   @classmethod
   def of(cls, fmt: formats.NVFP4) -> "ScaleRule":
-    if not isinstance(fmt, formats.NVFP4) or fmt.scale_rule not in SUPPORTED_SCALE_RULES:
+    if not isinstance(fmt, formats.NVFP4):
+      raise ValueError(f"quantize_nvfp4 quantizes NVFP4 only; got {fmt.label}: use fp4jax.quantize.")
+    if fmt.scale_rule not in SUPPORTED_SCALE_RULES:
       raise ValueError(f"quantize_nvfp4 implements NVFP4 with scale_rule in {SUPPORTED_SCALE_RULES} (with or without "
-                       f"headroom and double_block); got {getattr(fmt, 'label', fmt)!r}. 4/6 and MS-EDEN choose or "
+                       f"headroom and double_block); got {fmt.label!r}. 4/6 and MS-EDEN choose or "
                        "correct scales after rounding: use fp4jax.quantize.")
     return cls(global_range=fmt.global_range, inv_target=float(np.float32(1.0 / fmt.targets[0])),
                round_up=fmt.scale_rule == "up")
@@ -366,8 +368,7 @@ def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, 
     in_specs.append(_tile_spec(plan.tile))
   rule = rule or ScaleRule.of(formats.NVFP4())
   kernel = functools.partial(_quantize_kernel, plan=plan, rule=rule, rht_dtype=rht_output_dtype(x_view.dtype),
-                             rounding=rounding,
-                             random_bits=random_bits, interpret=interpret,
+                             rounding=rounding, random_bits=random_bits, interpret=interpret,
                              index_view=tuple(index_view) if seed is not None else None)
   out_shape = [jax.ShapeDtypeStruct(plan.codes_view, jnp.uint8), jax.ShapeDtypeStruct(plan.scales_view, jnp.uint8)]
   out_specs = [_tile_spec(codes_tile), _tile_spec((tr // br, tc // bc))]
@@ -468,7 +469,7 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
       (random signs) or a +-1 array of length rht_size.
     tile: (rows, cols) of the kernel's [P, R, C] view tile; powers of two. None picks one.
     sr_bits: the stochastic-rounding bit generator, as in fp4jax.quantize ("hash" or "threefry").
-    fmt: the NVFP4 format (default fp4jax.NVFP4(), NVIDIA's rule). Also implemented: scale_rule="up" and
+    fmt: the NVFP4 format or its name (default fp4jax.NVFP4(), NVIDIA's rule). Also implemented: scale_rule="up" and
       headroom=True (the unbiased-SR block scales), and double_block=True (TetraJet-v2: the FP32 second-level scale
       of each 1x128 group along `axis` from that group's amax, computed in the same pass: tiles hold whole groups,
       no tensor-wide reduction first; 1D blocks only; the QArray stores one amax per group). "4over6" and "eden"
@@ -478,7 +479,7 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
   would be zero; JAX never traces into the kernel). Call it inside a custom_vjp rule, as fp4jax.dot_general does.
   """
   x = jnp.asarray(x)
-  fmt = formats.NVFP4() if fmt is None else fmt
+  fmt = formats.NVFP4() if fmt is None else formats.get_format(fmt)
   axis = _check(x, axis, block_2d, rounding, key, random_bits, rht_size, fmt)
   settings = dict(axis=axis, block_2d=block_2d, rounding=rounding, rht_size=rht_size,
                   interpret=platform.resolve_interpret(interpret), random_bits=random_bits, pad=pad, tile=tile,

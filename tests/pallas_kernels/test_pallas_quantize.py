@@ -347,8 +347,11 @@ def test_bad_inputs_raise():
     quantize_nvfp4(jnp.ones((16, 128)), block_2d=True, fmt=DOUBLE_BLOCK)
   with pytest.raises(ValueError, match="multiple of 128"):
     quantize_nvfp4(jnp.ones((16, 128)), fmt=DOUBLE_BLOCK, tile=(16, 64))  # a tile must hold whole groups
-  for fmt in (fp4jax.NVFP4(scale_rule="4over6"), fp4jax.NVFP4(scale_rule="eden"), fp4jax.MXFP4()):
+  for fmt in (fp4jax.NVFP4(scale_rule="4over6"), fp4jax.NVFP4(scale_rule="eden")):
     with pytest.raises(ValueError, match="scale_rule in"):
+      quantize_nvfp4(jnp.ones((16, 128)), fmt=fmt)
+  for fmt in (fp4jax.MXFP4(), "mxfp4"):
+    with pytest.raises(ValueError, match="NVFP4 only"):
       quantize_nvfp4(jnp.ones((16, 128)), fmt=fmt)
 
 
