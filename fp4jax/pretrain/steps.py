@@ -249,12 +249,12 @@ class Phases:
   def train_step(self, step: int):
     """The jitted train step for `step`'s precision phase and OutControl phase."""
     oc_phase = outcontrol_lib.phase(step, self.config.outcontrol)
-    phases = (self.phase(step), oc_phase)
-    # Looked up per step: the CompileCache key hashes the graphdef (every layer's recipe), ~1.6 ms for `small`,
+    key = (self.phase(step), oc_phase)
+    # Asked for every step: the CompileCache key hashes the graphdef (every layer's recipe), ~1.6 ms for `small`,
     # more than a tenth of a `tiny` step on a CPU, so each phase's function is kept here after its first lookup.
-    if phases not in self._train_steps:
-      self._train_steps[phases] = self._cached_train_step(step, oc_phase)
-    return self._train_steps[phases]
+    if key not in self._train_steps:
+      self._train_steps[key] = self._cached_train_step(step, oc_phase)
+    return self._train_steps[key]
 
   def _cached_train_step(self, step: int, oc_phase: str):
     graphdef = self.graphdef(step)

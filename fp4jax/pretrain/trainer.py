@@ -329,7 +329,7 @@ class _Loop:
 
   def run(self, state: TrainState, user_hooks: list[Hook]) -> dict[str, Any]:
     config, phases = self.config, self.phases
-    # The logged LR, computed on the host (a device computation per step cost more than a tiny model's step).
+    # The logged LR, computed on the host: in eager jnp it was a dozen dispatches, ~0.45 ms per step.
     schedule = lambda step: optimizer_lib.wsd_lr(phases.schedule, step, xp=np)
     # The schedule's numbers, an input of every train step (not compiled in: see steps.Phases).
     schedule_args = jax.device_put(phases.schedule, phases.placement.replicated)
