@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu.sh [--out DIR] [--budget SECONDS] [--sections env,bits,check,...] [--dry]
 # Order and limits (seconds; check, quant and linear as measured on the first H200 run, 2026-12-04, plus margin):
 # env 20, bits 60, mismatch 70, check 90, gemm 60, quant 55, linear 60, train 200, tiles 35, repeat 240, loop 90
-# (`loop`: the trainer itself on `tiny`, bf16 and nvfp4: is `fp4jax train` host-bound on this GPU?); the whole
+# (`loop`: the trainer itself on `tiny`, bf16 and nvfp4, its steps overlapped and synchronous: how much host work
+# between steps would the device wait for on this GPU, and does the overlap hide it?); the whole
 # run stops starting sections when the budget (default 540 s: 9 minutes of a lent GPU's 15) is spent, and records the
 # rest as skipped.
 # `bits` saves the quantizers' codes (XLA path and kernel, then the XLA path with excess precision off) to

@@ -143,11 +143,6 @@ class NVFP4(_FP4Format):
     return self.scale_rule == "eden"
 
   @property
-  def is_default(self) -> bool:
-    """NVIDIA's rules: block scales rounded to nearest, no headroom, one tensor scale."""
-    return self.scale_rule == "nearest" and not self.headroom and not self.double_block
-
-  @property
   def label(self) -> str:
     """Short name with the options that change the bits, e.g. 'nvfp4(4over6:mae)'."""
     tags = [] if self.scale_rule == "nearest" else [self.scale_rule]

@@ -345,11 +345,11 @@ def rht_amax_call(x_view, h_mat, plan: Plan, *, interpret: bool):
 
 
 def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, random_bits: int, interpret: bool,
-                  seed=None, index_view=None, rule: ScaleRule | None = None):
+                  rule: ScaleRule, seed=None, index_view=None):
   """Runs the quantize kernel on the [P, R, C] view; returns (codes view uint8, E4M3 scale bits view uint8), plus
   the float32 group amaxes (plan.group_amax_view) with double-block scales, where `scal` is unused (None).
   Stochastic rounding reads `bits_view`, or with `seed` (uint32 [2]) and `index_view` (the unpadded view) computes
-  the hash generator's bits in the kernel. `rule`: the format's scale constants (default NVIDIA's)."""
+  the hash generator's bits in the kernel. `rule`: the format's scale constants (ScaleRule.of(fmt))."""
   tr, tc = plan.tile
   br, bc = plan.block
   codes_tile = (tr // 2, tc) if plan.pack_axis == 0 else (tr, tc // 2)
@@ -366,7 +366,6 @@ def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, 
   elif rounding == "stochastic":
     inputs.append(bits_view)
     in_specs.append(_tile_spec(plan.tile))
-  rule = rule or ScaleRule.of(formats.NVFP4())
   kernel = functools.partial(_quantize_kernel, plan=plan, rule=rule, rht_dtype=rht_output_dtype(x_view.dtype),
                              rounding=rounding, random_bits=random_bits, interpret=interpret,
                              index_view=tuple(index_view) if seed is not None else None)

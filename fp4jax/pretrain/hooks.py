@@ -34,25 +34,38 @@ class StepInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Hook:
-  """Periodic work: `fn(info)` at steps that are multiples of `every` (0: never), and at the final call."""
+  """Periodic work: `fn(info)` at steps that are multiples of `every` (0: never), and at the final call.
+
+  reads_state=False promises that `fn` reads `info.step` and `info.record` only (as a `record_hook` does). The loop
+  may then send the next step to the device before calling it, so the device does not wait for the host; by then
+  the next step has taken `info.state`'s buffers (a read raises "Array has been deleted"). A hook that reads the
+  state (the default) is called before the next step starts.
+  """
 
   fn: Callable[[StepInfo], None]
   every: int = 1
+  reads_state: bool = True
 
   def __post_init__(self):
     if not callable(self.fn):
       raise TypeError(f"Hook: fn must be callable as fn(info); got {self.fn!r}.")
     if not isinstance(self.every, numbers.Integral) or isinstance(self.every, bool) or self.every < 0:  # -1: never
       raise ValueError(f"Hook: every must be an int >= 0 (0: only at the final call); got {self.every!r}.")
+    if not isinstance(self.reads_state, bool):
+      raise TypeError(f"Hook: reads_state must be True or False; got {self.reads_state!r}.")
+
+  def due(self, step: int, final: bool = False) -> bool:
+    """Whether the hook runs at `step` (or at the final call)."""
+    return final or (self.every > 0 and step % self.every == 0)
 
   def __call__(self, info: StepInfo) -> None:
-    if info.final or (self.every > 0 and info.step % self.every == 0):
+    if self.due(info.step, info.final):
       self.fn(info)
 
 
 def record_hook(fn: Callable[[int, dict[str, Any]], None], every: int = 1) -> Hook:
   """A Hook from a callable (step, record) -> None, called after each step and once more at the end."""
-  return Hook(lambda info: fn(info.step, info.record), every)
+  return Hook(lambda info: fn(info.step, info.record), every, reads_state=False)
 
 
 def as_hook(hook: Hook | Callable[[int, dict[str, Any]], None]) -> Hook:

@@ -51,8 +51,15 @@ class StepProfiler:
       jax.profiler.start_trace(str(trace_dir(self.out)))
       self.active = True
 
+  def starts_or_stops_before(self, step: int) -> bool:
+    """Whether the trace starts or stops before `step` (the trainer then lets the step before finish first, so that
+    the trace holds the window's steps only)."""
+    if self.window is None:
+      return False
+    return step >= self.window[1] if self.active else self.window[0] <= step < self.window[1]
+
   def after(self, step: int) -> None:
-    if self.active:
+    if self.active and step >= self.window[0]:  # the trainer may finish the step before the window after sending it
       self.traced.append(step)
       if step + 1 >= self.window[1]:
         self._stop()

@@ -4,7 +4,8 @@ The loop runs the compiled step of the current precision phase; everything perio
 statistics, checkpoints, the metrics log, the caller's hooks) is a `Hook(fn, every=N)` (hooks.py); the model,
 data and step-0 state come from run_setup.py. Batches are a pure function of (seed, step) and the step key is
 fold_in(run key, step), so a run resumed from a checkpoint reproduces an uninterrupted one bit for bit, stochastic
-rounding included.
+rounding included. Step s + 1 goes to the device before the host reads step s's loss (see _Loop.run), so a step's
+`step_time` in metrics.jsonl is the loop's period: from when the device could start it until its loss was read.
 
 Multi-process runs (fp4jax.pretrain.distributed.init_distributed first): every process runs this same loop on its
 own rows of each batch; process 0 alone writes metrics.jsonl and the log (each checkpoint holds the config),
@@ -281,6 +282,16 @@ def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, 
   return start, state
 
 
+@dataclasses.dataclass
+class _Sent:
+  """A step sent to the device: its StepInfo (whose state is the step's output), its metrics (device arrays the host
+  has not read yet) and when it was sent (time.perf_counter)."""
+
+  info: StepInfo
+  metrics: dict[str, Any]
+  time: float
+
+
 class _Loop:
   """One call's loop over steps [start, config.steps) and the built-in hooks it runs around each step."""
 
@@ -313,18 +324,26 @@ class _Loop:
     if ckpt.save(self.manager, step, state._asdict(), meta, force=force):
       self.last_saved = step
 
-  def save_after_hook_error(self, info: StepInfo):
+  def save_after_hook_error(self, info: StepInfo, sent: _Sent | None = None):
     """Keeps the trained state when a user hook raises after a step (or at the final call): its checkpoint is
-    saved before the error propagates, so a bug in a logging hook never costs the run. Single-process runs only:
+    saved before the error propagates, so a bug in a logging hook never costs the run. `sent`: the step already
+    sent after info's, which took info's state; its own output is saved then, if finite. Single-process runs only:
     the other processes of a multi-process run may not have raised, and a save needs all of them."""
     step = info.step if info.final else info.step + 1
     if jax.process_count() > 1:
       self.log(f"A hook raised after step {step}: no checkpoint saved (a multi-process save needs every process); "
                f"the last one is step {self.last_saved}.")
       return
-    self.save(step, info.state, force=True)
+    saved, state = step, info.state
+    if sent is not None:
+      if not bool(sent.metrics["finite"]):
+        self.log(f"A hook raised after step {step}; the step after it diverged: no checkpoint saved, the last one "
+                 f"is step {self.last_saved}.")
+        return
+      saved, state = sent.info.step + 1, sent.info.state
+    self.save(saved, state, force=True)
     ckpt.wait(self.manager)
-    self.log(f"A hook raised after step {step}: checkpoint of step {step} saved in {ckpt.checkpoint_dir(self.out)} "
+    self.log(f"A hook raised after step {step}: checkpoint of step {saved} saved in {ckpt.checkpoint_dir(self.out)} "
              "(resume with --resume).")
 
   def run(self, state: TrainState, user_hooks: list[Hook]) -> dict[str, Any]:
@@ -362,17 +381,64 @@ class _Loop:
         if due:
           metrics_log.write(r)
 
-      def after(info: StepInfo):
+      def after(info: StepInfo, sent: _Sent | None = None):
         try:
           for hook in user_hooks:
             hook(info)
         except Exception:
-          self.save_after_hook_error(info)
+          self.save_after_hook_error(info, sent)
           raise
         finally:  # after the user's hooks, so what they add to the record is logged; also when one raises
           write_metrics(info)
 
+      last_done = time.perf_counter()  # when the last finished step's numbers reached the host
+
+      def finish(done: _Sent, sent: _Sent | None = None) -> None:
+        """Reads step `done`'s numbers (waiting for the device), then logs it and runs the hooks after it. `sent`:
+        the step already sent after it, which has taken `done`'s output state."""
+        nonlocal last_done
+        info, m, step = done.info, done.metrics, done.info.step
+        loss, grad_norm, finite = float(m["loss"]), float(m["grad_norm"]), bool(m["finite"])
+        now = time.perf_counter()
+        # From when the device could start the step (sent, and the step before it done) until its loss is here.
+        step_time, last_done = now - max(done.time, last_done), now
+        profiler.after(step)
+        info.record.update(loss=loss, lr=float(schedule(step)), grad_norm=grad_norm, step_time=step_time,
+                           tokens_per_s=tokens_per_step / step_time)
+        if osci_lib.kind(step, config.osci_reset) == "reset":  # fetched only on reset steps
+          info.record["osci_reset"] = int(m["osci_reset"])
+        if not finite:
+          info.record["diverged"] = True
+          metrics_log.write(info.record)
+          raise TrainingDiverged(step, loss, grad_norm, self.last_saved)
+        losses.append(loss)
+        after(info, sent)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}",
+                        **({"val": f"{info.record['val_loss']:.4f}"} if "val_loss" in info.record else {}))
+        if "val_loss" in info.record:
+          log_validation(f"step {step}/{config.steps}: loss {loss:.4f}, val_loss {info.record['val_loss']:.4f}, "
+                         f"{info.record['tokens_per_s']:.0f} tokens/s")
+        # All processes stop after the same step, so the checkpoint below is saved by all of them together.
+        if distributed.any_process(interrupted.is_set()):
+          if sent is not None:
+            finish(sent)  # the newest state is the one that step makes: its own check saves it
+          self.save(step + 1, info.state, force=True)
+          ckpt.wait(self.manager)
+          self.log(f"Interrupted after step {step + 1}: checkpoint saved in {ckpt.checkpoint_dir(self.out)}.")
+          raise KeyboardInterrupt
+
+      # Step s + 1 goes to the device before the host reads step s's numbers, so the host's work between steps
+      # (the batch, the step call itself, the metrics) overlaps the device's. The loop waits for a step first where
+      # the host needs the state it makes: before a hook that reads it, before a step that compiles, and where a
+      # profile's window starts or ends.
+      in_flight, last_step_fn = None, None
       for step in range(self.start, config.steps):
+        train_step = phases.train_step(step)
+        if in_flight is not None and (train_step is not last_step_fn or any(h.due(step) for h in before)
+                                      or profiler.starts_or_stops_before(step)):
+          finish(in_flight)
+          in_flight = None
         info = StepInfo(step, state, {"step": step, "phase": phases.phase(step)})
         if info.record["phase"] not in layer_recipes:
           layer_recipes[info.record["phase"]] = phases.layer_recipes(step)
@@ -383,36 +449,19 @@ class _Loop:
         batch = phases.placement.put_batch(data_lib.get_batch(
             self.dataset, "train", step, batch_size=config.batch_size, seq_len=config.train_seq_len,
             seed=config.seed, process_index=block, process_count=blocks))
-        train_step = phases.train_step(step)
         profiler.before(step)
-        t0 = time.perf_counter()
-        new_state, m = train_step(state, batch, jax.random.fold_in(self.keys["step"], step), schedule_args)
-        loss, grad_norm, finite = float(m["loss"]), float(m["grad_norm"]), bool(m["finite"])
-        step_time = time.perf_counter() - t0
-        profiler.after(step)
-        info.record.update(loss=loss, lr=float(schedule(step)), grad_norm=grad_norm, step_time=step_time,
-                           tokens_per_s=tokens_per_step / step_time)
-        if osci_lib.kind(step, config.osci_reset) == "reset":  # fetched only on reset steps
-          info.record["osci_reset"] = int(m["osci_reset"])
-        if not finite:
-          info.record["diverged"] = True
-          metrics_log.write(info.record)
-          raise TrainingDiverged(step, loss, grad_norm, self.last_saved)
-        state = info.state = new_state
-        losses.append(loss)
-        after(info)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}",
-                        **({"val": f"{info.record['val_loss']:.4f}"} if "val_loss" in info.record else {}))
-        if "val_loss" in info.record:
-          log_validation(f"step {step}/{config.steps}: loss {loss:.4f}, val_loss {info.record['val_loss']:.4f}, "
-                         f"{info.record['tokens_per_s']:.0f} tokens/s")
-        # All processes stop after the same step, so the checkpoint below is saved by all of them together.
-        if distributed.any_process(interrupted.is_set()):
-          self.save(step + 1, state, force=True)
-          ckpt.wait(self.manager)
-          self.log(f"Interrupted after step {step + 1}: checkpoint saved in {ckpt.checkpoint_dir(self.out)}.")
-          raise KeyboardInterrupt
+        t_sent = time.perf_counter()
+        state, m = train_step(state, batch, jax.random.fold_in(self.keys["step"], step), schedule_args)
+        info.state, last_step_fn = state, train_step  # the hooks after the step see the state it makes
+        sent = _Sent(info, m, t_sent)
+        if in_flight is not None:
+          finish(in_flight, sent)
+        in_flight = sent
+        if any(h.reads_state and h.due(step) for h in user_hooks):
+          finish(in_flight)
+          in_flight = None
+      if in_flight is not None:
+        finish(in_flight)
 
       final = StepInfo(config.steps, state, {"step": config.steps, "phase": phases.phase(config.steps - 1)},
                        final=True)

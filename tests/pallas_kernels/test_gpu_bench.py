@@ -74,8 +74,8 @@ def test_full_dry_run(tmp_path):
   tetrajet = [r for r in rows if r["section"] == "linear" and "tetrajet_v2" in r["name"]]
   assert len(tetrajet) == 3 and all(r["ok"] and "skipped" not in r["note"] for r in tetrajet), tetrajet
   assert all(gpu_model.TETRAJET_REFERENCE in r["note"] for r in tetrajet), tetrajet
-  # `loop`: the trainer's own loop, both recipes, a period and a step each (no ordering between the two medians is
-  # asserted: on a loaded CPU they come from a dozen noisy steps).
+  # `loop`: the trainer's own loop, both recipes, overlapped and synchronous, with the same loss (ok); no ordering
+  # between the periods is asserted: on a loaded CPU they come from a dozen noisy steps.
   loop = [r for r in rows if r["section"] == "loop"]
   assert [r["name"].split()[3] for r in loop] == ["bf16", "nvfp4"] and all(r["ok"] for r in loop), loop
   assert all(r["value"] > 0 and r["baseline"] > 0 and "host work between steps" in r["note"] for r in loop), loop

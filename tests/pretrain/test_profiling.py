@@ -74,3 +74,11 @@ def test_each_process_of_a_multi_process_run_traces_into_its_own_folder(monkeypa
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(jax, "process_index", lambda: 1)
   assert profiling.trace_dir(tmp_path) == tmp_path / "profile" / "process_1"
+
+
+def test_the_loop_waits_for_the_step_before_where_the_trace_starts_or_stops(tmp_path):
+  profiler = profiling.StepProfiler((2, 4), tmp_path)
+  assert [profiler.starts_or_stops_before(s) for s in range(6)] == [False, False, True, True, False, False]
+  profiler.active = True  # as after before(2): within the window the steps overlap, at its end they do not
+  assert [profiler.starts_or_stops_before(s) for s in range(2, 6)] == [False, False, True, True]
+  assert not profiling.StepProfiler(None, tmp_path).starts_or_stops_before(0)

@@ -118,11 +118,13 @@ def test_sigint_checkpoint_and_resume_are_bit_identical(env, tmp_path):
   with pytest.raises(KeyboardInterrupt):
     run(env, config, hooks=[interrupt])
   manager = ckpt.open_manager(tmp_path / "split", create=False)
-  assert ckpt.available_steps(manager) == [5, 8]
+  # A hook of (step, record) runs after the next step has gone to the device: the loop finishes that step (its
+  # record is written) and saves the state it made.
+  assert ckpt.available_steps(manager) == [5, 9]
   manager.close()
   resumed = run(env, config.replace(resume=True))
-  assert resumed["start_step"] == 8
-  assert resumed["losses"] == straight["losses"][8:]  # exact float equality
+  assert resumed["start_step"] == 9
+  assert resumed["losses"] == straight["losses"][9:]  # exact float equality
   assert tree_equal(resumed["params"], straight["params"])
   records = metrics.read_metrics(tmp_path / "split")
   assert [r["loss"] for r in records] == straight["losses"]
@@ -157,9 +159,16 @@ def test_what_hooks_add_to_the_record_is_logged_and_hook_errors_surface_after_a_
   def add(step, record):  # a user's own metric, as StepInfo invites
     record["tokens_seen"] = step * 8 * 32
 
-  straight = run(env, make_config(env, tmp_path / "a", recipe="bf16", eval_batches=0), hooks=[add])
+  deleted, counters = [], []
+  peek = trainer.Hook(lambda info: deleted.append(info.state.step.is_deleted()), reads_state=False)
+  read = trainer.Hook(lambda info: counters.append(int(info.state.step)), every=4)
+  straight = run(env, make_config(env, tmp_path / "a", recipe="bf16", eval_batches=0), hooks=[add, peek, read])
   # Written after the hooks: every step's record and the final one (step == STEPS) carry the hook's number.
   assert [r.get("tokens_seen") for r in metrics.read_metrics(tmp_path / "a")] == [s * 256 for s in range(STEPS + 1)]
+  # The loop sends step s + 1 before it runs the hooks after step s, except where the host needs step s's state:
+  # a hook reading it is due (`read`: s = 0, 4, ...), a checkpoint comes next (every 4: s = 3, 7, ...), the end.
+  assert deleted == [s % 4 in (1, 2) for s in range(STEPS)] + [False]
+  assert counters == [1, 5, 9, 13, STEPS]  # a hook that reads the state reads the one its step made
 
   def fail_at(step):
     def fail(info):
@@ -176,6 +185,15 @@ def test_what_hooks_add_to_the_record_is_logged_and_hook_errors_surface_after_a_
   resumed = run(env, config.replace(resume=True))
   assert resumed["start_step"] == 3 and resumed["losses"] == straight["losses"][3:]
   assert tree_equal(resumed["params"], straight["params"])
+
+  # A hook of (step, record) fails after the next step was sent: the state that step made is saved.
+  with pytest.raises(KeyError, match="my metric"):
+    run(env, make_config(env, tmp_path / "d", recipe="bf16", eval_batches=0),
+        hooks=[lambda step, record: fail_at(5).fn(trainer.StepInfo(step, None, record))])
+  assert [r["step"] for r in metrics.read_metrics(tmp_path / "d")] == [0, 1, 2, 3, 4, 5]
+  assert _checkpoint_steps(tmp_path / "d") == [4, 7]
+  resumed = run(env, config.replace(out=str(tmp_path / "d"), resume=True))
+  assert resumed["start_step"] == 7 and resumed["losses"] == straight["losses"][7:]
 
   # A hook failing at the final call (step == STEPS) still leaves the final checkpoint.
   with pytest.raises(KeyError, match="my metric"):
