@@ -398,7 +398,8 @@ class _Loop:
         the step already sent after it, which has taken `done`'s output state."""
         nonlocal last_done
         info, m, step = done.info, done.metrics, done.info.step
-        loss, grad_norm, finite = float(m["loss"]), float(m["grad_norm"]), bool(m["finite"])
+        numbers = jax.device_get({k: m[k] for k in ("loss", "grad_norm", "finite")})  # one transfer, not three
+        loss, grad_norm, finite = float(numbers["loss"]), float(numbers["grad_norm"]), bool(numbers["finite"])
         now = time.perf_counter()
         # From when the device could start the step (sent, and the step before it done) until its loss is here.
         step_time, last_done = now - max(done.time, last_done), now
