@@ -11,8 +11,8 @@ Multi-process runs (fp4jax.pretrain.distributed.init_distributed first): every p
 own rows of each batch; process 0 alone writes metrics.jsonl and the log (each checkpoint holds the config),
 creates or clears the run folder and moves superseded checkpoints aside, while all processes save and restore the
 orbax checkpoints together (process 0 holds run.lock, each other process its own run.<i>.lock). A Ctrl-C on any
-process stops all of them after the same step. Unreadable checkpoints are not skipped in multi-process runs (see
-fp4jax.pretrain.resume).
+process stops all of them after the same step (within _STOP_CHECK_EVERY steps). Unreadable checkpoints are not
+skipped in multi-process runs (see fp4jax.pretrain.resume).
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def _checkpoint_meta(config: TrainConfig, step: int, phase: int,
 
 @contextlib.contextmanager
 def _sigint_flag():
-  """Turns the first Ctrl-C into a flag the loop checks after each step (a second one interrupts at once)."""
+  """Turns the first Ctrl-C into a flag the loop checks after each step (every _STOP_CHECK_EVERY steps in a
+  multi-process run; a second Ctrl-C interrupts at once)."""
   flag = threading.Event()
   if threading.current_thread() is not threading.main_thread():
     yield flag
@@ -282,6 +283,9 @@ def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, 
   return start, state
 
 
+_STOP_CHECK_EVERY = 4  # steps between a multi-process run's checks for a Ctrl-C (see _Loop.run's stop_after)
+
+
 @dataclasses.dataclass
 class _Sent:
   """A step sent to the device: its StepInfo (whose state is the step's output), its metrics (device arrays the host
@@ -393,9 +397,18 @@ class _Loop:
 
       last_done = time.perf_counter()  # when the last finished step's numbers reached the host
 
-      def finish(done: _Sent, sent: _Sent | None = None) -> None:
+      def stop_after(step: int) -> bool:
+        """Whether the run stops after `step` for a Ctrl-C. Across processes that is a collective, which waits for
+        the step in flight, so a multi-process run asks every _STOP_CHECK_EVERY steps and at the last."""
+        if jax.process_count() > 1 and step % _STOP_CHECK_EVERY and step != config.steps - 1:
+          return False
+        # All processes stop after the same step, so the checkpoint is saved by all of them together.
+        return distributed.any_process(interrupted.is_set())
+
+      def finish(done: _Sent, sent: _Sent | None = None, stopping: bool = False) -> None:
         """Reads step `done`'s numbers (waiting for the device), then logs it and runs the hooks after it. `sent`:
-        the step already sent after it, which has taken `done`'s output state."""
+        the step already sent after it, which has taken `done`'s output state. `stopping`: the run is stopping
+        after this step (asked already)."""
         nonlocal last_done
         info, m, step = done.info, done.metrics, done.info.step
         numbers = jax.device_get({k: m[k] for k in ("loss", "grad_norm", "finite")})  # one transfer, not three
@@ -420,14 +433,15 @@ class _Loop:
         if "val_loss" in info.record:
           log_validation(f"step {step}/{config.steps}: loss {loss:.4f}, val_loss {info.record['val_loss']:.4f}, "
                          f"{info.record['tokens_per_s']:.0f} tokens/s")
-        # All processes stop after the same step, so the checkpoint below is saved by all of them together.
-        if distributed.any_process(interrupted.is_set()):
-          if sent is not None:
-            finish(sent)  # the newest state is the one that step makes: its own check saves it
-          self.save(step + 1, info.state, force=True)
-          ckpt.wait(self.manager)
-          self.log(f"Interrupted after step {step + 1}: checkpoint saved in {ckpt.checkpoint_dir(self.out)}.")
-          raise KeyboardInterrupt
+        if stopping or not stop_after(step):
+          return
+        if sent is not None:  # the newest state is the one that step makes
+          finish(sent, stopping=True)
+          step, info = sent.info.step, sent.info
+        self.save(step + 1, info.state, force=True)
+        ckpt.wait(self.manager)
+        self.log(f"Interrupted after step {step + 1}: checkpoint saved in {ckpt.checkpoint_dir(self.out)}.")
+        raise KeyboardInterrupt
 
       # Step s + 1 goes to the device before the host reads step s's numbers, so the host's work between steps
       # (the batch, the step call itself, the metrics) overlaps the device's. The loop waits for a step first where
