@@ -289,8 +289,10 @@ class Phases:
     """Mean validation loss over the fixed batches, with the layer recipes in force at `step` (and OutControl's
     outlier channels from `outcontrol`, the train state's OutControlState, once they are selected)."""
     if outcontrol is not None and outcontrol_lib.phase(step, self.config.outcontrol) == "on":
-      eval_step = self.eval_step(step, outcontrol=True)
-      return float(np.mean([float(eval_step(params, self.placement.put_batch(batch), key, outcontrol))
-                            for batch in val]))
-    eval_step = self.eval_step(step)
-    return float(np.mean([float(eval_step(params, self.placement.put_batch(batch), key)) for batch in val]))
+      step_oc = self.eval_step(step, outcontrol=True)
+      eval_step = lambda params, batch, key: step_oc(params, batch, key, outcontrol)  # noqa: E731
+    else:
+      eval_step = self.eval_step(step)
+    # Every batch sent before the losses are read: the host does not wait for each batch in turn.
+    losses = jax.device_get([eval_step(params, self.placement.put_batch(batch), key) for batch in val])
+    return float(np.mean([float(loss) for loss in losses]))
