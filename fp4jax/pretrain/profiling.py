@@ -59,7 +59,7 @@ class StepProfiler:
     return step >= self.window[1] if self.active else self.window[0] <= step < self.window[1]
 
   def after(self, step: int) -> None:
-    if self.active and step >= self.window[0]:  # the trainer may finish the step before the window after sending it
+    if self.active:
       self.traced.append(step)
       if step + 1 >= self.window[1]:
         self._stop()

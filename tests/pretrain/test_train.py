@@ -220,6 +220,9 @@ def test_hook_is_due_on_multiples_of_every_and_at_the_end():
 def test_hooks_that_cannot_run_are_refused_before_the_run(env, tmp_path):
   with pytest.raises(ValueError, match="every must be an int >= 0"):
     trainer.Hook(lambda info: None, every=-1)  # would silently never run
+  with pytest.raises(TypeError, match="reads_state must be True or False"):
+    trainer.Hook(lambda info: None, reads_state="no")  # a truthy string would read as True
+  assert not trainer.as_hook(lambda step, record: None).reads_state and trainer.Hook(print).reads_state
   config = make_config(env, tmp_path / "run", recipe="bf16")
   # A Hook's fn(info) passed bare is called as fn(step, record): refused before the run folder or a step exists.
   with pytest.raises(TypeError, match="cannot be called as fn\\(step, record\\).*Hook\\(fn"):
