@@ -231,19 +231,13 @@ LOOP_SKIP = 10
 
 def run_loop(sec: report.Section) -> None:
   """Section `loop`: `fp4jax.pretrain.trainer.train` itself (what `fp4jax train` runs) on the `tiny` model, bf16 and
-  nvfp4, LOOP_STEPS steps each, twice: as `fp4jax train` runs (step s + 1 sent before step s's loss is read) and
-  synchronous (a hook that reads the state after every step makes the loop wait for each step before sending the
-  next). A hook's clock gives each loop's period. In the synchronous run the trainer's `step_time` is the step call
-  until its loss is on the host, so its period minus its step is the host's work between steps: on a GPU with
-  steps of a few ms that is time the device idles in a synchronous loop, which the overlapped loop hides (its
-  period against the synchronous one, value against baseline). Each row: the two median periods, the synchronous
-  step and host work, and the loss at the last step (the same in both runs: the bits do not depend on the loop).
-  The two modes alternate twice (one compile, shared), and each reports its faster run (the first run warms up)."""
-  import statistics  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import config as config_lib  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import steps as steps_lib  # pylint: disable=g-import-not-at-top
-  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
+  nvfp4, LOOP_STEPS steps each, overlapped (as `fp4jax train` runs: step s + 1 sent before step s's loss is read)
+  and synchronous (a hook reading the state after every step), twice each, alternating: benchmarks/trainer_loop.py.
+  The synchronous loop's period minus its step is the host's work between steps: on a GPU with steps of a few ms,
+  time the device would idle, which the overlapped loop should hide (its period against the synchronous one,
+  value against baseline). Each row: both periods, the synchronous step and host work, and the loss at the last
+  step, which must be the same in both modes (the row fails otherwise)."""
+  from benchmarks import trainer_loop  # pylint: disable=g-import-not-at-top
   steps = 16 if sec.dry else LOOP_STEPS
   skip = 4 if sec.dry else LOOP_SKIP
   for recipe in ("bf16", "nvfp4"):
@@ -251,31 +245,14 @@ def run_loop(sec: report.Section) -> None:
     if not sec.has_time(30):
       sec.skip(label, "time budget")
       continue
-    cache = steps_lib.CompileCache()  # the later runs reuse the first's compiled step
-    runs = {}
     try:
-      for mode in ("overlapped", "synchronous") * 2:
-        clock, step_s = [], []
-
-        def hook(step, record, clock=clock, step_s=step_s):
-          clock.append(_now())
-          if "step_time" in record:
-            step_s.append(record["step_time"])
-
-        hooks = [hook] + ([trainer.Hook(lambda info: None)] if mode == "synchronous" else [])
-        with tempfile.TemporaryDirectory() as out:
-          config = config_lib.config_from_overrides(dict(
-              model="tiny", recipe=recipe, steps=steps, batch_size=8, out=out, progress=False, eval_every=0,
-              checkpoint_every=10**6, log_every=steps))
-          result = trainer.train(config, hooks, log=lambda _: None, compile_cache=cache)
-        run = (statistics.median(b - a for a, b in zip(clock[skip:-2], clock[skip + 1:-1])),  # -1: the final call
-               statistics.median(step_s[skip:]), result["final_loss"])
-        runs[mode] = min(runs.get(mode, run), run)
-      (over, _, loss), (sync, sync_step, sync_loss) = runs["overlapped"], runs["synchronous"]
-      sec.add(label, over * 1e3, "ms period", sync * 1e3, "ms period synchronous", ok=loss == sync_loss,
-              note=f"synchronous: step {1e3 * sync_step:.2f} ms, host work between steps {1e3 * (sync - sync_step):.2f}"
-                   f" ms; loss {loss:.4f} after {steps} steps (synchronous {sync_loss:.4f}); "
-                   f"{len(step_s) - skip} steps counted")
+      best = trainer_loop.loop_periods("tiny", recipe, steps=steps, skip=skip, rounds=2, batch_size=8)
+      over, sync = best["overlapped"], best["synchronous"]
+      sec.add(label, over["period"] * 1e3, "ms period", sync["period"] * 1e3, "ms period synchronous",
+              ok=over["loss"] == sync["loss"],
+              note=f"synchronous: step {1e3 * sync['step']:.2f} ms, host work between steps "
+                   f"{1e3 * (sync['period'] - sync['step']):.2f} ms; loss {over['loss']:.4f} after {steps} steps "
+                   f"(synchronous {sync['loss']:.4f}); {over['counted']} periods counted")
     except Exception as e:  # pylint: disable=broad-except
       sec.fail(label, e)
 

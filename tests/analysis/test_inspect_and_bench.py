@@ -435,3 +435,29 @@ def test_e2m1_decode_is_the_table():
   want = np.concatenate([grids.E2M1_VALUES, -grids.E2M1_VALUES])
   got = np.asarray(jax.jit(grids.e2m1_decode)(codes))
   np.testing.assert_array_equal(_bits(got), _bits(want.astype(np.float32)))  # code 8 is -0.0
+
+
+def test_trainer_loop_table_and_refusals():
+  """benchmarks/trainer_loop.py: a row's ratio and host work from the two modes' runs; bad settings refused."""
+  from benchmarks import trainer_loop  # pylint: disable=g-import-not-at-top
+  best = {"overlapped": {"period": 0.012, "step": 0.012, "loss": 2.5},
+          "synchronous": {"period": 0.015, "step": 0.0135, "loss": 2.5}}
+  assert trainer_loop.row("bf16", best) == ["bf16", "12.00", "15.00", "0.800", "13.50", "1.50", "2.500000", "same"]
+  best["synchronous"]["loss"] = 2.6  # the loop must not change what the device computes: shown, not hidden
+  assert trainer_loop.row("bf16", best)[-1] == "DIFFERS: 2.600000"
+  with pytest.raises(ValueError, match="mode must be one of"):
+    trainer_loop.run_once("tiny", "bf16", "async", steps=20, skip=2, batch_size=8, cache=None)
+  with pytest.raises(ValueError, match="at least 4 timed steps"):
+    trainer_loop.run_once("tiny", "bf16", "overlapped", steps=5, skip=2, batch_size=8, cache=None)
+  with pytest.raises(ValueError, match="rounds must be >= 1"):
+    trainer_loop.loop_periods("tiny", "bf16", steps=20, skip=2, rounds=0, batch_size=8)
+
+
+@pytest.mark.slow
+def test_trainer_loop_benchmark_runs_both_modes(capsys):
+  from benchmarks import trainer_loop  # pylint: disable=g-import-not-at-top
+  assert trainer_loop.main(["--recipes", "bf16", "--steps", "8", "--skip", "2", "--rounds", "1"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].startswith("trainer loop, tiny, batch 8, 8 steps") and out[1].split()[0] == "recipe"
+  row = out[3].split()
+  assert row[0] == "bf16" and row[-1] == "same" and all(float(v) > 0 for v in row[1:5])
