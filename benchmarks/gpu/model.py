@@ -230,31 +230,32 @@ LOOP_SKIP = 10
 
 
 def run_loop(sec: report.Section) -> None:
-  """Section `loop`: `fp4jax.pretrain.trainer.train` itself (what `fp4jax train` runs) on the `tiny` model, bf16 and
-  nvfp4, LOOP_STEPS steps each, overlapped (as `fp4jax train` runs: step s + 1 sent before step s's loss is read)
-  and synchronous (a hook reading the state after every step), twice each, alternating: benchmarks/trainer_loop.py.
-  The synchronous loop's period minus its step is the host's work between steps: on a GPU with steps of a few ms,
-  time the device would idle, which the overlapped loop should hide (its period against the synchronous one,
-  value against baseline). Each row: both periods, the synchronous step and host work, and the loss at the last
-  step, which must be the same in both modes (the row fails otherwise)."""
+  """Section `loop`: `fp4jax.pretrain.trainer.train` itself (what `fp4jax train` runs) on the `tiny` model, then
+  `small` (not in dry runs), bf16 and nvfp4, LOOP_STEPS steps each, overlapped (as `fp4jax train` runs: step s + 1
+  sent before step s's loss is read) and synchronous (a hook reading the state after every step), twice each,
+  alternating: benchmarks/trainer_loop.py. The synchronous loop's period minus its step is the host's work between
+  steps: on a GPU with steps of a few ms, time the device would idle, which the overlapped loop should hide (its
+  period against the synchronous one, value against baseline). Each row: both periods, the synchronous step and
+  host work, and the loss at the last step, which must be the same in both modes (the row fails otherwise)."""
   from benchmarks import trainer_loop  # pylint: disable=g-import-not-at-top
   steps = 16 if sec.dry else LOOP_STEPS
   skip = 4 if sec.dry else LOOP_SKIP
-  for recipe in ("bf16", "nvfp4"):
-    label = f"trainer loop tiny {recipe} (batch 8)"
-    if not sec.has_time(30):
-      sec.skip(label, "time budget")
-      continue
-    try:
-      best = trainer_loop.loop_periods("tiny", recipe, steps=steps, skip=skip, rounds=2, batch_size=8)
-      over, sync = best["overlapped"], best["synchronous"]
-      sec.add(label, over["period"] * 1e3, "ms period", sync["period"] * 1e3, "ms period synchronous",
-              ok=over["loss"] == sync["loss"],
-              note=f"synchronous: step {1e3 * sync['step']:.2f} ms, host work between steps "
-                   f"{1e3 * (sync['period'] - sync['step']):.2f} ms; loss {over['loss']:.4f} after {steps} steps "
-                   f"(synchronous {sync['loss']:.4f}); {over['counted']} periods counted")
-    except Exception as e:  # pylint: disable=broad-except
-      sec.fail(label, e)
+  for model in ("tiny",) if sec.dry else ("tiny", "small"):
+    for recipe in ("bf16", "nvfp4"):
+      label = f"trainer loop {model} {recipe} (batch 8)"
+      if not sec.has_time(30 if model == "tiny" else 45):
+        sec.skip(label, "time budget")
+        continue
+      try:
+        best = trainer_loop.loop_periods(model, recipe, steps=steps, skip=skip, rounds=2, batch_size=8)
+        over, sync = best["overlapped"], best["synchronous"]
+        sec.add(label, over["period"] * 1e3, "ms period", sync["period"] * 1e3, "ms period synchronous",
+                ok=over["loss"] == sync["loss"],
+                note=f"synchronous: step {1e3 * sync['step']:.2f} ms, host work between steps "
+                     f"{1e3 * (sync['period'] - sync['step']):.2f} ms; loss {over['loss']:.4f} after {steps} steps "
+                     f"(synchronous {sync['loss']:.4f}); {over['counted']} periods counted")
+      except Exception as e:  # pylint: disable=broad-except
+        sec.fail(label, e)
 
 
 def block_orders(names: list[str], n_blocks: int, offset: int = 0) -> list[list[str]]:
