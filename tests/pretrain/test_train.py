@@ -81,9 +81,14 @@ def test_loss_drops_with_each_recipe(env, tmp_path, recipe):
 def test_policy_switch_phase_and_bf16_layers(env, tmp_path):
   # fp8 compiles fastest of the quantized recipes; the policy does not depend on the format.
   config = make_config(env, tmp_path, recipe="fp8", bf16_pattern=r".*mlp\.down", switch_at=10)
-  summary = run(env, config)
+  deleted = {}
+  peek = trainer.Hook(lambda info: deleted.setdefault(info.step, info.state.step.is_deleted()), reads_state=False)
+  summary = run(env, config, hooks=[peek])
   records = metrics.read_metrics(tmp_path)
   assert [r["phase"] for r in records if "loss" in r] == [0] * 10 + [1] * 6
+  # The switch step compiles: the loop finishes step 9 before sending it (so its step_time holds no compile), while
+  # step 9 itself was sent before step 8 was read (8 is not before a checkpoint: those come every 4).
+  assert not deleted[9] and deleted[8]
   before, after = summary["layer_recipes"][0], summary["layer_recipes"][1]
   assert before.pop("blocks.0.mlp.down") == "bf16" and set(before.values()) == {"fp8"}
   assert set(after.values()) == {"bf16"}
