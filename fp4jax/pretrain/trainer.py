@@ -90,6 +90,13 @@ def _checkpoint_meta(config: TrainConfig, step: int, phase: int,
   return meta
 
 
+def _replicated_key(key: jax.Array, placement: Placement) -> jax.Array:
+  """`key` replicated over the placement's devices once, not moved there by every step call; made from host data,
+  since a multi-process run refuses to device_put one process's array onto the global devices."""
+  data = jax.device_put(np.asarray(jax.random.key_data(key)), placement.replicated)
+  return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
+
+
 @contextlib.contextmanager
 def _sigint_flag():
   """Turns the first Ctrl-C into a flag the loop checks after each step (every _STOP_CHECK_EVERY steps in a
@@ -356,6 +363,7 @@ class _Loop:
     schedule = lambda step: optimizer_lib.wsd_lr(phases.schedule, step, xp=np)
     # The schedule's numbers, an input of every train step (not compiled in: see steps.Phases).
     schedule_args = jax.device_put(phases.schedule, phases.placement.replicated)
+    run_key = _replicated_key(self.keys["step"], phases.placement)  # each step folds in its own number
     tokens_per_step = config.batch_size * config.train_seq_len
     losses, layer_recipes = [], {}
     t_start = time.perf_counter()
@@ -427,9 +435,11 @@ class _Loop:
           raise TrainingDiverged(step, loss, grad_norm, self.last_saved)
         losses.append(loss)
         after(info, sent)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}",
+        # Drawn by update() at tqdm's own rate (every 0.1 s): refreshed here, the bar was written to the terminal or
+        # log file after every step (~45 us each, and a log grew by a bar per step).
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False,
                         **({"val": f"{info.record['val_loss']:.4f}"} if "val_loss" in info.record else {}))
+        bar.update(1)
         if "val_loss" in info.record:
           log_validation(f"step {step}/{config.steps}: loss {loss:.4f}, val_loss {info.record['val_loss']:.4f}, "
                          f"{info.record['tokens_per_s']:.0f} tokens/s")
@@ -466,7 +476,7 @@ class _Loop:
             seed=config.seed, process_index=block, process_count=blocks))
         profiler.before(step)
         t_sent = time.perf_counter()
-        state, m = train_step(state, batch, jax.random.fold_in(self.keys["step"], step), schedule_args)
+        state, m = train_step(state, batch, run_key, schedule_args)
         info.state, last_step_fn = state, train_step  # the hooks after the step see the state it makes
         sent = _Sent(info, m, t_sent)
         if in_flight is not None:

@@ -136,6 +136,48 @@ def test_sigint_checkpoint_and_resume_are_bit_identical(env, tmp_path):
 
 
 @pytest.mark.slow
+def test_each_step_gets_fold_in_of_the_run_key_and_its_number(env, tmp_path, monkeypatch):
+  """The step key, fold_in(run key, step), is derived inside the compiled step (from the state's step counter):
+  steps 0-3 of a run and steps 4-5 of its resume get the keys the loop folded in eagerly before."""
+  seen = []
+  make = steps_lib.make_train_step
+
+  def recording(*args, **kwargs):
+    step = make(*args, **kwargs)
+
+    def step_seeing_its_key(state, batch, key, *rest):
+      jax.debug.callback(lambda k: seen.append(np.asarray(k).tolist()), jax.random.key_data(key))
+      return step(state, batch, key, *rest)
+
+    return step_seeing_its_key
+
+  monkeypatch.setattr(steps_lib, "make_train_step", recording)
+  config, cache = make_config(env, tmp_path, steps=4, checkpoint_every=2), steps_lib.CompileCache()
+  trainer.train(config, log=None, compile_cache=cache)
+  trainer.train(config.replace(resume=True, steps=6), log=None, compile_cache=cache)
+  run_key = trainer.run_keys(config.seed)["step"]
+  assert seen == [np.asarray(jax.random.key_data(jax.random.fold_in(run_key, s))).tolist() for s in range(6)]
+
+
+@pytest.mark.slow
+def test_progress_bar_is_redrawn_at_its_own_rate_not_every_step(env, tmp_path, monkeypatch):
+  """The loss shown in the bar used to redraw it on every step: a line per step in a log file."""
+  import io  # pylint: disable=g-import-not-at-top
+  import tqdm  # pylint: disable=g-import-not-at-top
+  out = io.StringIO()
+
+  class Unhurried(tqdm.tqdm):  # redraws only when it opens and closes
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **{**kwargs, "mininterval": 1e9, "file": out})
+
+  monkeypatch.setattr(tqdm, "tqdm", Unhurried)
+  summary = run(env, make_config(env, tmp_path, steps=6, progress=True))
+  text = out.getvalue()
+  assert text.count("loss=") == 1, text  # the closing redraw, with the last step's loss
+  assert "6/6" in text and f"loss={summary['losses'][-1]:.4f}" in text, text
+
+
+@pytest.mark.slow
 def test_different_seed_gives_different_run_and_hooks_run_every_n_steps(env, tmp_path):
   seen, kept = [], {}
   every5 = trainer.Hook(lambda info: seen.append((info.step, info.final, info.record.get("loss"))), every=5)
