@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import fp4jax.pretrain.distributed
 import fp4jax.pretrain.model
+from fp4jax import cli_values
 from fp4jax.pretrain import compile_cache
 
 from experiments import merge
@@ -24,7 +25,7 @@ from experiments.sweep import PRESETS, Sweep, check_preset, parse_overrides, run
 
 def make_parser(prog: str, doc: str) -> argparse.ArgumentParser:
   """The command line shared by every experiment module."""
-  parser = argparse.ArgumentParser(
+  parser = cli_values.ArgumentParser(
       prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="Overrides: --set KEY=VALUE (repeatable) changes a setting shared by all runs, e.g. --set steps=100 "
              "--set model.d_model=128 --set recipe=nvfp4:rht_size=4. KEY is a TrainConfig field (see "

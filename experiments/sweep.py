@@ -31,6 +31,7 @@ import numpy as np
 import tqdm
 
 import fp4jax.gemm
+from fp4jax import cli_values
 import fp4jax.pretrain.checkpoint
 import fp4jax.pretrain.data
 import fp4jax.pretrain.distributed
@@ -79,7 +80,8 @@ HIGH_PRECISION_LAST = {"smoke": 1, "cpu": 1, "gpu": 2}
 def check_preset(preset: str) -> str:
   """Returns `preset` if valid, else raises ValueError naming the valid ones."""
   if preset not in PRESETS:
-    raise ValueError(f"Unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}.")
+    raise ValueError(f"Unknown preset {preset!r}{cli_values.did_you_mean(preset, PRESETS)}; valid presets: "
+                     f"{', '.join(PRESETS)}.")
   return preset
 
 
@@ -103,7 +105,8 @@ def check_override_keys(overrides: Mapping[str, Any], where: str = "override") -
       raise ValueError(f"{where} key {key!r} is set by the sweep itself (managed: {', '.join(MANAGED_FIELDS)}); "
                        "use --out and --seeds instead.")
     if key not in valid:
-      raise ValueError(f"Unknown {where} key {key!r}; valid keys: {', '.join(valid)}.")
+      raise ValueError(f"Unknown {where} key {key!r}{cli_values.did_you_mean(key, valid)}; valid keys: "
+                       f"{', '.join(valid)}.")
 
 
 def _value_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ also reports verbatim). No Flax, no JAX: the library and the CLI both import it.
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 
 _TRUE, _FALSE, _NONE = ("1", "true", "yes", "on"), ("0", "false", "no", "off"), ("none", "null")
@@ -16,6 +17,47 @@ _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
 class BadValue(argparse.ArgumentTypeError, ValueError):
   """A value that does not parse; the message says what was expected."""
+
+
+def closest(word: str, choices) -> str | None:
+  """The choice closest to a misspelt `word` (difflib, similarity >= 0.6), or None. Dotted names are compared within
+  their group ("model.d_modle" with the "model." choices, by the part after the dot), so a shared prefix does not
+  make unrelated names look alike ("model.widht" is not "model.dtype")."""
+  head, _, tail = str(word).rpartition(".")
+  pool = {}
+  for c in map(str, choices):
+    c_head, _, c_tail = c.rpartition(".")
+    if c_head == head:
+      pool.setdefault(c_tail, c)
+  close = difflib.get_close_matches(tail, list(pool), n=1, cutoff=0.6)
+  return pool[close[0]] if close else None
+
+
+def did_you_mean(word: str, choices) -> str:
+  """" (did you mean 'x'?)" naming the choice closest to a misspelt `word`, or "" when none is close: for error
+  messages that then list every valid choice (a typo in a 60-key list is hard to spot)."""
+  match = closest(word, choices)
+  return f" (did you mean {match!r}?)" if match else ""
+
+
+def with_option_hint(message: str, parser: argparse.ArgumentParser) -> str:
+  """argparse's error `message`, with " (did you mean '--model'?)" when it is an unrecognized option like --modle."""
+  if not message.startswith("unrecognized arguments: "):
+    return message
+  flags = [a.split("=")[0] for a in message.split(": ", 1)[1].split() if a.startswith("--")]
+  if not flags:
+    return message
+  # Compared without their dashes, which every option shares ("--sed" is not close to "--preset").
+  options = {o.lstrip("-"): o for o in parser._option_string_actions if o.startswith("--")}  # pylint: disable=protected-access
+  match = closest(flags[0].lstrip("-"), options)
+  return message + (f" (did you mean {options[match]!r}?)" if match else "")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse's parser, naming the option a misspelt one resembles (the entry points' parsers)."""
+
+  def error(self, message):
+    super().error(with_option_hint(message, self))
 
 
 def parse_bool(text) -> bool:

@@ -39,6 +39,11 @@ def gemm_tag(gemm_mode: str) -> str:
   return "" if gemm_mode == "auto" else f"-gemm:{gemm_mode}"
 
 
+def _did_you_mean(word: str, choices) -> str:
+  from fp4jax import cli_values  # pylint: disable=g-import-not-at-top
+  return cli_values.did_you_mean(word, choices)
+
+
 def _parse_value(text: str):
   from fp4jax import cli_values  # pylint: disable=g-import-not-at-top
   return cli_values.parse_scalar(text)
@@ -53,7 +58,7 @@ def parse_spec(spec, presets: Mapping[str, Callable[..., Any]]) -> tuple[str, di
   name, _, args = str(spec).partition(":")
   name = name.strip().lower()
   if name not in presets:
-    raise ValueError(f"Unknown recipe {name!r}; expected one of {list(presets)}.")
+    raise ValueError(f"Unknown recipe {name!r}{_did_you_mean(name, presets)}; expected one of {list(presets)}.")
   kwargs = {}
   for item in filter(None, (a.strip() for a in args.split(","))):
     key, eq, value = item.partition("=")
@@ -66,7 +71,8 @@ def parse_spec(spec, presets: Mapping[str, Callable[..., Any]]) -> tuple[str, di
   valid = list(params)
   unknown = [k for k in kwargs if k not in valid]
   if unknown:
-    raise ValueError(f"Unknown option(s) {unknown} for recipe {name!r}; valid: {valid}.")
+    raise ValueError(f"Unknown option(s) {unknown} for recipe {name!r}{_did_you_mean(unknown[0], valid)}; "
+                     f"valid: {valid}.")
   for k, v in kwargs.items():  # "0" / "1" parse as integers; a switch takes them as false / true
     if isinstance(params[k].default, bool) and type(v) is int and v in (0, 1):
       kwargs[k] = bool(v)

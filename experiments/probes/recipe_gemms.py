@@ -28,6 +28,7 @@ from typing import Any
 import jax
 
 import fp4jax.recipes as recipes_lib
+from fp4jax import cli_values
 from fp4jax.analysis import gemm_probes
 from fp4jax.analysis import model_probes
 from fp4jax.pretrain import model as model_lib
@@ -169,7 +170,7 @@ def run(preset_name: str, out: str | pathlib.Path, *, checkpoint: str | None = N
 
 def main(argv: Sequence[str] | None = None) -> int:
   """`python -m experiments.probes recipes`; returns the exit code."""
-  parser = argparse.ArgumentParser(prog="python -m experiments.probes recipes", description=__doc__,
+  parser = cli_values.ArgumentParser(prog="python -m experiments.probes recipes", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
   parser.add_argument("--out", required=True, help="output folder (the BF16 base run goes to OUT/base)")

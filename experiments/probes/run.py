@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from fp4jax import cli_values
 from fp4jax.analysis import model_probes
 from fp4jax.analysis import probes
 from fp4jax.pretrain import model as model_lib
@@ -138,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if argv and argv[0] == "recipes":
     from experiments.probes import recipe_gemms  # pylint: disable=g-import-not-at-top
     return recipe_gemms.main(argv[1:])
-  parser = argparse.ArgumentParser(prog="python -m experiments.probes", description=experiments.probes.__doc__,
+  parser = cli_values.ArgumentParser(prog="python -m experiments.probes", description=experiments.probes.__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--preset", choices=sorted(presets.PRESETS), default="smoke")
   parser.add_argument("--out", required=True, help="output folder (the BF16 base run goes to OUT/base)")

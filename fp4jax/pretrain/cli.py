@@ -45,6 +45,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fp4jax import cli_values
+
 EXIT_DIVERGED, EXIT_USAGE, EXIT_PEER_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
@@ -60,6 +62,7 @@ class _Parser(argparse.ArgumentParser):
   """An ArgumentParser whose errors keep their message: a multi-process run tells the other processes."""
 
   def error(self, message):
+    message = cli_values.with_option_hint(message, self)
     self.print_usage(sys.stderr)
     text = f"{self.prog}: error: {message}"
     print(text, file=sys.stderr)

@@ -36,3 +36,24 @@ def test_imports_without_flax():
   code = "import sys, fp4jax.cli_values; print('flax' in sys.modules)"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
   assert out.split() == ["False"]
+
+
+
+def test_misspelt_names_get_the_closest_valid_one(capsys):
+  assert cli_values.did_you_mean("nvfpp4", ["bf16", "nvfp4", "mxfp4"]) == " (did you mean 'nvfp4'?)"
+  assert cli_values.did_you_mean("qqq", ["bf16", "nvfp4", "mxfp4"]) == ""  # nothing close: no guess
+  parser = cli_values.ArgumentParser(prog="p")
+  parser.add_argument("--preset")
+  parser.add_argument("--seeds", type=int)
+  only_preset = cli_values.ArgumentParser(prog="p")
+  only_preset.add_argument("--preset")
+  for parser_, argv, hint in ((parser, ["--seedz", "2"], "--seedz 2 (did you mean '--seeds'?)"),
+                              (parser, ["--seedz=2"], "--seedz=2 (did you mean '--seeds'?)"),
+                              (parser, ["--xyz", "3"], "--xyz 3"),
+                              (parser, ["stray"], "stray"),
+                              # Compared without the dashes every option has: with them, --sed was "close".
+                              (only_preset, ["--sed", "3"], "--sed 3")):
+    with pytest.raises(SystemExit) as exit_info:
+      parser_.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.endswith("p: error: unrecognized arguments: " + hint + "\n")

@@ -463,6 +463,17 @@ def test_cli_errors_exit_cleanly(tmp_path, capsys):
   assert cli.main(["eval", "--out", str(tmp_path / "none")]) == cli.EXIT_USAGE
   assert "No checkpoints" in capsys.readouterr().err
   assert cli.main(["frobnicate"]) == cli.EXIT_USAGE
+  capsys.readouterr()
+  # A misspelt option or recipe is named with what it resembles, before the long lists of valid ones.
+  for flag, hint in (("--modle", "--modle tiny (did you mean '--model'?)"),
+                     ("--model.n_layerz", "--model.n_layerz tiny (did you mean '--model.n_layers'?)")):
+    with pytest.raises(SystemExit) as exit_info:  # argparse's exit, as `fp4jax train` exits
+      cli.main(["train", flag, "tiny", "--out", str(tmp_path / "z")])
+    assert exit_info.value.code == cli.EXIT_USAGE
+    assert capsys.readouterr().err.strip().endswith("unrecognized arguments: " + hint)
+  assert cli.main(["train", "--recipe", "nvfp4:rht_sise=4", "--out", str(tmp_path / "z")]) == cli.EXIT_USAGE
+  assert "Unknown option(s) ['rht_sise'] for recipe 'nvfp4' (did you mean 'rht_size'?); valid: [" in (
+      capsys.readouterr().err)
 
 
 def test_cli_maps_divergence_to_exit_code(monkeypatch, capsys):
