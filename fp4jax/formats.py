@@ -20,6 +20,7 @@ from typing import Literal, Union
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax import cli_values
 from fp4jax import division
 from fp4jax import grids
 from fp4jax import mxfp4
@@ -338,7 +339,9 @@ def get_format(fmt: str | Format) -> Format:
     return fmt
   if isinstance(fmt, str) and fmt.lower() in _NAMED:
     return _NAMED[fmt.lower()]
-  raise ValueError(f"Unknown format {fmt!r}; expected one of {sorted(_NAMED)} or an NVFP4/MXFP4/MXFP8/FP8 instance.")
+  hint = cli_values.did_you_mean(fmt.lower(), _NAMED) if isinstance(fmt, str) else ""
+  raise ValueError(f"Unknown format {fmt!r}{hint}; expected one of {sorted(_NAMED)} or an NVFP4/MXFP4/MXFP8/FP8 "
+                   "instance.")
 
 
 FORMAT_NAMES = tuple(sorted(_NAMED))

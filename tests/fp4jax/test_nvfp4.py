@@ -381,3 +381,15 @@ def test_qarray_metadata_and_storage():
   np.testing.assert_array_equal(np.asarray(fp4jax.dequantize(q2)), np.asarray(fp4jax.dequantize(q)))
   assert fp4jax.get_format("nvfp4") == FMT and hash(FMT) == hash(fp4jax.NVFP4())
   assert FMT.block_size == 16 and FMT.name == "nvfp4"
+
+
+def test_misspelt_format_names_get_the_closest_one():
+  assert fp4jax.get_format("NVFP4") == FMT  # names are case-insensitive
+  with pytest.raises(ValueError, match=r"Unknown format 'nvpf4' \(did you mean 'nvfp4'\?\); expected one of"):
+    fp4jax.get_format("nvpf4")
+  with pytest.raises(ValueError, match=r"'MXFP4-ceil' \(did you mean 'mxfp4_ceil'\?\)"):
+    fp4jax.get_format("MXFP4-ceil")
+  with pytest.raises(ValueError, match=r"Unknown format 'xyz'; expected"):  # nothing close: no guess
+    fp4jax.get_format("xyz")
+  with pytest.raises(ValueError, match=r"Unknown format 4; expected"):
+    fp4jax.get_format(4)
