@@ -210,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
     print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
     if argv and argv[0] not in ("-h", "--help"):
-      print(f"\nfp4jax: unknown command {argv[0]!r}; expected one of {sorted(COMMANDS)}.", file=sys.stderr)
+      print(f"\nfp4jax: unknown command {argv[0]!r}{cli_values.did_you_mean(argv[0], COMMANDS)}; expected one of "
+            f"{sorted(COMMANDS)}.", file=sys.stderr)
       return EXIT_USAGE
     return 0 if argv else EXIT_USAGE
   from fp4jax.pretrain import distributed  # pylint: disable=g-import-not-at-top
