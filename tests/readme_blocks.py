@@ -51,7 +51,7 @@ def shrink(line: str) -> str | None:
   line = re.sub(r"^pip install [^&]*&&\s*", "", line.strip())
   if not line or line.startswith("#") or line.startswith("pip install") or "-m pytest" in line:
     return None
-  line = re.sub(r"(^|\s)(?<!-m )fp4jax (train|eval)\b", r"\1python -m fp4jax \2", line)  # not "python -m fp4jax"
+  line = re.sub(r"(^|\s)(?<!-m )fp4jax (train|eval|sample)\b", r"\1python -m fp4jax \2", line)  # not "python -m fp4jax"
   line = line.replace("--model small", "--model tiny")
   if re.search(r"--preset (cpu|gpu)\b", line):
     line = re.sub(r"\s+#.*$", "", line) + " --list"

@@ -136,6 +136,7 @@ def help_of(main, argv):
 print(json.dumps({
     "train": help_of(train_cli.main, ["train", "--help"]),
     "eval": help_of(train_cli.main, ["eval", "--help"]),
+    "sample": help_of(train_cli.main, ["sample", "--help"]),
     "experiments": cli.make_parser("python -m experiments.NAME", "").format_help(),
     "probes": help_of(run.main, ["--help"]),
     "probes recipes": help_of(recipe_gemms.main, ["--help"]),
@@ -165,6 +166,8 @@ def _command_of(span):
     return "train"
   if re.search(r"\bfp4jax eval\b", span):
     return "eval"
+  if re.search(r"\bfp4jax sample\b", span):
+    return "sample"
   if "experiments.probes recipes" in span:
     return "probes recipes"
   if "experiments.probes" in span:

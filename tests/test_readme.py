@@ -42,6 +42,7 @@ def test_shrink_rules():
   assert _shrink("fp4jax train --model small --out runs/y") == (
       "python -m fp4jax train --steps 3 --model tiny --out runs/y")
   assert _shrink("fp4jax train --help") == "python -m fp4jax train --help"
+  assert _shrink("fp4jax sample --out runs/x --tokens 200") == "python -m fp4jax sample --out runs/x --tokens 200"
   assert _shrink("fp4jax train --out runs/x --resume --steps 400") == "python -m fp4jax train --out runs/x --resume --steps 5"
   assert _shrink("python -m experiments.rht_size --preset cpu --out runs/r   # sizes") == (
       "python -m experiments.rht_size --preset cpu --out runs/r --list")

@@ -1,4 +1,4 @@
-"""The `fp4jax` command: `fp4jax train ...` and `fp4jax eval --out RUN`.
+"""The `fp4jax` command: `fp4jax train ...`, `fp4jax eval --out RUN` and `fp4jax sample --out RUN`.
 
   fp4jax train --model tiny --recipe nvfp4 --steps 200 --out runs/x
   fp4jax train --model small --model.d_model 256 --recipe "nvfp4:rht_size=4,stochastic_rounding=false" --out runs/y
@@ -6,6 +6,7 @@
   fp4jax train --out runs/x --resume                       (continue runs/x from its newest readable checkpoint)
   fp4jax train --out runs/x --resume --steps 400 --keep-schedule   (lengthen it: see "Resuming" below)
   fp4jax eval --out runs/x                                 (validation loss of the latest checkpoint)
+  fp4jax sample --out runs/x --prompt "ROMEO:" --tokens 200  (text from the latest checkpoint)
 
 Resuming: --resume continues from the newest readable checkpoint in --out with the config stored in it (options
 given change it); unreadable newer checkpoints are moved to <out>/checkpoints_moved/, never deleted. --resume-step N
@@ -92,6 +93,24 @@ def _eval_parser() -> argparse.ArgumentParser:
   parser.add_argument("--corpus", "--data.corpus", dest="corpus", default=None,
                       help="evaluate on this corpus (default: the one the checkpoint was trained on, at the absolute "
                       "path it recorded; refused if its content changed since)")
+  parser.add_argument("--json", action="store_true", help="print the result as JSON")
+  return parser
+
+
+def _sample_parser() -> argparse.ArgumentParser:
+  parser = _Parser(prog="fp4jax sample", description="Text from a run's checkpoint, the model as it trained at "
+                   "that step (its layers' recipes included); see fp4jax.pretrain.sample.")
+  parser.add_argument("--out", required=True, help="run folder (as given to fp4jax train --out)")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  parser.add_argument("--prompt", default=None,
+                      help="text to continue (default: the first 32 tokens of the held-out text)")
+  parser.add_argument("--tokens", type=int, default=200, help="new tokens to draw (default 200)")
+  parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0: greedy (default 0.8)")
+  parser.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=None,
+                      help="draw among the k most likely tokens (default: all)")
+  parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+  parser.add_argument("--corpus", "--data.corpus", dest="corpus", default=None,
+                      help="the checkpoint's corpus where it moved (its tokenizer decodes the text)")
   parser.add_argument("--json", action="store_true", help="print the result as JSON")
   return parser
 
@@ -201,7 +220,26 @@ def _run_eval(argv: Sequence[str]) -> int:
   return 0
 
 
-COMMANDS = {"train": _run_train, "eval": _run_eval}
+def _run_sample(argv: Sequence[str]) -> int:
+  from fp4jax.pretrain import sample as sample_lib  # pylint: disable=g-import-not-at-top
+  args = _sample_parser().parse_args(list(argv))
+  settings = sample_lib.SampleConfig(new_tokens=args.tokens, temperature=args.temperature, top_k=args.top_k,
+                                     seed=args.seed)
+  log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+  result = sample_lib.sample_run(args.out, settings, prompt=args.prompt, step=args.step, corpus=args.corpus,
+                                 progress=sys.stderr.isatty(), log=log)
+  if args.json:
+    print(json.dumps(result))
+    return 0
+  layers = ", ".join(f"{n} {name}" for name, n in result["layers"].items())
+  top_k = "all" if args.top_k is None else args.top_k
+  log(f"step {result['step']} (linear layers: {layers}); temperature {args.temperature}, top-k {top_k}, "
+      f"seed {args.seed}, window {result['window']}")
+  print(result["prompt"] + result["text"])
+  return 0
+
+
+COMMANDS = {"train": _run_train, "eval": _run_eval, "sample": _run_sample}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

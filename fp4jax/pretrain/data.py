@@ -365,6 +365,16 @@ def _tokenize(
                                         "tokenizer_digest": digest}
 
 
+def encode(dataset: TokenDataset, text: str) -> np.ndarray:
+  """Token ids (int32) of `text` under the dataset's tokenizer: its UTF-8 bytes, or its BPE tokens."""
+  if not isinstance(text, str):
+    raise ValueError(f"encode takes a str; got {type(text).__name__}.")
+  if dataset.tokenizer == "byte":
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+  tk = _import_tokenizers()
+  return np.asarray(tk.Tokenizer.from_file(dataset.tokenizer_file).encode(text).ids, dtype=np.int32)
+
+
 def decode(dataset: TokenDataset, tokens: np.ndarray | Sequence[int]) -> str:
   """Turns token ids back into text (invalid UTF-8 from byte tokens is replaced, not raised)."""
   ids = np.asarray(tokens).reshape(-1)

@@ -33,6 +33,7 @@ from flax import nnx
 
 import fp4jax.nn
 import fp4jax.recipes
+from fp4jax import cli_values
 from fp4jax import formats
 from fp4jax import keys as keys_lib
 from fp4jax import prng
@@ -134,7 +135,8 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
 def get_model_config(name: str, **overrides) -> ModelConfig:
   """A preset from MODEL_PRESETS with fields replaced by `overrides` (re-validated)."""
   if name not in MODEL_PRESETS:
-    raise ValueError(f"Unknown model preset {name!r}; choose from {sorted(MODEL_PRESETS)}.")
+    raise ValueError(f"Unknown model preset {name!r}{cli_values.did_you_mean(name, MODEL_PRESETS)}; choose from "
+                     f"{sorted(MODEL_PRESETS)}.")
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
   unknown = sorted(set(overrides) - fields)
   if unknown:

@@ -64,21 +64,27 @@ def _capture_intermediates(model, tokens, key):
   return logits, {path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
+def with_outliers(model, oc_state):
+  """`model` with OutControl's selected outlier channels (oc_state: an outcontrol.OutControlState) run in MXFP8 in
+  the layers it tracks; returned for chaining."""
+  layers = model.linear_layers()
+  for name, idx in outcontrol_lib.flat(oc_state.idx).items():
+    layers[name].outliers = nnx.data(idx)
+  return model
+
+
 def _outcontrol_loss_fn(graphdef, oc_phase: str) -> Callable:
   """loss(params, batch, key, oc_state) -> (loss, {layer: summed x^2 per input channel}) with OutControl's
   `oc_phase`: "record" sows the tracked layers' input statistics, "on" runs their outlier channels in MXFP8."""
 
   def loss_fn(params, batch, key, oc_state):
     model = nnx.merge(graphdef, params)
+    if oc_phase != "record":
+      return cross_entropy(with_outliers(model, oc_state)(batch["inputs"], key=key), batch["targets"]), {}
     layers = model.linear_layers()
     tracked = outcontrol_lib.flat(oc_state.idx)
-    for name, idx in tracked.items():
-      if oc_phase == "record":
-        layers[name].record_inputs = True
-      else:
-        layers[name].outliers = nnx.data(idx)
-    if oc_phase != "record":
-      return cross_entropy(model(batch["inputs"], key=key), batch["targets"]), {}
+    for name in tracked:
+      layers[name].record_inputs = True
     logits, sown = _capture_intermediates(model, batch["inputs"], key)
     loss = cross_entropy(logits, batch["targets"])
     sq_norms = {}

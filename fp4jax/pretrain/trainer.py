@@ -517,6 +517,7 @@ class EvalSetup:
   meta: dict[str, Any]
   config: TrainConfig  # with the corpus and the validation batches it evaluates on
   val: list[dict[str, np.ndarray]]  # the fixed validation batches
+  dataset: data_lib.TokenDataset | None = None  # the data they come from (its tokenizer: fp4jax.pretrain.sample)
 
 
 def eval_setup(out: str | pathlib.Path, step: int | None = None, *, eval_batches: int | None = None,
@@ -548,12 +549,24 @@ def eval_setup(out: str | pathlib.Path, step: int | None = None, *, eval_batches
   note = resume_lib.eval_data_note(meta.get("data"), dataset.identity, step, named, stored_corpus)
   if note:
     log(note)
-  return EvalSetup(step=step, meta=meta, config=config, val=val)
+  return EvalSetup(step=step, meta=meta, config=config, val=val, dataset=dataset)
 
 
-def evaluate_setup(out: str | pathlib.Path, setup: EvalSetup) -> dict[str, Any]:
-  """Restores checkpoint `setup.step` of the run in `out` and takes its validation loss (a collective in
-  multi-process runs: every process calls it)."""
+@dataclasses.dataclass(frozen=True)
+class RestoredRun:
+  """A checkpoint's arrays with what runs them: `phases.graphdef(at)` is the model in the precision phase of the
+  checkpoint's step (`at`: the step, capped at the run's last), `keys` the run's PRNG streams (run_setup.run_keys)."""
+
+  step: int
+  at: int
+  params: Any
+  outcontrol: Any  # the OutControlState, or None when OutControl is off
+  phases: Phases
+  keys: dict[str, jax.Array]
+
+
+def restore_run(out: str | pathlib.Path, setup: EvalSetup) -> RestoredRun:
+  """Restores checkpoint `setup.step` of the run in `out` (a collective in multi-process runs)."""
   config = setup.config
   keys = run_keys(config.seed)
   model = build_model(config, keys["init"])
@@ -564,10 +577,17 @@ def evaluate_setup(out: str | pathlib.Path, setup: EvalSetup) -> dict[str, Any]:
     step, restored, _ = ckpt.restore(manager, target._asdict(), setup.step)
   finally:
     manager.close()
-  phases = Phases(config, model)
-  at = min(step, config.steps - 1)
-  val_loss = phases.val_loss(restored["params"], setup.val, keys["eval"], at, restored.get("outcontrol"))
-  return {"step": step, "val_loss": val_loss, "phase": phases.phase(at), "eval_batches": config.evaluation.batches}
+  return RestoredRun(step=step, at=min(step, config.steps - 1), params=restored["params"],
+                     outcontrol=restored.get("outcontrol"), phases=Phases(config, model), keys=keys)
+
+
+def evaluate_setup(out: str | pathlib.Path, setup: EvalSetup) -> dict[str, Any]:
+  """Restores checkpoint `setup.step` of the run in `out` and takes its validation loss (a collective in
+  multi-process runs: every process calls it)."""
+  run = restore_run(out, setup)
+  val_loss = run.phases.val_loss(run.params, setup.val, run.keys["eval"], run.at, run.outcontrol)
+  return {"step": run.step, "val_loss": val_loss, "phase": run.phases.phase(run.at),
+          "eval_batches": setup.config.evaluation.batches}
 
 
 def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: int | None = None,

@@ -163,8 +163,10 @@ def test_presets_and_overrides():
   paper = model_lib.get_model_config("paper_1b")
   assert (paper.n_layers, paper.d_model, paper.d_ff, paper.n_heads, paper.n_kv_heads) == (20, 2048, 6144, 16, 8)
   assert model_lib.get_model_config("tiny", n_layers=3).n_layers == 3
-  with pytest.raises(ValueError, match="Unknown model preset"):
+  with pytest.raises(ValueError, match=r"Unknown model preset 'huge'; choose from"):
     model_lib.get_model_config("huge")
+  with pytest.raises(ValueError, match=r"Unknown model preset 'smal' \(did you mean 'small'\?\); choose from"):
+    model_lib.get_model_config("smal")
   with pytest.raises(ValueError, match="Unknown ModelConfig field"):
     model_lib.get_model_config("tiny", n_layer=3)
 

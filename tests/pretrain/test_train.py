@@ -463,7 +463,7 @@ def test_cli_errors_exit_cleanly(tmp_path, capsys):
   assert cli.main(["eval", "--out", str(tmp_path / "none")]) == cli.EXIT_USAGE
   assert "No checkpoints" in capsys.readouterr().err
   assert cli.main(["frobnicate"]) == cli.EXIT_USAGE
-  assert capsys.readouterr().err.strip().endswith("unknown command 'frobnicate'; expected one of ['eval', 'train'].")
+  assert capsys.readouterr().err.strip().endswith("unknown command 'frobnicate'; expected one of ['eval', 'sample', 'train'].")
   assert cli.main(["trian"]) == cli.EXIT_USAGE
   assert "unknown command 'trian' (did you mean 'train'?); expected one of" in capsys.readouterr().err
   # A misspelt option or recipe is named with what it resembles, before the long lists of valid ones.
