@@ -178,3 +178,25 @@ def test_cli_samples_a_trained_run_in_its_last_phase(tmp_path, capsys):
   assert "temperature must be a finite number >= 0" in capsys.readouterr().err
   assert cli.main(["sample", "--out", str(tmp_path / "none")]) == cli.EXIT_USAGE
   assert "No checkpoints" in capsys.readouterr().err
+
+
+def test_outcontrol_channels_reach_the_sampled_forward():
+  """With an OutControlState, the drawn token is the argmax of the model whose tracked layers run those channels in
+  MXFP8 (here channels 0..k-1 of each: the split changes the logits)."""
+  from fp4jax.pretrain import outcontrol  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import steps  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  config = TrainConfig.from_options(recipe="nvfp4", outcontrol_fraction=0.05, outcontrol_start=0)
+  config = config.replace(**{"model.n_layers": 1, "model.max_seq_len": 32})
+  oc_state = outcontrol.initial_state(config)
+  oc_state = oc_state._replace(idx=jax.tree.map(lambda i: jnp.arange(i.size, dtype=jnp.int32), oc_state.idx))
+  model = _model("nvfp4")
+  graphdef, params = nnx.split(model)
+  prompt, key = np.asarray([3, 1, 4, 1, 5, 9, 2, 6], np.int32), jax.random.key(4)
+  got = sample_lib.generate(graphdef, params, prompt, sample_lib.SampleConfig(new_tokens=1, temperature=0.0),
+                            window=8, model_key=key, outcontrol=oc_state)
+  forward = lambda oc: jax.jit(lambda p, t: (steps.with_outliers(nnx.merge(graphdef, p), oc) if oc else  # noqa: E731
+                                             nnx.merge(graphdef, p))(t, key=key))(params, jnp.asarray([prompt]))
+  with_oc, without = forward(oc_state), forward(None)
+  assert not np.array_equal(np.asarray(with_oc), np.asarray(without))  # the channels do change the forward
+  assert got.tolist() == [int(jnp.argmax(with_oc[0, -1]))]
