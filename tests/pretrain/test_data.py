@@ -425,6 +425,10 @@ def test_bpe_tokenizer(text_folder, tmp_path):
   assert tokens.size < sum(f.stat().st_size for f in data.corpus_files(str(text_folder)))
   assert tokens.max() < ds.vocab_size
   assert data.decode(ds, tokens).startswith("# first file\n# first file")
+  text = "# first file\nä and more"  # encode (fp4jax sample's prompts) inverts decode, in fewer tokens than bytes
+  ids = data.encode(ds, text)
+  assert ids.dtype == np.int32 and ids.max() < ds.vocab_size and ids.size < len(text.encode())
+  assert data.decode(ds, ids) == text
 
 
 def _bpe_corpus(folder):
