@@ -14,13 +14,13 @@ to fp4jax's quantizer. Default: the layers and BF16 base run of
 
 from __future__ import annotations
 
-import argparse
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax import cli_values
 from fp4jax import formats
 from fp4jax import rht
 from fp4jax.quantize import dequantize, quantize
@@ -80,7 +80,7 @@ def wgrad_floor(x_MxK, dy_MxN, kind: str, n: int, key, *, num_draws: int = 256) 
 def main(argv: Sequence[str] | None = None) -> int:
   from experiments.probes import recipe_gemms, training  # pylint: disable=g-import-not-at-top  (Flax, data)
   from fp4jax.analysis import model_probes  # pylint: disable=g-import-not-at-top
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = cli_values.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--checkpoint", default="runs/recipe_probes_cpu/base")
   parser.add_argument("--draws", type=int, default=256)
   parser.add_argument("--layers", default="blocks.0.attn.q,blocks.2.attn.q")
