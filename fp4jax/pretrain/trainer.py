@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import pathlib
 import signal
+import sys
 import threading
 import time
 import types
@@ -95,6 +96,21 @@ def _replicated_key(key: jax.Array, placement: Placement) -> jax.Array:
   since a multi-process run refuses to device_put one process's array onto the global devices."""
   data = jax.device_put(np.asarray(jax.random.key_data(key)), placement.replicated)
   return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
+
+
+TERMINAL_BAR_INTERVAL, LOG_BAR_INTERVAL = 0.1, 30.0
+
+
+def bar_interval(stream=None) -> float:
+  """Seconds between progress-bar redraws on `stream` (default sys.stderr): tqdm's 0.1 s on a terminal and in a
+  notebook (whose stderr is not the process's own); 30 s where the process's own stderr is a file or a pipe
+  (`fp4jax train ... 2> log`), which would otherwise get 36,000 bars per hour of training."""
+  stream = sys.stderr if stream is None else stream
+  try:
+    logged = stream is not None and stream is sys.__stderr__ and not stream.isatty()
+  except (AttributeError, ValueError):  # no isatty, or a closed stream
+    logged = False
+  return LOG_BAR_INTERVAL if logged else TERMINAL_BAR_INTERVAL
 
 
 @contextlib.contextmanager
@@ -375,7 +391,7 @@ class _Loop:
 
     main = distributed.is_main_process()
     bar = tqdm.tqdm(total=config.steps, initial=self.start, disable=not (config.logging.progress and main), unit="step",
-                    dynamic_ncols=True)
+                    dynamic_ncols=True, mininterval=bar_interval())
     # Without the bar a run would be silent until it ends: each validation gets a log line instead.
     log_validation = self.log if bar.disable else (lambda _: None)
     metrics_file = metrics_lib.MetricsLog(self.out) if main else contextlib.nullcontext(_NO_METRICS)

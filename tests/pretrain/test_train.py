@@ -166,15 +166,40 @@ def test_progress_bar_is_redrawn_at_its_own_rate_not_every_step(env, tmp_path, m
   import tqdm  # pylint: disable=g-import-not-at-top
   out = io.StringIO()
 
+  asked = []
+
   class Unhurried(tqdm.tqdm):  # redraws only when it opens and closes
     def __init__(self, *args, **kwargs):
+      asked.append(kwargs.get("mininterval"))
       super().__init__(*args, **{**kwargs, "mininterval": 1e9, "file": out})
 
   monkeypatch.setattr(tqdm, "tqdm", Unhurried)
+  monkeypatch.setattr(trainer, "bar_interval", lambda: 12.5)
   summary = run(env, make_config(env, tmp_path, steps=6, progress=True))
+  assert asked == [12.5]  # the bar redraws at bar_interval()'s rate
   text = out.getvalue()
   assert text.count("loss=") == 1, text  # the closing redraw, with the last step's loss
   assert "6/6" in text and f"loss={summary['losses'][-1]:.4f}" in text, text
+
+
+def test_bar_interval_is_long_only_where_the_process_stderr_is_a_log(monkeypatch, tmp_path):
+  """A terminal or a notebook (its stderr is not the process's own) gets tqdm's 0.1 s; a file or pipe 30 s."""
+
+  class Stream:
+    def __init__(self, tty):
+      self.tty = tty
+
+    def isatty(self):
+      return self.tty
+
+  log, terminal = Stream(False), Stream(True)
+  monkeypatch.setattr(sys, "__stderr__", log)
+  assert trainer.bar_interval(log) == trainer.LOG_BAR_INTERVAL == 30.0
+  assert trainer.bar_interval(Stream(False)) == trainer.TERMINAL_BAR_INTERVAL == 0.1  # a notebook's stream
+  monkeypatch.setattr(sys, "__stderr__", terminal)
+  assert trainer.bar_interval(terminal) == 0.1
+  monkeypatch.setattr(sys, "__stderr__", None)
+  assert trainer.bar_interval(None) == 0.1 and trainer.bar_interval(object()) == 0.1  # pytest's stderr; no isatty
 
 
 @pytest.mark.slow
