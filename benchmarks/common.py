@@ -94,8 +94,9 @@ def malloc_note() -> str:
   time by 11-15% and the quantizer rows that write a fresh buffer by up to 2x).
 
   glibc hands out each buffer above 32 MiB as a fresh mapping, faulted in 4 KiB page by page on first write, on
-  nearly every call (a CI run under pytest saw one call of two reuse memory); with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35, read at process start) it asks for
-  transparent 2 MiB pages instead, and with glibc.malloc.mmap_max=0 (and arena_max=1) it reuses freed heap memory.
+  nearly every call (a CI run under pytest saw one call of two reuse memory); with
+  GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35, read at process start) it asks for transparent 2 MiB pages
+  instead, and with glibc.malloc.mmap_max=0 (and arena_max=1) it reuses freed heap memory.
   """
   tunables = [t.strip() for t in os.environ.get("GLIBC_TUNABLES", "").split(":")]
   huge = any(t in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2") for t in tunables)

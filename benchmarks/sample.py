@@ -26,19 +26,15 @@ import fp4jax  # noqa: E402  pylint: disable=wrong-import-position
 from benchmarks import common  # noqa: E402  pylint: disable=wrong-import-position
 from fp4jax import cli_values  # noqa: E402  pylint: disable=wrong-import-position
 from fp4jax.pretrain import model as model_lib  # noqa: E402  pylint: disable=wrong-import-position
+from fp4jax.pretrain import run_setup  # noqa: E402  pylint: disable=wrong-import-position
 from fp4jax.pretrain import sample as sample_lib  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def models(model: str, recipes) -> dict[str, tuple]:
   """{recipe: (graphdef, params)}: one set of random parameters shared by every recipe's graph."""
   config = model_lib.get_model_config(model)
-  params = jax.jit(lambda k: nnx.state(model_lib.Transformer(config, rngs=nnx.Rngs(params=k))))(jax.random.key(0))
-  out = {}
-  for name in recipes:
-    recipe = fp4jax.recipes.get_recipe(name)
-    shape = nnx.eval_shape(lambda r=recipe: model_lib.Transformer(config, recipe=r, rngs=nnx.Rngs(0)))
-    out[name] = (nnx.graphdef(shape), params)
-  return out
+  return {name: nnx.split(run_setup.init_model(config, fp4jax.recipes.get_recipe(name), jax.random.key(0)))
+          for name in recipes}
 
 
 def measure(model: str, recipes, *, tokens: int, rounds: int) -> list[dict]:

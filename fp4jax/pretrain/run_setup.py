@@ -35,9 +35,14 @@ def run_keys(seed: int) -> dict[str, jax.Array]:
 def build_model(config: TrainConfig, key: jax.Array) -> model_lib.Transformer:
   """The model with freshly initialised float32 params, built with the policy's per-layer recipes of step 0."""
   names = model_lib.layer_names(config.model)
-  recipes = config.policy.layer_recipes(names, config.model.n_layers, 0, config.steps)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda k: _make_model(config.model, recipes, k), key))
-  return nnx.merge(graphdef, _init_state(config.model, key))
+  return init_model(config.model, config.policy.layer_recipes(names, config.model.n_layers, 0, config.steps), key)
+
+
+def init_model(model_config: model_lib.ModelConfig, recipe, key: jax.Array) -> model_lib.Transformer:
+  """A Transformer with `recipe` (as Transformer takes it) and params initialised from `key` under one compile per
+  model config; the params do not depend on the recipe."""
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda k: _make_model(model_config, recipe, k), key))
+  return nnx.merge(graphdef, _init_state(model_config, key))
 
 
 def _make_model(model_config, recipe, key):

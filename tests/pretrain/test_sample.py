@@ -1,7 +1,6 @@
 """fp4jax.pretrain.sample: drawing tokens (greedy, temperature, top-k), generation against a plain loop over the
 model, its checks, and `fp4jax sample` on a trained run (slow)."""
 
-import functools
 import json
 
 import jax
@@ -14,21 +13,14 @@ import fp4jax
 from fp4jax.pretrain import cli
 from fp4jax.pretrain import data as data_lib
 from fp4jax.pretrain import model as model_lib
+from fp4jax.pretrain import run_setup
 from fp4jax.pretrain import sample as sample_lib
 
 CONFIG = model_lib.get_model_config("tiny", n_layers=1, max_seq_len=32)
 
 
-@functools.lru_cache(maxsize=None)
-def _params():
-  """Initialised under jit (eagerly, op by op, it took seconds); a recipe leaves the params' structure alone."""
-  return jax.jit(lambda key: nnx.state(model_lib.Transformer(CONFIG, rngs=nnx.Rngs(params=key))))(jax.random.key(0))
-
-
 def _model(recipe="bf16"):
-  recipe = fp4jax.recipes.get_recipe(recipe)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.Transformer(CONFIG, recipe=recipe, rngs=nnx.Rngs(0))))
-  return nnx.merge(graphdef, _params())
+  return run_setup.init_model(CONFIG, fp4jax.recipes.get_recipe(recipe), jax.random.key(0))
 
 
 def test_pick_token_greedy_top_k_and_vocabulary():
