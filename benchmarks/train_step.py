@@ -12,7 +12,9 @@ reuses the argument's buffers); "faults" is the process's minor page faults per 
 the first recipe (bf16 by default); with --runs N the timed steps come in N blocks, and "x med" / "x min" are the
 median / min over blocks of each block's step-time ratio. "loss@step" is each recipe's training loss at its last
 timed step (on that step's batch, before its update; every recipe sees the same batches and keys), so a ratio is
-never read without what the timed run trains to.
+never read without what the timed run trains to. `--grad-accum 1 4` adds a row per recipe and number of
+micro-batches per step ("nvfp4/accum4": the same batch in 4 micro-batches, steps.accumulated): what accumulation
+costs in step time, and what it saves in temp memory.
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ from fp4jax.pretrain import trainer  # pylint: disable=wrong-import-position
 from fp4jax.pretrain.config import TrainConfig  # pylint: disable=wrong-import-position
 
 
-def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, dataset, model_overrides=None):
-  """Compiled train and eval steps, an initial state and a few batches for one (model, recipe); `model_overrides`:
-  ModelConfig fields to replace, e.g. {"n_layers": 8}."""
+def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, dataset, model_overrides=None,
+           grad_accum: int = 1):
+  """Compiled train and eval steps, an initial state and a few batches for one (model, recipe, grad_accum);
+  `model_overrides`: ModelConfig fields to replace, e.g. {"n_layers": 8}."""
   overrides = {f"model.{k}": v for k, v in (model_overrides or {}).items()}
   config = TrainConfig.from_options(model=model_name, recipe=recipe, batch_size=batch_size, seq_len=seq_len,
-                                    steps=1000, progress=False, **overrides)
+                                    steps=1000, progress=False, grad_accum=grad_accum, **overrides)
   keys = trainer.run_keys(0)
   model = trainer.build_model(config, keys["init"])
   graphdef = nnx.graphdef(model)
@@ -52,7 +55,7 @@ def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, d
   state = steps_lib.TrainState(params, jax.jit(optimizer.init)(params), jnp.asarray(0, jnp.int32))
   batches = [data.get_batch(dataset, "train", i, batch_size=batch_size, seq_len=config.train_seq_len, seed=0)
              for i in range(4)]
-  step, compile_s = compile_step(graphdef, optimizer, state, batches[0], keys["step"])
+  step, compile_s = compile_step(graphdef, optimizer, state, batches[0], keys["step"], grad_accum)
   evaluate = jax.jit(steps_lib.make_eval_step(graphdef)).lower(params, batches[0], keys["step"]).compile()
   mem = step.memory_analysis()
   memory = {name: int(getattr(mem, f"{name}_size_in_bytes", 0) or 0) for name in ("temp", "argument", "output")}
@@ -61,12 +64,13 @@ def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, d
           "tokens": batch_size * config.train_seq_len, "step_times": [], "eval_times": [], "step_faults": []}
 
 
-def compile_step(graphdef, optimizer, state, batch, key):
+def compile_step(graphdef, optimizer, state, batch, key, grad_accum: int = 1):
   """(the train step compiled for these arguments, the seconds it took to trace, lower and compile). A new step
   function every call; the jits nested in it keep their trace caches (benchmarks/compile_time.py clears them)."""
   t0 = time.perf_counter()
   # Donated, as the trainer's step is (steps.Phases): the new state is written over the old one.
-  step = jax.jit(steps_lib.make_train_step(graphdef, optimizer), donate_argnums=0).lower(state, batch, key).compile()
+  step = jax.jit(steps_lib.make_train_step(graphdef, optimizer, grad_accum=grad_accum),
+                 donate_argnums=0).lower(state, batch, key).compile()
   return step, time.perf_counter() - t0
 
 
@@ -85,13 +89,17 @@ def _time_once(run: dict, i: int) -> None:
 
 
 def benchmark(models, recipes, *, steps: int, warmup: int, batch_size: int, seq_len: int | None,
-              runs: int = 1) -> list[dict]:
-  """One result row per (model, recipe). With runs > 1 the timed steps repeat in `runs` blocks (after one warmup)
-  and each row also gets the median and min over blocks of the block's median step-time ratio."""
+              runs: int = 1, grad_accums=(1,)) -> list[dict]:
+  """One result row per (model, recipe, grad_accum); the first recipe at the first grad_accum is the baseline.
+  With runs > 1 the timed steps repeat in `runs` blocks (after one warmup) and each row also gets the median and min
+  over blocks of the block's median step-time ratio."""
   dataset = data.load_dataset(data.DataConfig())
   rows = []
+  entries = {(r if a == 1 else f"{r}/accum{a}"): (r, a) for a in grad_accums for r in recipes}
+  recipes = list(entries)
   for model_name in models:
-    setups = {r: _setup(model_name, r, batch_size, seq_len, dataset) for r in recipes}
+    setups = {label: _setup(model_name, r, batch_size, seq_len, dataset, grad_accum=a)
+              for label, (r, a) in entries.items()}
     for i in range(warmup):
       for r in recipes:
         _time_once(setups[r], i)
@@ -148,11 +156,13 @@ def main(argv=None) -> int:
   parser.add_argument("--runs", type=int, default=1,
                       help="blocks of --steps timed steps; 'x med' / 'x min': median / min of the blocks' ratios")
   parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--grad-accum", type=int, nargs="+", default=[1],
+                      help="micro-batches per step; several values give a row each per recipe")
   parser.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
   args = parser.parse_args(argv)
   rows = benchmark(args.models.split(","), args.recipes, steps=args.steps, warmup=args.warmup,
-                   batch_size=args.batch_size, seq_len=args.seq_len, runs=args.runs)
+                   batch_size=args.batch_size, seq_len=args.seq_len, runs=args.runs, grad_accums=args.grad_accum)
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; batch {args.batch_size}; "
         f"{common.malloc_note()}")
   _print(rows)

@@ -5,7 +5,7 @@ Groups: `model` (ModelConfig, a preset name plus `--model.FIELD VALUE`), `data` 
 `--bf16-pattern`, `--switch-at`, `--switch`), `optimizer` (OptimizerConfig: `--lr`, `--b1`, ...), `evaluation`,
 `osci_reset` (OsciResetConfig: TetraJet-v2's OsciReset, `--osci-reset-start`, ...), `outcontrol` (OutControlConfig:
 TetraJet-v2's OutControl, `--outcontrol-fraction`, `--outcontrol-start`, `--outcontrol-window`), `logging` and
-`checkpointing`; the run's own fields (`--out`, `--steps`, `--batch-size`, `--seq-len`, `--seed`,
+`checkpointing`; the run's own fields (`--out`, `--steps`, `--batch-size`, `--grad-accum`, `--seq-len`, `--seed`,
 `--mesh`) sit at the top. Every group field has one flat option name (its flag), used on the command line, in sweep
 overrides and by `TrainConfig.replace(lr=1e-3, bf16_last=2)`; fields that do not change a run's result carry
 `result_free` in their metadata (see fp4jax.pretrain.options).
@@ -130,6 +130,9 @@ class TrainConfig:
   optimizer: OptimizerConfig = option(help="AdamW and its schedule", factory=OptimizerConfig)
   steps: int = option(200, "optimizer steps (with --resume, another value is a new LR schedule: see --keep-schedule)")
   batch_size: int = option(8, "sequences per step")
+  grad_accum: int = option(1, "micro-batches per step: the step's gradient is the mean over grad_accum parts of "
+                           "batch_size / grad_accum sequences, run one at a time (less activation memory; each part "
+                           "has its own quantization amaxes and SR key)")
   seq_len: int | None = option(None, "tokens per sequence; None = the model's max_seq_len")
   seed: int = option(0, "seeds init, data order and stochastic rounding")
   evaluation: EvalConfig = option(help="validation and statistics", factory=EvalConfig)
@@ -148,7 +151,10 @@ class TrainConfig:
     for name, cls in _NESTED_TYPES.items():
       if not isinstance(getattr(self, name), cls):
         raise ValueError(f"TrainConfig.{name} must be a {cls.__name__}; got {getattr(self, name)!r}.")
-    _need_ints(self, 1, "steps", "batch_size")
+    _need_ints(self, 1, "steps", "batch_size", "grad_accum")
+    if self.batch_size % self.grad_accum:
+      raise ValueError(f"TrainConfig: grad_accum={self.grad_accum} must divide batch_size={self.batch_size} (each "
+                       "micro-batch holds batch_size / grad_accum sequences).")
     _need_ints(self, 0, "seed")
     if isinstance(self.mesh, sharding_lib.MeshConfig):
       object.__setattr__(self, "mesh", str(self.mesh))

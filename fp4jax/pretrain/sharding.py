@@ -207,12 +207,14 @@ def recipe_block_sizes(recipe) -> dict[str, Any]:
 
 
 def check_divisibility(params, mesh: Mesh, *, block_size: int, weight_2d: bool, batch_size: int, seq_len: int,
-                       rht_size: int, rules=PARTITION_RULES, quantized=r"blocks\.\d+\..*kernel$"):
+                       rht_size: int, rules=PARTITION_RULES, quantized=r"blocks\.\d+\..*kernel$",
+                       grad_accum: int = 1):
   """Raises ValueError unless quantization blocks stay inside shards.
 
   - each sharded dim of a quantized kernel holds a whole number of blocks per shard (`block_size` elements, or
     block_size x block_size tiles when `weight_2d`);
-  - each batch shard holds a whole number of token blocks and `rht_size` RHT tiles (Wgrad blocks run along tokens).
+  - each batch shard holds a whole number of token blocks and `rht_size` RHT tiles (Wgrad blocks run along tokens),
+    in each of the step's `grad_accum` micro-batches (batch_size / grad_accum sequences each).
   block_size and rht_size come from the recipe (its weight format's block size; 1 for unquantized recipes).
   """
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -229,12 +231,18 @@ def check_divisibility(params, mesh: Mesh, *, block_size: int, weight_2d: bool, 
                          f"{entry!r} gives {leaf.shape[dim] / n:g} per shard, not a multiple of {block_size}: the "
                          f"recipe's {layout} would straddle shard boundaries.")
   n_batch = _shards(mesh, BATCH_AXES)
-  if batch_size % n_batch:
-    raise ValueError(f"batch_size {batch_size} is not divisible by the {n_batch} batch shards (data x fsdp).")
-  tokens = batch_size // n_batch * seq_len
+  if batch_size % grad_accum:
+    raise ValueError(f"grad_accum {grad_accum} does not divide batch_size {batch_size}.")
+  micro = batch_size // grad_accum
+  if micro % n_batch:
+    what = (f"batch_size {batch_size}" if grad_accum == 1 else
+            f"the micro-batch size {micro} (batch_size {batch_size} / grad_accum {grad_accum})")
+    raise ValueError(f"{what} is not divisible by the {n_batch} batch shards (data x fsdp).")
+  tokens = micro // n_batch * seq_len
   multiple = math.lcm(block_size, rht_size)
   if n_batch > 1 and tokens % multiple:
-    raise ValueError(f"each batch shard holds {tokens} tokens ({batch_size // n_batch} x {seq_len}), not a multiple "
+    where = "each batch shard" if grad_accum == 1 else "each batch shard of a micro-batch"
+    raise ValueError(f"{where} holds {tokens} tokens ({micro // n_batch} x {seq_len}), not a multiple "
                      f"of {multiple}: Wgrad's token blocks / RHT tiles would straddle shards.")
 
 
@@ -287,15 +295,18 @@ class Placement:
     return cls(state=device, params=device, batch=device, replicated=device)
 
   @classmethod
-  def for_mesh(cls, mesh_spec: str | None, state, *, recipe, batch_size: int, seq_len: int) -> "Placement":
-    """One device when `mesh_spec` is empty; else a mesh, after checking `recipe`'s blocks fit its shards."""
+  def for_mesh(cls, mesh_spec: str | None, state, *, recipe, batch_size: int, seq_len: int,
+               grad_accum: int = 1) -> "Placement":
+    """One device when `mesh_spec` is empty; else a mesh, after checking `recipe`'s blocks fit its shards (those
+    of each of the step's `grad_accum` micro-batches)."""
     if not mesh_spec:
       if jax.process_count() > 1:
         raise ValueError(f"this is one of {jax.process_count()} processes: pass a --mesh over all "
                          f"{jax.device_count()} devices (e.g. data={jax.device_count()}).")
       return cls.single_device()
     mesh = make_mesh(mesh_spec)
-    check_divisibility(state.params, mesh, batch_size=batch_size, seq_len=seq_len, **recipe_block_sizes(recipe))
+    check_divisibility(state.params, mesh, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
+                       **recipe_block_sizes(recipe))
     state_sh = tree_shardings(state, mesh)
     return cls(state=state_sh, params=state_sh.params, batch=batch_sharding(mesh), replicated=replicated(mesh),
                mesh=mesh, key=str(mesh_spec))

@@ -3,7 +3,8 @@
 A step is a pure function of (state, batch, key) with state = TrainState(params, opt_state, step, osci, outcontrol):
 float32 master weights and optimizer state, bf16 compute inside the model, and OsciReset's / OutControl's
 statistics when they are on. The model's structure and its layers' recipes are the static `graphdef`, so each
-precision phase (and each OutControl phase) has its own graphdef and its own compiled step.
+precision phase (and each OutControl phase) has its own graphdef and its own compiled step. With grad_accum > 1 a
+step runs its batch as micro-batches, one at a time (`accumulated`).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def _all_finite(tree) -> jax.Array:
 def make_train_step(graphdef, optimizer: optax.GradientTransformation | Callable[[ScheduleArgs], Any],
                     osci: osci_lib.OsciResetConfig | None = None,
                     outcontrol: outcontrol_lib.OutControlConfig | None = None, oc_phase: str = "off",
-                    gather_params: Callable | None = None) -> Callable:
+                    gather_params: Callable | None = None, grad_accum: int = 1) -> Callable:
   """step(state, batch, key) -> (new_state, metrics): one AdamW update; apply jax.jit (and shardings) yourself.
 
   optimizer: an optax GradientTransformation; or a function of the LR schedule's numbers returning one (e.g.
@@ -124,6 +125,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation | Callable
   outcontrol, oc_phase: an enabled OutControlConfig and the OutControl phase of the steps this function runs
   ("off", "record" or "on", see outcontrol.phase); state.outcontrol must hold its state.
   gather_params: on a mesh, the Placement's `gather_params` (the forward reads the params through it).
+  grad_accum: micro-batches per step (see `accumulated`); 1 is the plain step.
   """
   if oc_phase not in outcontrol_lib.PHASES:
     raise ValueError(f"oc_phase must be one of {outcontrol_lib.PHASES}; got {oc_phase!r}.")
@@ -135,12 +137,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation | Callable
   else:
     loss_fn = _outcontrol_loss_fn(graphdef, oc_phase)
   loss_fn = _reading_through(loss_fn, gather_params)
+  grad_fn = accumulated(jax.value_and_grad(loss_fn, has_aux=True), grad_accum)
 
   def step(state: TrainState, batch, key, schedule: ScheduleArgs | None = None):
     tx = _optimizer_for(optimizer, schedule)
     if oc_phase != "off" and state.outcontrol is None:
       raise ValueError("OutControl is on but TrainState.outcontrol is None: build it with outcontrol.initial_state.")
-    (loss, sq_norms), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, key, state.outcontrol)
+    (loss, sq_norms), grads = grad_fn(state.params, batch, key, state.outcontrol)
     grad_norm = global_norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -160,6 +163,61 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation | Callable
     return new_state, metrics
 
   return step
+
+
+def micro_batches(batch, n: int):
+  """The batch's arrays as [n, B / n, ...]: micro-batch i holds rows i, i + n, i + 2n, ... of the batch.
+
+  Strided, not contiguous, so that every batch shard of a mesh (a contiguous block of rows, B / n divisible by the
+  shard count) holds its own rows of every micro-batch: the split moves no data between devices, and a mesh run
+  cuts the batch into the same micro-batches as a single device.
+  """
+  def split(x):
+    if x.shape[0] % n:
+      raise ValueError(f"grad_accum={n} does not divide the batch of {x.shape[0]} rows.")
+    return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
+
+  return jax.tree.map(split, batch)
+
+
+def accumulated(grad_fn: Callable, n: int) -> Callable:
+  """grad_fn(params, batch, key, oc_state) -> ((loss, sq_norms), grads) over `n` micro-batches, one at a time.
+
+  Micro-batch i (`micro_batches`) runs with key fold_in(key, i), so its stochastic rounding and RHT signs are its
+  own. loss and grads are the means over the micro-batches (the full batch's mean loss and its gradient, as all
+  have the same number of tokens); OutControl's sq_norms are sums, as over the full batch. A `lax.scan` keeps one
+  micro-batch's activations alive at a time and compiles the forward and backward once. Quantized recipes take
+  each tensor's amax per micro-batch (as TransformerEngine does), so with n > 1 the quantization differs from the
+  full batch's; n = 1 is `grad_fn` itself, the same graph and bits as without accumulation.
+  """
+  if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    raise ValueError(f"grad_accum must be an int >= 1; got {n!r}.")
+  if n == 1:
+    return grad_fn
+
+  def fn(params, batch, key, oc_state):
+    def one(i, micro):
+      return grad_fn(params, micro, None if key is None else jax.random.fold_in(key, i), oc_state)
+
+    micro_BxT = micro_batches(batch, n)
+    shapes = jax.eval_shape(one, 0, jax.tree.map(lambda x: x[0], micro_BxT))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), shapes)
+
+    def body(total, xs):
+      return jax.tree.map(lambda t, v: t + v.astype(t.dtype), total, one(*xs)), None
+
+    ((loss, sq_norms), grads), _ = jax.lax.scan(body, zeros, (jnp.arange(n), micro_BxT))
+    mean = lambda t, s: (t / jnp.asarray(n, t.dtype)).astype(s.dtype)
+    (loss_s, sq_s), grads_s = shapes
+    return (mean(loss, loss_s), jax.tree.map(lambda t, s: t.astype(s.dtype), sq_norms, sq_s)), jax.tree.map(
+        mean, grads, grads_s)
+
+  return fn
+
+
+def _sum_dtype(dtype):
+  """Sums of bfloat16 gradients run in float32; float32 and wider keep their type."""
+  return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
 def with_step_key(step: Callable) -> Callable:
@@ -280,10 +338,10 @@ class Phases:
     graphdef = self.graphdef(step)
     pl = self.placement
     oc_key = (oc_phase, self.config.outcontrol) if oc_phase != "off" else None  # "off" is the plain step
-    return self.cache.get(("train", graphdef, self._optimizer_key, oc_key, pl.key),
+    return self.cache.get(("train", graphdef, self._optimizer_key, oc_key, pl.key, self.config.grad_accum),
                           lambda: jax.jit(pl.traced_on_mesh(with_step_key(make_train_step(
                               graphdef, self.optimizer, self.config.osci_reset, self.config.outcontrol, oc_phase,
-                              pl.gather_params))),
+                              pl.gather_params, self.config.grad_accum))),
                                           in_shardings=(pl.state, pl.batch, pl.replicated, pl.replicated),
                                           out_shardings=(pl.state, pl.replicated), donate_argnums=0))
 

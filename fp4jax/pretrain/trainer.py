@@ -72,7 +72,8 @@ class TrainingDiverged(RuntimeError):
 
 def _placement(config: TrainConfig, state: TrainState) -> Placement:
   return Placement.for_mesh(config.mesh, state, recipe=config.policy.recipe,
-                            batch_size=config.batch_size, seq_len=config.train_seq_len)
+                            batch_size=config.batch_size, seq_len=config.train_seq_len,
+                            grad_accum=config.grad_accum)
 
 
 # --- run folder ---------------------------------------------------------------------------------------------------

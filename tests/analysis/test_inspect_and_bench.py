@@ -488,3 +488,32 @@ def test_trainer_loop_benchmark_runs_both_modes(capsys):
   assert out[0].startswith("trainer loop, tiny, batch 8, 8 steps") and out[1].split()[0] == "recipe"
   row = out[3].split()
   assert row[0] == "bf16" and row[-1] == "same" and all(float(v) > 0 for v in row[1:5])
+
+
+@pytest.mark.slow
+def test_train_step_benchmark_rows_per_grad_accum(capsys):
+  """`--grad-accum 1 4`: a row per recipe and micro-batch count, against the first; 4 micro-batches hold fewer
+  activations at a time, so XLA's temp memory is smaller."""
+  from benchmarks import train_step  # pylint: disable=g-import-not-at-top
+  rows = train_step.benchmark(["tiny"], ["bf16"], steps=1, warmup=0, batch_size=8, seq_len=32, grad_accums=(1, 4))
+  assert [r["recipe"] for r in rows] == ["bf16", "bf16/accum4"]
+  assert rows[0]["step_ratio"] == 1.0 and rows[1]["temp_mb"] < rows[0]["temp_mb"]
+  assert all(np.isfinite(r["loss"]) for r in rows)
+  train_step._print(rows)  # pylint: disable=protected-access
+  assert "bf16/accum4" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_step_memory_benchmark_compiles_without_running(capsys):
+  """benchmarks/step_memory.py: abstract arrays only; a step of 2 micro-batches needs less scratch than the whole
+  batch's, and the table has a row per (recipe, grad_accum) with ratios to the first."""
+  from benchmarks import step_memory  # pylint: disable=g-import-not-at-top
+  assert step_memory.main(["--model", "tiny", "--layers", "1", "--recipes", "bf16", "--grad-accum", "1", "2",
+                           "--batch-size", "4", "--seq-len", "32"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert "tiny (n_layers=1), batch 4 x 32 tokens" in lines[0]
+  one, two = (line.split() for line in lines[3:5])
+  assert one[:2] == ["bf16", "1"] and two[:2] == ["bf16", "2"] and one[4] == "1.00"
+  assert float(two[3]) < float(one[3])  # temp MiB
+  row = step_memory.step_memory("tiny", "bf16", batch_size=4, seq_len=32, model_overrides={"n_layers": 1})
+  assert row["peak"] == row["argument"] + row["output"] - row["alias"] + row["temp"] and row["alias"] > 0

@@ -92,6 +92,18 @@ def test_scan_layers_on_a_mesh_matches_the_loop_on_one_device(env, capfd, monkey
 
 
 @pytest.mark.slow
+def test_grad_accum_on_a_mesh_matches_one_device(env, capfd, monkeypatch):
+  """Micro-batch i is rows i, i + 2, ... on any mesh (steps.micro_batches): each batch shard holds its part of every
+  micro-batch, the step partitions without replicating it, and trains as the same accumulation on one device."""
+  one = _run(env, _config(env, "accum_single", batch_size=16, grad_accum=2))
+  mesh = _run_compiling(_config(env, "accum_mesh", batch_size=16, grad_accum=2, mesh="data=2,fsdp=2,tensor=2"),
+                        monkeypatch)
+  np.testing.assert_allclose(mesh["losses"][0], one["losses"][0], rtol=1e-5)
+  np.testing.assert_allclose(mesh["losses"], one["losses"], rtol=2e-2)  # as test_losses_match_single_device
+  assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+
+@pytest.mark.slow
 def test_checkpoint_saved_on_one_mesh_resumes_on_another(env):
   first = _run(env, _config(env, "dp", mesh="data=8"))
   resumed_dir = env["root"] / "resumed"
