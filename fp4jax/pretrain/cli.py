@@ -6,6 +6,7 @@
   fp4jax train --out runs/x --resume                       (continue runs/x from its newest readable checkpoint)
   fp4jax train --out runs/x --resume --steps 400 --keep-schedule   (lengthen it: see "Resuming" below)
   fp4jax eval --out runs/x                                 (validation loss of the latest checkpoint)
+  fp4jax eval --out runs/x --recipe bf16                   (the same weights, forward unquantized)
   fp4jax sample --out runs/x --prompt "ROMEO:" --tokens 200  (text from the latest checkpoint)
 
 Resuming: --resume continues from the newest readable checkpoint in --out with the config stored in it (options
@@ -93,8 +94,15 @@ def _eval_parser() -> argparse.ArgumentParser:
   parser.add_argument("--corpus", "--data.corpus", dest="corpus", default=None,
                       help="evaluate on this corpus (default: the one the checkpoint was trained on, at the absolute "
                       "path it recorded; refused if its content changed since)")
+  parser.add_argument("--recipe", default=None, help=RECIPE_HELP)
   parser.add_argument("--json", action="store_true", help="print the result as JSON")
   return parser
+
+
+RECIPE_HELP = ("run this recipe (CLI form) in every layer the run's precision policy quantizes, instead of the one it "
+               "trained with: e.g. bf16 for the trained weights without forward quantization, nvfp4 for a BF16 run "
+               "quantized after training (BF16 layers of the policy stay BF16; OutControl's MXFP8 channels are "
+               "not used)")
 
 
 def _sample_parser() -> argparse.ArgumentParser:
@@ -111,6 +119,7 @@ def _sample_parser() -> argparse.ArgumentParser:
   parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
   parser.add_argument("--corpus", "--data.corpus", dest="corpus", default=None,
                       help="the checkpoint's corpus where it moved (its tokenizer decodes the text)")
+  parser.add_argument("--recipe", default=None, help=RECIPE_HELP)
   parser.add_argument("--json", action="store_true", help="print the result as JSON")
   return parser
 
@@ -196,7 +205,8 @@ def _run_train(argv: Sequence[str]) -> int:
 
 
 # The options of `fp4jax eval` every process of a multi-process run must share (--json only changes process 0's print).
-EVAL_FLAGS = {"out": "--out", "step": "--step", "eval_batches": "--eval-batches", "corpus": "--corpus"}
+EVAL_FLAGS = {"out": "--out", "step": "--step", "eval_batches": "--eval-batches", "corpus": "--corpus",
+              "recipe": "--recipe"}
 
 
 def _run_eval(argv: Sequence[str]) -> int:
@@ -209,14 +219,15 @@ def _run_eval(argv: Sequence[str]) -> int:
   main_process = distributed.is_main_process()
   log = (lambda line: print(line, file=sys.stderr)) if main_process else None
   setup = _all_started("read its checkpoint and data", lambda: trainer.eval_setup(
-      args.out, args.step, eval_batches=args.eval_batches, corpus=args.corpus, log=log))
+      args.out, args.step, eval_batches=args.eval_batches, corpus=args.corpus, recipe=args.recipe, log=log))
   result = trainer.evaluate_setup(args.out, setup)
   if not main_process:
     return 0
   if args.json:
     print(json.dumps(result))
   else:
-    print(f"step {result['step']}: val_loss {result['val_loss']:.6f} ({result['eval_batches']} batches)")
+    recipe = "" if args.recipe is None else f", recipe {result['recipe']}"
+    print(f"step {result['step']}: val_loss {result['val_loss']:.6f} ({result['eval_batches']} batches{recipe})")
   return 0
 
 
@@ -227,7 +238,7 @@ def _run_sample(argv: Sequence[str]) -> int:
                                      seed=args.seed)
   log = lambda line: print(line, file=sys.stderr)  # noqa: E731
   result = sample_lib.sample_run(args.out, settings, prompt=args.prompt, step=args.step, corpus=args.corpus,
-                                 progress=sys.stderr.isatty(), log=log)
+                                 recipe=args.recipe, progress=sys.stderr.isatty(), log=log)
   if args.json:
     print(json.dumps(result))
     return 0

@@ -131,16 +131,17 @@ def generate(graphdef, params, prompt, sample: SampleConfig = SampleConfig(), *,
 
 def sample_run(out: str | pathlib.Path, sample: SampleConfig = SampleConfig(), *, prompt: str | None = None,
                step: int | None = None, corpus: str | None = None, window: int | None = None, progress: bool = False,
-               log=print) -> dict[str, Any]:
+               recipe=None, log=print) -> dict[str, Any]:
   """Text continuing `prompt` (default: the first 32 tokens of the held-out text) from checkpoint `step` (default:
   latest) of the run in `out`, read with the checkpoint's tokenizer and data (`corpus`, as for `fp4jax eval`).
+  `recipe`: another recipe in the layers the run's policy quantizes (trainer.with_forward_recipe).
 
   Returns {"step", "layers" (recipe name: count of linear layers), "prompt", "text", "tokens", "window", and the
   SampleConfig's fields}.
   """
   if jax.process_count() > 1:
     raise ValueError("fp4jax sample runs in one process: start it without the FP4JAX_* multi-process variables.")
-  setup = trainer.eval_setup(out, step, eval_batches=1, corpus=corpus, log=log)
+  setup = trainer.eval_setup(out, step, eval_batches=1, corpus=corpus, recipe=recipe, log=log)
   dataset = setup.dataset
   if prompt is None:
     source = dataset.val if dataset.val.size else dataset.train

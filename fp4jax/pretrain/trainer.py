@@ -43,6 +43,7 @@ from fp4jax.pretrain import distributed
 from fp4jax.pretrain import metrics as metrics_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain import osci as osci_lib
+from fp4jax.pretrain import policy as policy_lib
 from fp4jax.pretrain import profiling
 from fp4jax.pretrain import resume as resume_lib
 from fp4jax.pretrain import runfolder
@@ -535,11 +536,21 @@ class EvalSetup:
   config: TrainConfig  # with the corpus and the validation batches it evaluates on
   val: list[dict[str, np.ndarray]]  # the fixed validation batches
   dataset: data_lib.TokenDataset | None = None  # the data they come from (its tokenizer: fp4jax.pretrain.sample)
+  forward: TrainConfig | None = None  # with another recipe (with_forward_recipe): its layers run the forward
+
+
+def with_forward_recipe(config: TrainConfig, recipe) -> TrainConfig:
+  """`config` whose precision policy runs `recipe` (a spec or Recipe) in every layer it quantizes, for evaluating or
+  sampling a checkpoint in another precision than it trained in (`fp4jax eval --recipe`): the policy's BF16 layers,
+  and all layers after a BF16 switch, stay BF16. OutControl and OsciReset belong to the trained recipe and are off:
+  no MXFP8 outlier channels in the forward."""
+  return config.replace(recipe=recipe, outcontrol_fraction=0.0, osci_reset_start=None)
 
 
 def eval_setup(out: str | pathlib.Path, step: int | None = None, *, eval_batches: int | None = None,
-               corpus: str | None = None, log: Callable[[str], None] | None = print) -> EvalSetup:
-  """The checkpoint's step, meta and config and the checked validation data `evaluate` uses (see there).
+               corpus: str | None = None, recipe=None, log: Callable[[str], None] | None = print) -> EvalSetup:
+  """The checkpoint's step, meta and config and the checked validation data `evaluate` uses (see there); `recipe`
+  (see with_forward_recipe) is checked against the model here, before any array is restored.
 
   Each process of a multi-process run reads on its own (no collective), so one that fails here can tell the others
   (the CLI's start check) instead of leaving them waiting in orbax's restore.
@@ -551,6 +562,8 @@ def eval_setup(out: str | pathlib.Path, step: int | None = None, *, eval_batches
   finally:
     manager.close()
   config = TrainConfig.from_dict(meta["config"])
+  if recipe is not None:
+    with_forward_recipe(config, recipe)  # a recipe the model cannot run is refused before the data is read
   stored_corpus = config.data.corpus
   named = corpus is not None
   corpus = corpus if named else resume_lib.recorded_corpus(meta, step, f"fp4jax eval --out {out}")
@@ -566,13 +579,15 @@ def eval_setup(out: str | pathlib.Path, step: int | None = None, *, eval_batches
   note = resume_lib.eval_data_note(meta.get("data"), dataset.identity, step, named, stored_corpus)
   if note:
     log(note)
-  return EvalSetup(step=step, meta=meta, config=config, val=val, dataset=dataset)
+  forward = None if recipe is None else with_forward_recipe(config, recipe)
+  return EvalSetup(step=step, meta=meta, config=config, val=val, dataset=dataset, forward=forward)
 
 
 @dataclasses.dataclass(frozen=True)
 class RestoredRun:
   """A checkpoint's arrays with what runs them: `phases.graphdef(at)` is the model in the precision phase of the
-  checkpoint's step (`at`: the step, capped at the run's last), `keys` the run's PRNG streams (run_setup.run_keys)."""
+  checkpoint's step (`at`: the step, capped at the run's last), with the setup's forward recipe if it has one
+  (`outcontrol` is then None), `keys` the run's PRNG streams (run_setup.run_keys)."""
 
   step: int
   at: int
@@ -594,8 +609,12 @@ def restore_run(out: str | pathlib.Path, setup: EvalSetup) -> RestoredRun:
     step, restored, _ = ckpt.restore(manager, target._asdict(), setup.step)
   finally:
     manager.close()
-  return RestoredRun(step=step, at=min(step, config.steps - 1), params=restored["params"],
-                     outcontrol=restored.get("outcontrol"), phases=Phases(config, model), keys=keys)
+  outcontrol, phases = restored.get("outcontrol"), Phases(config, model)
+  if setup.forward is not None:  # the same params; only the layers' recipes (the graphdef) differ
+    forward_model = nnx.eval_shape(lambda: build_model(setup.forward, keys["init"]))
+    outcontrol, phases = None, Phases(setup.forward, forward_model)
+  return RestoredRun(step=step, at=min(step, config.steps - 1), params=restored["params"], outcontrol=outcontrol,
+                     phases=phases, keys=keys)
 
 
 def evaluate_setup(out: str | pathlib.Path, setup: EvalSetup) -> dict[str, Any]:
@@ -604,16 +623,21 @@ def evaluate_setup(out: str | pathlib.Path, setup: EvalSetup) -> dict[str, Any]:
   run = restore_run(out, setup)
   val_loss = run.phases.val_loss(run.params, setup.val, run.keys["eval"], run.at, run.outcontrol)
   return {"step": run.step, "val_loss": val_loss, "phase": run.phases.phase(run.at),
-          "eval_batches": setup.config.evaluation.batches}
+          "eval_batches": setup.config.evaluation.batches,
+          "recipe": policy_lib.recipe_spec(run.phases.config.policy.recipe)}
 
 
 def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: int | None = None,
-             corpus: str | None = None, log: Callable[[str], None] | None = print) -> dict[str, Any]:
+             corpus: str | None = None, recipe=None, log: Callable[[str], None] | None = print) -> dict[str, Any]:
   """Validation loss of the checkpoint at `step` (default: latest) of the run in `out`.
 
   The data is the corpus the checkpoint recorded (its absolute path: a relative --data.corpus means what it meant
   when the run trained); if its content or tokenizer changed since, a ValueError says what changed. `corpus` names
   other data to evaluate on (a note, through `log`, says when it is not the data the checkpoint trained on).
-  Returns {"step", "val_loss", "phase", "eval_batches"}. Raises CheckpointError if there is no readable checkpoint.
+  `recipe` evaluates the checkpoint's weights with another recipe in the layers its policy quantizes (see
+  with_forward_recipe): "bf16" for the trained weights without forward quantization, "nvfp4" for a BF16 run
+  quantized after training.
+  Returns {"step", "val_loss", "phase", "eval_batches", "recipe" (the policy's recipe the forward ran)}. Raises
+  CheckpointError if there is no readable checkpoint.
   """
-  return evaluate_setup(out, eval_setup(out, step, eval_batches=eval_batches, corpus=corpus, log=log))
+  return evaluate_setup(out, eval_setup(out, step, eval_batches=eval_batches, corpus=corpus, recipe=recipe, log=log))

@@ -500,9 +500,11 @@ def test_cli_eval_compares_its_settings_across_processes(monkeypatch):
   monkeypatch.setattr(distributed, "check_same_run", lambda settings, flags: compared.append((settings, flags)))
   monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
   with pytest.raises(ckpt.CheckpointError):
-    cli._run_eval(["--out", "nowhere", "--step", "4", "--corpus", "c.txt"])  # pylint: disable=protected-access
-  assert compared == [({"out": "nowhere", "step": 4, "eval_batches": None, "corpus": "c.txt"},
-                       {"out": "--out", "step": "--step", "eval_batches": "--eval-batches", "corpus": "--corpus"})]
+    args = ["--out", "nowhere", "--step", "4", "--corpus", "c.txt", "--recipe", "bf16"]
+    cli._run_eval(args)  # pylint: disable=protected-access
+  assert compared == [({"out": "nowhere", "step": 4, "eval_batches": None, "corpus": "c.txt", "recipe": "bf16"},
+                       {"out": "--out", "step": "--step", "eval_batches": "--eval-batches", "corpus": "--corpus",
+                        "recipe": "--recipe"})]
 
 
 @pytest.mark.slow
