@@ -120,7 +120,7 @@ def test_every_recipe_string_in_the_docs_parses():
 
 _HELP_SCRIPT = r"""
 import contextlib, io, json, sys
-from experiments import cli
+from experiments import cli, eval_precision
 from experiments.probes import recipe_gemms, run
 from fp4jax.pretrain import cli as train_cli
 
@@ -140,6 +140,7 @@ print(json.dumps({
     "experiments": cli.make_parser("python -m experiments.NAME", "").format_help(),
     "probes": help_of(run.main, ["--help"]),
     "probes recipes": help_of(recipe_gemms.main, ["--help"]),
+    "eval_precision": help_of(eval_precision.main, ["--help"]),
 }))
 """
 
@@ -172,6 +173,8 @@ def _command_of(span):
     return "probes recipes"
   if "experiments.probes" in span:
     return "probes"
+  if "experiments.eval_precision" in span:
+    return "eval_precision"
   if re.search(r"python -m experiments\.(?!report)\w+", span):
     return "experiments"
   if "benchmarks/gpu.sh" in span:

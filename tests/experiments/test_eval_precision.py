@@ -1,0 +1,57 @@
+"""`python -m experiments.eval_precision`: a sweep's runs evaluated in other precisions."""
+
+import json
+import shutil
+
+import pytest
+
+from experiments import eval_precision
+from fp4jax.pretrain.config import TrainConfig
+from readme_blocks import MAIN_JOB_GROUP
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group(MAIN_JOB_GROUP)
+def test_formats_smoke_sweep_evaluated_in_bf16(tmp_path, capsys, request):
+  folder, records = request.getfixturevalue("formats_smoke_sweep")
+  shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+  assert eval_precision.main([str(tmp_path), "--recipes", "bf16", "--quiet"]) == 0
+  rows = [json.loads(line) for line in (tmp_path / eval_precision.JSONL).read_text().splitlines()]
+  assert [(r["run"], r["recipe"]) for r in rows] == [(run, recipe) for run in ("bf16", "nvfp4", "mxfp4")
+                                                     for recipe in ("own", "bf16")]
+  loss = {(r["run"], r["recipe"]): r["val_loss"] for r in rows}
+  for record in records:  # the own column is the run's final validation
+    assert loss[record["run"], "own"] == pytest.approx(record["summary"]["final_val_loss"], rel=1e-6)
+  assert loss["bf16", "bf16"] == loss["bf16", "own"]  # the BF16 run's own recipe: the same graph, the same bits
+  assert loss["nvfp4", "bf16"] != loss["nvfp4", "own"] and loss["mxfp4", "bf16"] != loss["mxfp4", "own"]
+  assert {r["recipe_spec"] for r in rows if r["run"] == "nvfp4"} == {"nvfp4", "bf16"}
+  text = (tmp_path / eval_precision.MARKDOWN).read_text()
+  assert "| nvfp4 (nvfp4) | 1 |" in text and f"{loss['nvfp4', 'bf16'] - loss['nvfp4', 'own']:+.4f}" in text
+  assert text in capsys.readouterr().out
+  assert (tmp_path / eval_precision.PNG).stat().st_size > 10_000
+
+
+def test_refuses_a_folder_without_runs_and_a_bad_recipe(tmp_path, capsys, monkeypatch):
+  assert eval_precision.main([str(tmp_path), "--quiet"]) == 2
+  assert "No finished runs" in capsys.readouterr().err
+
+  row = {"run": "nvfp4", "seed": 0, "status": "finished", "label": "NVFP4"}
+  monkeypatch.setattr(eval_precision.report, "collect", lambda folder: ({}, [row], {}))
+  config = TrainConfig.from_options(model="tiny", recipe="nvfp4")
+  monkeypatch.setattr(eval_precision.trainer, "eval_setup", lambda *a, **k: type("S", (), {"config": config}))
+  evaluated = []
+  monkeypatch.setattr(eval_precision.trainer, "evaluate", lambda *a, **k: evaluated.append(k))
+  assert eval_precision.main([str(tmp_path), "--recipes", "bf16", "nvpf4", "--quiet"]) == 2
+  err = capsys.readouterr().err
+  assert "nvfp4/seed0: recipe 'nvpf4'" in err and "did you mean 'nvfp4'" in err
+  assert not evaluated  # refused before the first evaluation
+
+
+def test_table_has_a_difference_column_per_recipe():
+  rows = [{"run": run, "label": run, "seed": seed, "recipe": recipe, "recipe_spec": spec, "step": 10,
+           "val_loss": loss}
+          for run, seed, recipe, spec, loss in [("a", 0, "own", "nvfp4", 2.0), ("a", 1, "own", "nvfp4", 2.2),
+                                                ("a", 0, "bf16", "bf16", 1.9), ("a", 1, "bf16", "bf16", 2.1)]]
+  text = eval_precision.markdown(rows, "runs/x")
+  assert "| run (trained in) | seeds | val loss: own | val loss: bf16 | bf16 - own |" in text
+  assert "| a (nvfp4) | 2 | 2.1000 ± 0.1000 | 2.0000 ± 0.1000 | -0.1000 |" in text
