@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common  # pylint: disable=g-import-not-at-top,wrong-import-position
+from benchmarks import train_step  # pylint: disable=wrong-import-position
 from fp4jax.pretrain import optimizer as optimizer_lib  # pylint: disable=wrong-import-position
 from fp4jax.pretrain import steps as steps_lib  # pylint: disable=wrong-import-position
 from fp4jax.pretrain import trainer  # pylint: disable=wrong-import-position
@@ -46,12 +46,9 @@ def step_memory(model: str, recipe: str, *, batch_size: int, seq_len: int | None
   optimizer = optimizer_lib.make_optimizer(config.optimizer, config.steps)
   state = steps_lib.TrainState(params, jax.eval_shape(optimizer.init, params), jax.ShapeDtypeStruct((), jnp.int32))
   tokens = jax.ShapeDtypeStruct((batch_size, config.train_seq_len), jnp.int32)
-  t0 = time.perf_counter()
-  compiled = jax.jit(steps_lib.make_train_step(graphdef, optimizer, grad_accum=grad_accum), donate_argnums=0).lower(
-      state, {"inputs": tokens, "targets": tokens}, key).compile()
-  compile_s = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
-  sizes = {name: int(getattr(mem, f"{name}_size_in_bytes", 0) or 0) for name in ("temp", "argument", "output", "alias")}
+  compiled, compile_s = train_step.compile_step(graphdef, optimizer, state, {"inputs": tokens, "targets": tokens}, key,
+                                                grad_accum)
+  sizes = train_step.memory_bytes(compiled, ("temp", "argument", "output", "alias"))
   sizes["peak"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
   return {"model": model, "recipe": recipe, "grad_accum": grad_accum, "batch_size": batch_size,
           "seq_len": config.train_seq_len, "compile_s": compile_s, **sizes}

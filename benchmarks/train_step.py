@@ -57,8 +57,7 @@ def _setup(model_name: str, recipe: str, batch_size: int, seq_len: int | None, d
              for i in range(4)]
   step, compile_s = compile_step(graphdef, optimizer, state, batches[0], keys["step"], grad_accum)
   evaluate = jax.jit(steps_lib.make_eval_step(graphdef)).lower(params, batches[0], keys["step"]).compile()
-  mem = step.memory_analysis()
-  memory = {name: int(getattr(mem, f"{name}_size_in_bytes", 0) or 0) for name in ("temp", "argument", "output")}
+  memory = memory_bytes(step)
   return {"config": config, "step": step, "eval": evaluate, "state": state, "batches": batches,
           "key": keys["step"], "compile_s": compile_s, "memory": memory, "graphdef": graphdef, "optimizer": optimizer,
           "tokens": batch_size * config.train_seq_len, "step_times": [], "eval_times": [], "step_faults": []}
@@ -72,6 +71,12 @@ def compile_step(graphdef, optimizer, state, batch, key, grad_accum: int = 1):
   step = jax.jit(steps_lib.make_train_step(graphdef, optimizer, grad_accum=grad_accum),
                  donate_argnums=0).lower(state, batch, key).compile()
   return step, time.perf_counter() - t0
+
+
+def memory_bytes(compiled, names=("temp", "argument", "output")) -> dict[str, int]:
+  """{name: bytes} from XLA's memory analysis of a compiled function (0 where the backend reports none)."""
+  mem = compiled.memory_analysis()
+  return {name: int(getattr(mem, f"{name}_size_in_bytes", 0) or 0) for name in names}
 
 
 def _time_once(run: dict, i: int) -> None:
