@@ -4,7 +4,7 @@
 # sticky CUDA error or a timeout in one section loses only that section's remaining rows.
 #   bash benchmarks/gpu.sh [--out DIR] [--budget SECONDS] [--sections env,bits,check,...] [--dry]
 # Order and limits (seconds; check, quant and linear as measured on the first H200 run, 2026-12-04, plus margin):
-# env 20, bits 60, mismatch 70, check 90, gemm 60, quant 55, linear 60, train 200, tiles 35, repeat 240, loop 150
+# env 20, bits 60, mismatch 70, check 90, gemm 60, quant 90, linear 60, train 200, tiles 35, repeat 240, loop 150
 # (`loop`: the trainer itself on `tiny` and `small`, bf16 and nvfp4, its steps overlapped and synchronous: how much
 # host work between steps would the device wait for on this GPU, and does the overlap hide it?); the whole
 # run stops starting sections when the budget (default 540 s: 9 minutes of a lent GPU's 15) is spent, and records the
@@ -46,7 +46,7 @@ if [ -e "$OUT/rows.jsonl" ]; then
 fi
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-SECTIONS="env:20 bits:60 mismatch:70 check:90 gemm:60 quant:55 linear:60 train:200 tiles:35 repeat:240 loop:150"
+SECTIONS="env:20 bits:60 mismatch:70 check:90 gemm:60 quant:90 linear:60 train:200 tiles:35 repeat:240 loop:150"
 RUNS="${REPEAT_RUNS:-3}"
 if [ -z "$DRY" ] && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/fp4jax_site .whl/*.whl \

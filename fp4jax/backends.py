@@ -70,8 +70,17 @@ def pallas_quantize(x, cfg, *, axis: int, recipe, key, signs, with_mask: bool = 
   if not isinstance(cfg.fmt, formats.NVFP4):
     _fallback(f"the quantize kernel is NVFP4-only (got {cfg.fmt.name})")
     return None
-  if cfg.fmt.scale_rule not in ("nearest", "up"):
-    _fallback(f"the quantize kernel has NVIDIA's and the round-up scale rules only (got {cfg.fmt.label})")
+  rules = _kernels().quantize.SUPPORTED_SCALE_RULES
+  if cfg.fmt.scale_rule not in rules:
+    _fallback(f"the quantize kernel has the scale rules {rules} only (got {cfg.fmt.label})")
+    return None
+  if cfg.fmt.scale_rule in ("4over6", "eden") and cfg.fmt.double_block:
+    _fallback(f"the quantize kernel's 4/6 and MS-EDEN take one tensor amax, not double-block scales (got "
+              f"{cfg.fmt.label})")
+    return None
+  if cfg.fmt.scale_rule == "eden" and cfg.rounding == "stochastic" and recipe.sr_bits != "hash":
+    _fallback(f"the quantize kernel rounds MS-EDEN's scales on the hash generator's bits only (got sr_bits="
+              f"{recipe.sr_bits!r})")
     return None
   if with_mask:
     _fallback("the quantize kernel returns no clip mask (clip_mask=True: QuEST's masked straight-through gradient)")

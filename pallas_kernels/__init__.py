@@ -4,7 +4,8 @@
                  random_bits=32, pad=False, rht_signs=None, tile=None, sr_bits="hash", fmt=None)
                  -> fp4jax.QArray
       bit-identical to fp4jax.quantize(x, fmt, ...) (after fp4jax.random_hadamard when rht_size is set), for
-      fmt = fp4jax.NVFP4() (the default) and its scale_rule="up", headroom and double_block variants.
+      fmt = fp4jax.NVFP4() (the default) and its scale_rule="up", "4over6", "eden", headroom and double_block
+      variants.
   fp4_matmul(a, b, *, contract=(1, 0), interpret=None, tiles=None, split_k=None, use_blackwell=None,
              num_warps=None, num_stages=None) -> float32 [M, N]
       dequantize(a) . dequantize(b) for NVFP4/MXFP4 QArrays (NVFP4 double-block too: one K step per 1x128

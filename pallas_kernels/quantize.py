@@ -2,7 +2,7 @@
 
 `quantize_nvfp4(x, ...)` returns the same `fp4jax.QArray` as
 `fp4jax.quantize(x_t, fmt, axis=..., block_2d=..., rounding=..., key=..., random_bits=..., pad=...)` (fmt NVFP4 with
-NVIDIA's scale rule by default; "up", headroom and double-block scales too) with
+NVIDIA's scale rule by default; "up", headroom, double-block scales, Four Over Six and MS-EDEN too) with
 `x_t = x`, or with rht_size set `x_t = fp4jax.random_hadamard(x, size=rht_size, axis=axis)` (in x's dtype; float32
 for float16 x, whose RHT sums can pass 65504): identical codes, scales, amax and dtype (`rht_signs` is passed on as
 random_hadamard's `signs`).
@@ -14,6 +14,14 @@ applies the RHT in registers, and writes packed codes (0.5 B/element) and E4M3 s
 With double-block scales (TetraJet-v2: the FP32 second-level scale per 1x128 group along `axis`) the tiles hold
 whole groups, so the kernel takes each group's amax from its own tile and writes it (1/32 B/element): one pass, no
 amax pass before it.
+With Four Over Six the kernel scales, rounds and dequantizes each tile under both candidate block scales (block max
+to 6 and to 4) in registers and keeps, per block, the one with the smaller error: fp4jax.four_over_six.choose step
+for step (the power-of-two unit, the products rounded before they are summed, the pairwise summation order, ties to
+"6"), so the choices, codes and scales are fp4jax's bit for bit. Still one read of x and one write of codes.
+With MS-EDEN (Quartet II) the tiles hold whole correction groups (`eden_group` elements along `axis`), so each
+group's sums sum(y^2) and sum(y q(y)) (fp4jax.eden's pairwise order) and its scale correction come from one tile;
+the corrected scales are rounded stochastically on the hash generator's bits of the scales' own row-major indices,
+computed in the kernel as fp4jax.prng draws them over the scales' shape (threefry bits are refused: fp4jax.quantize).
 
 Layouts. The input is viewed as [P, R, C] and tiled over (R, C); P is a squeezed grid axis:
   1x16 along the last axis ("row"):  view [1, prod(leading), N],  blocks 1x16, codes packed along C.
@@ -73,7 +81,7 @@ from pallas_kernels import platform
 
 BLOCK = 16
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-SUPPORTED_SCALE_RULES = ("nearest", "up")
+SUPPORTED_SCALE_RULES = ("nearest", "up", "4over6", "eden")
 # Tile budgets (elements). Compiled: a few thousand elements per program keeps the tile in registers with 4 warps.
 # Interpret mode: each grid step costs ~1 ms of Python, so use few, large tiles.
 GPU_TILE_ELEMENTS, GPU_MAX_COLS = 8192, 256
@@ -92,6 +100,7 @@ class Plan:
   pack_axis: int  # tile axis the codes are packed along (0 = R, 1 = C); RHT runs along it too
   rht_group: int  # 0 = no RHT, else the H matrix size applied along pack_axis (16, or rht_size if larger)
   scale_group: int = 0  # 0 = one tensor amax, else elements per double-block amax group along pack_axis (128)
+  correction_group: int = 0  # MS-EDEN: elements per scale-correction group along pack_axis (eden_group), else 0
 
   @property
   def grid(self):
@@ -110,7 +119,11 @@ class Plan:
   @property
   def group_blocks(self) -> tuple[int, int]:
     """A double-block group in units of scaling blocks: (1, 8) along C, (8, 1) along R."""
-    n = self.scale_group // BLOCK
+    return self.group_blocks_of(self.scale_group)
+
+  def group_blocks_of(self, elements: int) -> tuple[int, int]:
+    """A group of `elements` along the pack axis in units of scaling blocks, as a (rows, cols) block shape."""
+    n = elements // BLOCK
     return (n, 1) if self.pack_axis == 0 else (1, n)
 
   @property
@@ -160,13 +173,14 @@ def tile_length(n: int, cap: int, minimum: int) -> tuple[int, int]:
   return t_pad, steps_pad * t_pad
 
 
-def make_plan(view, block, pack_axis, rht_group, interpret, tile=None, scale_group=0) -> Plan:
-  """Picks (or validates) a power-of-two tile holding whole blocks, RHT groups and double-block groups
-  (`scale_group` elements along the pack axis). A picked tile may need the view's R and C padded (with zeros, by the
-  caller; the plan's view is the padded one); a given tile must divide the view."""
+def make_plan(view, block, pack_axis, rht_group, interpret, tile=None, scale_group=0, correction_group=0) -> Plan:
+  """Picks (or validates) a power-of-two tile holding whole blocks, RHT groups, double-block groups (`scale_group`
+  elements along the pack axis) and MS-EDEN correction groups (`correction_group`). A picked tile may need the
+  view's R and C padded (with zeros, by the caller; the plan's view is the padded one); a given tile must divide
+  the view."""
   p, r, c = view
   mins = list(block)
-  mins[pack_axis] = max(mins[pack_axis], rht_group, scale_group)
+  mins[pack_axis] = max(mins[pack_axis], rht_group, scale_group, correction_group)
   if tile is None:
     budget, max_cols = ((INTERPRET_TILE_ELEMENTS, INTERPRET_MAX_COLS) if interpret
                         else (GPU_TILE_ELEMENTS, GPU_MAX_COLS))
@@ -181,16 +195,30 @@ def make_plan(view, block, pack_axis, rht_group, interpret, tile=None, scale_gro
   if rht_group and tile[0] * tile[1] // rht_group < BLOCK:
     raise ValueError(f"tile {tuple(tile)} holds fewer than 16 RHT groups of {rht_group}; Triton's dot needs 16.")
   return Plan(view=tuple(view), tile=tuple(tile), block=block, pack_axis=pack_axis, rht_group=rht_group,
-              scale_group=scale_group)
+              scale_group=scale_group, correction_group=correction_group)
 
 
 @dataclasses.dataclass(frozen=True)
 class ScaleRule:
   """The constants of an NVFP4 format's two-level scales the kernel implements (formats.NVFP4, nvfp4.scales):
-  S_enc = global_range / amax, s_b = E4M3(amax_b * S_enc * inv_target), rounded up with `round_up`."""
-  global_range: float  # float32 R: 2688 for NVIDIA's rule, times 16/17 with headroom
-  inv_target: float  # float32 1 / (the value a block max maps to): 1/6, or 17/96 with headroom
+  S_enc = global_range / amax, s_b = E4M3(amax_b * S_enc * inv_target), rounded up with `round_up`.
+
+  Four Over Six (`select` set) has two targets, 6 and 4 (times 16/17 with headroom): the kernel scales and rounds
+  each block both ways and keeps the candidate with the smaller `select` error (fp4jax.four_over_six.choose), the
+  errors measured on the operand's own rounding, or with `select_on` "nearest" on round-to-nearest.
+  MS-EDEN (`correction_group` set) rounds the elements to nearest, then corrects each group's block scales and
+  rounds them to E4M3, stochastically for rounding="stochastic" (fp4jax.eden).
+  """
+  global_range: float  # float32 R: 2688 for NVIDIA's rule, 1536 for 4/6, times 16/17 with headroom
+  inv_targets: tuple[float, ...]  # float32 1 / (the value a block max maps to), per candidate: (1/6,) or (1/6, 1/4)
   round_up: bool  # scale_rule "up": no element saturates
+  select: str | None = None  # 4/6's block error ("mse", "mae", "absmax"); None: one candidate
+  select_on: str = "rounded"  # 4/6: "rounded" (the operand's rounding) or "nearest"
+  correction_group: int = 0  # MS-EDEN: elements per scale-correction group (fmt.eden_group); 0: no correction
+
+  @property
+  def inv_target(self) -> float:
+    return self.inv_targets[0]
 
   @classmethod
   def of(cls, fmt: formats.NVFP4) -> "ScaleRule":
@@ -198,10 +226,14 @@ class ScaleRule:
       raise ValueError(f"quantize_nvfp4 quantizes NVFP4 only; got {fmt.label}: use fp4jax.quantize.")
     if fmt.scale_rule not in SUPPORTED_SCALE_RULES:
       raise ValueError(f"quantize_nvfp4 implements NVFP4 with scale_rule in {SUPPORTED_SCALE_RULES} (with or without "
-                       f"headroom and double_block); got {fmt.label!r}. 4/6 and MS-EDEN choose or "
-                       "correct scales after rounding: use fp4jax.quantize.")
-    return cls(global_range=fmt.global_range, inv_target=float(np.float32(1.0 / fmt.targets[0])),
-               round_up=fmt.scale_rule == "up")
+                       f"headroom; double_block with 'nearest' and 'up'); got {fmt.label!r}: use fp4jax.quantize.")
+    four_over_six, eden = fmt.scale_rule == "4over6", fmt.scale_rule == "eden"
+    if (four_over_six or eden) and fmt.double_block:
+      raise ValueError(f"quantize_nvfp4 implements 4/6 and MS-EDEN with one tensor amax; got {fmt.label!r} "
+                       "(double_block): use fp4jax.quantize.")
+    return cls(global_range=fmt.global_range, inv_targets=tuple(float(np.float32(1.0 / t)) for t in fmt.targets),
+               round_up=fmt.scale_rule == "up", select=fmt.select if four_over_six else None,
+               select_on=fmt.select_on, correction_group=fmt.eden_group if eden else 0)
 
 
 # --- in-kernel helpers (operate on one [TR, TC] tile) ---------------------------------------------------------------
@@ -244,6 +276,123 @@ def _pack(codes, axis):
   return (lo.reshape(tr, tc // 2) | (hi.reshape(tr, tc // 2) << 4)).astype(jnp.uint8)
 
 
+def _pairwise_blocks(a, block, op, zero):
+  """Per-block `op`-reduction (jnp.add or jnp.maximum) of a non-negative float32 [TR, TC] tile -> [TR/br, TC/bc],
+  in fp4jax.four_over_six.block_reduce's order: each halving combines element j with element j + n/2 of the block's
+  remaining n along an axis, the rows of a 16x16 block first, then its columns.
+
+  A combination is a reduction over an axis of two (a op b, the same bits either way round), which Triton lowers
+  where it has no slicing. XLA (interpret mode) merges consecutive reductions into one with its own summation order,
+  so each result passes through `_rounded` (an integer operation with the runtime 0 `zero`) before the next.
+  """
+  reduce = {jnp.add: jnp.sum, jnp.maximum: jnp.max}[op]
+
+  def halve(t, axis):  # t's `axis` (a power of two) reduced pairwise, then dropped
+    while t.shape[axis] > 1:
+      h = t.shape[axis] // 2
+      t = _rounded(reduce(t.reshape(t.shape[:axis] + (2, h) + t.shape[axis + 1:]), axis=axis), zero)
+    return t.reshape(t.shape[:axis] + t.shape[axis + 1:])
+
+  tr, tc = a.shape
+  br, bc = block
+  if br > 1:
+    a = halve(a.reshape(tr // br, br, tc), 1)
+  if bc > 1:
+    a = halve(a.reshape(a.shape[0], tc // bc, bc), 2)
+  return a
+
+
+def _rounded(v, zero):
+  """fp4jax.four_over_six.rounded: float32 `v` with its bits OR'd with the runtime uint32 0 `zero`, so a product is
+  rounded before the sum that consumes it (no fused multiply-add, in XLA's interpret mode nor in Triton's LLVM)."""
+  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(v, jnp.uint32) | zero, jnp.float32)
+
+
+def _block_error(err, block, metric: str, zero):
+  """fp4jax.four_over_six.block_error on one tile: per-block sum of squares, sum of |err| or max |err|."""
+  if metric == "mse":
+    return _pairwise_blocks(_rounded(err * err, zero), block, jnp.add, zero)
+  if metric == "mae":
+    return _pairwise_blocks(jnp.abs(err), block, jnp.add, zero)
+  return _pairwise_blocks(jnp.abs(err), block, jnp.maximum, zero)
+
+
+def _encode_scale(s_b, s_dec, interpret: bool):
+  """nvfp4.block_encode_scale: min(1 / (s_b * S_dec), FLT_MAX), NaN kept."""
+  enc = numerics.exact_divide(jnp.ones_like(s_b), s_b * s_dec, interpret=interpret)
+  return numerics.keep_nan(enc, jnp.minimum(enc, grids.FLT_MAX))
+
+
+def _four_over_six(t, amax_b, scal_ref, block, rule: "ScaleRule", round_codes, interpret: bool):
+  """(codes, E4M3 block scales) of Four Over Six on one tile, as fp4jax.four_over_six.choose: each candidate's
+  scales and codes, its dequantized values (code x s_b x t_dec, rounded before use), and its block error on the
+  power-of-two unit 2^-floor(log2 amax_b) (exact; keeps squares in range); a later candidate wins only if its error
+  is strictly smaller. `round_codes(y)` is the operand's rounding (the same random bits for every candidate)."""
+  s_dec, t_dec = scal_ref[1], scal_ref[3]
+  zero = (s_dec < 0).astype(jnp.uint32)  # S_dec is never negative (NaN < 0 is False): a 0 no compiler can prove
+  expand = lambda v: _expand(v, block, t.shape)
+  unit = expand(grids.pow2(-jnp.clip(grids.exponent_of(amax_b), -126, 126)))
+  t_unit = t * unit
+  judge = numerics.e2m1_code_nearest if rule.select_on == "nearest" else round_codes
+  best = None
+  for target_ref in (0, 2):  # scal_ref's S_enc * inv_target of "6", then of "4"
+    s_b = numerics.round_e4m3(amax_b * scal_ref[target_ref])
+    enc = _encode_scale(s_b, s_dec, interpret)
+    codes = judge(t * expand(enc))
+    deq = _rounded(numerics.e2m1_value(codes) * expand(s_b) * t_dec, zero)
+    err = _block_error(deq * unit - t_unit, block, rule.select, zero)
+    if best is None:
+      best = (codes, s_b, enc, err)
+      continue
+    better = err < best[3]
+    best = (jnp.where(expand(better), codes, best[0]), jnp.where(better, s_b, best[1]),
+            jnp.where(better, enc, best[2]), jnp.where(better, err, best[3]))
+  codes, s_b, enc, _ = best
+  if judge is not round_codes:  # the operand's own rounding, of the chosen scaling only
+    codes = round_codes(t * expand(enc))
+  return codes, s_b
+
+
+def _e4m3_neighbours(s):
+  """fp4jax.eden.e4m3_neighbours: (lower, upper) E4M3 neighbours of non-negative float32 `s` (equal on the grid; 448
+  above 448), stepping the E4M3 bit pattern (codes of non-negative values order like the values)."""
+  r = numerics.round_e4m3(s)
+  bits = numerics.e4m3_bits(r)
+  lo = jnp.where(r > s, numerics.e4m3_value(bits - 1), r)
+  up = jnp.where(r >= grids.E4M3_MAX, r, numerics.e4m3_value(bits + 1))  # 448's successor code is NaN
+  hi = jnp.where(r < s, jnp.minimum(up, grids.E4M3_MAX), r)
+  return lo, hi
+
+
+def _eden(t, amax_b, scal_ref, plan: Plan, scale_bits, random_bits: int, interpret: bool):
+  """(codes, E4M3 block scales) of MS-EDEN on one tile, as fp4jax.quantize's scale_rule "eden": round-to-nearest
+  elements (0 with their sign where the block scale underflowed), each correction group's factor
+  sum(y^2) / sum(y q(y)) (1 where that sum is 0; both sums pairwise, products rounded first) times its block
+  scales, which are then rounded to E4M3: to nearest, or stochastically between the neighbours on `scale_bits`
+  (the hash bits of the scales' own indices, as fp4jax.prng draws them over the scales' shape; None: nearest)."""
+  s_dec = scal_ref[1]
+  zero = (s_dec < 0).astype(jnp.uint32)  # a runtime 0, as in _four_over_six
+  expand = lambda v: _expand(v, plan.block, t.shape)
+  s_b = numerics.round_e4m3(amax_b * scal_ref[0])
+  y = t * expand(_encode_scale(s_b, s_dec, interpret))
+  y = jnp.where(expand(s_b == 0), jnp.copysign(jnp.float32(0.0), y), y)  # x * FLT_MAX must not enter the sums
+  codes = numerics.e2m1_code_nearest(y)
+  v = numerics.e2m1_value(codes)
+  group = plan.group_blocks_of(plan.correction_group)
+  sums = lambda e: _pairwise_blocks(_pairwise_blocks(_rounded(e, zero), plan.block, jnp.add, zero), group, jnp.add,
+                                    zero)
+  num, den = sums(y * y), sums(y * v)
+  corr = jnp.where(den == 0, jnp.float32(1.0),
+                   numerics.exact_divide(num, jnp.where(den == 0, jnp.float32(1.0), den), interpret=interpret))
+  s = s_b * _expand(corr, group, s_b.shape)
+  if scale_bits is None:
+    return codes, numerics.round_e4m3(s)
+  lo, hi = _e4m3_neighbours(s)
+  p = jnp.where(hi > lo, numerics.exact_divide(s - lo, jnp.where(hi > lo, hi - lo, 1.0), interpret=interpret), 0.0)
+  u, threshold = numerics.uniform_threshold(scale_bits, p, random_bits)
+  return codes, jnp.where(jnp.isnan(s), s, jnp.where(u < threshold, hi, lo))
+
+
 def _hash_bits_of_tile(seed_ref, tile, index_view):
   """fp4jax.prng's hash bits of this program's [TR, TC] tile: the generator is a function of (seed, row-major element
   index in the quantized tensor), so the kernel computes them instead of reading 4 B/element that XLA generated.
@@ -276,7 +425,8 @@ def _quantize_kernel(*refs, plan: Plan, rule: ScaleRule, rht_dtype, rounding: st
                      interpret: bool, index_view=None):
   it = iter(refs)
   x_ref = next(it)
-  scal_ref = None if plan.scale_group else next(it)  # [S_enc * inv_target, S_dec] of the tensor
+  # [S_enc * inv_target, S_dec] of the tensor; for 4/6 then [S_enc * inv_target of "4", tensor decode scale]
+  scal_ref = None if plan.scale_group else next(it)
   h_ref = next(it) if plan.rht_group else None
   bits_ref = next(it) if rounding == "stochastic" else None  # random bits, or the hash seed with index_view
   codes_ref, scales_ref = next(it), next(it)
@@ -287,24 +437,37 @@ def _quantize_kernel(*refs, plan: Plan, rule: ScaleRule, rht_dtype, rounding: st
     # The reference rounds the transformed tensor to random_hadamard's output dtype before quantizing it.
     t = _apply_rht(t, h_ref[...], plan.pack_axis).astype(rht_dtype).astype(jnp.float32)
   amax_b = _block_max(jnp.abs(t), plan.block)
-  if plan.scale_group:
-    amax_g, s_enc_target, s_dec = _group_scales(t, amax_b, plan, rule, interpret)
-    amax_ref[...] = amax_g
-  else:
-    s_enc_target, s_dec = scal_ref[0], scal_ref[1]
-  s_b = (numerics.round_e4m3_up if rule.round_up else numerics.round_e4m3)(amax_b * s_enc_target)
-  enc = numerics.exact_divide(jnp.ones_like(s_b), s_b * s_dec, interpret=interpret)
-  enc = numerics.keep_nan(enc, jnp.minimum(enc, grids.FLT_MAX))
-  y = t * _expand(enc, plan.block, t.shape)
+  if rule.correction_group:  # MS-EDEN: the random bits round the block scales, drawn over the scales' indices
+    scale_bits = None
+    if rounding == "stochastic":
+      br, bc = plan.block
+      scale_bits = _hash_bits_of_tile(bits_ref, (plan.tile[0] // br, plan.tile[1] // bc),
+                                      (index_view[0], index_view[1] // br, index_view[2] // bc))
+      scale_bits = jax.lax.shift_right_logical(scale_bits, jnp.uint32(24)) if random_bits == 8 else scale_bits
+    codes, s_b = _eden(t, amax_b, scal_ref, plan, scale_bits, random_bits, interpret)
+    codes_ref[...] = _pack(codes, plan.pack_axis)
+    scales_ref[...] = numerics.e4m3_bits(s_b).astype(jnp.uint8)
+    return
   if rounding == "stochastic":
     if index_view is not None:
       bits = _hash_bits_of_tile(bits_ref, plan.tile, index_view)
       bits = jax.lax.shift_right_logical(bits, jnp.uint32(24)) if random_bits == 8 else bits
     else:
       bits = bits_ref[...]
-    codes = numerics.e2m1_code_stochastic(y, bits, random_bits)
+    round_codes = lambda y: numerics.e2m1_code_stochastic(y, bits, random_bits)
   else:
-    codes = numerics.e2m1_code_nearest(y)
+    round_codes = numerics.e2m1_code_nearest
+  if rule.select is not None:
+    codes, s_b = _four_over_six(t, amax_b, scal_ref, plan.block, rule, round_codes, interpret)
+  else:
+    if plan.scale_group:
+      amax_g, s_enc_target, s_dec = _group_scales(t, amax_b, plan, rule, interpret)
+      amax_ref[...] = amax_g
+    else:
+      s_enc_target, s_dec = scal_ref[0], scal_ref[1]
+    s_b = (numerics.round_e4m3_up if rule.round_up else numerics.round_e4m3)(amax_b * s_enc_target)
+    enc = _encode_scale(s_b, s_dec, interpret)
+    codes = round_codes(t * _expand(enc, plan.block, t.shape))
   codes_ref[...] = _pack(codes, plan.pack_axis)
   scales_ref[...] = numerics.e4m3_bits(s_b).astype(jnp.uint8)
 
@@ -389,12 +552,17 @@ def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, 
 
 # --- public wrapper ----------------------------------------------------------------------------------------------
 
-def _check(x, axis, block_2d, rounding, key, random_bits, rht_size, fmt):
+def _check(x, axis, block_2d, rounding, key, random_bits, rht_size, fmt, sr_bits):
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
     raise ValueError(f"quantize_nvfp4 supports float32, bfloat16 and float16 inputs; got {jnp.dtype(x.dtype).name}.")
   if x.ndim < 1 or (block_2d and x.ndim < 2):
     raise ValueError(f"cannot quantize an array of shape {x.shape} with block_2d={block_2d}.")
-  ScaleRule.of(fmt)  # refuses the rules the kernel does not implement
+  if ScaleRule.of(fmt).correction_group:  # refuses the rules the kernel does not implement
+    if block_2d:
+      raise ValueError("NVFP4 scale_rule='eden' needs 1D blocks (1x16 along one axis); got block_2d=True.")
+    if rounding == "stochastic" and sr_bits != "hash":
+      raise ValueError(f"quantize_nvfp4 rounds MS-EDEN's block scales with the hash generator's bits, computed in the "
+                       f"kernel; got sr_bits={sr_bits!r}: use fp4jax.quantize.")
   if fmt.double_block and block_2d:
     raise ValueError("double_block scales need 1D blocks (1x16 along one axis), as fp4jax.NVFP4(double_block=True); "
                      "got block_2d=True.")
@@ -471,15 +639,16 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
     fmt: the NVFP4 format or its name (default fp4jax.NVFP4(), NVIDIA's rule). Also implemented: scale_rule="up" and
       headroom=True (the unbiased-SR block scales), and double_block=True (TetraJet-v2: the FP32 second-level scale
       of each 1x128 group along `axis` from that group's amax, computed in the same pass: tiles hold whole groups,
-      no tensor-wide reduction first; 1D blocks only; the QArray stores one amax per group). "4over6" and "eden"
-      raise ValueError.
+      no tensor-wide reduction first; 1D blocks only; the QArray stores one amax per group), scale_rule="4over6"
+      with any select, select_on and headroom, and "eden" (1D blocks; stochastic scales on sr_bits="hash" only);
+      4/6 and MS-EDEN take one tensor amax, not double_block.
 
   Not differentiable, as fp4jax.quantize: reverse-mode autodiff that reaches it raises a TypeError (its gradient
   would be zero; JAX never traces into the kernel). Call it inside a custom_vjp rule, as fp4jax.dot_general does.
   """
   x = jnp.asarray(x)
   fmt = formats.NVFP4() if fmt is None else formats.get_format(fmt)
-  axis = _check(x, axis, block_2d, rounding, key, random_bits, rht_size, fmt)
+  axis = _check(x, axis, block_2d, rounding, key, random_bits, rht_size, fmt, sr_bits)
   settings = dict(axis=axis, block_2d=block_2d, rounding=rounding, rht_size=rht_size,
                   interpret=platform.resolve_interpret(interpret), random_bits=random_bits, pad=pad, tile=tile,
                   sr_bits=sr_bits, fmt=fmt)
@@ -503,7 +672,7 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
   other = 2 - pack_axis  # the view axis that is neither blocked-and-packed nor P
   rht_view = tuple(n + extra if i == other else n for i, n in enumerate(view))
   scale_group = formats.DOUBLE_BLOCK_GROUP * BLOCK if double_block else 0
-  plan = make_plan(rht_view, block, pack_axis, rht_group, interpret, tile, scale_group)
+  plan = make_plan(rht_view, block, pack_axis, rht_group, interpret, tile, scale_group, rule.correction_group)
   # Zero rows/cols for the RHT's dot and for the tiles; their codes and scales are cropped below.
   widths = [(0, padded - n) for n, padded in zip(view, plan.view)]
   padded = plan.view != tuple(view)
@@ -522,7 +691,10 @@ def _quantize_nvfp4(x, keys, *, axis, block_2d, rounding, rht_size, interpret, r
     amax = rht_amax_call(x_view, h_mat, plan, interpret=interpret)
   if amax is not None:
     s_enc = nvfp4.global_encode_scale(amax, rule.global_range)
-    scal = jnp.stack([s_enc * jnp.float32(rule.inv_target), division.divide(jnp.float32(1.0), s_enc)])
+    scal = [s_enc * jnp.float32(rule.inv_targets[0]), division.divide(jnp.float32(1.0), s_enc)]
+    if rule.select is not None:  # 4/6: the "4" candidate's factor and the decode scale its errors are measured with
+      scal += [s_enc * jnp.float32(rule.inv_targets[1]), nvfp4.global_decode_scale(amax, rule.global_range)]
+    scal = jnp.stack(scal)
 
   bits_view = seed = None
   if rounding == "stochastic" and sr_bits == "hash":

@@ -84,12 +84,19 @@ def cases():
   for recipe in TRAIN_STEP_RECIPES:
     out.append((f"train step small {recipe}", *_train_step_case(recipe)))
   x = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
-  for name, kw in quant_bench.QUANT_BENCH + [("2d packed along rows", dict(block_2d=True, axis=0)),
-                                             ("col RNE", dict(axis=0))]:
+  extra = [("2d packed along rows", dict(block_2d=True, axis=0)), ("col RNE", dict(axis=0)),
+           ("2d 16x16 4/6 absmax", dict(block_2d=True, scale_rule="4over6", select="absmax")),
+           ("col RHT16 + SR32 4/6 headroom, judged on RNE", dict(axis=0, rht_size=16, rounding="stochastic",
+                                                                 scale_rule="4over6", headroom=True,
+                                                                 select_on="nearest")),
+           ("row MS-EDEN SR scales, groups of 32", dict(rounding="stochastic", scale_rule="eden", eden_group=32))]
+  for name, kw in quant_bench.QUANT_BENCH + extra:
     sr = kw.get("rounding") == "stochastic"
+    fmt, kw = quant_bench.format_and_args(kw)
     out.append((f"quantize_nvfp4 {name}",
-                lambda x, kw=kw, sr=sr: quantize_nvfp4(x, interpret=False, key=jax.random.key(0) if sr else None,
-                                                       **kw).codes, (x,)))
+                lambda x, kw=kw, sr=sr, fmt=fmt: quantize_nvfp4(x, interpret=False, fmt=fmt,
+                                                                key=jax.random.key(0) if sr else None, **kw).codes,
+                (x,)))
   return out
 
 

@@ -6,6 +6,8 @@ fewest bytes it must move: the input read, packed codes (0.5 B/element) and E4M3
 of bits read, drawn by XLA, in the SR rows' GB/s). Each kernel's output is compared
 with `fp4jax.quantize` (XLA) on the same input: the fraction of differing code bytes (0 expected without RHT).
 The double-block row (TetraJet-v2) also writes one float32 amax per 1x128 group (1/32 B/element, not counted).
+The 4/6 rows (`four_over_six`'s Fprop x and Wgrad dY^T) and the MS-EDEN row (`quartet2`'s Wgrad dY^T) are against
+XLA's 4/6 and MS-EDEN, whose block errors and group corrections are separate passes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,21 @@ QUANT_BENCH = [
     # TetraJet-v2's Wgrad dY^T: one FP32 scale per 1x128 group, from the kernel's own tile (one pass, no amax pass).
     ("col RHT16 + SR32 double-block (tetrajet_v2 Wgrad dY^T)",
      dict(axis=0, rht_size=16, rounding="stochastic", double_block=True)),
+    ("row 1x16 RNE 4/6 (four_over_six Fprop x)", dict(scale_rule="4over6")),
+    ("col RHT16 + SR32 4/6 (four_over_six Wgrad dY^T)", dict(axis=0, rht_size=16, rounding="stochastic",
+                                                             scale_rule="4over6")),
+    ("col RHT128 + MS-EDEN SR scales (quartet2 Wgrad dY^T)", dict(axis=0, rht_size=128, rounding="stochastic",
+                                                                  scale_rule="eden")),
 ]
+# QUANT_BENCH keys that pick the NVFP4 variant, not quantizer arguments.
+FORMAT_KEYS = ("double_block", "scale_rule", "headroom", "select", "select_on", "eden_group")
+
+
+def format_and_args(kw):
+  """(fp4jax.NVFP4 variant, the quantizer's other keyword arguments) of a QUANT_BENCH entry."""
+  import fp4jax  # pylint: disable=g-import-not-at-top
+  return (fp4jax.NVFP4(**{k: v for k, v in kw.items() if k in FORMAT_KEYS}),
+          {k: v for k, v in kw.items() if k not in FORMAT_KEYS})
 
 
 def run(sec: report.Section) -> None:
@@ -51,8 +67,7 @@ def run(sec: report.Section) -> None:
       continue
     try:
       sr, rht = kw.get("rounding") == "stochastic", kw.get("rht_size")
-      fmt = fp4jax.NVFP4(double_block=kw.get("double_block", False))
-      kw = {kk: v for kk, v in kw.items() if kk != "double_block"}
+      fmt, kw = format_and_args(kw)
       ref_kw = {kk: v for kk, v in kw.items() if kk != "rht_size"}
       kernel = jax.jit(lambda x, k, kw=kw, sr=sr, fmt=fmt: quantize_nvfp4(x, interpret=sec.dry, key=k if sr else None,
                                                                           fmt=fmt, **kw))

@@ -219,16 +219,18 @@ def test_quartet2_preset_and_backward():
     assert np.abs(f64(got) - want).max() <= 1e-6 * np.abs(want).max()
 
 
-def test_pallas_backend_quantizes_other_scale_rules_on_xla():
-  """The Pallas quantizer implements NVIDIA's and the round-up scale rules (with headroom, double-block scales)
-  only: 4/6 warns and quantizes on the XLA path; the Pallas GEMM decodes it (the format's own tensor scale), equal
-  to the XLA path to float32 summation order."""
+def test_pallas_backend_quantizes_uncovered_scale_rules_on_xla():
+  """The Pallas quantizer takes 4/6 and MS-EDEN with one tensor amax (tests/pallas_kernels): 4/6 with TetraJet-v2's
+  1x128 group scales warns and quantizes on the XLA path; the Pallas GEMM decodes it (the format's own group
+  scales), equal to the XLA path to float32 summation order."""
   rng = np.random.default_rng(3)
-  x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
-  w = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
-  xla = fp4jax.recipes.four_over_six(stochastic_rounding=False)
+  x = jnp.asarray(rng.standard_normal((32, 256)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((256, 32)) / 8, jnp.float32)
+  op = fp4jax.recipes.OperandConfig(fmt=fp4jax.NVFP4(scale_rule="4over6", double_block=True))
+  gemm = fp4jax.recipes.GemmConfig(op, op)
+  xla = fp4jax.recipes.Recipe(name="4over6-1x128", fprop=gemm, dgrad=gemm, wgrad=gemm)
   backends._fallback.cache_clear()  # pylint: disable=protected-access  (each reason warns once)
-  with pytest.warns(UserWarning, match="scale rules"):
+  with pytest.warns(UserWarning, match="4/6 and MS-EDEN take one tensor amax"):
     y = fp4jax.dot_general(x, w, helpers.DN, recipe=xla.replace(backend="pallas"))
   want = np.asarray(fp4jax.dot_general(x, w, helpers.DN, recipe=xla))
   np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

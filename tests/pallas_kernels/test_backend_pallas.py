@@ -1,5 +1,6 @@
 """recipe backend='pallas': the custom_vjp rule on the Pallas kernels (interpret mode on CPU) equals the XLA path."""
 
+import dataclasses
 import functools
 
 import jax
@@ -34,10 +35,26 @@ def test_pallas_backend_matches_xla(recipe):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
 
 
-def test_scale_rules_beyond_nvidias_gemm_on_the_kernel():
-  """4/6 with unbiased SR (headroom): the quantizers fall back to XLA (one warning), the GEMMs run on the kernel
-  with the format's own tensor scale and equal the XLA path."""
-  _check_gemms_on_the_kernel(fp4jax.recipes.get_recipe("four_over_six:unbiased_sr=headroom"), "scale rules only")
+@pytest.mark.parametrize("recipe", ["four_over_six", "four_over_six:unbiased_sr=headroom,select=mae"])
+def test_four_over_six_on_the_kernels(recipe):
+  """4/6 (used to fall back to XLA's quantizers): all five quantizers (the RHT + SR Wgrad operands, and with
+  unbiased SR the "nearest"-judged headroom candidates, included) and the three GEMMs run on the kernels with no
+  fallback warning, and y, dx, dw equal the xla backend's to float32 summation order."""
+  _check_gemms_on_the_kernel(fp4jax.recipes.get_recipe(recipe), None, quantizers=5)
+
+
+def test_quartet2_on_the_kernels():
+  """Quartet II (used to fall back to XLA's quantizers): the RNE forward operands and the four MS-EDEN backward
+  operands (RHT, corrected and stochastically rounded block scales, the re-quantized Fprop operands included) on
+  the quantize kernel, the three GEMMs on the GEMM kernel with the format's own tensor scale, no fallback warning;
+  y, dx, dw equal the xla backend's to float32 summation order."""
+  _check_gemms_on_the_kernel(fp4jax.recipes.get_recipe("quartet2:rht_size=16"), None, quantizers=6)
+
+
+def test_ms_eden_with_threefry_bits_falls_back():
+  """MS-EDEN's stochastic scales on threefry bits (the reference generator): the kernel computes only the hash
+  generator's bits, so those quantizers run on XLA after one warning; the GEMMs still run on the kernel."""
+  _check_gemms_on_the_kernel(fp4jax.recipes.get_recipe("quartet2:rht_size=16,sr_bits=threefry"), "hash generator")
 
 
 def test_tetrajet_v2_on_the_kernels():
@@ -94,6 +111,9 @@ def test_uncovered_operands_fall_back_with_a_warning():
   with pytest.warns(UserWarning, match="no clip mask.*XLA path"):  # the caller needs (QArray, mask)
     assert backends.pallas_quantize(x, nvfp4.fprop.lhs, axis=1, recipe=nvfp4, key=None, signs=None,
                                     with_mask=True) is None
+  cfg = dataclasses.replace(nvfp4.fprop.lhs, fmt=fp4jax.NVFP4(scale_rule="4over6", double_block=True))
+  with pytest.warns(UserWarning, match="4/6 and MS-EDEN take one tensor amax.*XLA path"):
+    assert backends.pallas_quantize(x, cfg, axis=1, recipe=nvfp4, key=None, signs=None) is None
 
 
 class _no_warning:

@@ -271,6 +271,121 @@ def test_unbiased_sr_scale_rules_bit_identical():
                 and np.array_equal(np.asarray(q.codes), np.asarray(nvidia.codes))), label
 
 
+def _four_over_six(**kw):
+  return fp4jax.NVFP4(scale_rule="4over6", **kw)
+
+
+def test_four_over_six_bit_identical():
+  """Four Over Six (each block scaled to 6 and to 4, the smaller error kept) as fp4jax.quantize bit for bit: the
+  three error metrics, 1D blocks along the minor axis and along axis 0, 16x16 blocks packed either way, stochastic
+  rounding (both candidates on the same bits, judged on them), with RHT and the unbiased-SR headroom judged on
+  round-to-nearest (select_on="nearest"), threefry bits, and tensors whose squared errors would overflow or
+  underflow float32 without the per-block power-of-two unit."""
+  k = jax.random.key(3)
+  cases = [
+      ("row f32 mse, 2x2 grid", _input((32, 64), jnp.float32, 90), dict(fmt=_four_over_six(), tile=(16, 32))),
+      ("row bf16 SR", _input((32, 64), jnp.bfloat16, 91), dict(fmt=_four_over_six(), rounding="stochastic", key=k)),
+      ("col mae", _input((64, 48), jnp.float32, 92), dict(fmt=_four_over_six(select="mae"), axis=0)),
+      ("2d absmax bf16", _input((32, 48), jnp.bfloat16, 93), dict(fmt=_four_over_six(select="absmax"),
+                                                                  block_2d=True)),
+      ("2d packed along rows", _input((48, 32), jnp.float32, 94), dict(fmt=_four_over_six(), block_2d=True, axis=0)),
+      ("col RHT16 SR headroom @nearest", _input((64, 32), jnp.bfloat16, 95),
+       dict(fmt=_four_over_six(headroom=True, select_on="nearest"), axis=0, rht_size=16, rounding="stochastic",
+            key=k)),
+      ("row SR8 threefry f16", _input((16, 64), jnp.float16, 96),
+       dict(fmt=_four_over_six(), rounding="stochastic", key=k, random_bits=8, sr_bits="threefry")),
+      ("zeros", jnp.zeros((16, 32), jnp.float32), dict(fmt=_four_over_six())),
+      ("tiny (squares underflow)", _input((32, 32), jnp.float32, 97, scale=1e-30), dict(fmt=_four_over_six())),
+      ("huge (squares overflow)", _input((32, 32), jnp.float32, 98, scale=1e30), dict(fmt=_four_over_six())),
+      ("pad 2d", _input((20, 24), jnp.float32, 99), dict(fmt=_four_over_six(), block_2d=True, pad=True)),
+  ]
+  qs = _check_group(cases)
+  # Both candidates are chosen (else the comparison could not tell 4/6 from a one-scale rule): blocks whose scale
+  # is not the "6" candidate's, E4M3(amax_b * S_enc / 6), took the "4" one's (1.5x larger).
+  x, q = cases[0][1], qs[0]
+  amax_b = np.abs(np.asarray(x)).reshape(32, 4, 16).max(-1)
+  s6 = (amax_b * np.float32(_four_over_six().global_range / float(q.amax)) / np.float32(6)).astype(
+      ml_dtypes.float8_e4m3fn)
+  chose_four = np.mean(_bits(q.scales) != s6.view(np.uint8))
+  assert 0.1 < chose_four < 0.9, chose_four
+
+
+def _eden(**kw):
+  return fp4jax.NVFP4(scale_rule="eden", **kw)
+
+
+def test_ms_eden_bit_identical():
+  """Quartet II's MS-EDEN quantizer as fp4jax.quantize bit for bit: round-to-nearest elements, each group's
+  correction sum(y^2) / sum(y q(y)) multiplied into its block scales, which are rounded to nearest or
+  stochastically between their E4M3 neighbours on the hash bits of the scales' own indices (computed in the
+  kernel), along the minor axis and along axis 0 (the backward's dY^T after a 128-point RHT), groups of 16, 32
+  and 128 over several tiles, a partial last group, blocks whose scale underflowed to 0 beside others in their
+  group (their x * FLT_MAX must not reach the sums), and extreme magnitudes."""
+  k = jax.random.key(4)
+  sr = dict(rounding="stochastic", key=k)
+  cases = [
+      ("row f32, scales to nearest", _input((32, 256), jnp.float32, 110), dict(fmt=_eden())),
+      ("row bf16 SR scales", _input((32, 256), jnp.bfloat16, 111), dict(fmt=_eden(), **sr)),
+      ("col RHT128 SR (quartet2 dY^T)", _input((256, 48), jnp.bfloat16, 112),
+       dict(fmt=_eden(), axis=0, rht_size=128, **sr)),
+      ("row group 16, SR8 f16", _input((16, 64), jnp.float16, 113), dict(fmt=_eden(eden_group=16), random_bits=8,
+                                                                         **sr)),
+      ("row group 32, 4x2 grid", _input((64, 128), jnp.float32, 114), dict(fmt=_eden(eden_group=32), tile=(16, 64),
+                                                                           **sr)),
+      ("partial last group", _input((8, 144), jnp.float32, 115), dict(fmt=_eden(), **sr)),
+      ("col of 3D", _input((2, 128, 24), jnp.bfloat16, 116), dict(fmt=_eden(), axis=1, **sr)),
+      ("underflowed blocks", _input((16, 256), jnp.float32, 117, scale=1e-3).at[0, 0].set(1e6),
+       dict(fmt=_eden(), **sr)),
+      ("zeros", jnp.zeros((16, 128), jnp.float32), dict(fmt=_eden(), **sr)),
+      ("tiny", _input((16, 128), jnp.float32, 118, scale=1e-30), dict(fmt=_eden())),
+      ("huge", _input((16, 128), jnp.float32, 119, scale=1e30), dict(fmt=_eden(), **sr)),
+      ("headroom", _input((16, 256), jnp.float32, 120), dict(fmt=_eden(headroom=True), **sr)),
+  ]
+  qs = _check_group(cases)
+  # The correction and the stochastic scale rounding both change scales here: without either, the comparison
+  # could not tell MS-EDEN from NVIDIA's rule with its constants.
+  x, kw = cases[1][1], cases[1][2]
+  nearest = _reference(x, **dict(kw, rounding="nearest", key=None))
+  assert not np.array_equal(_bits(qs[1].scales), _bits(nearest.scales))
+  x0, q0 = cases[0][1], qs[0]
+  amax_b = np.abs(np.asarray(x0)).reshape(32, 16, 16).max(-1)
+  s_enc = np.float32(_eden().global_range / float(q0.amax))
+  uncorrected = (amax_b * s_enc / np.float32(_eden().targets[0])).astype(ml_dtypes.float8_e4m3fn)
+  corrected = np.mean(_bits(q0.scales) != uncorrected.view(np.uint8))
+  assert 0.01 < corrected < 0.5, corrected  # the factor is near 1: it moves a few percent of the scales
+
+
+def test_block_sums_match_fp4jax():
+  """The kernel's per-block errors equal fp4jax.four_over_six.block_error's bit for bit under jit, for every metric
+  and block shape: the pairwise summation order (a plain sum differs on many blocks, checked) and the squares
+  rounded before they are summed (XLA contracts them into fused multiply-adds otherwise). So do MS-EDEN's group
+  sums of per-block sums."""
+  from fp4jax import four_over_six
+  from pallas_kernels import quantize as quantize_lib
+  err = _input((64, 128), jnp.float32, 100, scale=3.0)
+  zero = jnp.uint32(0)  # a jit argument: a runtime 0, as in the kernel
+  for block in ((1, 16), (16, 1), (16, 16)):
+    plain_sum_differs = 0
+    for metric in ("mse", "mae", "absmax"):
+      kernel = jax.jit(lambda e, z, b=block, m=metric: quantize_lib._block_error(e, b, m, z))(err, zero)
+      ref = jax.jit(lambda e, z, b=block, m=metric: four_over_six.block_error(e, b, m, z))(err, zero)
+      np.testing.assert_array_equal(np.asarray(kernel).view(np.uint32), np.asarray(ref).view(np.uint32),
+                                    err_msg=f"{block} {metric}")
+      if metric != "absmax":
+        terms = err * err if metric == "mse" else jnp.abs(err)
+        plain = jnp.sum(terms.reshape(64 // block[0], block[0], 128 // block[1], block[1]), axis=(1, 3))
+        plain_sum_differs += int(jnp.sum(plain != ref))
+    if block != (1, 16):  # XLA:CPU's own sum of 16 contiguous elements happens to halve pairwise too
+      assert plain_sum_differs > 0, block
+  # MS-EDEN's group sums over 8 blocks of per-block sums, along either axis: fp4jax.eden's pairwise order.
+  from fp4jax import eden
+  for axis, group in ((1, (1, 8)), (0, (8, 1))):
+    kernel = jax.jit(lambda e, z, g=group: quantize_lib._pairwise_blocks(e, g, jnp.add, z))(jnp.abs(err), zero)
+    ref = jax.jit(lambda e, a=axis: eden._group_sum(e, a, 8))(jnp.abs(err))
+    np.testing.assert_array_equal(np.asarray(kernel).view(np.uint32), np.asarray(ref).view(np.uint32),
+                                  err_msg=f"group sums along {axis}")
+
+
 @pytest.mark.parametrize("layout_kw, rht_group, scale_group", [
     (dict(axis=0), 0, 128), (dict(axis=1), 0, 128), (dict(axis=0), 256, 0), (dict(axis=0), 16, 128)])
 def test_compiled_tiles_stay_within_the_budget(layout_kw, rht_group, scale_group):
@@ -347,9 +462,14 @@ def test_bad_inputs_raise():
     quantize_nvfp4(jnp.ones((16, 128)), block_2d=True, fmt=DOUBLE_BLOCK)
   with pytest.raises(ValueError, match="multiple of 128"):
     quantize_nvfp4(jnp.ones((16, 128)), fmt=DOUBLE_BLOCK, tile=(16, 64))  # a tile must hold whole groups
-  for fmt in (fp4jax.NVFP4(scale_rule="4over6"), fp4jax.NVFP4(scale_rule="eden")):
-    with pytest.raises(ValueError, match="scale_rule in"):
+  for fmt in (_four_over_six(double_block=True), _eden(double_block=True)):
+    with pytest.raises(ValueError, match="4/6 and MS-EDEN with one tensor amax"):
       quantize_nvfp4(jnp.ones((16, 128)), fmt=fmt)
+  with pytest.raises(ValueError, match="eden' needs 1D blocks"):
+    quantize_nvfp4(jnp.ones((16, 128)), fmt=_eden(), block_2d=True)
+  with pytest.raises(ValueError, match="hash generator"):
+    quantize_nvfp4(jnp.ones((16, 128)), fmt=_eden(), rounding="stochastic", key=jax.random.key(0),
+                   sr_bits="threefry")
   for fmt in (fp4jax.MXFP4(), "mxfp4"):
     with pytest.raises(ValueError, match="NVFP4 only"):
       quantize_nvfp4(jnp.ones((16, 128)), fmt=fmt)
@@ -360,8 +480,13 @@ def test_bad_inputs_raise():
     dict(rounding="stochastic", random_bits=8, axis=0, rht_size=16), dict(rht_size=4, rounding="stochastic"),
     dict(fmt=DOUBLE_BLOCK), dict(fmt=DOUBLE_BLOCK, axis=0, rht_size=16, rounding="stochastic"),
     dict(fmt=fp4jax.NVFP4(scale_rule="up", headroom=True), rounding="stochastic"),
+    dict(fmt=_four_over_six()), dict(fmt=_four_over_six(select="mae"), axis=0),
+    dict(fmt=_four_over_six(select="absmax"), block_2d=True),
+    dict(fmt=_four_over_six(headroom=True, select_on="nearest"), axis=0, rht_size=16, rounding="stochastic"),
+    dict(fmt=_eden(), rounding="stochastic"), dict(fmt=_eden(), axis=0, rht_size=128, rounding="stochastic"),
 ], ids=["row", "col", "2d", "2d_rows", "col_sr8_rht16", "row_sr_rht4", "double_block", "double_block_col_rht_sr",
-        "up_headroom_sr"])
+        "up_headroom_sr", "4over6_row", "4over6_mae_col", "4over6_absmax_2d", "4over6_nearest_col_rht_sr",
+        "eden_row_sr", "eden_col_rht128_sr"])
 def test_lowers_for_cuda(kw):
   """The compiled (Triton) kernels lower for cuda on a CPU-only machine; the custom call is XLA's Triton call.
   Double-block scales take one kernel (no RHT amax pass before it)."""
