@@ -69,6 +69,7 @@ import numpy as np
 from fp4jax import blocks
 from fp4jax import division
 from fp4jax import formats
+from fp4jax import four_over_six
 from fp4jax import grids
 from fp4jax import no_gradient
 from fp4jax import nvfp4
@@ -283,14 +284,15 @@ def _pairwise_blocks(a, block, op, zero):
 
   A combination is a reduction over an axis of two (a op b, the same bits either way round), which Triton lowers
   where it has no slicing. XLA (interpret mode) merges consecutive reductions into one with its own summation order,
-  so each result passes through `_rounded` (an integer operation with the runtime 0 `zero`) before the next.
+  so each result passes through four_over_six.rounded (an integer operation with the runtime 0 `zero`, which
+  Triton lowers too) before the next.
   """
   reduce = {jnp.add: jnp.sum, jnp.maximum: jnp.max}[op]
 
   def halve(t, axis):  # t's `axis` (a power of two) reduced pairwise, then dropped
     while t.shape[axis] > 1:
       h = t.shape[axis] // 2
-      t = _rounded(reduce(t.reshape(t.shape[:axis] + (2, h) + t.shape[axis + 1:]), axis=axis), zero)
+      t = four_over_six.rounded(reduce(t.reshape(t.shape[:axis] + (2, h) + t.shape[axis + 1:]), axis=axis), zero)
     return t.reshape(t.shape[:axis] + t.shape[axis + 1:])
 
   tr, tc = a.shape
@@ -302,16 +304,10 @@ def _pairwise_blocks(a, block, op, zero):
   return a
 
 
-def _rounded(v, zero):
-  """fp4jax.four_over_six.rounded: float32 `v` with its bits OR'd with the runtime uint32 0 `zero`, so a product is
-  rounded before the sum that consumes it (no fused multiply-add, in XLA's interpret mode nor in Triton's LLVM)."""
-  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(v, jnp.uint32) | zero, jnp.float32)
-
-
 def _block_error(err, block, metric: str, zero):
   """fp4jax.four_over_six.block_error on one tile: per-block sum of squares, sum of |err| or max |err|."""
   if metric == "mse":
-    return _pairwise_blocks(_rounded(err * err, zero), block, jnp.add, zero)
+    return _pairwise_blocks(four_over_six.rounded(err * err, zero), block, jnp.add, zero)
   if metric == "mae":
     return _pairwise_blocks(jnp.abs(err), block, jnp.add, zero)
   return _pairwise_blocks(jnp.abs(err), block, jnp.maximum, zero)
@@ -339,7 +335,7 @@ def _four_over_six(t, amax_b, scal_ref, block, rule: "ScaleRule", round_codes, i
     s_b = numerics.round_e4m3(amax_b * scal_ref[target_ref])
     enc = _encode_scale(s_b, s_dec, interpret)
     codes = judge(t * expand(enc))
-    deq = _rounded(numerics.e2m1_value(codes) * expand(s_b) * t_dec, zero)
+    deq = four_over_six.rounded(numerics.e2m1_value(codes) * expand(s_b) * t_dec, zero)
     err = _block_error(deq * unit - t_unit, block, rule.select, zero)
     if best is None:
       best = (codes, s_b, enc, err)
@@ -379,8 +375,8 @@ def _eden(t, amax_b, scal_ref, plan: Plan, scale_bits, random_bits: int, interpr
   codes = numerics.e2m1_code_nearest(y)
   v = numerics.e2m1_value(codes)
   group = plan.group_blocks_of(plan.correction_group)
-  sums = lambda e: _pairwise_blocks(_pairwise_blocks(_rounded(e, zero), plan.block, jnp.add, zero), group, jnp.add,
-                                    zero)
+  sums = lambda e: _pairwise_blocks(_pairwise_blocks(four_over_six.rounded(e, zero), plan.block, jnp.add, zero),
+                                    group, jnp.add, zero)
   num, den = sums(y * y), sums(y * v)
   corr = jnp.where(den == 0, jnp.float32(1.0),
                    numerics.exact_divide(num, jnp.where(den == 0, jnp.float32(1.0), den), interpret=interpret))
@@ -445,29 +441,27 @@ def _quantize_kernel(*refs, plan: Plan, rule: ScaleRule, rht_dtype, rounding: st
                                       (index_view[0], index_view[1] // br, index_view[2] // bc))
       scale_bits = jax.lax.shift_right_logical(scale_bits, jnp.uint32(24)) if random_bits == 8 else scale_bits
     codes, s_b = _eden(t, amax_b, scal_ref, plan, scale_bits, random_bits, interpret)
-    codes_ref[...] = _pack(codes, plan.pack_axis)
-    scales_ref[...] = numerics.e4m3_bits(s_b).astype(jnp.uint8)
-    return
-  if rounding == "stochastic":
-    if index_view is not None:
-      bits = _hash_bits_of_tile(bits_ref, plan.tile, index_view)
-      bits = jax.lax.shift_right_logical(bits, jnp.uint32(24)) if random_bits == 8 else bits
-    else:
-      bits = bits_ref[...]
-    round_codes = lambda y: numerics.e2m1_code_stochastic(y, bits, random_bits)
   else:
-    round_codes = numerics.e2m1_code_nearest
-  if rule.select is not None:
-    codes, s_b = _four_over_six(t, amax_b, scal_ref, plan.block, rule, round_codes, interpret)
-  else:
-    if plan.scale_group:
-      amax_g, s_enc_target, s_dec = _group_scales(t, amax_b, plan, rule, interpret)
-      amax_ref[...] = amax_g
+    if rounding == "stochastic":
+      if index_view is not None:
+        bits = _hash_bits_of_tile(bits_ref, plan.tile, index_view)
+        bits = jax.lax.shift_right_logical(bits, jnp.uint32(24)) if random_bits == 8 else bits
+      else:
+        bits = bits_ref[...]
+      round_codes = lambda y: numerics.e2m1_code_stochastic(y, bits, random_bits)
     else:
-      s_enc_target, s_dec = scal_ref[0], scal_ref[1]
-    s_b = (numerics.round_e4m3_up if rule.round_up else numerics.round_e4m3)(amax_b * s_enc_target)
-    enc = _encode_scale(s_b, s_dec, interpret)
-    codes = round_codes(t * _expand(enc, plan.block, t.shape))
+      round_codes = numerics.e2m1_code_nearest
+    if rule.select is not None:
+      codes, s_b = _four_over_six(t, amax_b, scal_ref, plan.block, rule, round_codes, interpret)
+    else:
+      if plan.scale_group:
+        amax_g, s_enc_target, s_dec = _group_scales(t, amax_b, plan, rule, interpret)
+        amax_ref[...] = amax_g
+      else:
+        s_enc_target, s_dec = scal_ref[0], scal_ref[1]
+      s_b = (numerics.round_e4m3_up if rule.round_up else numerics.round_e4m3)(amax_b * s_enc_target)
+      enc = _encode_scale(s_b, s_dec, interpret)
+      codes = round_codes(t * _expand(enc, plan.block, t.shape))
   codes_ref[...] = _pack(codes, plan.pack_axis)
   scales_ref[...] = numerics.e4m3_bits(s_b).astype(jnp.uint8)
 
