@@ -5,10 +5,11 @@
 
 Every finished run x seed of the sweep folder (OUT/<run>/seed<k>/) is evaluated from its last checkpoint with each
 recipe of --recipes in the layers its precision policy quantizes (`fp4jax eval --recipe`:
-fp4jax.pretrain.trainer.with_forward_recipe; BF16 layers stay BF16), next to its own recipe. Read across a row:
-`bf16` is the run's weights without forward quantization, so own minus bf16 is what quantizing the forward costs the
-trained model and bf16 minus the BF16 run's loss is what training in low precision did to the weights; a BF16 run's
-row in nvfp4 is quantization after training. All columns use the run's own validation batches and eval key.
+fp4jax.pretrain.trainer.with_forward_recipe; BF16 layers stay BF16, a late BF16 switch is dropped), next to its own
+recipe. Read across a row: `bf16` is the run's weights without forward quantization, so own minus bf16 is what
+quantizing the forward costs the trained model and bf16 minus the BF16 run's loss is what training in low precision
+did to the weights; a BF16 run's row in nvfp4 is quantization after training. All columns use the run's own validation
+batches and eval key.
 
 Writes into OUT:
   eval_precision.jsonl  one row per run x seed x recipe (recipe "own": the run's own), val loss and checkpoint step

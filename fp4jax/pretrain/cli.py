@@ -101,8 +101,8 @@ def _eval_parser() -> argparse.ArgumentParser:
 
 RECIPE_HELP = ("run this recipe (CLI form) in every layer the run's precision policy quantizes, instead of the one it "
                "trained with: e.g. bf16 for the trained weights without forward quantization, nvfp4 for a BF16 run "
-               "quantized after training (BF16 layers of the policy stay BF16; OutControl's MXFP8 channels are "
-               "not used)")
+               "quantized after training (BF16 layers of the policy stay BF16, a late BF16 switch is dropped; "
+               "OutControl's MXFP8 channels are not used)")
 
 
 def _sample_parser() -> argparse.ArgumentParser:

@@ -541,10 +541,11 @@ class EvalSetup:
 
 def with_forward_recipe(config: TrainConfig, recipe) -> TrainConfig:
   """`config` whose precision policy runs `recipe` (a spec or Recipe) in every layer it quantizes, for evaluating or
-  sampling a checkpoint in another precision than it trained in (`fp4jax eval --recipe`): the policy's BF16 layers,
-  and all layers after a BF16 switch, stay BF16. OutControl and OsciReset belong to the trained recipe and are off:
-  no MXFP8 outlier channels in the forward."""
-  return config.replace(recipe=recipe, outcontrol_fraction=0.0, osci_reset_start=None)
+  sampling a checkpoint in another precision than it trained in (`fp4jax eval --recipe`): the policy's BF16 layers
+  stay BF16. A late BF16 switch is dropped, so a checkpoint taken after it runs `recipe` too (kept, it would run
+  BF16 whatever `recipe` says). OutControl and OsciReset belong to the trained recipe and are off: no MXFP8 outlier
+  channels in the forward."""
+  return config.replace(recipe=recipe, switch_at=None, switch="all", outcontrol_fraction=0.0, osci_reset_start=None)
 
 
 def eval_setup(out: str | pathlib.Path, step: int | None = None, *, eval_batches: int | None = None,

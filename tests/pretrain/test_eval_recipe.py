@@ -29,6 +29,20 @@ def test_forward_recipe_replaces_the_policy_recipe_and_turns_off_the_trained_rec
     trainer.with_forward_recipe(trained, "nvfp4:rht_sise=4")
 
 
+@pytest.mark.parametrize("switch", ["all", "forward"])
+def test_forward_recipe_runs_after_a_bf16_switch_too(switch):
+  """A checkpoint past a late BF16 switch runs the named recipe, not BF16 (the switch would override it silently)."""
+  trained = TrainConfig.from_options(recipe="nvfp4", switch_at=0.5, switch=switch, bf16_last=1, model="tiny",
+                                     steps=10)
+  names, n_layers = ["blocks.0.attn.q", "blocks.1.attn.q"], 2
+  assert trained.policy.layer_recipes(names, n_layers, 9, 10)["blocks.0.attn.q"].name != "nvfp4"  # switched
+  forward = trainer.with_forward_recipe(trained, "mxfp4")
+  assert forward.policy.switch_at is None
+  layers = forward.policy.layer_recipes(names, n_layers, 9, 10)
+  assert layers["blocks.0.attn.q"] == fp4jax.recipes.get_recipe("mxfp4")
+  assert layers["blocks.1.attn.q"] == fp4jax.recipes.bf16()  # the policy's BF16 layers stay BF16
+
+
 def test_eval_and_sample_take_recipe_and_multi_process_eval_shares_it(capsys):
   assert cli.EVAL_FLAGS["recipe"] == "--recipe"
   for command in ("eval", "sample"):
