@@ -85,7 +85,8 @@ def pallas_quantize(x, cfg, *, axis: int, recipe, key, signs, with_mask: bool = 
   if with_mask:
     _fallback("the quantize kernel returns no clip mask (clip_mask=True: QuEST's masked straight-through gradient)")
     return None
-  return _kernels().quantize_nvfp4(x, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding, key=key,
+  return _kernels().quantize_nvfp4(x, axis=axis, block_2d=cfg.block_2d, rounding=cfg.rounding,
+                                   key=key if cfg.rounding == "stochastic" else None,  # a key is for SR only
                                    rht_size=recipe.rht_size if cfg.rht else None, rht_signs=signs,
                                    random_bits=recipe.random_bits, pad=cfg.pad, sr_bits=recipe.sr_bits,
                                    fmt=cfg.fmt)

@@ -33,8 +33,15 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 # --- validation ---------------------------------------------------------------------------------------------------
 
+def _check_flag(name: str, value) -> None:
+  # A string such as "false" is truthy: refuse it rather than quantize as if it were True.
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name} must be True or False; got {value!r}.")
+
+
 def _check_axis(shape, axis, block_2d) -> int:
   """The non-negative blocked axis of an array of `shape`, or a ValueError naming what does not fit."""
+  _check_flag("block_2d", block_2d)
   ndim = len(shape)
   if ndim < 1 or (block_2d and ndim < 2):
     raise ValueError(f"cannot quantize an array of shape {tuple(shape)} with block_2d={block_2d}.")
@@ -48,7 +55,9 @@ def _check_axis(shape, axis, block_2d) -> int:
   return axis
 
 
-def _check_input(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits="hash"):
+def check_arguments(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits="hash") -> int:
+  """The non-negative blocked axis, after checking quantize's arguments for array `x` and format `fmt` (a ValueError
+  names the first that does not fit); shared with the Pallas quantizer (pallas_kernels.quantize_nvfp4)."""
   if key is not None:
     keys.check_key_or_hash_seed(key, sr_bits, "key")
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
@@ -79,6 +88,7 @@ def _blocked_axes(fmt, ndim, axis, block_2d):
 
 
 def _padded_shape(shape, fmt, blocked_axes, pad):
+  _check_flag("pad", pad)
   padded = list(shape)
   for a in blocked_axes:
     n, b = shape[a], fmt.block_size
@@ -260,7 +270,7 @@ def _checked(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits):
   """(the format, x as an array, the non-negative axis), or a clear error; runs before (outside) the jitted bodies."""
   fmt = formats.get_format(fmt)
   x = jnp.asarray(x)
-  return fmt, x, _check_input(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
+  return fmt, x, check_arguments(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)
 
 
 # The public quantizers run their bodies through jax.jit, once per shape and settings: called outside jit (a notebook,

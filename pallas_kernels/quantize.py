@@ -75,6 +75,7 @@ from fp4jax import no_gradient
 from fp4jax import nvfp4
 from fp4jax import rht as rht_lib
 from fp4jax import prng
+from fp4jax.quantize import check_arguments
 from fp4jax import rounding as rounding_lib
 from fp4jax.qarray import QArray
 from pallas_kernels import numerics
@@ -546,11 +547,13 @@ def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, 
 
 # --- public wrapper ----------------------------------------------------------------------------------------------
 
-def _check(x, axis, block_2d, rounding, key, random_bits, rht_size, fmt, sr_bits):
-  if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
-    raise ValueError(f"quantize_nvfp4 supports float32, bfloat16 and float16 inputs; got {jnp.dtype(x.dtype).name}.")
-  if x.ndim < 1 or (block_2d and x.ndim < 2):
-    raise ValueError(f"cannot quantize an array of shape {x.shape} with block_2d={block_2d}.")
+def _check(x, axis, block_2d, rounding, key, random_bits, rht_size, fmt, sr_bits, pad, tile):
+  axis = check_arguments(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)  # fp4jax.quantize's
+  if not isinstance(pad, (bool, np.bool_)):
+    raise ValueError(f"pad must be True or False; got {pad!r}.")
+  if tile is not None and not (isinstance(tile, (tuple, list)) and len(tile) == 2
+                               and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tile)):
+    raise ValueError(f"tile must be None or (rows, cols), two powers of two; got {tile!r}.")
   if ScaleRule.of(fmt).correction_group:  # refuses the rules the kernel does not implement
     if block_2d:
       raise ValueError("NVFP4 scale_rule='eden' needs 1D blocks (1x16 along one axis); got block_2d=True.")
@@ -560,17 +563,6 @@ def _check(x, axis, block_2d, rounding, key, random_bits, rht_size, fmt, sr_bits
   if fmt.double_block and block_2d:
     raise ValueError("double_block scales need 1D blocks (1x16 along one axis), as fp4jax.NVFP4(double_block=True); "
                      "got block_2d=True.")
-  if not -x.ndim <= axis < x.ndim:
-    raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}.")
-  axis %= x.ndim
-  if block_2d and axis < x.ndim - 2:
-    raise ValueError(f"block_2d blocks span the last two axes; axis must be one of them, got axis={axis}.")
-  if rounding not in rounding_lib.ROUNDING_MODES:
-    raise ValueError(f"rounding must be one of {rounding_lib.ROUNDING_MODES}; got {rounding!r}.")
-  if rounding == "stochastic" and key is None:
-    raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...).")
-  if random_bits not in rounding_lib.RANDOM_BITS:
-    raise ValueError(f"random_bits must be one of {rounding_lib.RANDOM_BITS}; got {random_bits!r}.")
   if rht_size is not None:
     rht_lib.check_size(rht_size)
     if x.shape[axis] % rht_size:
@@ -642,7 +634,7 @@ def quantize_nvfp4(x, *, axis: int = -1, block_2d: bool = False, rounding: str =
   """
   x = jnp.asarray(x)
   fmt = formats.NVFP4() if fmt is None else formats.get_format(fmt)
-  axis = _check(x, axis, block_2d, rounding, key, random_bits, rht_size, fmt, sr_bits)
+  axis = _check(x, axis, block_2d, rounding, key, random_bits, rht_size, fmt, sr_bits, pad, tile)
   settings = dict(axis=axis, block_2d=block_2d, rounding=rounding, rht_size=rht_size,
                   interpret=platform.resolve_interpret(interpret), random_bits=random_bits, pad=pad, tile=tile,
                   sr_bits=sr_bits, fmt=fmt)

@@ -178,6 +178,16 @@ def test_axis_that_is_not_an_int_raises(axis):
   assert fp4jax.quantize(_x((16, 32)), fp4jax.NVFP4(), axis=np.int64(0)).axis == 0
 
 
+@pytest.mark.parametrize("kwargs", [{"block_2d": "false"}, {"block_2d": 1}, {"pad": "no"}, {"pad": None}])
+def test_flags_that_are_not_bools_raise(kwargs):
+  """A string flag is truthy: "false" quantized as block_2d=True, and "no" padded."""
+  name = next(iter(kwargs))
+  for fn in (fp4jax.quantize, fp4jax.fake_quant):
+    with pytest.raises(ValueError, match=f"{name} must be True or False"):
+      fn(_x((16, 20)), fp4jax.NVFP4(), **kwargs)
+  assert fp4jax.quantize(_x((16, 32)), fp4jax.NVFP4(), block_2d=np.bool_(True), pad=np.bool_(False)).block_2d
+
+
 @pytest.mark.parametrize("shape", [(0, 32), (4, 0), (0,)])
 def test_empty_input_raises(shape):
   with pytest.raises(ValueError, match="empty"):

@@ -475,6 +475,23 @@ def test_bad_inputs_raise():
       quantize_nvfp4(jnp.ones((16, 128)), fmt=fmt)
 
 
+@pytest.mark.parametrize("x_shape, kwargs, match", [
+    ((0, 128), {}, "empty"),
+    ((16, 128), {"key": jax.random.key(0)}, "stochastic' only"),  # round-to-nearest would ignore the key
+    ((16, 128), {"axis": True}, "axis must be an int"),
+    ((16, 128), {"axis": 1.0}, "axis must be an int"),
+    ((16, 128), {"sr_bits": "philox"}, "sr_bits"),
+    ((16, 128), {"rounding": "stochastic", "key": 3}, "key"),
+    ((16, 128), {"block_2d": "false"}, "block_2d must be True or False"),
+    ((16, 120), {"pad": "no"}, "pad must be True or False"),
+    ((16, 128), {"tile": 16}, "tile must be None or"),
+])
+def test_arguments_are_checked_as_fp4jax_quantize_checks_them(x_shape, kwargs, match):
+  """The kernel takes fp4jax.quantize's checks: each of these ran (or crashed deep inside) before."""
+  with pytest.raises(ValueError, match=match):
+    quantize_nvfp4(jnp.ones(x_shape), **kwargs)
+
+
 @pytest.mark.parametrize("kw", [
     dict(), dict(axis=0), dict(block_2d=True), dict(block_2d=True, axis=0),
     dict(rounding="stochastic", random_bits=8, axis=0, rht_size=16), dict(rht_size=4, rounding="stochastic"),
