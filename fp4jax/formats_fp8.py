@@ -35,7 +35,8 @@ class FP8(FormatBase):
   def __post_init__(self):
     if self.scaling not in ("tensor", "block"):
       raise ValueError(f"FP8 scaling must be 'tensor' or 'block'; got {self.scaling!r}.")
-    if not isinstance(self.block_size, numbers.Integral) or self.block_size < 1:  # "fp8:block_size=64.0": a float
+    if (isinstance(self.block_size, bool) or not isinstance(self.block_size, numbers.Integral)  # True, 64.0
+        or self.block_size < 1):
       raise ValueError(f"FP8 block_size must be a positive int; got {self.block_size!r}.")
 
   elem_max = grids.E4M3_MAX

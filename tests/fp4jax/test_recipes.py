@@ -55,7 +55,8 @@ def test_ablation_switches():
   assert recipes.nvfp4(random_signs=False).rht_signs == "none"
   per_call = recipes.nvfp4(stochastic_rounding=False, random_signs="per_call")
   assert per_call.rht_signs == "per_call" and per_call.needs_key  # fresh signs need a key even without SR
-  assert not recipes.nvfp4(rht=False, stochastic_rounding=False, random_signs="per_call").needs_key
+  # (the preset refuses per-call signs without an RHT: they would change nothing)
+  assert not recipes.nvfp4(rht=False, stochastic_rounding=False).replace(rht_signs="per_call").needs_key
   everywhere = recipes.nvfp4(rht_on=("fprop", "dgrad", "wgrad"))
   assert all(everywhere.gemm(g).rht for g in recipes.GEMMS) and not everywhere.dgrad_reuses_weight
   assert recipes.nvfp4(random_bits=8).random_bits == 8
@@ -187,6 +188,10 @@ def test_names_tell_apart_recipes_that_differ():
     ({"stochastic_rounding": False, "unbiased_sr": "headroom"}, "stochastic_rounding=False"),
     ({"rht": False, "rht_on": ("fprop", "wgrad")}, "no effect"),
     ({"rht": False, "rht_size": 4}, "no effect"),
+    ({"rht": False, "random_signs": "per_call"}, "rht=False turns the RHT off; random_signs='per_call'"),
+    ({"rht_on": (), "rht_size": 4}, r"rht_on=\(\) turns the RHT off; rht_size=4"),
+    ({"rht_on": (), "random_signs": False}, "random_signs=False would have no effect"),
+    ({"stochastic_rounding": False, "random_bits": 8}, "stochastic_rounding=False"),
 ])
 def test_options_that_would_change_nothing_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -195,6 +200,7 @@ def test_options_that_would_change_nothing_raise(kwargs, match):
 
 @pytest.mark.parametrize("spec, match", [
     ("fp8:block_size=64.0", r"FP8 block_size must be a positive int; got 64\.0"),  # not a TypeError in reshape later
+    ("fp8:block_size=true", r"FP8 block_size must be a positive int; got True"),  # not 1-element blocks
     ("nvfp4:random_bits=8.0", r"random_bits must be 8 or 32; got 8\.0"),  # not a recipe named "nvfp4-sr8.0bit"
 ])
 def test_float_spellings_of_int_options_are_refused(spec, match):

@@ -57,7 +57,12 @@ def test_unbiased_sr_preset_changes_only_the_sr_operands():
                                         ("quartet2:stochastic_scales=ture", "stochastic_scales must be True or"),
                                         ("tetrajet_v2:stochastic_rounding=flase", "stochastic_rounding must be"),
                                         ("tetrajet_v2:double_block=nope", "double_block must be True or False"),
-                                        ("quartet:stochastic_rounding=flase", "stochastic_rounding must be")])
+                                        ("quartet:stochastic_rounding=flase", "stochastic_rounding must be"),
+                                        # Options that would change nothing, yet name another Recipe.
+                                        ("quartet2:stochastic_scales=false,random_bits=8", "stochastic_scales=False"),
+                                        ("tetrajet_v2:stochastic_rounding=false,random_bits=8", "nothing is rounded"),
+                                        ("quartet:stochastic_rounding=false,random_bits=8", "nothing is rounded"),
+                                        ("four_over_six:rht=false,random_signs=per_call", "no effect")])
 def test_bad_preset_options_raise(spec, match):
   with pytest.raises(ValueError, match=match):
     fp4jax.recipes.get_recipe(spec)
