@@ -37,9 +37,11 @@ the top byte (uint8) for random_bits=8, which is all the 8-bit rule uses.
 
 RHT bit-identity: the kernel applies H with a float32 dot (precision HIGHEST) over groups of 16 elements (sizes < 16
 as a block-diagonal 16x16 matrix), like fp4jax.random_hadamard. In interpret mode both run XLA's CPU dot and agree
-bit for bit for 16 and smaller sizes (tested). For larger sizes XLA:CPU's dot sums a group in an order that depends
-on the operands' shapes (a tile's, not the tensor's), so the amax can differ in the last bit (seen for size 32 on
-(48, 64) and (64, 48) inputs; codes and scales agreed). A compiled kernel sums the 16 products in Triton's order,
+bit for bit for sizes 4 and 16 (tested), whose entries +-1/2 and +-1/4 make every product exact. Elsewhere XLA:CPU's
+dot rounds and sums in a way that depends on the operands' shapes (a tile's, not the tensor's), so the amax can differ
+in the last bit: seen for size 32 on (48, 64) and (64, 48) inputs (codes and scales agreed), and for sizes 2 and 8
+(entries +-1/sqrt(2), +-1/sqrt(8)) along a column axis, where a pair that cancels can also come out as a -0 code
+instead of +0, and a 4/6 block's choice can then flip. A compiled kernel sums the 16 products in Triton's order,
 which may differ from XLA's GPU dot in the last bit of a float32 sum; after rounding to bf16 that changes a code
 only rarely (benchmarks/gpu/check.py counts such mismatches on the GPU). The RHT amax comes from the kernel's own
 transform, so amax, scales and codes always agree with each other.
