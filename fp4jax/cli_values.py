@@ -40,8 +40,16 @@ def did_you_mean(word: str, choices) -> str:
   return f" (did you mean {match!r}?)" if match else ""
 
 
+_INVALID_CHOICE = re.compile(r"invalid choice: '(?P<word>[^']*)' \(choose from (?P<choices>.*)\)$")
+
+
 def with_option_hint(message: str, parser: argparse.ArgumentParser) -> str:
-  """argparse's error `message`, with " (did you mean '--model'?)" when it is an unrecognized option like --modle."""
+  """argparse's error `message`, with " (did you mean '--model'?)" when it is an unrecognized option like --modle,
+  or " (did you mean 'tiny'?)" when it is an invalid choice like --model tinny."""
+  choice = _INVALID_CHOICE.search(message)
+  if choice:
+    choices = [c.strip().strip("'\"") for c in choice.group("choices").split(",")]
+    return message + did_you_mean(choice.group("word"), choices)
   if not message.startswith("unrecognized arguments: "):
     return message
   flags = [a.split("=")[0] for a in message.split(": ", 1)[1].split() if a.startswith("--")]

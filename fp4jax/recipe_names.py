@@ -64,9 +64,10 @@ def parse_spec(spec, presets: Mapping[str, Callable[..., Any]]) -> tuple[str, di
     key, eq, value = item.partition("=")
     if not eq:
       raise ValueError(f"Recipe override {item!r} is not of the form key=value.")
-    if key.strip() in kwargs:
-      raise ValueError(f"Recipe option {key.strip()!r} is given twice in {spec!r}.")
-    kwargs[key.strip()] = _parse_value(value)
+    key = key.strip().lower()  # option names are case-insensitive, as recipe names are
+    if key in kwargs:
+      raise ValueError(f"Recipe option {key!r} is given twice in {spec!r}.")
+    kwargs[key] = _parse_value(value)
   params = inspect.signature(presets[name]).parameters
   valid = list(params)
   unknown = [k for k in kwargs if k not in valid]

@@ -57,3 +57,14 @@ def test_misspelt_names_get_the_closest_valid_one(capsys):
       parser_.parse_args(argv)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.endswith("p: error: unrecognized arguments: " + hint + "\n")
+
+
+def test_a_misspelt_choice_gets_the_closest_valid_one(capsys):
+  parser = cli_values.ArgumentParser(prog="p")
+  parser.add_argument("--model", choices=["paper_1b", "small", "tiny"])
+  for argv, hint in ((["--model", "tinny"], " (did you mean 'tiny'?)"), (["--model", "qqq"], "")):
+    with pytest.raises(SystemExit) as exit_info:
+      parser.parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"invalid choice: '{argv[1]}'" in err and err.endswith(")" + hint + "\n"), err

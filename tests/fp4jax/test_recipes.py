@@ -74,6 +74,7 @@ def test_get_recipe_parses_cli_form():
   assert recipes.get_recipe("nvfp4:rht_on=dgrad").dgrad.rht  # a single entry is a one-element tuple
   assert recipes.get_recipe("nvfp4:random_signs=per_call").rht_signs == "per_call"
   assert recipes.get_recipe("nvfp4:rht_on=none") == recipes.nvfp4(rht_on=()) == recipes.nvfp4(rht=False)
+  assert recipes.get_recipe("NVFP4:RHT_Size=4") == recipes.nvfp4(rht_size=4)  # names and options: any case
   assert recipes.nvfp4(rht_on="dgrad") == recipes.nvfp4(rht_on=("dgrad",))
   assert recipes.get_recipe(" NVFP4 ") == recipes.nvfp4()
   assert recipes.get_recipe("mxfp4:scale_rule=floor,rht_size=16") == recipes.mxfp4(scale_rule="floor", rht_size=16)
