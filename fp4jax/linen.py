@@ -10,6 +10,7 @@ import dataclasses
 import functools
 from typing import Any
 
+from flax import errors as flax_errors
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -35,7 +36,7 @@ class Dense(nn.Module):
   def __call__(self, x):
     recipe = recipes_lib.get_recipe(self.recipe if self.recipe is not None else "bf16")
     kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
-    key = self.make_rng("quant") if recipe.needs_key else None
+    key = _quant_key(self, recipe, self.name or "Dense") if recipe.needs_key else None
     # dtype=None (Flax's "infer"): the promoted input and parameter dtype, as nn.Dense; x.astype(None) is float32.
     dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
     x = x.astype(dtype)
@@ -97,7 +98,7 @@ class QuantizedModel:
     if module.dot_general is not None or module.dot_general_cls is not None:
       raise ValueError(f"{model_quantize.shown(path)}: this {type(module).__name__} already has a custom "
                        "dot_general; quantize_model will not replace it.")
-    key = module.make_rng("quant") if rule.recipe.needs_key else None
+    key = _quant_key(module, rule.recipe, model_quantize.shown(path)) if rule.recipe.needs_key else None
     # Linen modules are frozen dataclasses: set the field for this call only (the module is this apply's own).
     object.__setattr__(module, "dot_general", functools.partial(
         contraction.linear_dot_general, recipe=rule.recipe, key=key, where=model_quantize.shown(path)))
@@ -105,6 +106,16 @@ class QuantizedModel:
       return next_fun(*args, **kwargs)
     finally:
       object.__setattr__(module, "dot_general", None)
+
+
+def _quant_key(module: nn.Module, recipe, where: str):
+  """module.make_rng("quant"), or a ValueError saying how to pass the key (Flax's own error names no fix)."""
+  try:
+    return module.make_rng("quant")
+  except flax_errors.InvalidRngError as e:  # not has_rng(): in nn.scan with "quant" unsplit it is False, yet this works
+    raise ValueError(f"{where}: recipe {recipe.name!r} needs randomness (stochastic rounding or random RHT signs): "
+                     "pass a new key every step, model.apply(variables, x, rngs={'quant': key}); inside nn.scan, "
+                     "list 'quant' in split_rngs.") from e
 
 
 def _is_ours(dot_general) -> bool:

@@ -78,7 +78,6 @@ from fp4jax import nvfp4
 from fp4jax import rht as rht_lib
 from fp4jax import prng
 from fp4jax.quantize import check_arguments
-from fp4jax import rounding as rounding_lib
 from fp4jax.qarray import QArray
 from pallas_kernels import numerics
 from pallas_kernels import platform

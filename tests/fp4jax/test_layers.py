@@ -112,7 +112,7 @@ def test_linen_mlp_trains(preset):
 
 def test_linen_sr_recipe_needs_quant_rng():
   x, _ = _toy_regression()
-  with pytest.raises(Exception, match="quant"):
+  with pytest.raises(ValueError, match=r"needs randomness .* rngs=\{'quant': key\}"):
     LinenMLP("nvfp4").apply({"params": _linen_params(x)}, x)
 
 
@@ -134,7 +134,7 @@ def test_linen_scan_draws_sr_noise_per_layer_only_with_quant_split(split, noise)
   params = jax.tree.map(lambda a: jnp.broadcast_to(a[:1], a.shape), params)  # two equal layers
   loss = lambda p: jnp.sum(scan().apply(p, None, x, rngs={"quant": jax.random.key(2)})[1] ** 2)
   if noise == "missing":
-    with pytest.raises(Exception, match='needs PRNG for "quant"'):
+    with pytest.raises(ValueError, match="needs randomness.*list 'quant' in split_rngs"):
       jax.grad(loss)(params)
     return
   g_LxKxN = np.asarray(jax.tree.leaves(jax.grad(loss)(params))[0])

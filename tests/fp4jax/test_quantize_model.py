@@ -398,6 +398,11 @@ def test_linen_and_einsum_layers_the_recipe_cannot_run_are_named_at_call_time():
 def test_linen_quantize_model_refuses_rngs_and_says_where_keys_go():
   with pytest.raises(ValueError, match=r"takes no rngs.*rngs=\{'quant': key\}"):
     fp4jax.quantize_model(linen.Dense(D), [(".*", "nvfp4")], rngs=0)
+  qmodel = fp4jax.quantize_model(linen.Dense(D), [(".*", "nvfp4")])
+  x = jnp.ones((B * T, D))
+  variables = qmodel.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"the model itself.*'nvfp4' needs randomness.*rngs=\{'quant': key\}"):
+    qmodel.apply(variables, x)  # Flax's own error named no fix
 
 
 def test_a_second_call_sets_every_layer_including_those_no_rule_matches():
