@@ -44,7 +44,9 @@ in the last bit: seen for size 32 on (48, 64) and (64, 48) inputs (codes and sca
 instead of +0, and a 4/6 block's choice can then flip. A compiled kernel sums the 16 products in Triton's order,
 which may differ from XLA's GPU dot in the last bit of a float32 sum; after rounding to bf16 that changes a code
 only rarely (benchmarks/gpu/check.py counts such mismatches on the GPU). The RHT amax comes from the kernel's own
-transform, so amax, scales and codes always agree with each other.
+transform, so amax, scales and codes always agree with each other. A tensor whose largest magnitude is subnormal keeps
+it as its amax here (an integer max of the bits), where XLA:CPU's float max flushes it to 0; codes, scales and the
+dequantized values agree.
 
 Tiles are powers of two dividing the view (Triton's requirement), a few thousand elements when compiled and up to
 2^18 in interpret mode (each interpreted grid step costs ~1 ms); `tile=` overrides. Where an axis's power-of-two
