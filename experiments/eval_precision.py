@@ -79,7 +79,9 @@ def summarize(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[str], dic
   for run in runs:
     for recipe in recipes:
       values = [r["val_loss"] for r in rows if r["run"] == run and r["recipe"] == recipe]
-      cells[run, recipe] = (float(np.mean(values)), float(np.std(values)) if len(values) > 1 else None, len(values))
+      # Sample std (ddof=1), as the sweep's results.md (experiments.report): one estimator behind one label.
+      cells[run, recipe] = (float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else None,
+                            len(values))
   return runs, recipes, cells
 
 

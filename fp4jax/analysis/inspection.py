@@ -119,6 +119,13 @@ def compare_formats(x, fmts=DEFAULT_FORMATS, *, rht_size: int = 16, axis: int = 
     fmt_list.append(formats.get_format(fmt))
   if not fmt_list:
     raise ValueError("compare_formats needs at least one format in fmts.")
+  # Checked here: the quantizer's own error would suggest a pad=True that compare_formats does not take.
+  n = x.shape[axis]
+  for label, fmt in zip(labels, fmt_list):
+    if not fmt.per_tensor and n % fmt.block_size:
+      raise ValueError(f"compare_formats: axis {axis} has length {n}, not a multiple of the {label} block size "
+                       f"{fmt.block_size} (x {tuple(x.shape)}); pad it first: fp4jax.pad_to_blocks(x, fmt, axis={axis}) "
+                       "for each format's block size.")
   if signs is not None:  # checked here, outside _measure_all's trace, where the +-1 values can be read
     signs = rht.resolve_signs(rht_size, signs)
   use_rht = (False, True)
@@ -162,6 +169,8 @@ def main(argv=None) -> list[dict]:
     parser.error(f"--cols must be a positive multiple of 128 (the FP8 block); got {args.cols}.")
   if not 0 <= args.outliers <= args.cols:
     parser.error(f"--outliers must be in [0, {args.cols}]; got {args.outliers}.")
+  if args.seed < 0:
+    parser.error(f"--seed must be >= 0 (NumPy's seed); got {args.seed}.")
 
   start = time.perf_counter()
   x = sample_tensor(args.seed, args.size, args.cols, args.outliers, args.outlier_scale)

@@ -57,6 +57,9 @@ def test_inspect_cli_rejects_bad_columns(capsys):
   with pytest.raises(SystemExit):
     fp4_inspect.main(["--size", "8", "--cols", "100"])
   assert "multiple of 128" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    fp4_inspect.main(["--size", "8", "--cols", "128", "--seed", "-1"])  # NumPy's traceback before
+  assert "--seed must be >= 0" in capsys.readouterr().err
 
 
 def test_nvfp4_beats_mxfp4_floor_on_normal_data():
@@ -144,6 +147,10 @@ def test_compare_formats_refuses_what_it_cannot_measure():
     fp4_inspect.compare_formats(jnp.ones((4, 32)), ["nvfp4"], signs=jnp.zeros(16))
   with pytest.raises(ValueError, match="at least one format"):
     fp4_inspect.compare_formats(jnp.ones((4, 32)), [])
+  # The quantizer's own message suggested pad=True, which compare_formats does not take.
+  with pytest.raises(ValueError, match=r"compare_formats: axis 1 has length 40, not a multiple of the nvfp4 block "
+                                       r"size 16 .*pad_to_blocks"):
+    fp4_inspect.compare_formats(jnp.ones((4, 40)), ["nvfp4"])
 
 
 def test_sample_tensor():

@@ -54,4 +54,5 @@ def test_table_has_a_difference_column_per_recipe():
                                                 ("a", 0, "bf16", "bf16", 1.9), ("a", 1, "bf16", "bf16", 2.1)]]
   text = eval_precision.markdown(rows, "runs/x")
   assert "| run (trained in) | seeds | val loss: own | val loss: bf16 | bf16 - own |" in text
-  assert "| a (nvfp4) | 2 | 2.1000 ± 0.1000 | 2.0000 ± 0.1000 | -0.1000 |" in text
+  # The sample std over seeds (ddof=1: sqrt(0.02)), as experiments.report's results.md gives it.
+  assert "| a (nvfp4) | 2 | 2.1000 ± 0.1414 | 2.0000 ± 0.1414 | -0.1000 |" in text
