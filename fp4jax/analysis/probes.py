@@ -88,20 +88,30 @@ def level_norms(v_LxMxN) -> jax.Array:
   return _norm(v_LxMxN, axis=(1, 2))
 
 
+def _hidden_nonzero(v, norm) -> jax.Array:
+  """True when `v` has a zero norm yet nonzero entries: subnormals only, which XLA:CPU's arithmetic reads as 0."""
+  bits = jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0x7FFFFFFF)  # -0 is zero
+  return (norm == 0) & jnp.any(bits != 0)
+
+
 def rel_error(a, ref) -> jax.Array:
   """||a - ref|| / ||ref|| in float32 (0 when both are zero, inf when ref is zero and a is not; NaN when either
-  holds a NaN: a diverged tensor must not score as exact)."""
+  holds a NaN: a diverged tensor must not score as exact; NaN too when ref is nonzero only in subnormals, which
+  XLA:CPU's arithmetic flushes to zero: a vanished gradient must not score as exact either)."""
   a, ref = jnp.asarray(a, jnp.float32), jnp.asarray(ref, jnp.float32)
   num, den = _norm(a - ref), _norm(ref)
+  num = jnp.where(_hidden_nonzero(a, _norm(a)) & (den == 0), jnp.inf, num)  # a nonzero against a zero ref
   out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
-  return jnp.where(jnp.isnan(num) | jnp.isnan(den), jnp.nan, out)
+  return jnp.where(jnp.isnan(num) | jnp.isnan(den) | _hidden_nonzero(ref, den), jnp.nan, out)
 
 
 def cosine(a, b) -> jax.Array:
   """Cosine similarity of two tensors as flat vectors (1 when both are zero, 0 when only one is, NaN when either
-  holds a NaN)."""
+  holds a NaN or is nonzero only in subnormals: XLA:CPU reads those as zero, so their direction is unmeasured)."""
   a, b = jnp.ravel(jnp.asarray(a, jnp.float32)), jnp.ravel(jnp.asarray(b, jnp.float32))
   na, nb = _norm(a), _norm(b)
+  na = jnp.where(_hidden_nonzero(a, na), jnp.nan, na)
+  nb = jnp.where(_hidden_nonzero(b, nb), jnp.nan, nb)
   # Unit vectors first: a.b and |a| |b| overflow float32 (inf / inf = NaN) from norms of ~1e19.
   ua, ub = a / jnp.where(na > 0, na, 1.0), b / jnp.where(nb > 0, nb, 1.0)
   out = jnp.where((na > 0) & (nb > 0), jnp.dot(ua, ub, precision=_HIGHEST),

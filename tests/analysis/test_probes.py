@@ -226,6 +226,13 @@ def test_error_measures_of_edge_cases():
   assert float(probes.rel_error(zero, zero)) == 0.0 and float(probes.rel_error(one, zero)) == np.inf
   assert float(probes.cosine(zero, zero)) == 1.0 and float(probes.cosine(one, zero)) == 0.0
   assert float(probes.rel_error(2 * one, one)) == 1.0 and float(probes.cosine(one, -one)) == pytest.approx(-1.0)
+  # Tensors nonzero only in subnormals, which XLA:CPU's arithmetic flushes: two unrelated ones scored error 0 and
+  # cosine 1 (where the arithmetic keeps subnormals, as on a GPU, they are measured).
+  tiny = jnp.asarray(np.array([1e-39, 2e-39], np.float32))
+  if float(jnp.sum(tiny)) == 0.0:  # this platform flushes them
+    assert np.isnan(float(probes.rel_error(-tiny, tiny))) and np.isnan(float(probes.cosine(-tiny, tiny)))
+    assert float(probes.rel_error(tiny, zero)) == np.inf  # a nonzero against a zero reference
+  assert float(probes.rel_error(-zero, zero)) == 0.0 and float(probes.cosine(-zero, zero)) == 1.0  # -0 is zero
   t = random_tensors()
   r = probes.probe_layer(probes.LayerTensors(t.x_MxK.at[0, 0].set(jnp.nan), t.w_KxN, t.dy_MxN), "nvfp4",
                          jax.random.key(0), num_draws=2)
