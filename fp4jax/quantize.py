@@ -55,9 +55,10 @@ def _check_axis(shape, axis, block_2d) -> int:
   return axis
 
 
-def check_arguments(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits="hash") -> int:
+def check_arguments(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits="hash", pad=False) -> int:
   """The non-negative blocked axis, after checking quantize's arguments for array `x` and format `fmt` (a ValueError
   names the first that does not fit); shared with the Pallas quantizer (pallas_kernels.quantize_nvfp4)."""
+  _check_flag("pad", pad)
   if key is not None:
     keys.check_key_or_hash_seed(key, sr_bits, "key")
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:

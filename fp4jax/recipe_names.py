@@ -49,6 +49,14 @@ def _parse_value(text: str):
   return cli_values.parse_scalar(text)
 
 
+def check_random_bits(stochastic: bool, random_bits, flag: str) -> None:
+  """random_bits only sets stochastic rounding's bits: with `flag` False it would change nothing, yet name another
+  Recipe (one recipe, one name)."""
+  if not stochastic and random_bits != 32:
+    raise ValueError(f"random_bits={random_bits!r} sets stochastic rounding's bits; with {flag}=False nothing is "
+                     "rounded stochastically.")
+
+
 def parse_spec(spec, presets: Mapping[str, Callable[..., Any]]) -> tuple[str, dict[str, Any]]:
   """(preset name, keyword arguments) of a spec "name[:key=value,...]", checked against the preset's signature.
 

@@ -276,16 +276,15 @@ def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht
     rht_on = ()
   rht_on = (rht_on,) if isinstance(rht_on, str) else tuple(rht_on)
   if not rht or not rht_on:  # no RHT anywhere: its settings would change nothing, yet make another Recipe
-    inert = {k: v for k, v, default in (("rht_on", rht_on if not rht else ("wgrad",), ("wgrad",)),
-                                        ("rht_size", rht_size, default_rht_size), ("random_signs", random_signs, True))
-             if v != default}
+    settings = [("rht_size", rht_size, default_rht_size), ("random_signs", random_signs, True)]
+    if not rht:
+      settings.insert(0, ("rht_on", rht_on, ("wgrad",)))
+    inert = {k: v for k, v, default in settings if v != default}
     if inert:
       raise ValueError(f"{'rht=False' if not rht else 'rht_on=()'} turns the RHT off; "
                        f"{', '.join(f'{k}={v!r}' for k, v in inert.items())} would have no effect.")
     rht_on = ()
-  if not stochastic_rounding and random_bits != 32:
-    raise ValueError(f"random_bits={random_bits!r} sets stochastic rounding's bits; with stochastic_rounding=False "
-                     "nothing is rounded stochastically.")
+  recipe_names.check_random_bits(stochastic_rounding, random_bits, "stochastic_rounding")
   unknown = set(rht_on) - set(GEMMS)
   if unknown:
     raise ValueError(f"rht_on entries must be among {GEMMS}; got {sorted(unknown)}.")

@@ -29,13 +29,6 @@ def _check_switches(**switches) -> None:
       raise ValueError(f"{flag} must be True or False; got {value!r}.")
 
 
-def _check_random_bits(stochastic: bool, random_bits, flag: str) -> None:
-  """random_bits only sets stochastic rounding's bits: with `flag` False it would change nothing."""
-  if not stochastic and random_bits != 32:
-    raise ValueError(f"random_bits={random_bits!r} sets stochastic rounding's bits; with {flag}=False nothing is "
-                     "rounded stochastically.")
-
-
 def _speed_tags(stochastic: bool, sr_bits: str, gemm_mode: str) -> str:
   """Name tags of the SR generator (only when something is rounded stochastically) and the GEMM mode."""
   return (f"-{sr_bits}" if stochastic and sr_bits != "hash" else "") + recipe_names.gemm_tag(gemm_mode)
@@ -72,7 +65,7 @@ def tetrajet_v2(*, rht_size: int = 16, double_block: bool = True, stochastic_rou
     * Dgrad and Wgrad share one RHT sign vector per call; the reference draws one per GEMM (seed_dx, seed_dw).
   """
   _check_switches(double_block=double_block, stochastic_rounding=stochastic_rounding)
-  _check_random_bits(stochastic_rounding, random_bits, "stochastic_rounding")
+  recipe_names.check_random_bits(stochastic_rounding, random_bits, "stochastic_rounding")
   lib = _recipes()
   fmt = formats.NVFP4(double_block=double_block)
   sr = "stochastic" if stochastic_rounding else "nearest"
@@ -97,7 +90,7 @@ def quartet2(*, four_over_six: bool = False, rht_size: int = 128, stochastic_sca
   (`formats.NVFP4` scale_rule "eden"; their random bits come from `sr_bits`'s generator).
   """
   _check_switches(four_over_six=four_over_six, stochastic_scales=stochastic_scales)
-  _check_random_bits(stochastic_scales, random_bits, "stochastic_scales")
+  recipe_names.check_random_bits(stochastic_scales, random_bits, "stochastic_scales")
   lib = _recipes()
   fwd = lib.OperandConfig(fmt=formats.NVFP4(scale_rule="4over6") if four_over_six else formats.NVFP4())
   rht_lib.check_size(rht_size)
@@ -131,7 +124,7 @@ def quartet(*, rht_size: int = 32, stochastic_rounding: bool = True, random_bits
   (`stochastic_rounding=False`).
   """
   _check_switches(stochastic_rounding=stochastic_rounding)
-  _check_random_bits(stochastic_rounding, random_bits, "stochastic_rounding")
+  recipe_names.check_random_bits(stochastic_rounding, random_bits, "stochastic_rounding")
   lib = _recipes()
   fwd = lib.OperandConfig(fmt=formats.MXFP4(scale_rule="quest"), rht=True, clip_mask=True)
   bwd_fmt = formats.MXFP4(scale_rule="tseng")

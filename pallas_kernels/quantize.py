@@ -551,9 +551,7 @@ def quantize_call(x_view, scal, h_mat, bits_view, plan: Plan, *, rounding: str, 
 # --- public wrapper ----------------------------------------------------------------------------------------------
 
 def _check(x, axis, block_2d, rounding, key, random_bits, rht_size, fmt, sr_bits, pad, tile):
-  axis = check_arguments(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits)  # fp4jax.quantize's
-  if not isinstance(pad, (bool, np.bool_)):
-    raise ValueError(f"pad must be True or False; got {pad!r}.")
+  axis = check_arguments(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits, pad)  # fp4jax.quantize's
   if tile is not None and not (isinstance(tile, (tuple, list)) and len(tile) == 2
                                and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tile)):
     raise ValueError(f"tile must be None or (rows, cols), two powers of two; got {tile!r}.")

@@ -100,7 +100,7 @@ def rel_error(a, ref) -> jax.Array:
   XLA:CPU's arithmetic flushes to zero: a vanished gradient must not score as exact either)."""
   a, ref = jnp.asarray(a, jnp.float32), jnp.asarray(ref, jnp.float32)
   num, den = _norm(a - ref), _norm(ref)
-  num = jnp.where(_hidden_nonzero(a, _norm(a)) & (den == 0), jnp.inf, num)  # a nonzero against a zero ref
+  num = jnp.where(_hidden_nonzero(a, num) & (den == 0), jnp.inf, num)  # a nonzero against a zero ref (a - ref = a)
   out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
   return jnp.where(jnp.isnan(num) | jnp.isnan(den) | _hidden_nonzero(ref, den), jnp.nan, out)
 
