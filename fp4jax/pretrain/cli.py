@@ -220,6 +220,8 @@ def _run_eval(argv: Sequence[str]) -> int:
   log = (lambda line: print(line, file=sys.stderr)) if main_process else None
   setup = _all_started("read its checkpoint and data", lambda: trainer.eval_setup(
       args.out, args.step, eval_batches=args.eval_batches, corpus=args.corpus, recipe=args.recipe, log=log))
+  identity = setup.dataset.identity
+  distributed.check_same_data(identity.to_dict() if identity is not None else None)
   result = trainer.evaluate_setup(args.out, setup)
   if not main_process:
     return 0

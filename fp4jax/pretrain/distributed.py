@@ -29,7 +29,10 @@ Failure handling (all bounded, none silent):
   in mismatched collectives or fail deep inside JAX: `check_same_run` (the first thing `trainer.train` does) compares
   digests of every process's run config and makes all of them raise ConfigMismatchError (the CLI exits with code 2)
   naming the options that differ, before any data is read or step compiled. The settings each host may keep its own
-  are PER_PROCESS_FIELDS. `fp4jax eval` compares its --out, --step, --eval-batches and --corpus the same way.
+  are PER_PROCESS_FIELDS. `fp4jax eval` compares its --out, --step, --eval-batches and --corpus the same way;
+- processes whose corpus files differ (a stale copy on one host) would train on two corpora silently:
+  `check_same_data` (once each process has read its data) compares the data's fingerprint, size and tokenizer and
+  makes all of them raise ConfigMismatchError naming what differs.
 """
 
 from __future__ import annotations
@@ -264,6 +267,9 @@ class ConfigMismatchError(ValueError):
 PER_PROCESS_FIELDS = frozenset({
     # Where this host caches the tokenized corpus (a local disk per host): the tokens are the same wherever kept.
     "data.cache_dir",
+    # Where this host keeps the corpus (hosts mount it at other paths): what it holds is compared once read
+    # (check_same_data), which also catches one path holding other text on two hosts.
+    "data.corpus",
     # Only process 0 shows the progress bar and writes metrics.jsonl; the other processes never read these, and
     # neither runs a collective.
     "logging.progress", "logging.every",
@@ -340,6 +346,34 @@ def _versions() -> list[str]:
 def _allgather(values: np.ndarray) -> np.ndarray:
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   return np.asarray(multihost_utils.process_allgather(values))
+
+
+# What DataIdentity fields must agree: the tokens every process reads its rows of each batch from. The corpus path
+# and token cache entry may differ per host.
+DATA_FIELDS = ("fingerprint", "num_files", "num_bytes", "tokenizer", "vocab_size", "tokenizer_digest")
+
+
+def check_same_data(identity: Mapping[str, Any] | None) -> None:
+  """Raises ConfigMismatchError on every process when the processes read different data (`identity`, this process's
+  DataIdentity.to_dict()): each process reads its own copy of the corpus and trains on its own rows of every batch,
+  so a stale copy on one host would make the run train on two corpora silently. A collective that all processes
+  must call; a no-op with one process."""
+  if jax.process_count() == 1:
+    return
+  identity = identity or {}
+  fields = {name: identity.get(name) for name in DATA_FIELDS}
+  differing = differing_fields(list(fields), _allgather(field_digests(fields)))
+  if not differing:
+    return
+  parts = "; ".join(f"process {p}'s {_join(names)} {'differs' if len(names) == 1 else 'differ'} from process 0's"
+                    for p, names in differing.items())
+  fingerprint = str(fields["fingerprint"])[:16]
+  raise ConfigMismatchError(
+      f"the processes of this multi-process run read different data: {parts}. Every process reads its own copy of "
+      f"--data.corpus and trains on its own rows of each batch: give every host the same corpus files. This process "
+      f"({jax.process_index()} of {jax.process_count()}) read {identity.get('corpus')} (fingerprint {fingerprint}, "
+      f"{fields['num_bytes']} bytes in {fields['num_files']} files, {fields['tokenizer']} tokenizer, vocabulary "
+      f"{fields['vocab_size']}).")
 
 
 def check_same_run(config_dict: Mapping[str, Any], flags: Mapping[str, str]) -> None:

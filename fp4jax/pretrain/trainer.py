@@ -157,7 +157,8 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
     as a dict).
   compile_cache: reuse jitted steps across calls (see CompileCache).
   Multi-process runs: raises distributed.ConfigMismatchError on every process when the processes' configs differ
-  (beyond distributed.PER_PROCESS_FIELDS), before anything is read or compiled.
+  (beyond distributed.PER_PROCESS_FIELDS), before anything is read or compiled, and when the data they read differs
+  (distributed.check_same_data), before anything is compiled.
   Raises TrainingDiverged on a non-finite loss (nothing non-finite is ever saved), CheckpointError when --resume
   finds no readable checkpoint (unreadable newer ones are moved aside, see fp4jax.pretrain.resume), RunLockedError
   when another run holds --out, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C,
@@ -190,6 +191,7 @@ def _train_locked(config, user_hooks, log, compile_cache, out) -> dict[str, Any]
   # Each process reads its own corpus and token cache (a host may lack the corpus, or its cache folder be full):
   # all agree before the first collective, which a process that failed alone would never join.
   dataset, val = distributed.all_started("read its data", lambda: load_data(config, *placement.batch_block()))
+  distributed.check_same_data(dataset.identity.to_dict() if dataset.identity is not None else None)
   phases = Phases(config, model, compile_cache, placement)
   # Committed like a restored state (restore reads onto these shardings), so a fresh and a resumed run hit the
   # same compiled step, and a checkpoint saved on one mesh restores onto another.

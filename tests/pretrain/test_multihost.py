@@ -24,6 +24,7 @@ import pytest
 from fp4jax.pretrain import checkpoint as ckpt
 from fp4jax.pretrain import cli
 from fp4jax.pretrain import config as config_lib
+from fp4jax.pretrain import data as data_lib
 from fp4jax.pretrain import distributed
 from fp4jax.pretrain import resume
 from fp4jax.pretrain import runfolder
@@ -343,6 +344,80 @@ def test_check_same_run_raises_naming_the_options(monkeypatch):
   with pytest.raises(distributed.ConfigMismatchError,
                      match="process 1 of this multi-process run runs a different fp4jax or jax version"):
     distributed.check_same_run(config.to_dict(), config_lib.field_flags())
+
+
+def _identity(**changes):
+  return {"corpus": "/data/corpus.txt", "fingerprint": "f3ffcae8" * 8, "tokenizer": "byte", "vocab_size": 256,
+          "num_files": 1, "num_bytes": 20000, "cache_key": "k", "tokenizer_digest": "", **changes}
+
+
+def _fake_data_peer(monkeypatch, peer_identity):
+  """This process is process 1 of 2; the collective returns process 0's data digests (of `peer_identity`) and ours."""
+  gathers = []
+
+  def allgather(values):
+    gathers.append(len(values))
+    theirs = distributed.field_digests({n: peer_identity.get(n) for n in distributed.DATA_FIELDS})
+    return np.stack([theirs, values])
+
+  monkeypatch.setattr(distributed, "_allgather", allgather)
+  monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(distributed.jax, "process_index", lambda: 1)
+  return gathers
+
+
+def test_check_same_data_refuses_processes_that_read_other_data(monkeypatch):
+  # Before it, two hosts whose corpus.txt differed trained on two corpora (each its own rows of every batch) and
+  # both exited 0; only a later --resume noticed.
+  gathers = _fake_data_peer(monkeypatch, _identity(corpus="/mnt/other/corpus.txt", cache_key="elsewhere"))
+  distributed.check_same_data(_identity())  # the same bytes at another path, cached elsewhere: the same data
+  assert gathers == [len(distributed.DATA_FIELDS)]
+  _fake_data_peer(monkeypatch, _identity(fingerprint="9512266e" * 8, num_bytes=20001))
+  with pytest.raises(distributed.ConfigMismatchError) as info:
+    distributed.check_same_data(_identity())
+  assert str(info.value) == (
+      "the processes of this multi-process run read different data: process 1's fingerprint and num_bytes differ "
+      "from process 0's. Every process reads its own copy of --data.corpus and trains on its own rows of each batch: "
+      "give every host the same corpus files. This process (1 of 2) read /data/corpus.txt (fingerprint "
+      "f3ffcae8f3ffcae8, 20000 bytes in 1 files, byte tokenizer, vocabulary 256).")
+  for field, value in [("tokenizer", "bpe"), ("vocab_size", 512), ("tokenizer_digest", "d"), ("num_files", 2)]:
+    _fake_data_peer(monkeypatch, _identity(**{field: value}))
+    with pytest.raises(distributed.ConfigMismatchError, match=f"process 1's {field} differs from process 0's"):
+      distributed.check_same_data(_identity())
+  monkeypatch.setattr(distributed.jax, "process_count", lambda: 1)
+  monkeypatch.setattr(distributed, "_allgather", lambda values: pytest.fail("a collective in a single-process run"))
+  distributed.check_same_data(_identity())
+
+
+def test_each_host_may_keep_the_corpus_at_its_own_path():
+  # Compared by content once read (check_same_data), not by the path typed.
+  _, base, _ = _run_digests()
+  _, other, _ = _run_digests(**{"data.corpus": "/mnt/host1/corpus.txt"})
+  assert (other == base).all()
+
+
+class _Compared(Exception):
+  pass
+
+
+def test_train_and_eval_compare_the_data_each_process_read(monkeypatch, tmp_path):
+  compared = []
+
+  def check(identity):
+    compared.append(identity)
+    raise _Compared
+
+  monkeypatch.setattr(distributed, "check_same_data", check)
+  config = config_lib.TrainConfig.from_options(out=str(tmp_path / "x"), model="tiny", seq_len=32, eval_batches=0,
+                                               progress=False, **{"model.n_layers": 1})
+  with pytest.raises(_Compared):
+    trainer.train(config, log=None)
+  assert len(compared) == 1 and compared[0]["fingerprint"] and compared[0]["num_bytes"] > 10**6, compared
+  monkeypatch.setattr(trainer, "eval_setup", lambda *args, **kwargs: types.SimpleNamespace(
+      dataset=types.SimpleNamespace(identity=data_lib.DataIdentity(**_identity()))))
+  with pytest.raises(_Compared):
+    cli._run_eval(["--out", "nowhere"])  # pylint: disable=protected-access
+  assert compared[1] == _identity()
 
 
 def test_check_same_run_costs_a_single_process_nothing(monkeypatch):
