@@ -34,20 +34,28 @@ def check_recipe(recipe: recipes_lib.Recipe) -> None:
                      "a deterministic quantized value (round-to-nearest forward).")
 
 
-def quantized_weight(w_KxN: jax.Array, recipe: recipes_lib.Recipe) -> jax.Array:
+def quantized_weight(w_KxN: jax.Array, recipe: recipes_lib.Recipe, outliers_K: jax.Array | None = None
+                     ) -> jax.Array:
   """The float32 values of the weight operand of `recipe`'s Fprop GEMM for master weight `w_KxN` [in, out].
 
   Blocks run along K (the contraction axis) and follow the recipe: 16x16 for NVIDIA's 2D weights, 1x16 with a
   float32 scale per 1x128 group for TetraJet-v2's double-block scales. A weight the recipe keeps in high
   precision comes back unchanged (as float32).
+  outliers_K: bool [K], the rows OutControl runs in MXFP8 (fp4jax.outcontrol): as in the forward's rest operand,
+  they are zeroed before the quantization (so they play no part in the block and tensor scales) and come back 0.
   """
   if w_KxN.ndim != 2:
     raise ValueError(f"quantized_weight expects a [K, N] weight; got shape {w_KxN.shape}.")
+  if outliers_K is not None and (outliers_K.shape != w_KxN.shape[:1] or outliers_K.dtype != jnp.bool_):
+    raise ValueError(f"quantized_weight: outliers_K must be a bool [K={w_KxN.shape[0]}] row mask; got "
+                     f"{outliers_K.dtype} {outliers_K.shape}.")
   check_recipe(recipe)
   cfg = recipe.fprop.rhs
   w32 = w_KxN.astype(jnp.float32)
   if not cfg.quantized:
     return w32
+  if outliers_K is not None:
+    w32 = jnp.where(outliers_K[:, None], jnp.zeros((), jnp.float32), w32)
   q = quantize(w32, cfg.fmt, axis=0, block_2d=cfg.block_2d, pad=cfg.pad)
   return dequantize(q, jnp.float32)
 
@@ -65,11 +73,19 @@ def oscillation_ratio(dist_q: jax.Array, dist_w: jax.Array) -> jax.Array:
   return jnp.where(moved, dist_q / jnp.where(moved, dist_w, 1.0), 0.0)
 
 
-def reset(w: jax.Array, q: jax.Array, dist_q: jax.Array, dist_w: jax.Array,
-          threshold: float) -> tuple[jax.Array, jax.Array]:
-  """(w with the elements whose oscillation ratio is >= `threshold` replaced by q, that boolean mask)."""
+def reset(w: jax.Array, q: jax.Array, dist_q: jax.Array, dist_w: jax.Array, threshold: float,
+          outliers_K: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """(w with the elements whose oscillation ratio is >= `threshold` replaced by q, that boolean mask).
+
+  outliers_K: bool [K], rows of a [K, N] w that OutControl runs in MXFP8: never reset (the authors reset only the
+  FP4 channels), whatever their sums gathered before they were selected."""
   if w.shape != q.shape or w.shape != dist_q.shape or w.shape != dist_w.shape:
     raise ValueError(f"reset: w {w.shape}, q {q.shape}, dist_q {dist_q.shape} and dist_w {dist_w.shape} must "
                      "have one shape.")
   mask = oscillation_ratio(dist_q, dist_w) >= threshold
+  if outliers_K is not None:
+    if w.ndim != 2 or outliers_K.shape != w.shape[:1]:
+      raise ValueError(f"reset: outliers_K must be a [K] row mask of the [K, N] weight; got {outliers_K.shape} "
+                       f"for w {w.shape}.")
+    mask = mask & ~outliers_K[:, None]
   return jnp.where(mask, q.astype(w.dtype), w), mask

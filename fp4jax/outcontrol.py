@@ -49,11 +49,19 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 # --- calibration: statistics and selection ---------------------------------------------------------------------
 
-def outlier_count(k_features: int, fraction: float) -> int:
-  """k = ceil(fraction * K) outlier channels of a layer with K input features (0 when fraction is 0)."""
+def check_fraction(fraction: float) -> None:
+  """Raises ValueError unless `fraction` is a number in [0, 1)."""
   if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 <= fraction < 1:
     raise ValueError(f"OutControl fraction must be a number in [0, 1); got {fraction!r}.")
-  k = math.ceil(fraction * k_features - 1e-9)  # 0.05 * 640 is 32.000000000000004 in floating point
+
+
+def outlier_count(k_features: int, fraction: float) -> int:
+  """k = ceil(fraction * K) outlier channels of a layer with K input features (0 when fraction is 0)."""
+  check_fraction(fraction)
+  if fraction == 0:
+    return 0
+  # 0.05 * 640 is 32.000000000000004 in floating point; yet any fraction > 0 selects at least one channel.
+  k = max(1, math.ceil(fraction * k_features - 1e-9))
   if k >= k_features:
     raise ValueError(f"OutControl fraction {fraction} selects all {k_features} channels of a layer; use a smaller "
                      "fraction (the paper uses a few percent).")

@@ -31,6 +31,7 @@ from fp4jax.pretrain import sharding as sharding_lib
 from fp4jax.pretrain.optimizer import OptimizerConfig
 from fp4jax.pretrain.osci import OsciResetConfig
 from fp4jax.pretrain.outcontrol import OutControlConfig
+from fp4jax.pretrain.outcontrol import tracked_layers as outcontrol_tracked_layers
 from fp4jax.pretrain.options import default_of, flat_key, is_result_free, option
 from fp4jax.pretrain.policy import PrecisionPolicy
 
@@ -189,6 +190,7 @@ class TrainConfig:
       if not self.policy.recipe.is_quantized:
         raise ValueError(f"OutControl (outcontrol_fraction={self.outcontrol.fraction}) needs a quantized --recipe; "
                          f"got {self.policy.recipe.name!r}.")
+      outcontrol_tracked_layers(self)  # a fraction that selects all of some layer's input channels
       if self.outcontrol.select_step >= self.steps:
         raise ValueError(f"OutControl: calibration ends after step {self.outcontrol.select_step} (start "
                          f"{self.outcontrol.start} + window {self.outcontrol.window} - 1), beyond this "

@@ -8,7 +8,9 @@ calibrate.py and oscillation_reset.py) runs, after each optimizer step i >= star
   otherwise                      nothing.
 A cycle runs only if its snapshot step is >= start. Q is the Fprop weight operand of the layer's recipe in the
 current precision phase (fp4jax.osci_reset.quantized_weight); layers kept in BF16 have Q(w) = w, so their ratio
-is 1 and they are never reset. The optimizer state is not touched.
+is 1 and they are never reset. The optimizer state is not touched. With OutControl, once its channels are selected,
+Q is the recipe's operand of the other rows (the outlier rows zeroed, as the forward quantizes them) and the outlier
+rows, which run in MXFP8, are never reset: as the authors' code, which tracks and resets the FP4 channels only.
 
 The statistics (last weights, both distances: three float32 copies of every tracked kernel) are part of the train
 state (`TrainState.osci`), so they are sharded like the kernels, saved in checkpoints and restored on resume; the
@@ -156,18 +158,24 @@ def layers_of(state: OsciState) -> tuple[str, ...]:
   return tuple(path_str(p)[:-len(".kernel")] for p, _ in jax.tree_util.tree_flatten_with_path(state.prev)[0])
 
 
-def update(params, state: OsciState, step: jax.Array, recipes: Mapping[str, Any], config: OsciResetConfig
+def update(params, state: OsciState, step: jax.Array, recipes: Mapping[str, Any], config: OsciResetConfig,
+           outlier_idx: Mapping[str, jax.Array] | None = None, outliers_selected: jax.Array | bool = True
            ) -> tuple[Any, OsciState, jax.Array]:
   """(params, state, number of elements reset) after optimizer step `step` (params: the updated weights).
 
-  `recipes` maps each tracked layer to its recipe in the current phase. Pure; runs under jit and sharding.
+  `recipes` maps each tracked layer to its recipe in the current phase. `outlier_idx` maps layers to OutControl's
+  outlier channels (int [k], rows of the [K, N] kernel) that the next forward runs in MXFP8, where
+  `outliers_selected` (before that they are placeholders): Q is then the recipe's operand of the other rows, as the
+  forward quantizes it, and those rows are never reset. Pure; runs under jit and sharding.
   """
   layers = layers_of(state)
   w = _kernels(params, layers)
   prev, dist_q, dist_w = (_flat(t, layers) for t in state)
   for name in layers:
     osci_reset.check_recipe(recipes[name])
-  quant = lambda name, x: osci_reset.quantized_weight(x, recipes[name])
+  outliers = {n: jnp.zeros((w[n].shape[0],), bool).at[i].set(True) & outliers_selected
+              for n, i in (outlier_idx or {}).items() if n in w}
+  quant = lambda name, x: osci_reset.quantized_weight(x, recipes[name], outliers.get(name))
   zero = jnp.zeros((), jnp.int32)
 
   def nothing():
@@ -186,7 +194,8 @@ def update(params, state: OsciState, step: jax.Array, recipes: Mapping[str, Any]
   def reset():
     new_w, count = {}, zero
     for n in layers:
-      new_w[n], mask = osci_reset.reset(w[n], quant(n, w[n]), dist_q[n], dist_w[n], config.threshold)
+      new_w[n], mask = osci_reset.reset(w[n], quant(n, w[n]), dist_q[n], dist_w[n], config.threshold,
+                                        outliers.get(n))
       count = count + jnp.sum(mask, dtype=jnp.int32)
     return new_w, prev, dist_q, dist_w, count
 

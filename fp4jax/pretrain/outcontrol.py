@@ -42,7 +42,7 @@ class OutControlConfig:
                        flag="outcontrol_window")
 
   def __post_init__(self):
-    outcontrol_lib.outlier_count(1000, self.fraction)  # validates the fraction
+    outcontrol_lib.check_fraction(self.fraction)  # a fraction that selects all of a layer's channels: tracked_layers
     if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 0:
       raise ValueError(f"OutControlConfig: start must be an int >= 0; got {self.start!r}.")
     if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
@@ -119,13 +119,26 @@ def initial_state(train_config) -> OutControlState | None:
 def update(state: OutControlState, sq_norms: Mapping[str, jax.Array], step: jax.Array,
            config: OutControlConfig) -> OutControlState:
   """The state after a "record" step: each layer's channel norms (sqrt of `sq_norms`, the summed x^2 per channel of
-  this step's inputs) added in; on the last recorded step the top-k channels selected. Pure; runs under jit."""
+  this step's inputs) added in, to zero on the first recorded step (as the authors' calibrate.py: a run resumed
+  with another --outcontrol-start sums its new window only); on the last recorded step the top-k channels
+  selected. Pure; runs under jit."""
   norms, idx = flat(state.norms), flat(state.idx)
   missing = sorted(set(norms) - set(sq_norms))
   if missing:
     raise ValueError(f"OutControl: no recorded inputs for layer(s) {missing[:3]}.")
-  new_norms = {n: norms[n] + jnp.sqrt(sq_norms[n].astype(jnp.float32)) for n in norms}
+  first = step == config.start
+  new_norms = {n: jnp.where(first, 0.0, norms[n]) + jnp.sqrt(sq_norms[n].astype(jnp.float32)) for n in norms}
   last = step == config.select_step
   new_idx = {n: jnp.where(last, outcontrol_lib.select_channels(new_norms[n], idx[n].shape[0]), idx[n])
              for n in idx}
   return OutControlState(_nest(new_norms, "norms"), _nest(new_idx, "idx"))
+
+
+def next_outliers(state: OutControlState | None, step: jax.Array, oc_phase: str, config: OutControlConfig
+                  ) -> tuple[dict[str, jax.Array] | None, jax.Array | bool]:
+  """({layer: int [k]} outlier channels, whether they are selected) for the forward after step `step`, whose
+  update left `state`: selected in the "on" phase and after the last recorded step (a traced bool in the "record"
+  phase), placeholders before; (None, False) in the "off" phase."""
+  if oc_phase == "off" or state is None:
+    return None, False
+  return flat(state.idx), True if oc_phase == "on" else step == config.select_step

@@ -50,13 +50,14 @@ class SampleConfig:
 
   def __post_init__(self):
     if not isinstance(self.new_tokens, int) or isinstance(self.new_tokens, bool) or self.new_tokens < 1:
-      raise ValueError(f"new_tokens must be an int >= 1; got {self.new_tokens!r}.")
+      raise ValueError(f"new_tokens (fp4jax sample --tokens) must be an int >= 1; got {self.new_tokens!r}.")
     if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
-      raise ValueError(f"temperature must be a finite number >= 0 (0: greedy); got {self.temperature!r}.")
+      raise ValueError(f"temperature (--temperature) must be a finite number >= 0 (0: greedy); got {self.temperature!r}.")
     if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1):
-      raise ValueError(f"top_k must be None or an int >= 1; got {self.top_k!r}.")
-    if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-      raise ValueError(f"seed must be an int; got {self.seed!r}.")
+      raise ValueError(f"top_k (--top-k) must be None or an int >= 1; got {self.top_k!r}.")
+    if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
+      # jax.random.key keeps the low 32 bits (without x64): seed 2**32 + k would draw seed k's text.
+      raise ValueError(f"seed (--seed) must be an int in [0, 2**32); got {self.seed!r}.")
 
 
 def pick_token(logits_V: jax.Array, key: jax.Array, temperature, top_k: int | None = None,

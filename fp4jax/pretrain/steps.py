@@ -148,15 +148,18 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation | Callable
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": grad_norm}
+    oc_state = state.outcontrol
+    if oc_phase == "record":
+      oc_state = outcontrol_lib.update(oc_state, sq_norms, state.step, outcontrol)
     osci_state = state.osci
     if osci is not None:
       if osci_state is None:
         raise ValueError("OsciReset is on but TrainState.osci is None: build it with osci.init_state.")
       recipes = {name: layer.recipe for name, layer in nnx.merge(graphdef, params).linear_layers().items()}
-      params, osci_state, metrics["osci_reset"] = osci_lib.update(params, osci_state, state.step, recipes, osci)
-    oc_state = state.outcontrol
-    if oc_phase == "record":
-      oc_state = outcontrol_lib.update(oc_state, sq_norms, state.step, outcontrol)
+      # Q as the next forward quantizes the weights: the rows it runs in MXFP8 apart.
+      idx, selected = outcontrol_lib.next_outliers(oc_state, state.step, oc_phase, outcontrol)
+      params, osci_state, metrics["osci_reset"] = osci_lib.update(params, osci_state, state.step, recipes, osci,
+                                                                  idx, selected)
     metrics["finite"] = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
     new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1, osci=osci_state,
                            outcontrol=oc_state)

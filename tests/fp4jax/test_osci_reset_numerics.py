@@ -133,13 +133,14 @@ def _leaf(tree, name):
   return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}[f"{name}.kernel"]
 
 
-def _run_cycle(window, threshold, trajectories, put=lambda x: x):
+def _run_cycle(window, threshold, trajectories, put=lambda x: x, outlier_idx=None, selected_from=0):
   """Runs update() jitted over steps 0..window+1 (snapshot, track, reset); returns (params, state, count) after the
-  reset, from the params trajectories[name][step] the optimizer would have produced."""
+  reset, from the params trajectories[name][step] the optimizer would have produced. `outlier_idx`: OutControl's
+  channels, selected from step `selected_from` on."""
   config = osci.OsciResetConfig(start=0, every=window + 3, window=window, threshold=threshold)
   layers = sorted(trajectories)
   state = osci.init_state(_params({n: trajectories[n][0] for n in layers}), layers)
-  fn = jax.jit(lambda p, s, i: osci.update(p, s, i, RECIPES, config))
+  fn = jax.jit(lambda p, s, i: osci.update(p, s, i, RECIPES, config, outlier_idx, i >= selected_from))
   for step in range(window + 2):
     params = put(_params({n: trajectories[n][step] for n in layers}))
     out, state, count = fn(params, put(state), jnp.asarray(step, jnp.int32))
@@ -181,6 +182,70 @@ def test_ratio_and_reset_match_numpy_on_a_hand_made_trajectory():
       assert not mask.any()  # BF16 weights: Q(w) = w, ratio 1 where they move
     total += int(mask.sum())
   assert int(count) == total
+
+
+OUTLIER_ROWS = np.array([3, 17, 30])
+
+
+@pytest.mark.parametrize("name", ["tetrajet_v2", "nvfp4"])
+def test_quantized_weight_with_outcontrol_rows_is_the_forwards_rest_operand(name):
+  # Before, OsciReset quantized the whole weight while the forward quantizes it with OutControl's rows zeroed: 3-7%
+  # of the FP4 elements had another Q (the block, group and tensor scales differ), and the MXFP8 rows were reset
+  # onto an FP4 grid the forward never uses.
+  from fp4jax import outcontrol  # pylint: disable=g-import-not-at-top
+  from fp4jax.gemm import f32_values  # pylint: disable=g-import-not-at-top
+  recipe = RECIPES["blocks.0.mlp.up" if name == "tetrajet_v2" else "blocks.0.mlp.down"]
+  rng = np.random.default_rng(3)
+  w = rng.standard_normal((64, 48)).astype(np.float32) * 0.02
+  w[OUTLIER_ROWS] *= 40.0  # the outlier rows hold their blocks' maxima
+  rows = np.zeros(64, bool)
+  rows[OUTLIER_ROWS] = True
+  x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+  ops = outcontrol.split_operands(x, jnp.asarray(w), jnp.asarray(OUTLIER_ROWS, jnp.int32), recipe, jax.random.key(0),
+                                  backward=False)
+  got = np.asarray(osci_reset.quantized_weight(jnp.asarray(w), recipe, jnp.asarray(rows)))
+  np.testing.assert_array_equal(got, np.asarray(f32_values(ops.rest.w_fprop)))
+  np.testing.assert_array_equal(got, reference_q(np.where(rows[:, None], 0.0, w), recipe).astype(np.float32))
+  assert (got[OUTLIER_ROWS] == 0).all()
+  whole = np.asarray(osci_reset.quantized_weight(jnp.asarray(w), recipe))
+  assert (whole[~rows] != got[~rows]).mean() > 0.5  # the rows' maxima set the other rows' scales: a real test
+  with pytest.raises(ValueError, match="bool \\[K=64\\] row mask"):
+    osci_reset.quantized_weight(jnp.asarray(w), recipe, jnp.asarray(OUTLIER_ROWS))
+
+
+@pytest.mark.parametrize("selected_from", [0, 4, 5])
+def test_update_with_outcontrol_quantizes_and_resets_only_the_fp4_rows(selected_from):
+  """Channels selected before the cycle (0), just before its reset (4: window 3, reset at step 4) or after it (5).
+  Q is the rest operand once they are selected; their rows are never reset, whatever sums they gathered before."""
+  window, threshold = 3, 8.0
+  trajs = {name: trajectory(20 + seed, window + 1) for seed, name in enumerate(sorted(RECIPES))}
+  idx = {name: jnp.asarray(OUTLIER_ROWS, jnp.int32) for name in trajs}
+  rows = np.zeros(K, bool)
+  rows[OUTLIER_ROWS] = True
+  plain = _run_cycle(window, threshold, trajs)
+  out, state, count = _run_cycle(window, threshold, trajs, outlier_idx=idx, selected_from=selected_from)
+  total = 0
+  for name, ws in trajs.items():
+    recipe = RECIPES[name]
+    get = lambda tree, name=name: np.asarray(_leaf(tree, name))
+    q = lambda w, step, recipe=recipe: np.asarray(osci_reset.quantized_weight(
+        jnp.asarray(w), recipe, jnp.asarray(rows) if step >= selected_from else None))
+    dist_q = sum(np.abs(q(ws[t], t) - q(ws[t - 1], t)) for t in range(1, window + 1))
+    np.testing.assert_array_equal(get(state.dist_q), dist_q)
+    ratio = np.asarray(osci_reset.oscillation_ratio(jnp.asarray(dist_q), get(state.dist_w)))
+    mask = ratio >= threshold
+    if selected_from <= window + 1:
+      mask &= ~rows[:, None]
+    np.testing.assert_array_equal(get(out), np.where(mask, q(ws[-1], window + 1), ws[-1]))
+    if selected_from <= window + 1:
+      np.testing.assert_array_equal(get(out)[OUTLIER_ROWS], ws[-1][OUTLIER_ROWS])
+    total += int(mask.sum())
+  assert int(count) == total
+  if selected_from > window + 1:  # not selected yet: as without OutControl
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves((out, state, count)),
+                                                    jax.tree.leaves(plain)))
+  else:  # the outlier rows of the flipping column would have been reset
+    assert 0 < int(count) < int(plain[2])
 
 
 def test_update_is_bit_identical_on_a_mesh():

@@ -93,11 +93,15 @@ def test_generation_is_deterministic_per_seed_and_runs_quantized_forward():
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(new_tokens=0), "new_tokens must be an int >= 1"),
-    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
-    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
-    (dict(top_k=0), "top_k must be None or an int >= 1"),
-    (dict(seed=1.5), "seed must be an int"),
+    (dict(new_tokens=0), r"new_tokens \(fp4jax sample --tokens\) must be an int >= 1"),
+    (dict(temperature=-1.0), r"temperature \(--temperature\) must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature .* must be a finite number >= 0"),
+    (dict(top_k=0), r"top_k \(--top-k\) must be None or an int >= 1"),
+    (dict(seed=1.5), r"seed \(--seed\) must be an int in \[0, 2\*\*32\)"),
+    # jax.random.key keeps the low 32 bits: 2**32 drew seed 0's text, and 2**64 crashed with an OverflowError.
+    (dict(seed=2**32), r"must be an int in \[0, 2\*\*32\); got 4294967296"),
+    (dict(seed=2**64), "must be an int in"),
+    (dict(seed=-1), "must be an int in"),
 ])
 def test_sample_config_refuses_bad_settings(settings, message):
   with pytest.raises(ValueError, match=message):

@@ -147,3 +147,17 @@ def test_osci_reset_on_a_mesh(env, tmp_path):
   assert all(np.isfinite(summary["losses"]))
   records = metrics.read_metrics(tmp_path / "mesh")
   assert [r["step"] for r in records if "osci_reset" in r] == [2]
+
+
+@pytest.mark.slow
+def test_osci_reset_with_outcontrol_trains_and_resets(env, tmp_path):
+  """Both TetraJet-v2 options together, as the authors' TJv2-mix_fp8-osci_reset runs: OutControl selects its
+  channels after step 0, OsciReset tracks steps 1-2 against the forward's FP4 rest operand and resets after step 3
+  (fp4jax.pretrain.steps passes it the channels; tests/fp4jax/test_osci_reset_numerics.py checks the numerics)."""
+  summary = run(env, make_config(env, tmp_path / "both", steps=4, **OSCI, outcontrol_fraction=0.05,
+                                 outcontrol_start=0, outcontrol_window=1))
+  assert all(np.isfinite(summary["losses"]))
+  records = metrics.read_metrics(tmp_path / "both")
+  resets = {r["step"]: r["osci_reset"] for r in records if "osci_reset" in r}
+  assert sorted(resets) == [3] and resets[3] > 0, resets
+

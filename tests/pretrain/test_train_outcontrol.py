@@ -2,6 +2,7 @@
 step, off changes nothing, the split GEMMs change training after calibration, exact resume mid-calibration."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -65,6 +66,43 @@ def test_tracked_layers_skip_bf16_layers_and_count_channels():
   layers = outcontrol.tracked_layers(config)
   assert not any(name.startswith("blocks.1.") for name in layers)  # the tiny model's last block stays in BF16
   assert layers["blocks.0.attn.q"] == (64, 4) and layers["blocks.0.mlp.down"] == (192, 10)  # ceil(0.05 K)
+
+
+def test_a_fraction_selects_at_least_one_channel_and_all_is_refused_naming_the_layer_width():
+  # A fraction under 1e-9 / K gave k = 0 while OutControl counted as on: training failed inside the compiled step.
+  assert outcontrol_numerics.outlier_count(64, 1e-12) == 1 and outcontrol_numerics.outlier_count(64, 0) == 0
+  assert outcontrol_numerics.outlier_count(640, 0.05) == 32
+  # The config checked the fraction on a made-up 1000-channel layer; now on the model's own layers.
+  with pytest.raises(ValueError, match="fraction 0.9995 selects all 64 channels of a layer"):
+    TrainConfig.from_options(recipe="nvfp4", outcontrol_fraction=0.9995)
+
+
+def test_the_sums_start_at_zero_on_the_first_recorded_step():
+  # As the authors' calibrate.py: a run resumed with a later --outcontrol-start summed its old window in too.
+  config = outcontrol.OutControlConfig(fraction=0.5, start=6, window=2)
+  state = outcontrol.OutControlState(norms={"a": {"norms": jnp.asarray([100.0, 100.0, 1.0, 1.0])}},
+                                     idx={"a": {"idx": jnp.asarray([0, 1], jnp.int32)}})
+  sq = {"a": jnp.asarray([1.0, 4.0, 9.0, 16.0])}
+  first = outcontrol.update(state, sq, jnp.int32(6), config)
+  np.testing.assert_array_equal(outcontrol.flat(first.norms)["a"], [1.0, 2.0, 3.0, 4.0])
+  last = outcontrol.update(first, sq, jnp.int32(7), config)
+  np.testing.assert_array_equal(outcontrol.flat(last.norms)["a"], [2.0, 4.0, 6.0, 8.0])
+  np.testing.assert_array_equal(outcontrol.flat(last.idx)["a"], [3, 2])
+
+
+def test_next_outliers_are_selected_from_the_last_recorded_step_on():
+  """What OsciReset quantizes against after each step (fp4jax.pretrain.steps): the channels the next forward runs
+  in MXFP8."""
+  config = outcontrol.OutControlConfig(fraction=0.5, start=2, window=3)  # records 2, 3, 4; MXFP8 from step 5
+  state = outcontrol.OutControlState(norms={"a": {"norms": jnp.zeros(4)}},
+                                     idx={"a": {"idx": jnp.asarray([3, 1], jnp.int32)}})
+  assert outcontrol.next_outliers(state, jnp.int32(1), "off", config) == (None, False)
+  for step, want in ((2, False), (3, False), (4, True)):
+    idx, selected = outcontrol.next_outliers(state, jnp.int32(step), "record", config)
+    assert bool(selected) == want and list(idx) == ["a"]
+  idx, selected = outcontrol.next_outliers(state, jnp.int32(9), "on", config)
+  assert selected is True
+  np.testing.assert_array_equal(idx["a"], [3, 1])
 
 
 # --- training (slow; the runs on the `straight` fixture are one xdist unit) --------------------------------------------------------------------------------------------------------
