@@ -148,11 +148,13 @@ def truncate_metrics(out_dir: str | pathlib.Path, after_step: int, *,
   path = pathlib.Path(out_dir) / METRICS_FILE
   if not path.is_file():
     return 0
-  parsed, torn = _parse_lines(path.read_text(encoding="utf-8"), path)
+  text = path.read_text(encoding="utf-8")
+  parsed, torn = _parse_lines(text, path)
   lines = [line for line, _ in parsed]
   later = [record.get("step", -1) > after_step for _, record in parsed]
   keep = [line for line, drop in zip(lines, later) if not drop]
-  if len(keep) != len(lines) or torn is not None:  # a torn last line goes too: the run appends after it
+  # A torn last line goes too, and a whole last record without its newline gets one: the run appends after it.
+  if len(keep) != len(lines) or torn is not None or not text.endswith("\n") and text:
     if keep_dropped is not None and len(keep) != len(lines):
       keep_dropped = pathlib.Path(keep_dropped)
       keep_dropped.parent.mkdir(parents=True, exist_ok=True)

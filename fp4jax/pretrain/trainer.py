@@ -418,10 +418,18 @@ class _Loop:
           for hook in user_hooks:
             hook(info)
         except Exception:
+          write_metrics(info)
+          if sent is not None:  # the checkpoint saved below is the state `sent` made: its row goes with it
+            if read_numbers(sent) is None:
+              metrics_log.write(sent.info.record)
+            else:
+              write_metrics(sent.info)
           self.save_after_hook_error(info, sent)
           raise
-        finally:  # after the user's hooks, so what they add to the record is logged; also when one raises
+        except BaseException:
           write_metrics(info)
+          raise
+        write_metrics(info)  # after the user's hooks, so what they add to the record is logged
 
       last_done = time.perf_counter()  # when the last finished step's numbers reached the host
 
@@ -433,26 +441,36 @@ class _Loop:
         # All processes stop after the same step, so the checkpoint is saved by all of them together.
         return distributed.any_process(interrupted.is_set())
 
-      def finish(done: _Sent, sent: _Sent | None = None, stopping: bool = False) -> None:
-        """Reads step `done`'s numbers (waiting for the device), then logs it and runs the hooks after it. `sent`:
-        the step already sent after it, which has taken `done`'s output state. `stopping`: the run is stopping
-        after this step (asked already)."""
+      def read_numbers(done: _Sent) -> tuple[float, float] | None:
+        """Reads step `done`'s numbers into its record (waiting for the device): (loss, grad_norm), or None when
+        they are not finite (the record then says "diverged")."""
         nonlocal last_done
-        info, m, step = done.info, done.metrics, done.info.step
+        m, step = done.metrics, done.info.step
         numbers = jax.device_get({k: m[k] for k in ("loss", "grad_norm", "finite")})  # one transfer, not three
         loss, grad_norm, finite = float(numbers["loss"]), float(numbers["grad_norm"]), bool(numbers["finite"])
         now = time.perf_counter()
         # From when the device could start the step (sent, and the step before it done) until its loss is here.
         step_time, last_done = now - max(done.time, last_done), now
         profiler.after(step)
-        info.record.update(loss=loss, lr=float(schedule(step)), grad_norm=grad_norm, step_time=step_time,
-                           tokens_per_s=tokens_per_step / step_time)
+        done.info.record.update(loss=loss, lr=float(schedule(step)), grad_norm=grad_norm, step_time=step_time,
+                                tokens_per_s=tokens_per_step / step_time)
         if osci_lib.kind(step, config.osci_reset) == "reset":  # fetched only on reset steps
-          info.record["osci_reset"] = int(m["osci_reset"])
+          done.info.record["osci_reset"] = int(m["osci_reset"])
         if not finite:
-          info.record["diverged"] = True
+          done.info.record["diverged"] = True
+          return None
+        return loss, grad_norm
+
+      def finish(done: _Sent, sent: _Sent | None = None, stopping: bool = False) -> None:
+        """Reads step `done`'s numbers, then logs it and runs the hooks after it. `sent`: the step already sent
+        after it, which has taken `done`'s output state. `stopping`: the run is stopping after this step (asked
+        already)."""
+        info, step = done.info, done.info.step
+        numbers = read_numbers(done)
+        if numbers is None:
           metrics_log.write(info.record)
-          raise TrainingDiverged(step, loss, grad_norm, self.last_saved)
+          raise TrainingDiverged(step, info.record["loss"], info.record["grad_norm"], self.last_saved)
+        loss = numbers[0]
         losses.append(loss)
         after(info, sent)
         # Drawn by update() at tqdm's own rate (every 0.1 s): refreshed here, the bar was written to the terminal or

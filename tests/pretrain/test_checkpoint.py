@@ -390,6 +390,14 @@ def test_a_metrics_line_cut_short_is_left_out_and_removed_on_resume(tmp_path):
     metrics.read_metrics(tmp_path)
   with pytest.raises(ValueError, match="line 5"):
     metrics.truncate_metrics(tmp_path, 2)
+  # A whole record cut just before its newline (a full disk) parses and is kept: it gets its newline, so the
+  # resumed run's first record does not land on its line (which made every later read fail).
+  path.write_text(complete + '{"step": 4, "loss": 4.0}')
+  assert [r["step"] for r in metrics.read_metrics(tmp_path)] == [0, 1, 2, 3, 4]
+  assert metrics.truncate_metrics(tmp_path, 10) == 0
+  with metrics.MetricsLog(tmp_path) as log:
+    log.write({"step": 5, "loss": 5.0})
+  assert [r["step"] for r in metrics.read_metrics(tmp_path)] == [0, 1, 2, 3, 4, 5]
 
 
 def test_resume_with_a_changed_state_shape_names_the_changed_settings(data_config, tmp_path):

@@ -262,10 +262,14 @@ def test_what_hooks_add_to_the_record_is_logged_and_hook_errors_surface_after_a_
   with pytest.raises(KeyError, match="my metric"):
     run(env, make_config(env, tmp_path / "d", recipe="bf16", eval_batches=0),
         hooks=[lambda step, record: fail_at(5).fn(trainer.StepInfo(step, None, record))])
-  assert [r["step"] for r in metrics.read_metrics(tmp_path / "d")] == [0, 1, 2, 3, 4, 5]
+  # Step 6's row too (its state is in checkpoint 7): it was lost, and the resumed run's metrics skipped step 6.
+  rows = metrics.read_metrics(tmp_path / "d")
+  assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
+  assert rows[6]["loss"] == straight["losses"][6] and "tokens_seen" not in rows[6]
   assert _checkpoint_steps(tmp_path / "d") == [4, 7]
   resumed = run(env, config.replace(out=str(tmp_path / "d"), resume=True))
   assert resumed["start_step"] == 7 and resumed["losses"] == straight["losses"][7:]
+  assert [r["step"] for r in metrics.read_metrics(tmp_path / "d")] == list(range(STEPS))  # no final record: no val
 
   # A hook failing at the final call (step == STEPS) still leaves the final checkpoint.
   with pytest.raises(KeyError, match="my metric"):
