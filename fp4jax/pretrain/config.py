@@ -329,12 +329,15 @@ def result_free_keys() -> frozenset[str]:
 
 
 def flatten(config_dict: Mapping[str, Any]) -> dict[str, Any]:
-  """A `to_dict` form keyed by flat option names (groups flattened; model and data stay dicts)."""
+  """A `to_dict` form keyed by flat option names: groups flattened ("lr"), model and data fields dotted as their
+  options ("model.d_model", "data.val_fraction")."""
   out = {}
   for key, value in config_dict.items():
     if key in GROUPS and isinstance(value, Mapping):
       names = {f.name: flat_key(f) for f in dataclasses.fields(_NESTED_TYPES[key])}
       out.update({names.get(k, k): v for k, v in value.items()})
+    elif key in ("model", "data") and isinstance(value, Mapping):
+      out.update({f"{key}.{k}": v for k, v in value.items()})
     else:
       out[key] = value
   return out

@@ -249,6 +249,15 @@ def _state_changes(out, resume_step, config) -> str:
           "clipping (--grad-clip 0 against > 0). Resume with the stored settings, or start a new run in another --out.")
 
 
+def _windows_note(stored: TrainConfig, config: TrainConfig, start: int) -> str | None:
+  """What a resume says when its validation windows differ from the stored run's (both validating)."""
+  windows = lambda c: (c.batch_size, c.train_seq_len, c.evaluation.batches, c.data.val_fraction)
+  if not (stored.evaluation.batches and config.evaluation.batches) or windows(stored) == windows(config):
+    return None
+  return (f"Note: the validation windows follow batch_size, seq_len, eval_batches and val_fraction, so from step "
+          f"{start} on val_loss is measured on other windows: not comparable with the val_loss logged before.")
+
+
 def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, TrainState]:
   resume_step = config.checkpointing.resume_step
   if resume_step is not None and resume_step > config.steps:
@@ -290,10 +299,9 @@ def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, 
     changed = [c for c in changed if c not in ("steps", "warmup_fraction", "decay_fraction", "switch_at")]
   if changed:
     log(f"Note: resuming with changed settings {changed}; the run will differ from an uninterrupted one.")
-  windows = lambda c: (c.batch_size, c.train_seq_len, c.evaluation.batches)
-  if stored.evaluation.batches and config.evaluation.batches and windows(stored) != windows(config):
-    log(f"Note: the validation windows follow batch_size, seq_len and eval_batches, so from step {start} on "
-        "val_loss is measured on other windows: not comparable with the val_loss logged before.")
+  note = _windows_note(stored, config, start)
+  if note:
+    log(note)
   stored_keep = stored.checkpointing.keep
   if config.checkpointing.keep < stored_keep:  # result-free, so not in `changed`
     log(f"Note: this run keeps {config.checkpointing.keep} checkpoints (--keep-checkpoints), the stored run kept "

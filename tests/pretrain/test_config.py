@@ -64,6 +64,22 @@ def test_result_free_fields_are_marked_once():
   assert config_lib.result_differences(a.to_dict(), b.to_dict()) == []
   c = a.replace(lr=1e-3, eval_every=7, mesh="data=8", recipe="bf16")
   assert config_lib.result_differences(a.to_dict(), c.to_dict()) == ["eval_every", "lr", "mesh", "recipe"]
+  # Model and data fields by their options: a resume's note said only ['model'] or ['data'].
+  d = a.replace(**{"model.rope_theta": 500.0, "data.val_fraction": 0.1})
+  assert config_lib.result_differences(a.to_dict(), d.to_dict()) == ["data.val_fraction", "model.rope_theta"]
+  stored = a.to_dict()
+  stored["model"] = {k: v for k, v in stored["model"].items() if k != "rope_theta"}  # a field added since
+  assert config_lib.result_differences(stored, d.to_dict()) == ["data.val_fraction"]
+
+
+def test_a_resume_says_when_val_fraction_moves_the_validation_windows():
+  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
+  a = TrainConfig.from_options(eval_batches=2)
+  assert trainer._windows_note(a, a.replace(lr=1e-2), 8) is None  # pylint: disable=protected-access
+  for changes in ({"data.val_fraction": 0.1}, {"eval_batches": 3}, {"seq_len": 32}):
+    note = trainer._windows_note(a, a.replace(**changes), 8)  # pylint: disable=protected-access
+    assert note and "from step 8 on val_loss is measured on other windows" in note, changes
+  assert trainer._windows_note(a, a.replace(eval_batches=0, **{"data.val_fraction": 0.1}), 8) is None  # pylint: disable=protected-access
 
 
 @pytest.mark.slow
