@@ -103,10 +103,13 @@ def val_batches(
   b_local = _check_batch_args(tokens, "val", batch_size, seq_len, process_index, process_count)
   distinct = tokens.size - seq_len  # start positions of a (seq_len + 1)-token window
   if num_batches * batch_size > distinct:
+    fix = (f"use --eval-batches {distinct // batch_size} or fewer" if distinct >= batch_size else
+           f"not even one batch fits: use a --batch-size of at most {distinct}, a shorter --seq-len, "
+           "--eval-batches 0 (no validation)")
     raise ValueError(f"{num_batches} validation batches (--eval-batches) of {batch_size} windows ask for "
                      f"{num_batches * batch_size} windows, but the validation split ({tokens.size} tokens) has only "
-                     f"{distinct} distinct windows of seq_len+1={seq_len + 1} tokens: use --eval-batches "
-                     f"{max(1, distinct // batch_size)} or fewer, or a larger --data.val_fraction or corpus.")
+                     f"{distinct} distinct windows of seq_len+1={seq_len + 1} tokens: {fix}, or a larger "
+                     "--data.val_fraction or corpus.")
   starts = np.linspace(0, tokens.size - seq_len - 1, num_batches * batch_size).round().astype(np.int64)
   starts_NxB = starts.reshape(num_batches, batch_size)
   lo = process_index * b_local

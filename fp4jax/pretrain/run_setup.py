@@ -86,7 +86,10 @@ def _check_corpus_size(dataset: data_lib.TokenDataset, config: TrainConfig) -> N
   need = int(np.ceil(window / frac)) if config.evaluation.batches else window
   while need - int(np.ceil(need * frac)) < window:  # the smallest corpus whose splits both hold a window
     need += 1
-  fits = min(n_train, n_val) - 1
+  # The longest --seq-len that leaves a training window, and the validation windows eval_batches x batch_size
+  # asks for (batches.val_batches): a hint that would fail in the next check helps no one.
+  n_windows = config.evaluation.batches * config.batch_size
+  fits = min(n_train - 1, dataset.val.size - n_windows) if config.evaluation.batches else n_train - 1
   raise ValueError(
       f"The corpus is too small: it has {n} tokens (train split {n_train}, validation split {dataset.val.size} at "
       f"val_fraction={frac}), but every window needs seq_len+1={window} tokens from one split, so it needs at "

@@ -405,6 +405,11 @@ def test_batch_errors(shakespeare, text_folder, tmp_path):
   assert len(data.val_batches(small, batch_size=2, seq_len=8, num_batches=fits)) == fits
   with pytest.raises(ValueError, match=rf"only {small.val.size - 8} distinct windows.*--eval-batches {fits} or fewer"):
     data.val_batches(small, batch_size=2, seq_len=8, num_batches=fits + 1)
+  # Fewer windows than one batch: it said "use --eval-batches 1 or fewer" of the 1 batch it refused.
+  distinct = small.val.size - 8
+  with pytest.raises(ValueError, match=rf"not even one batch fits: use a --batch-size of at most {distinct}, a "
+                                       r"shorter --seq-len, --eval-batches 0 \(no validation\), or a larger"):
+    data.val_batches(small, batch_size=distinct + 1, seq_len=8, num_batches=1)
   np.testing.assert_array_equal(  # numpy ints are ints
       data.get_batch(small, "train", np.int64(3), batch_size=np.int32(2), seq_len=8, seed=np.uint32(1))["inputs"],
       data.get_batch(small, "train", 3, batch_size=2, seq_len=8, seed=1)["inputs"])

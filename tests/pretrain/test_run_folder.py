@@ -17,6 +17,7 @@ from fp4jax.pretrain import cli
 from fp4jax.pretrain import data
 from fp4jax.pretrain import metrics
 from fp4jax.pretrain import runfolder
+from fp4jax.pretrain import run_setup
 from fp4jax.pretrain import trainer
 from fp4jax.pretrain.config import TrainConfig
 from train_helpers import tiny_config
@@ -154,8 +155,13 @@ def test_corpus_too_small_says_so(env, tmp_path, capsys):
   assert "The corpus is too small: it has 12 tokens" in err
   assert "seq_len+1=65" in err and "needs at least 1300 tokens" in err and "--eval-batches 0" in err
   small = data.DataConfig(corpus=str(corpus), cache_dir=env["data"].cache_dir, val_fraction=0.5)
-  with pytest.raises(ValueError, match="has 12 tokens .*--seq-len of at most 5"):
+  # The longest --seq-len that leaves 4 validation windows (eval_batches 1 x batch_size 4) in the 6-token split:
+  # it said 5 (one window), and following it failed in the next check.
+  with pytest.raises(ValueError, match="has 12 tokens .*--seq-len of at most 2, or"):
     trainer.train(make_config(env, tmp_path / "run2", data=small, eval_batches=1), log=None)
+  assert len(run_setup.load_data(make_config(env, tmp_path / "run2", data=small, eval_batches=1, seq_len=2))[1]) == 1
+  with pytest.raises(ValueError, match="has 12 tokens .*Use a larger --corpus, or --eval-batches 0"):  # none fits
+    trainer.train(make_config(env, tmp_path / "run2", data=small, eval_batches=2), log=None)
   with pytest.raises(ValueError, match="no validation split"):
     trainer.train(make_config(env, tmp_path / "run3", data=data.DataConfig(
         corpus=str(corpus), cache_dir=env["data"].cache_dir, val_fraction=0.0), eval_batches=1), log=None)
