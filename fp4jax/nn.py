@@ -69,7 +69,7 @@ class Linear(nnx.Module):
     # Quantized recipes quantize the float32 master weight directly, so the weight gradient stays float32.
     kernel = self.kernel[...] if recipe.is_quantized else self.kernel[...].astype(dtype)
     dims = (((x_xK.ndim - 1,), (0,)), ((), ()))
-    if self.outliers is not None:
+    if self.outliers is not None and recipe.is_quantized:  # a layer in BF16 (the late switch) ignores them
       y = outcontrol.dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=jnp.float32,
                                  outliers=self.outliers, out_sharding=out_sharding)
     else:

@@ -155,6 +155,26 @@ def test_no_outliers_is_the_plain_recipe_and_bf16_inputs_work():
   assert yb.shape == (2, M // 2, N) and yb.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(yb)))
 
 
+def test_a_layer_in_bf16_ignores_its_outlier_channels():
+  """After the late BF16 switch a layer keeps its indices; it ran them through OutControl's dot_general with a
+  float32 output, where the other BF16 layers take gemm.unquantized_output_dtype's (bf16 on a GPU): a float32 (TF32)
+  backward. Now the program is the one without indices."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from fp4jax import nn  # pylint: disable=g-import-not-at-top
+  layer = nn.Linear(64, 32, recipe="bf16:gemm_mode=bf16", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (8, 64), jnp.bfloat16)
+
+  def program():
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    loss = lambda p, x: jnp.sum(jnp.sin(nnx.merge(graphdef, p, rest)(x).astype(jnp.float32)))
+    return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x))
+
+  plain = program()
+  assert "preferred_element_type=bfloat16" in plain
+  layer.outliers = nnx.data(jnp.asarray([3, 7], jnp.int32))
+  assert program() == plain
+
+
 def test_channel_statistics_and_selection_match_numpy():
   """Summed per-step L2 norms rank a planted outlier channel first; the selection is NumPy's stable argsort."""
   rng = np.random.default_rng(4)
