@@ -150,12 +150,18 @@ def restore_readable(out_dir: str | pathlib.Path, target: dict[str, Any], step: 
     except ValueError as e:  # held until the processes agree: one host's corpus alone may differ
       error = e
   if pi == 0 and error is None:  # the others wait below, so no process opens a manager on a half-moved folder
-    try:
-      for s, reason, why in moves:
+    for s, reason, why in moves:
+      try:
         dest = move_aside(out_dir, s, reason)
-        log(f"Moved checkpoint {s} aside to {dest} ({why}; kept, not deleted).")
-    except (OSError, ckpt.CheckpointError) as e:
-      error = e
+      except ckpt.CheckpointError as e:
+        error = e
+      except OSError as e:  # a CheckpointError (a ValueError) reaches the CLI as a usage error, not a traceback
+        error = ckpt.CheckpointError(
+            f"Could not move checkpoint {s} aside ({why}) to {moved_path(out_dir, f'{s}.{reason}').parent}: {e}. "
+            f"The run needs to write its folder {out_dir}; nothing was deleted.")
+      if error is not None:
+        break
+      log(f"Moved checkpoint {s} aside to {dest} ({why}; kept, not deleted).")
   if multi:
     failed = distributed.any_process(error is not None)  # a collective: also the barrier
     if failed and error is None:

@@ -173,6 +173,7 @@ def test_a_refused_checkpoint_moves_nothing_aside(tmp_path, monkeypatch):
                                 check=refuse)
   with pytest.raises(ckpt.CheckpointError, match="process 1: another process refused checkpoint 4"):
     resume_lib.restore_readable(tmp_path, target, 4, log=moved.append, process_index=1, process_count=2)
+
   assert flags == [True, False]
   monkeypatch.undo()
   start, _, _ = resume_lib.restore_readable(tmp_path, target, 4, log=moved.append, process_index=0, process_count=1,
@@ -261,3 +262,22 @@ def test_an_edited_corpus_is_refused_on_resume_and_eval(env, tmp_path, monkeypat
   assert config.data.corpus == "corpus.txt"
   assert trainer.train(config, log=log.append, compile_cache=env["cache"])["start_step"] == 1
   assert any(line.startswith("Note: checkpoint 1 does not record which data it was trained on") for line in log)
+
+
+def test_a_checkpoint_that_cannot_be_moved_aside_is_a_checkpoint_error(tmp_path, monkeypatch):
+  # A PermissionError went up as a bare OSError: the CLI, which reports ValueErrors, printed a traceback.
+  manager = ckpt.open_manager(tmp_path)
+  for step in (4, 8):
+    ckpt.save(manager, step, {"w": jnp.full(3, step, jnp.float32)}, {"config": {}}, force=True)
+  manager.wait_until_finished()
+  manager.close()
+
+  def denied(out_dir, step, reason):
+    raise PermissionError(13, "Permission denied", str(tmp_path / resume_lib.MOVED_DIR))
+
+  monkeypatch.setattr(resume_lib, "move_aside", denied)
+  with pytest.raises(ckpt.CheckpointError, match=r"Could not move checkpoint 8 aside \(it comes after --resume-step "
+                                                 r"4\) to .*checkpoints_moved: \[Errno 13\] Permission denied"):
+    resume_lib.restore_readable(tmp_path, {"w": jnp.zeros(3, jnp.float32)}, 4, log=print, process_index=0,
+                                process_count=1)
+  assert sorted(p.name for p in ckpt.checkpoint_dir(tmp_path).iterdir()) == ["4", "8"]
