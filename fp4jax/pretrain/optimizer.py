@@ -71,7 +71,8 @@ class ScheduleArgs(NamedTuple):
 
 
 def schedule_args(config: OptimizerConfig, steps: int) -> ScheduleArgs:
-  """The schedule of a `steps`-step run as float32 NumPy scalars.
+  """The schedule of a `steps`-step run as float32 NumPy scalars. Warmup and decay last round(fraction * steps)
+  steps (Python's round: halves to even; 0.05 of 10 steps is no warmup, of 30 steps 2).
 
   They are the constants XLA made of the schedule when its numbers were Python constants of the step: a division
   by a constant n became a multiplication by float32(1 / n), and 1 - min_lr_ratio was a float64 Python number. The

@@ -88,7 +88,9 @@ class PrecisionPolicy:
                        "switch_at (--switch-at) too.")
 
   def switch_step(self, total_steps: int | None = None) -> int | None:
-    """The first step that runs switched, or None without a switch. A fraction needs `total_steps`."""
+    """The first step that runs switched, or None without a switch. A fraction needs `total_steps`: the step is
+    round(switch_at * total_steps), Python's round (halves to even: 0.5 of 5 steps is step 2, of 7 steps step 4),
+    as the optimizer's warmup and decay lengths."""
     if self.switch_at is None:
       return None
     if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
