@@ -124,7 +124,7 @@ def benchmark(model: str, depths, recipes, *, steps: int, warmup: int, batch_siz
           losses[mode].append(_step(runs[mode], i))
       loop, scan = ({"compile_s": statistics.median(compile_s[m]), "compile_min_s": min(compile_s[m]),
                      "step_ms": 1e3 * float(np.median(runs[m]["step_times"][warmup:])),
-                     "temp_mb": runs[m]["memory"]["temp"] / 2**20} for m in MODES)
+                     "temp_mib": runs[m]["memory"]["temp"] / 2**20} for m in MODES)
       rows.append({"model": model, "layers": depth, "recipe": recipe, "remat": remat,
                    "loop_compile_s": loop["compile_s"], "scan_compile_s": scan["compile_s"],
                    "loop_compile_min_s": loop["compile_min_s"], "scan_compile_min_s": scan["compile_min_s"],
@@ -133,7 +133,7 @@ def benchmark(model: str, depths, recipes, *, steps: int, warmup: int, batch_siz
                    "compile_order": orders,
                    "loop_step_ms": loop["step_ms"], "scan_step_ms": scan["step_ms"],
                    "step_ratio": scan["step_ms"] / loop["step_ms"],
-                   "loop_temp_mb": loop["temp_mb"], "scan_temp_mb": scan["temp_mb"],
+                   "loop_temp_mib": loop["temp_mib"], "scan_temp_mib": scan["temp_mib"],
                    "first_loss_same": losses["loop"][0] == losses["scan"][0],
                    "max_loss_diff": max(abs(a - b) for a, b in zip(losses["loop"], losses["scan"])),
                    "loss": losses["scan"][-1]})
@@ -162,11 +162,11 @@ def main(argv=None) -> int:
         f"{args.compiles} fresh compiles per mode, alternating, persistent cache off")
   print(common.format_table(
       ["layers", "recipe", "compile s loop", "(min)", "scan", "(min)", "x med", "step ms loop", "scan", "x",
-       "temp MB loop", "scan", "first loss", "max |dloss|", "loss"],
+       "temp MiB loop", "scan", "first loss", "max |dloss|", "loss"],
       [[r["layers"], r["recipe"], f"{r['loop_compile_s']:.2f}", f"{r['loop_compile_min_s']:.2f}",
         f"{r['scan_compile_s']:.2f}", f"{r['scan_compile_min_s']:.2f}", f"{r['compile_ratio']:.2f}",
         f"{r['loop_step_ms']:.1f}", f"{r['scan_step_ms']:.1f}", f"{r['step_ratio']:.2f}",
-        f"{r['loop_temp_mb']:.1f}", f"{r['scan_temp_mb']:.1f}", "same" if r["first_loss_same"] else "DIFFERS",
+        f"{r['loop_temp_mib']:.1f}", f"{r['scan_temp_mib']:.1f}", "same" if r["first_loss_same"] else "DIFFERS",
         f"{r['max_loss_diff']:.1e}", f"{r['loss']:.5f}"]
        for r in rows], align="rl" + "r" * 13))
   if args.json:

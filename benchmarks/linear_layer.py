@@ -7,8 +7,11 @@ The layer is y = x W as fp4jax.nn.Linear runs it: x bf16 [M, K], a float32 maste
 the bf16 baseline casts W to bf16 and calls lax.dot_general. Time: jitted value_and_grad of sum(y * G) w.r.t.
 (x, W), warmed up, median of --iters runs. Residuals: the bytes the custom_vjp forward saves for the backward
 (fp4jax.dot_general._qmatmul_fwd, shapes only via jax.eval_shape) vs bf16 autodiff's x and W in bf16,
-(M*K + K*N) * 2 bytes. The "xla" backend emulates FP4 GEMMs (dequantize + float32 matmul), so times measure
-quantization overhead on this machine, not FP4 tensor-core speed.
+(M*K + K*N) * 2 bytes. The "xla" backend emulates FP4 GEMMs in the recipe's gemm_mode: "f32" multiplies the
+dequantized values in float32, "bf16" the codes times their block scales in bf16 with float32 accumulation, and
+"auto" (the default) resolves per machine (fp4jax.gemm.resolve_gemm_mode: bf16 on accelerators and AVX-512 CPUs,
+f32 on other CPUs); the heading prints the mode each recipe resolved to. Times measure quantization overhead on
+this machine, not FP4 tensor-core speed.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp4jax
+from fp4jax import gemm as gemm_lib
 from fp4jax import recipes as recipes_lib
 from fp4jax.dot_general import _qmatmul_fwd
 
@@ -79,6 +83,14 @@ def residual_bytes(recipe, x, w) -> int:
   return sum(_nbytes(leaf) for leaf in jax.tree.leaves(residuals))
 
 
+def gemm_mode(recipe: recipes_lib.Recipe) -> str:
+  """The GEMM mode a quantized recipe runs in here: gemm_mode with "auto" resolved (xla), else its backend."""
+  if recipe.backend != "xla":
+    return f"{recipe.backend} backend"
+  mode = gemm_lib.resolve_gemm_mode(recipe)
+  return mode if recipe.gemm_mode == mode else f"{mode} ({recipe.gemm_mode})"
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tokens", type=int, default=4096, help="M: tokens (batch x sequence)")
@@ -89,6 +101,11 @@ def main(argv=None):
   parser.add_argument("--recipes", default="nvfp4,mxfp4,fp8",
                       help="comma-separated recipe specs; '+' joins tuple values (nvfp4:rht_on=wgrad+dgrad)")
   args = parser.parse_args(argv)
+  for flag in ("tokens", "k", "n", "iters"):
+    if getattr(args, flag) < 1:
+      parser.error(f"--{flag} must be >= 1; got {getattr(args, flag)}.")
+  if args.warmup < 0:
+    parser.error(f"--warmup must be >= 0; got {args.warmup}.")
 
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((args.tokens, args.k)), jnp.bfloat16)
@@ -99,6 +116,8 @@ def main(argv=None):
 
   print(f"linear layer M={args.tokens} K={args.k} N={args.n}  backend={jax.default_backend()} "
         f"({jax.devices()[0].device_kind}), jax {jax.__version__}, median of {args.iters}")
+  print("GEMM mode: " + (", ".join(f"{spec} {gemm_mode(recipe)}" for spec, recipe in zip(specs, recipes)
+                                   if recipe.is_quantized) or "none quantized"))
   rows = []
   for spec, recipe in zip(specs, recipes):
     first, median = time_fwd_bwd(recipe, x, w, g, iters=args.iters, warmup=args.warmup)

@@ -5,7 +5,7 @@
 
 One compiled step without OsciReset and one with it; the OsciReset step is timed at step counters that select each
 branch of its schedule (none, snapshot, track, reset), all interleaved step by step with the baseline so load
-changes on a shared machine hit all alike. Ratios are median step times over the baseline's median; "state MB" is
+changes on a shared machine hit all alike. Ratios are median step times over the baseline's median; "state MiB" is
 the compiled step's argument size (params, optimizer state and, when on, the three statistics copies).
 """
 
@@ -60,7 +60,7 @@ def benchmark(model: str, recipe: str, *, steps: int, warmup: int, batch_size: i
                                    steps=steps, warmup=warmup)
   return {"model": model, "recipe": recipe, "steps": steps, "median_s": med,
           "ratio": {name: med[name] / med["off"] for name in runs},
-          "state_mb": {"off": off_bytes / 2**20, "on": on_bytes / 2**20}}
+          "state_mib": {"off": off_bytes / 2**20, "on": on_bytes / 2**20}}
 
 
 def main(argv=None) -> None:
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
   print(f"{row['model']} {row['recipe']} ({jax.default_backend()}), median of {row['steps']} steps, vs OsciReset off:")
   for name, ratio in row["ratio"].items():
     print(f"  {name:9s} {row['median_s'][name] * 1e3:8.2f} ms  x{ratio:.3f}")
-  print(f"  state MB: off {row['state_mb']['off']:.2f}, on {row['state_mb']['on']:.2f}")
+  print(f"  state MiB: off {row['state_mib']['off']:.2f}, on {row['state_mib']['on']:.2f}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(row, f, indent=1)

@@ -148,6 +148,8 @@ def main(argv=None):
     parser.error(f"--size must be a positive multiple of 32 (the MXFP4 block); got {args.size}.")
   if args.repeats < 1:
     parser.error("--repeats must be >= 1.")
+  if args.warmup < 0:
+    parser.error(f"--warmup must be >= 0; got {args.warmup}.")
   dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
   for d in dtypes:
     if d not in ("float32", "bfloat16", "float16"):
@@ -155,7 +157,7 @@ def main(argv=None):
 
   timings = run(args.size, args.repeats, args.warmup, dtypes)
   n = args.size * args.size
-  title = (f"quantize+dequantize throughput, {args.size}x{args.size} ({n / 2**20:.0f}M elements), "
+  title = (f"quantize+dequantize throughput, {args.size}x{args.size} ({n / 1e6:.3g}M elements), "
            f"median of {args.repeats} (warmup {args.warmup}), {jax.devices()[0].platform} x{os.cpu_count()} cores; "
            f"{common.malloc_note()}")
   common.print_ratio_table(timings, BASELINE, title)

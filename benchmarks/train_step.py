@@ -131,8 +131,8 @@ def benchmark(models, recipes, *, steps: int, warmup: int, batch_size: int, seq_
           "step_ms": 1e3 * step_s, "step_ratio": step_s / base_step, "eval_ms": 1e3 * eval_s,
           "eval_ratio": eval_s / base_eval, "tokens_per_s": run["tokens"] / step_s,
           "ratio_median": float(np.median(block_ratios[r])), "ratio_min": float(np.min(block_ratios[r])),
-          "temp_mb": mem["temp"] / 2**20, "temp_ratio": mem["temp"] / max(base["memory"]["temp"], 1),
-          "argument_mb": mem["argument"] / 2**20, "output_mb": mem["output"] / 2**20,
+          "temp_mib": mem["temp"] / 2**20, "temp_ratio": mem["temp"] / max(base["memory"]["temp"], 1),
+          "argument_mib": mem["argument"] / 2**20, "output_mib": mem["output"] / 2**20,
           "faults_per_step": float(np.median(run["step_faults"])), "loss": run["loss"],
           "loss_step": run["loss_step"]})
   return rows
@@ -141,13 +141,13 @@ def benchmark(models, recipes, *, steps: int, warmup: int, batch_size: int, seq_
 def _print(rows: list[dict]) -> None:
   width = max(7, *(len(r["recipe"]) for r in rows))
   head = (f"{'model':<6} {'recipe':<{width}} {'compile s':>9} {'step ms':>8} {'x':>6} {'fwd ms':>7} {'x':>6} "
-          f"{'tok/s':>8} {'temp MB':>8} {'x':>6} {'args MB':>8} {'x med':>6} {'x min':>6} {'loss@step':>12} "
+          f"{'tok/s':>8} {'temp MiB':>8} {'x':>6} {'args MiB':>8} {'x med':>6} {'x min':>6} {'loss@step':>12} "
           f"{'faults':>7}")
   print(head)
   for r in rows:
     print(f"{r['model']:<6} {r['recipe']:<{width}} {r['compile_s']:>9.1f} {r['step_ms']:>8.1f} {r['step_ratio']:>6.2f} "
-          f"{r['eval_ms']:>7.1f} {r['eval_ratio']:>6.2f} {r['tokens_per_s']:>8.0f} {r['temp_mb']:>8.2f} "
-          f"{r['temp_ratio']:>6.2f} {r['argument_mb']:>8.2f} {r['ratio_median']:>6.2f} {r['ratio_min']:>6.2f} "
+          f"{r['eval_ms']:>7.1f} {r['eval_ratio']:>6.2f} {r['tokens_per_s']:>8.0f} {r['temp_mib']:>8.2f} "
+          f"{r['temp_ratio']:>6.2f} {r['argument_mib']:>8.2f} {r['ratio_median']:>6.2f} {r['ratio_min']:>6.2f} "
           f"{r['loss']:>7.4f}@{r['loss_step']:<4d} {r['faults_per_step']:>7.0f}")
 
 
@@ -166,6 +166,15 @@ def main(argv=None) -> int:
   parser.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
   args = parser.parse_args(argv)
+  for flag in ("steps", "runs", "batch_size"):
+    if getattr(args, flag) < 1:
+      parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}.")
+  if args.warmup < 0:
+    parser.error(f"--warmup must be >= 0; got {args.warmup}.")
+  if min(args.grad_accum) < 1:
+    parser.error(f"--grad-accum must be >= 1 (each value); got {args.grad_accum}.")
+  if args.seq_len is not None and args.seq_len < 1:
+    parser.error(f"--seq-len must be >= 1; got {args.seq_len}.")
   rows = benchmark(args.models.split(","), args.recipes, steps=args.steps, warmup=args.warmup,
                    batch_size=args.batch_size, seq_len=args.seq_len, runs=args.runs, grad_accums=args.grad_accum)
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; batch {args.batch_size}; "

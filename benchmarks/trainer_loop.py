@@ -91,14 +91,23 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--batch-size", type=int, default=8)
   args = parser.parse_args(argv)
-  rows = []
+  if args.skip < 0:
+    parser.error(f"--skip must be >= 0; got {args.skip}.")
+  if args.steps < args.skip + 4:
+    parser.error(f"--steps must be at least --skip + 4 (4 timed steps); got --steps {args.steps} --skip {args.skip}.")
+  if args.rounds < 1:
+    parser.error(f"--rounds must be >= 1; got {args.rounds}.")
+  if args.batch_size < 1:
+    parser.error(f"--batch-size must be >= 1; got {args.batch_size}.")
+  rows, counted = [], set()
   for recipe in args.recipes:
     best = loop_periods(args.model, recipe, steps=args.steps, skip=args.skip, rounds=args.rounds,
                         batch_size=args.batch_size)
     rows.append(row(recipe, best))
+    counted.update(run["counted"] for run in best.values())
     print(f"{recipe} done", file=sys.stderr, flush=True)
-  print(f"trainer loop, {args.model}, batch {args.batch_size}, {args.steps} steps ({args.steps - args.skip - 2} "
-        f"periods counted), fastest of {args.rounds} runs per mode, alternating")
+  print(f"trainer loop, {args.model}, batch {args.batch_size}, {args.steps} steps "
+        f"({'/'.join(map(str, sorted(counted)))} periods counted), fastest of {args.rounds} runs per mode, alternating")
   print(common.format_table(HEADERS, rows))
   return 0
 

@@ -170,7 +170,7 @@ def test_quantize_benchmark_prints_its_table():
   proc = _run(["benchmarks/quantize.py", "--size", "64", "--repeats", "1", "--warmup", "1", "--dtypes", "float32"])
   assert proc.returncode == 0, proc.stderr
   out = proc.stdout
-  assert "quantize+dequantize throughput, 64x64" in out
+  assert "quantize+dequantize throughput, 64x64 (0.0041M elements)" in out  # not "(0M elements)"
   assert "faults/call" in out and "malloc:" in out
   names = ["baseline x+1", "x+1 into a new buffer", "nvfp4 rne q+dq", "nvfp4 sr q+dq", "nvfp4 sr q+dq, threefry",
            "nvfp4 rne +rht q+dq", "nvfp4 rne +rht axis0 q+dq", "nvfp4 sr +rht q+dq", "nvfp4 rne 2d q+dq", "mxfp4 q+dq", "nvfp4 quantize", "nvfp4 dequantize",
@@ -222,11 +222,12 @@ def test_malloc_note_names_the_huge_page_tunable(monkeypatch):
 def test_train_step_table_prints_faults_per_step(capsys):
   from benchmarks import train_step  # pylint: disable=g-import-not-at-top
   row = {"model": "small", "recipe": "nvfp4", "compile_s": 12.0, "step_ms": 101.9, "step_ratio": 1.13,
-         "eval_ms": 24.3, "eval_ratio": 1.38, "tokens_per_s": 10054.0, "temp_mb": 77.01, "temp_ratio": 1.01,
-         "argument_mb": 12.02, "ratio_median": 1.16, "ratio_min": 1.14, "faults_per_step": 19715.0, "loss": 5.91234,
+         "eval_ms": 24.3, "eval_ratio": 1.38, "tokens_per_s": 10054.0, "temp_mib": 77.01, "temp_ratio": 1.01,
+         "argument_mib": 12.02, "ratio_median": 1.16, "ratio_min": 1.14, "faults_per_step": 19715.0, "loss": 5.91234,
          "loss_step": 13}
   train_step._print([row])  # pylint: disable=protected-access
   head, line = capsys.readouterr().out.splitlines()
+  assert "temp MiB" in head and "args MiB" in head and " MB" not in head  # bytes / 2**20 are MiB
   assert head.split()[-1] == "faults" and line.split()[-1] == "19715" and line.split()[:2] == ["small", "nvfp4"]
   assert head.split()[-2] == "loss@step" and line.split()[-2] == "5.9123@13"  # speed with what the run trains to
 
@@ -238,7 +239,7 @@ def test_compile_time_benchmark_runs_loop_and_scan(capsys):
                             "--compiles", "2"]) == 0
   out = capsys.readouterr().out.splitlines()
   assert "2 fresh compiles per mode, alternating, persistent cache off" in out[0]
-  assert out[1].split()[:5] == ["layers", "recipe", "compile", "s", "loop"] and "temp MB loop" in out[1]
+  assert out[1].split()[:5] == ["layers", "recipe", "compile", "s", "loop"] and "temp MiB loop" in out[1]
   row = out[3].split()
   assert row[:2] == ["2", "bf16"] and "same" in row and all(float(v) > 0 for v in row[2:12])
   assert float(row[3]) <= float(row[2]) and float(row[5]) <= float(row[4])  # min <= median
@@ -487,12 +488,63 @@ def test_trainer_loop_table_and_refusals():
     trainer_loop.loop_periods("tiny", "bf16", steps=20, skip=2, rounds=0, batch_size=8)
 
 
+def test_trainer_loop_heading_counts_the_periods_run_once_counts(monkeypatch, capsys):
+  """The heading prints run_once's count: the hook fires once per step and once more after the last (steps + 1
+  times), so `steps - skip - 1` periods are counted, not the `steps - skip - 2` the heading's formula said."""
+  from benchmarks import trainer_loop  # pylint: disable=g-import-not-at-top
+
+  def fake_train(config, hooks, log, compile_cache):  # the trainer's record calls, without a model
+    del log, compile_cache
+    for step in range(config.steps):
+      hooks[0](step, {"step_time": 0.01, "loss": 2.5})
+    hooks[0](config.steps, {"val_loss": 2.4})  # the final record after the last step
+    return {"final_loss": 2.5}
+
+  monkeypatch.setattr(trainer_loop.trainer, "train", fake_train)
+  assert trainer_loop.main(["--recipes", "bf16", "--steps", "12", "--skip", "2", "--rounds", "1"]) == 0
+  assert "12 steps (9 periods counted)" in capsys.readouterr().out.splitlines()[0]
+
+
+@pytest.mark.parametrize("script,argv,flag", [
+    ("linear_layer", ["--tokens", "64", "--k", "64", "--n", "64", "--iters", "0"], "--iters"),
+    ("linear_layer", ["--warmup", "-1"], "--warmup"),
+    ("train_step", ["--models", "tiny", "--steps", "0", "--warmup", "0"], "--steps"),
+    ("train_step", ["--runs", "0"], "--runs"),
+    ("train_step", ["--warmup", "-1"], "--warmup"),
+    ("train_step", ["--grad-accum", "1", "0"], "--grad-accum"),
+    ("quantize", ["--size", "64", "--warmup", "-1"], "--warmup"),
+    ("trainer_loop", ["--steps", "5", "--skip", "2"], "--steps"),
+    ("trainer_loop", ["--rounds", "0"], "--rounds"),
+    ("trainer_loop", ["--skip", "-1"], "--skip"),
+])
+def test_benchmarks_refuse_bad_counts(script, argv, flag, capsys):
+  """A bad count is a usage error naming the flag (was a StatisticsError / KeyError traceback after the run)."""
+  module = __import__(f"benchmarks.{script}", fromlist=["main"])
+  with pytest.raises(SystemExit) as exit_info:
+    module.main(argv)
+  assert exit_info.value.code == 2
+  assert f"error: {flag} must" in capsys.readouterr().err
+
+
+def test_linear_layer_heading_prints_the_resolved_gemm_mode(capsys):
+  """gemm_mode="auto" resolves per machine (bf16 on AVX-512 CPUs, f32 on others): the heading says which ran."""
+  from benchmarks import linear_layer  # pylint: disable=g-import-not-at-top
+  from fp4jax import gemm as gemm_lib  # pylint: disable=g-import-not-at-top
+  from fp4jax import recipes as recipes_lib  # pylint: disable=g-import-not-at-top
+  auto = recipes_lib.get_recipe("nvfp4")
+  assert linear_layer.gemm_mode(auto) == f"{gemm_lib.resolve_gemm_mode(auto)} (auto)"
+  assert linear_layer.gemm_mode(recipes_lib.get_recipe("nvfp4:gemm_mode=f32")) == "f32"
+  linear_layer.main(["--tokens", "32", "--k", "32", "--n", "32", "--iters", "1", "--warmup", "0",
+                     "--recipes", "nvfp4:gemm_mode=f32"])
+  assert capsys.readouterr().out.splitlines()[1] == "GEMM mode: nvfp4:gemm_mode=f32 f32"
+
+
 @pytest.mark.slow
 def test_trainer_loop_benchmark_runs_both_modes(capsys):
   from benchmarks import trainer_loop  # pylint: disable=g-import-not-at-top
   assert trainer_loop.main(["--recipes", "bf16", "--steps", "8", "--skip", "2", "--rounds", "1"]) == 0
   out = capsys.readouterr().out.splitlines()
-  assert out[0].startswith("trainer loop, tiny, batch 8, 8 steps") and out[1].split()[0] == "recipe"
+  assert out[0].startswith("trainer loop, tiny, batch 8, 8 steps (5 periods counted)") and out[1].split()[0] == "recipe"
   row = out[3].split()
   assert row[0] == "bf16" and row[-1] == "same" and all(float(v) > 0 for v in row[1:5])
 
@@ -504,7 +556,7 @@ def test_train_step_benchmark_rows_per_grad_accum(capsys):
   from benchmarks import train_step  # pylint: disable=g-import-not-at-top
   rows = train_step.benchmark(["tiny"], ["bf16"], steps=1, warmup=0, batch_size=8, seq_len=32, grad_accums=(1, 4))
   assert [r["recipe"] for r in rows] == ["bf16", "bf16/accum4"]
-  assert rows[0]["step_ratio"] == 1.0 and rows[1]["temp_mb"] < rows[0]["temp_mb"]
+  assert rows[0]["step_ratio"] == 1.0 and rows[1]["temp_mib"] < rows[0]["temp_mib"]
   assert all(np.isfinite(r["loss"]) for r in rows)
   train_step._print(rows)  # pylint: disable=protected-access
   assert "bf16/accum4" in capsys.readouterr().out
