@@ -6,7 +6,7 @@ RHT size 32, as in the paper). FP8 is E4M3 with 1x128 / 128x128 blocks on every 
 Paper (8B, 1T tokens): MXFP4 ~2.5% relative loss gap vs ~1.5% for NVFP4.
 
     python -m experiments.formats --preset smoke --out runs/formats_smoke   # ~1 min on a CPU (bf16, nvfp4, mxfp4)
-    python -m experiments.formats --preset cpu --out runs/formats_cpu       # ~10-20 min on 2 CPU cores
+    python -m experiments.formats --preset cpu --out runs/formats_cpu       # ~6-16 min on 2 CPU cores
     python -m experiments.formats --preset gpu --out runs/formats_gpu       # paper_1b (1.2B) on a GPU
 """
 
