@@ -65,8 +65,20 @@ def _fallback(reason: str) -> None:
   warnings.warn(f"fp4jax backend='pallas': {reason}; using the XLA path for it.", stacklevel=3)
 
 
+def _in_shard_map() -> bool:
+  """Whether this is traced inside jax.shard_map (some mesh axis is Manual)."""
+  return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
+_SHARD_MAP = ("inside jax.shard_map, whose manual mesh axes the kernels do not declare their outputs' variation "
+              "over")
+
+
 def pallas_quantize(x, cfg, *, axis: int, recipe, key, signs, with_mask: bool = False):
   """The fused Pallas NVFP4 quantizer (with the RHT fused in), or None if not covered."""
+  if _in_shard_map():
+    _fallback(_SHARD_MAP)
+    return None
   if not isinstance(cfg.fmt, formats.NVFP4):
     _fallback(f"the quantize kernel is NVFP4-only (got {cfg.fmt.name})")
     return None
@@ -102,6 +114,9 @@ def pallas_gemm(a, b, contract, *, routes=None):
   dispatch table (`routes`, default GEMM_ROUTES) sends this shape on this GPU to the XLA path."""
   if not (a.fmt.is_fp4 and b.fmt.is_fp4) or a.ndim != 2 or b.ndim != 2:
     _fallback("the GEMM kernel takes 2D NVFP4/MXFP4 operands")
+    return None
+  if _in_shard_map():
+    _fallback(_SHARD_MAP)
     return None
   if jax.default_backend() == "gpu":
     if choose_gemm_backend(*gemm_dims(a, b, contract), jax.devices()[0].device_kind, routes) == "xla":

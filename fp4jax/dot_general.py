@@ -487,6 +487,11 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     out_sharding: as for lax.dot_general: the output's sharding. With operands sharded over Explicit mesh axes
       (`jax.make_mesh`'s default) it defaults to lax.dot_general's; the quantized GEMMs then run with the axes
       made Auto (fp4jax.explicit_axes). Otherwise, when given, it constrains the output's sharding.
+
+  Inside jax.shard_map each shard quantizes its local operands (per-tensor scales are per shard, and stochastic
+  rounding draws the same bits in every shard for one key: fold the shard's index into it); operands that vary
+  over different manual axes (a replicated weight) are widened as lax.dot_general widens them, so the weight's
+  gradient is summed over the batch's axes. backend="pallas" runs the XLA path there, with a warning.
   """
   recipe = recipes_lib.get_recipe(recipe)
   if key is not None:
@@ -507,6 +512,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
                                out_sharding=out_sharding)
 
   def gemm(lhs, rhs, key):
+    # Inside shard_map, as lax.dot_general: a replicated weight's cotangent is then summed over the batch's axes.
+    lhs, rhs, _ = explicit_axes.vary_alike(lhs, rhs, key)
     w_KxN = rhs if r == 0 else rhs.T
     y_MxN = _qmatmul_jit(lhs.reshape(-1, k), w_KxN, key, recipe)
     return cast_output(y_MxN.reshape(*lhs.shape[:-1], n), jnp.dtype(out_dtype))

@@ -66,11 +66,13 @@ def dot_general_sharding(lhs, rhs, dimension_numbers, preferred_element_type=Non
 
 
 def run_auto(fn: Callable, args: tuple, out_sharding) -> Any:
-  """fn(*args) with every mesh axis Auto, its outputs resharded to `out_sharding` (a pytree prefix of them; a
-  PartitionSpec refers to the arguments' mesh)."""
+  """fn(*args) with the Explicit mesh axes made Auto, its outputs resharded to `out_sharding` (a pytree prefix of
+  them; a PartitionSpec refers to the arguments' mesh). Manual axes (inside a partial-manual jax.shard_map) stay
+  Manual: JAX cannot make them Auto."""
+  mesh = first_sharding(args).mesh
   if isinstance(out_sharding, P):  # auto_axes finds the mesh in the sharding, or in a jax.set_mesh context
-    out_sharding = NamedSharding(first_sharding(args).mesh, out_sharding)
-  return jax.sharding.auto_axes(fn, out_sharding=out_sharding)(*args)
+    out_sharding = NamedSharding(mesh, out_sharding)
+  return jax.sharding.auto_axes(fn, axes=tuple(mesh.explicit_axes), out_sharding=out_sharding)(*args)
 
 
 def run_gemm(gemm: Callable, args: tuple, lhs, rhs, dimension_numbers, out_dtype, out_sharding=None) -> Any:
@@ -90,6 +92,27 @@ def run_auto_like(fn: Callable, args: tuple, sharding: NamedSharding) -> Any:
   plain = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) if isinstance(a, jax.Array) else a, args)
   out_sharding = jax.tree.map(lambda s: like(s.shape, sharding), jax.eval_shape(fn, *plain))
   return run_auto(fn, args, out_sharding)
+
+
+def varying_axes(leaf) -> frozenset[str]:
+  """The manual mesh axes `leaf` varies over inside jax.shard_map (empty outside one)."""
+  if not isinstance(leaf, jax.Array):
+    return frozenset()
+  aval = jax.typeof(leaf)
+  manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10; earlier versions: aval.vma
+  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", None) or ())
+
+
+def vary_alike(*arrays):
+  """`arrays` (a tuple), each cast with lax.pcast to vary over every manual mesh axis that any of them varies over
+  inside jax.shard_map; unchanged outside one. lax.dot_general widens its operands so, and the cast's transpose
+  sums the cotangent of a less varying one (a replicated weight's) over those axes, as fp4jax's custom_vjp rules
+  need. None entries pass through."""
+  axes = frozenset().union(*(varying_axes(a) for a in arrays))
+  if not axes:
+    return arrays
+  return tuple(a if a is None or not isinstance(a, jax.Array) or varying_axes(a) == axes
+               else jax.lax.pcast(a, tuple(sorted(axes - varying_axes(a))), to="varying") for a in arrays)
 
 
 def first_sharding(*trees: Any) -> NamedSharding:

@@ -219,6 +219,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
                                out_sharding=out_sharding)
 
   def gemm(lhs, rhs, outliers, key):
+    lhs, rhs, _, _ = explicit_axes.vary_alike(lhs, rhs, outliers, key)  # as fp4jax.dot_general's, in shard_map
     w_KxN = rhs if r == 0 else rhs.T
     y_MxN = _split_matmul_jit(lhs.reshape(-1, k), w_KxN, outliers, key, recipe)
     return cast_output(y_MxN.reshape(*lhs.shape[:-1], n), jnp.dtype(out_dtype))

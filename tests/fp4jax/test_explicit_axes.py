@@ -202,3 +202,65 @@ def test_outcontrol_under_explicit_axes_equals_the_auto_mesh_bits():
   for e, a in zip(ge, ga):
     np.testing.assert_array_equal(np.asarray(e), np.asarray(a))
   assert [g.sharding.spec for g in ge] == [P("data", None), P(None, "model")]
+
+
+# --- inside jax.shard_map ------------------------------------------------------------------------------------------
+
+def _data_parallel(fn):
+  """fn(x, w) under shard_map on an 8-way 'data' mesh: x's rows split, w replicated (plain data parallelism)."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  mesh = jax.make_mesh((8,), ("data",))
+  mapped = jax.shard_map(fn, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
+  return mesh, mapped
+
+
+@pytest.mark.parametrize("gemm", ["dot_general", "outcontrol"])
+def test_data_parallel_shard_map_gradients_equal_the_per_shard_ones(gemm):
+  # The weight's cotangent varies over 'data' (each shard's dW) while the weight does not: the custom_vjp rule
+  # refused it ("Custom VJP bwd rule must produce an output with the same type"), and before that the forward
+  # failed in a platform_dependent whose branches varied differently. lax.dot_general widens its operands to vary
+  # alike and sums the replicated one's cotangent; so does fp4jax now.
+  recipe, key = "nvfp4:stochastic_rounding=false", jax.random.key(3)
+  x, w = _operands()
+  if gemm == "dot_general":
+    fn = lambda x, w: fp4jax.dot_general(x, w, DN, recipe=recipe, key=key)
+  else:
+    fn = lambda x, w: outcontrol.dot_general(x, w, DN, recipe=recipe, key=key, outliers=jnp.asarray([5, 70]))
+  mesh, mapped = _data_parallel(fn)
+  loss = lambda f: (lambda x, w: jnp.sum(jnp.sin(f(x, w))))
+  with jax.set_mesh(mesh):
+    y = jax.jit(mapped)(_put(mesh, x, P("data")), _put(mesh, w, P()))
+    grads = jax.jit(jax.grad(loss(mapped), (0, 1)))(_put(mesh, x, P("data")), _put(mesh, w, P()))
+  shards = [slice(8 * i, 8 * (i + 1)) for i in range(8)]
+  per_shard = jax.jit(jax.grad(lambda x, w: sum(loss(fn)(x[s], w) for s in shards), (0, 1)))(x, w)
+  np.testing.assert_array_equal(y, jnp.concatenate([fn(x[s], w) for s in shards]))
+  np.testing.assert_array_equal(grads[0], per_shard[0])  # each shard's dx is its own
+  np.testing.assert_allclose(grads[1], per_shard[1], rtol=1e-5, atol=1e-5)  # dW: the sum over shards, reordered
+  assert float(jnp.max(jnp.abs(grads[1]))) > 0
+
+
+def test_partial_manual_shard_map_with_an_explicit_model_axis():
+  # auto_axes made every mesh axis Auto, the Manual 'data' one too: "Going from Manual AxisType to Auto or
+  # Explicit AxisType is not allowed". Only the Explicit axes are made Auto now.
+  explicit, _ = _meshes()
+  x, w = _operands()
+  recipe = "nvfp4:stochastic_rounding=false"
+  fn = lambda x, w: fp4jax.dot_general(x, w, DN, recipe=recipe)
+  mapped = jax.shard_map(fn, mesh=explicit, in_specs=(P("data"), P()), out_specs=P("data"), axis_names={"data"})
+  with jax.set_mesh(explicit):
+    y = jax.jit(mapped)(_put(explicit, x, P("data")), _put(explicit, w, P(None, "model")))
+  assert y.sharding.spec == P("data", "model")
+  np.testing.assert_array_equal(y, jnp.concatenate([fn(x[:32], w), fn(x[32:], w)]))
+
+
+def test_pallas_backend_inside_shard_map_falls_back_to_the_xla_path_with_a_warning():
+  x, w = _operands()
+  key = jax.random.key(3)
+  fn = lambda recipe: (lambda x, w: fp4jax.dot_general(x, w, DN, recipe=recipe, key=key))
+  mesh, pallas = _data_parallel(fn("nvfp4:backend=pallas,stochastic_rounding=false"))
+  _, xla = _data_parallel(fn("nvfp4:stochastic_rounding=false"))
+  with jax.set_mesh(mesh), pytest.warns(UserWarning, match="inside jax.shard_map.*using the XLA path"):
+    got = jax.jit(pallas)(_put(mesh, x, P("data")), _put(mesh, w, P()))
+  with jax.set_mesh(mesh):
+    np.testing.assert_array_equal(got, jax.jit(xla)(_put(mesh, x, P("data")), _put(mesh, w, P())))
