@@ -471,6 +471,13 @@ def check_layer_shape(k: int, n: int, recipe: recipes_lib.Recipe) -> None:
                          f"(weight [K, N] = [{k}, {n}]). Use a multiple of {b}, or keep this layer in bf16.")
 
 
+def lax_output_dtype(lhs, rhs, dimension_numbers) -> jnp.dtype:
+  """The dtype lax.dot_general gives `lhs` and `rhs` without preferred_element_type: their promoted dtype, except
+  bfloat16 for float16 with bfloat16 (where jnp.result_type gives float32)."""
+  spec = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+  return jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers), spec(lhs), spec(rhs)).dtype
+
+
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, recipe, key=None,
                 out_sharding=None):
   """A drop-in for `jax.lax.dot_general` whose GEMMs (forward and backward) are quantized by `recipe`.
@@ -506,7 +513,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     key = jax.random.key(0)  # unused by the rule's arithmetic; keeps one code path
   k, n = (rhs.shape if r == 0 else rhs.shape[::-1])
   check_layer_shape(k, n, recipe)
-  out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+  out_dtype = preferred_element_type or lax_output_dtype(lhs, rhs, dimension_numbers)
   if lhs.size == 0 or rhs.size == 0:  # nothing to quantize (an empty batch): lax's empty or all-zero result
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=out_dtype,
                                out_sharding=out_sharding)

@@ -39,6 +39,7 @@ from fp4jax import recipes as recipes_lib
 from fp4jax.dot_general import (Operands, _canonical_weight_axes, _first_order_only, check_layer_key,
                                 check_layer_shape, dgrad, fprop, layer_operands, rule_keys, wgrad)
 from fp4jax.dot_general import cast_output
+from fp4jax.dot_general import lax_output_dtype
 from fp4jax.dot_general import dot_general as plain_dot_general
 from fp4jax.gemm import f32_values as _values
 from fp4jax.quantize import quantize
@@ -213,7 +214,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   check_layer_shape(k, n, recipe)
   outliers = jnp.asarray(outliers)
   _check_idx(outliers, k)
-  out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+  out_dtype = preferred_element_type or lax_output_dtype(lhs, rhs, dimension_numbers)
   if lhs.size == 0 or rhs.size == 0:  # nothing to quantize (an empty batch): lax's result, as fp4jax.dot_general
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=out_dtype,
                                out_sharding=out_sharding)

@@ -396,3 +396,18 @@ def test_rht_size_limit_is_the_largest_power_of_two_tiling_both_feature_axes():
 def test_unknown_recipe_name_raises():
   with pytest.raises(ValueError, match="Unknown recipe"):
     fp4jax.dot_general(jnp.ones((M, K)), jnp.ones((K, N)), DN, recipe="nvfp5")
+
+
+@pytest.mark.parametrize("dtypes", [(jnp.float16, jnp.bfloat16), (jnp.bfloat16, jnp.float32),
+                                    (jnp.bfloat16, jnp.bfloat16), (jnp.float16, jnp.float32)])
+def test_default_output_dtype_is_lax_dot_generals_for_every_recipe(dtypes):
+  # float16 x bfloat16 gave float32 (jnp's promotion) under a quantized recipe and bfloat16 under "bf16" (lax's):
+  # switching recipes changed the output dtype.
+  from fp4jax import outcontrol  # pylint: disable=g-import-not-at-top
+  x = jnp.ones((32, 64), dtypes[0])
+  w = jnp.ones((64, 32), dtypes[1])
+  want = jax.lax.dot_general(x, w, DN).dtype
+  key = jax.random.key(0)
+  for recipe in ("bf16", "nvfp4", "mxfp4", "fp8"):
+    assert fp4jax.dot_general(x, w, DN, recipe=recipe, key=key).dtype == want, recipe
+  assert outcontrol.dot_general(x, w, DN, recipe="nvfp4", key=key, outliers=jnp.asarray([3])).dtype == want
