@@ -312,21 +312,27 @@ def test_run_config_digests_name_the_options_that_differ():
   assert (same == base).all()
 
 
-def _fake_peer(monkeypatch, peer_config, peer_versions=None):
-  """This process is process 1 of 2; the collective returns process 0's digests (of `peer_config`) and ours."""
+def _as_process_1_of_2(monkeypatch, theirs):
+  """This process is process 1 of 2; the n-th collective returns theirs(n) (process 0's row) and ours. Returns the
+  list of the gathered rows' lengths."""
   gathers = []
-  peer = distributed.run_fields(peer_config.to_dict())
 
   def allgather(values):
     gathers.append(len(values))
-    versions = distributed._versions() if peer_versions is None else peer_versions  # pylint: disable=protected-access
-    theirs = (distributed.summary_digests(peer, versions) if len(gathers) == 1 else distributed.field_digests(peer))
-    return np.stack([theirs, values])
+    return np.stack([theirs(len(gathers)), values])
 
   monkeypatch.setattr(distributed, "_allgather", allgather)
   monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
   monkeypatch.setattr(distributed.jax, "process_index", lambda: 1)
   return gathers
+
+
+def _fake_peer(monkeypatch, peer_config, peer_versions=None):
+  """Process 0 ran `peer_config` (and `peer_versions`): the summary first, then the per-field digests."""
+  peer = distributed.run_fields(peer_config.to_dict())
+  versions = distributed._versions() if peer_versions is None else peer_versions  # pylint: disable=protected-access
+  return _as_process_1_of_2(monkeypatch, lambda n: (distributed.summary_digests(peer, versions) if n == 1
+                                                    else distributed.field_digests(peer)))
 
 
 def test_check_same_run_raises_naming_the_options(monkeypatch):
@@ -352,18 +358,9 @@ def _identity(**changes):
 
 
 def _fake_data_peer(monkeypatch, peer_identity):
-  """This process is process 1 of 2; the collective returns process 0's data digests (of `peer_identity`) and ours."""
-  gathers = []
-
-  def allgather(values):
-    gathers.append(len(values))
-    theirs = distributed.field_digests({n: peer_identity.get(n) for n in distributed.DATA_FIELDS})
-    return np.stack([theirs, values])
-
-  monkeypatch.setattr(distributed, "_allgather", allgather)
-  monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
-  monkeypatch.setattr(distributed.jax, "process_index", lambda: 1)
-  return gathers
+  """Process 0 read `peer_identity`."""
+  theirs = distributed.field_digests({n: peer_identity.get(n) for n in distributed.DATA_FIELDS})
+  return _as_process_1_of_2(monkeypatch, lambda n: theirs)
 
 
 def test_check_same_data_refuses_processes_that_read_other_data(monkeypatch):
