@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from fp4jax.dot_general import cast_output
@@ -152,12 +153,20 @@ def _stack_shape(module) -> tuple[int, ...]:
   return tuple(module.kernel.shape[:module.kernel.ndim - own])
 
 
-def _quant_stream(rngs: nnx.Rngs, stack_shape: tuple[int, ...]):
+def _stream_id(stream) -> bytes:
+  """A stream's base key, as bytes: two streams with one base key draw the same keys."""
+  return np.asarray(jax.random.key_data(stream.key[...])).tobytes()
+
+
+def _quant_stream(rngs: nnx.Rngs, stack_shape: tuple[int, ...], taken: set[bytes]):
   """A "quant" stream of its own for one layer; one key per layer of a stacked layer, so that nnx.scan over the
-  stack hands each layer its own stream (and independent stochastic rounding)."""
-  if not stack_shape:
-    return rngs["quant"].fork()
-  return rngs["quant"].split(stack_shape)
+  stack hands each layer its own stream (and independent stochastic rounding). Forks past the base keys in `taken`
+  (the streams layers kept from an earlier call, whose forks the same seed would make again), and adds its own."""
+  while True:
+    stream = rngs["quant"].fork() if not stack_shape else rngs["quant"].split(stack_shape)
+    if _stream_id(stream) not in taken:
+      taken.add(_stream_id(stream))
+      return stream
 
 
 def _stream_of(module):
@@ -224,6 +233,9 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
           check_layer_shape(*shape, rule.recipe)
         except ValueError as e:
           raise ValueError(f"{path} ({type(module).__name__}): {e}") from None
+  # A second call with the same seed forks the first call's streams again: a new layer skips those that layers keep.
+  taken = {_stream_id(_stream_of(module)) for module, _, rule in plan
+           if rule is not None and rule.quantizes and rule.recipe.needs_key and _stream_of(module) is not None}
   for module, path, rule in plan:
     attr = "einsum_op" if isinstance(module, nnx.Einsum) else "dot_general"
     original = getattr(module, attr)
@@ -237,7 +249,7 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
     # A layer quantized by an earlier call keeps its stream: a late switch continues its keys instead of replaying
     # them from the seed (restore the layer with a None rule first to reseed it).
     kept = _stream_of(module)
-    stream = (kept if kept is not None else _quant_stream(rngs, _stack_shape(module))) if rule.recipe.needs_key \
-        else None
+    stream = (kept if kept is not None else _quant_stream(rngs, _stack_shape(module), taken)) \
+        if rule.recipe.needs_key else None
     setattr(module, attr, nnx.data(op(rule.recipe, model_quantize.shown(path), stream, original)))
   return model_quantize.Report(rules, tuple(layers))

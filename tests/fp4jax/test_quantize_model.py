@@ -450,6 +450,23 @@ def test_quantizing_again_continues_each_layers_stream():
   np.testing.assert_array_equal(jax.random.key_data(stream()()), first_key)
 
 
+def test_a_layer_quantized_later_with_the_same_seed_gets_a_stream_of_its_own():
+  """The second call forked the first call's streams again: a newly quantized layer got the stream an earlier one
+  kept, and replayed its stochastic rounding key for key. It now gets what one call quantizing both gives it."""
+  x = jax.random.normal(jax.random.key(2), (B * T, D))
+  make = lambda: nnx.Sequential(nnx.Linear(D, D, rngs=nnx.Rngs(0)), nnx.Linear(D, D, rngs=nnx.Rngs(1)))
+  stream_data = lambda m, i: np.asarray(jax.random.key_data(m.layers[i].dot_general.quant_rngs.key[...]))
+  late = make()
+  fp4jax.quantize_model(late, [(r"layers\.0", "nvfp4")], rngs=0)
+  late(x)
+  fp4jax.quantize_model(late, [(".*", "nvfp4")], rngs=0)
+  assert not np.array_equal(stream_data(late, 0), stream_data(late, 1))
+  at_once = make()
+  fp4jax.quantize_model(at_once, [(".*", "nvfp4")], rngs=0)
+  for i in range(2):
+    np.testing.assert_array_equal(stream_data(late, i), stream_data(at_once, i))
+
+
 def test_a_layer_quantized_on_its_own_is_named_in_messages():
   with pytest.raises(ValueError, match=r"^\(the model itself\) \(Linear\): .*K divisible by 16"):
     fp4jax.quantize_model(nnx.Linear(3, 32, rngs=nnx.Rngs(0)), [(".*", "nvfp4")], rngs=0)
