@@ -90,7 +90,8 @@ def select_channels(scores_K: jax.Array, k: int) -> jax.Array:
 
 class SplitOperands(NamedTuple):
   """Operands of a split layer: `rest` (dot_general.Operands of x and W with the outlier channels zeroed), the
-  MXFP8 operands x8 [M, k] and w8 [k, N] (blocks along k) for Fprop, w8_dgrad [k, N] (blocks along N) and x8_wgrad
+  MXFP8 operands x8 [M, k] and w8 [k, N] (blocks along k) for Fprop (the gathered channels unquantized when the
+  recipe's Fprop is high precision: a forward-only late switch), w8_dgrad [k, N] (blocks along N) and x8_wgrad
   [M, k] (blocks along M) for the backward (None without `backward`)."""
 
   rest: Operands
@@ -137,13 +138,16 @@ def split_operands(x_MxK, w_KxN, idx_k, recipe: recipes_lib.Recipe, key, *, back
   x_rest = jnp.where(keep[None, :], x_MxK, jnp.zeros((), x_MxK.dtype))
   w_rest = jnp.where(keep[:, None], w_KxN, jnp.zeros((), w_KxN.dtype))
   rest = layer_operands(x_rest, w_rest, recipe, key, backward=backward, unit=unit)
-  x8 = _mxfp8(jnp.take(x_MxK, idx_k, axis=1), axis=1)
-  w8 = _mxfp8(jnp.take(w_KxN, idx_k, axis=0), axis=0)
+  x_I, w_I = jnp.take(x_MxK, idx_k, axis=1), jnp.take(w_KxN, idx_k, axis=0)
+  if recipe.fprop.lhs.quantized or recipe.fprop.rhs.quantized:
+    x8, w8 = _mxfp8(x_I, axis=1), _mxfp8(w_I, axis=0)
+    x_src, w_src = _values(x8), _values(w8)  # the backward re-quantizes the Fprop operands (linear_mix.py)
+  else:  # a forward switched to BF16 (`switch="forward"`): the outlier channels' Fprop is high precision too
+    x8, w8 = x_I, w_I.astype(x_MxK.dtype)  # as layer_operands casts the weight of a high-precision Fprop
+    x_src, w_src = x_I, w_I
   if not backward:
     return SplitOperands(rest, x8, w8)
-  w8_dgrad = _mxfp8(_values(w8), axis=1)
-  x8_wgrad = _mxfp8(_values(x8), axis=0)
-  return SplitOperands(rest, x8, w8, w8_dgrad, x8_wgrad)
+  return SplitOperands(rest, x8, w8, _mxfp8(w_src, axis=1), _mxfp8(x_src, axis=0))
 
 
 def split_fprop(ops: SplitOperands, recipe: recipes_lib.Recipe):

@@ -210,3 +210,21 @@ def test_bad_outliers_raise():
   for idx in (jnp.zeros((0,), jnp.int32), jnp.arange(K), jnp.zeros((2, 2), jnp.int32), jnp.array([1.0, 2.0])):
     with pytest.raises(ValueError, match="outlier indices"):
       outcontrol.dot_general(x, w, DN, recipe=RNE, outliers=idx)
+
+
+def test_a_forward_switched_to_bf16_runs_the_outlier_channels_forward_in_bf16_too():
+  """`switch="forward"` (the late switch of Fprop only): the outlier channels' Fprop ran in MXFP8 while the rest's
+  ran in BF16 (5 % off the BF16 layer's output). Now all of Fprop is high precision, and the backward keeps the
+  outlier channels in MXFP8, re-quantized from the weights themselves."""
+  x, w, g = (jnp.asarray(a) for a in _inputs(5))
+  idx = jnp.asarray([0, 17, 20, 63])
+  recipe = RNE.with_bf16(forward=True, backward=False)
+  key = jax.random.key(1)
+  y, vjp = jax.vjp(lambda x, w: outcontrol.dot_general(x, w, DN, recipe=recipe, key=key, outliers=idx), x, w)
+  y_hp = jax.lax.dot_general(x, w, DN, precision=jax.lax.Precision.HIGHEST)
+  np.testing.assert_allclose(y, y_hp, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(y_hp))))
+  dx, dw = vjp(g)
+  mx8 = lambda a, axis: fp4jax.dequantize(fp4jax.quantize(a, "mxfp8", axis=axis, pad=True), jnp.float32)
+  dx8 = mx8(g, 1) @ mx8(w[idx], 1).T
+  np.testing.assert_allclose(dx[:, idx], dx8, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(dw[idx], mx8(x[:, idx], 0).T @ mx8(g, 0), rtol=1e-6, atol=1e-6)
