@@ -75,7 +75,8 @@ def check_layer_key(key, name: str = "key"):
   n = len(_TAGS)
   k_shape, s_shape = jnp.shape(key.keys), jnp.shape(key.seeds)
   typed = keys.is_typed_key(key.keys)
-  if k_shape != ((n,) if typed else (n, 2)) or s_shape != (n, 2) or jnp.result_type(key.seeds) != jnp.uint32:
+  raw = (n, keys._raw_key_words())  # pylint: disable=protected-access  # 2 for threefry, 4 for rbg
+  if k_shape != ((n,) if typed else raw) or s_shape != (n, 2) or jnp.result_type(key.seeds) != jnp.uint32:
     raise ValueError(f"{name}: the LayerKeys of one layer call hold keys [{n}] and uint32 seeds [{n}, 2] "
                      f"(fp4jax.dot_general's derive_layer_keys of one key); got keys {k_shape}, seeds {s_shape} "
                      f"{jnp.result_type(key.seeds)}.")

@@ -151,3 +151,14 @@ def test_raw_rbg_keys_draw_the_signs_their_typed_keys_draw():
     for size in (4, 16):
       np.testing.assert_array_equal(rht.resolve_signs(size, raw),
                                     rht.resolve_signs(size, jax.random.wrap_key_data(raw)))
+
+
+def test_layer_keys_of_a_raw_rbg_key_are_accepted():
+  # check_layer_key took raw key data to be 2 words (threefry's): the LayerKeys of a raw rbg key (4 words) were
+  # refused ("got keys (5, 4)") though the raw key itself was taken.
+  x = jax.random.normal(jax.random.key(1), (32, 64))
+  w = jax.random.normal(jax.random.key(2), (64, 32))
+  with jax.default_prng_impl("rbg"):
+    raw = jax.random.PRNGKey(0)
+    np.testing.assert_array_equal(fp4jax.dot_general(x, w, DN, recipe="nvfp4", key=dg.derive_layer_keys(raw)),
+                                  fp4jax.dot_general(x, w, DN, recipe="nvfp4", key=raw))
