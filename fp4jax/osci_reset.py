@@ -29,9 +29,6 @@ def check_recipe(recipe: recipes_lib.Recipe) -> None:
   if cfg.rht:
     raise ValueError(f"OsciReset: recipe {recipe.name!r} applies a Hadamard transform to the Fprop weight, so its "
                      "quantized value is not a weight-space value to reset to; use a recipe without forward RHT.")
-  if cfg.rounding != "nearest":
-    raise ValueError(f"OsciReset: recipe {recipe.name!r} rounds the Fprop weight stochastically; the reset needs "
-                     "a deterministic quantized value (round-to-nearest forward).")
 
 
 def quantized_weight(w_KxN: jax.Array, recipe: recipes_lib.Recipe, outliers_K: jax.Array | None = None

@@ -168,9 +168,12 @@ class Recipe:
     for gemm, side in (("dgrad", "lhs"), ("dgrad", "rhs"), ("wgrad", "lhs"), ("wgrad", "rhs")):
       if getattr(self.gemm(gemm), side).clip_mask:
         raise ValueError(f"{gemm}.{side}: clip_mask applies to Fprop operands only.")
-    for op in (self.fprop.lhs, self.fprop.rhs):
+    for side, op in (("lhs", self.fprop.lhs), ("rhs", self.fprop.rhs)):
       if op.clip_mask and not op.quantized:
         raise ValueError("clip_mask needs a quantized Fprop operand.")
+      if op.quantized and op.rounding == "stochastic":  # the rule draws keys for Dgrad's and Wgrad's operands only
+        raise ValueError(f"fprop.{side}: stochastic rounding applies to the backward's operands (gradients); Fprop "
+                         "operands round to nearest.")
 
   def replace(self, **changes) -> "Recipe":
     """A copy with fields replaced. Unless `name` is among them, the name gets a tag per changed field

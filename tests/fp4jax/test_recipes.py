@@ -229,3 +229,14 @@ def test_rht_on_order_and_repeats_do_not_change_the_recipe():
   a, b = recipes.get_recipe("nvfp4:rht_on=wgrad+dgrad"), recipes.get_recipe("nvfp4:rht_on=dgrad+wgrad+wgrad")
   assert a == b and hash(a) == hash(b) and a.name == "nvfp4-rht@dgrad+wgrad"
   assert recipes.nvfp4(rht_on=("wgrad",)) == recipes.nvfp4()
+
+
+@pytest.mark.parametrize("side", ["lhs", "rhs"])
+def test_stochastic_rounding_on_an_fprop_operand_is_refused(side):
+  # It passed validation, then could not run: dot_general's rule draws keys for the backward's operands only, so
+  # the forward raised "rounding='stochastic' needs a PRNG key: pass key=" with a key passed.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  r = recipes.nvfp4()
+  op = dataclasses.replace(getattr(r.fprop, side), rounding="stochastic")
+  with pytest.raises(ValueError, match=f"fprop.{side}: stochastic rounding applies to the backward's operands"):
+    r.replace(fprop=dataclasses.replace(r.fprop, **{side: op}))
