@@ -334,7 +334,8 @@ def nvfp4(*, rht: bool = True, rht_size: int = 16, stochastic_rounding: bool = T
   four_over_six: every operand uses Four Over Six block scales (arXiv 2512.02010; `formats.NVFP4` scale_rule
     "4over6"), chosen per block by `select` ("mse", "mae" or "absmax").
   unbiased_sr: the SR operands' block scales: False (NVIDIA: rounded to nearest, ~1.2 % bias at block maxima),
-    True or "up" (rounded up: unbiased), "headroom" (elements at 16/17 of their scale: unbiased; with 4/6 the
+    True or "up" (rounded up: unbiased), "headroom" (elements at 16/17 of their scale: unbiased except in blocks
+    whose E4M3 scale is subnormal, under ~1e-5 of the tensor amax, docs/numerics.md; with 4/6 the
     SR operands choose their candidate on nearest-rounded values, NVFP4(select_on="nearest"), since choosing among
     stochastically rounded candidates, as the reference does, biases SR again: docs/numerics.md).
   sr_bits, gemm_mode: the SR bit generator and the GEMM mode (see Recipe); they change speed, not the recipe.
