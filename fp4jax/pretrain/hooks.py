@@ -49,7 +49,7 @@ class Hook:
   def __post_init__(self):
     if not callable(self.fn):
       raise TypeError(f"Hook: fn must be callable as fn(info); got {self.fn!r}.")
-    if not isinstance(self.every, numbers.Integral) or isinstance(self.every, bool) or self.every < 0:  # -1: never
+    if not isinstance(self.every, numbers.Integral) or isinstance(self.every, bool) or self.every < 0:
       raise ValueError(f"Hook: every must be an int >= 0 (0: only at the final call); got {self.every!r}.")
     if not isinstance(self.reads_state, bool):
       raise TypeError(f"Hook: reads_state must be True or False; got {self.reads_state!r}.")
