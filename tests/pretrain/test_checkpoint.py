@@ -404,7 +404,7 @@ def test_resume_with_a_changed_state_shape_names_the_changed_settings(data_confi
   config = make_config(data_config, tmp_path, steps=8, recipe="nvfp4")
   save_run(config, steps=(4,))
   wider = config.replace(resume=True, model=dataclasses.replace(config.model, d_ff=2 * config.model.d_ff))
-  with pytest.raises(ckpt.StateMismatchError, match=r"(?s)does not match.*This run changes model from the stored "
+  with pytest.raises(ckpt.StateMismatchError, match=r"(?s)does not match.*This run changes model.d_ff from the stored "
                      r"run's\. A resumed run keeps the stored model's shapes"):
     trainer.train(wider, log=None)
   with_outcontrol = cli.config_from_args(["--out", str(tmp_path), "--resume", "--outcontrol-fraction", "0.1",
