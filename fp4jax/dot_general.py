@@ -475,8 +475,9 @@ def check_layer_shape(k: int, n: int, recipe: recipes_lib.Recipe) -> None:
 def lax_output_dtype(lhs, rhs, dimension_numbers) -> jnp.dtype:
   """The dtype lax.dot_general gives `lhs` and `rhs` without preferred_element_type: their promoted dtype, except
   bfloat16 for float16 with bfloat16 (where jnp.result_type gives float32)."""
-  spec = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
-  return jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers), spec(lhs), spec(rhs)).dtype
+  del dimension_numbers  # the dtype does not depend on them (and lax refuses the negative axes taken here)
+  spec = lambda a: jax.ShapeDtypeStruct((1, 1), jnp.result_type(a))
+  return jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ()))), spec(lhs), spec(rhs)).dtype
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, recipe, key=None,

@@ -171,7 +171,7 @@ def test_cli_samples_a_trained_run_in_its_last_phase(tmp_path, capsys):
   assert cli.main(["sample", "--out", str(out), "--prompt", ""]) == cli.EXIT_USAGE
   assert "The prompt is empty" in capsys.readouterr().err
   assert cli.main(["sample", "--out", str(out), "--temperature", "-1"]) == cli.EXIT_USAGE
-  assert "temperature must be a finite number >= 0" in capsys.readouterr().err
+  assert "temperature (--temperature) must be a finite number >= 0" in capsys.readouterr().err
   assert cli.main(["sample", "--out", str(tmp_path / "none")]) == cli.EXIT_USAGE
   assert "No checkpoints" in capsys.readouterr().err
 
