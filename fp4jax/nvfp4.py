@@ -5,7 +5,8 @@ All arithmetic is float32 and each line is one rounding, in the reference order:
 Variants (selected by `formats.NVFP4` fields), all the same two-level scheme with other constants:
   * `global_range` R = target * bound: the tensor encode scale is R / amax. NVIDIA: 6 * 448.
   * `target`: the element value a block's amax maps to; the block scale is amax_b * S_enc / target.
-  * round_up: the E4M3 block scale rounded up instead of to nearest, so no element ever saturates (unbiased SR).
+  * round_up: the E4M3 block scale rounded up instead of to nearest, so no element saturates (unbiased SR) beyond
+    the float32 rounding of the scale product (`ROUND_UP_SLACK`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from fp4jax import grids
 
 GLOBAL_RANGE = grids.E2M1_MAX * grids.E4M3_MAX  # 2688: the largest value a block can represent at S_enc = 1
 _ONE_SIXTH = np.float32(1.0 / 6.0)  # NumPy, not jnp: importing fp4jax must not start a JAX backend
+# Relative slack of the round-up rule: amax_b * S_enc / 6 carries a few float32 roundings, so a block scale that
+# dequantized values reproduce (re-quantization) lands a few ulps above its E4M3 value; without the slack it would
+# move a whole E4M3 step (~8 %) up and quantize -> dequantize -> quantize would not be idempotent. 2^-21 = 4 ulps.
+ROUND_UP_SLACK = 2.0**-21
 
 
 def global_encode_scale(amax, global_range: float = GLOBAL_RANGE):
@@ -35,7 +40,8 @@ def block_scale(amax_b, s_enc, inv_target=_ONE_SIXTH, round_up: bool = False):
   """s_b = E4M3(amax_b * (S_enc * (1/6))): one RNE rounding of that product, saturating at 448, no lower clamp.
 
   inv_target: float32 1/target (1/6 for NVIDIA's recipe). round_up: round the product up to the next E4M3 value
-  instead (still saturating at 448), so amax_b * S_enc / s_b <= target and no element saturates.
+  instead (still saturating at 448), so amax_b * S_enc / s_b <= target * (1 + ROUND_UP_SLACK): no element
+  saturates by more than float32 rounding (a value that far above 6 rounds to 6 with a bias under 5e-7).
   """
   v = amax_b * (s_enc * jnp.float32(inv_target))
   return round_e4m3_up(v) if round_up else grids.round_e4m3(v, per_block=True)
@@ -48,7 +54,7 @@ def round_e4m3_up(v):
   # upward: a power of two is on the grid). Stepping from r, not from v, avoids a ceil on scaled values.
   quantum = grids.pow2(jnp.maximum(grids.exponent_of(r), grids.E4M3_MIN_EXPONENT) - grids.E4M3_MANTISSA_BITS)
   up = jnp.where(r > 0, r + quantum, jnp.float32(2.0**-9))
-  return jnp.where(r < v, jnp.minimum(up, jnp.float32(grids.E4M3_MAX)), r)
+  return jnp.where(r * jnp.float32(1.0 + ROUND_UP_SLACK) < v, jnp.minimum(up, jnp.float32(grids.E4M3_MAX)), r)
 
 
 def block_encode_scale(s_b, s_enc):

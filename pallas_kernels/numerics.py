@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import grids
+from fp4jax import nvfp4
 
 E4M3_NAN_BITS = 0x7F
 E8M0_NAN_BITS = 0xFF
@@ -133,12 +134,14 @@ def round_e4m3(x):
 
 
 def round_e4m3_up(x):
-  """nvfp4.round_e4m3_up: non-negative float32 onto E4M3 values rounded up (ceil on the grid), saturating at 448,
-  NaN kept. RNE lands at most one E4M3 quantum below x, the quantum of the rounded value's binade."""
+  """nvfp4.round_e4m3_up: non-negative float32 onto E4M3 values rounded up (ceil on the grid, with its 2^-21
+  relative slack), saturating at 448, NaN kept. RNE lands at most one E4M3 quantum below x, the quantum of the
+  rounded value's binade."""
   r = round_e4m3(x)
   quantum = grids.pow2(jnp.maximum(grids.exponent_of(r), grids.E4M3_MIN_EXPONENT) - grids.E4M3_MANTISSA_BITS)
   up = jnp.where(r > 0, r + quantum, jnp.float32(2.0**-9))
-  return jnp.where(r < x, jnp.minimum(up, jnp.float32(grids.E4M3_MAX)), r)  # up is finite: no NaN to keep
+  slack = jnp.float32(1.0 + nvfp4.ROUND_UP_SLACK)
+  return jnp.where(r * slack < x, jnp.minimum(up, jnp.float32(grids.E4M3_MAX)), r)  # up is finite: no NaN to keep
 
 
 def e4m3_bits(v):

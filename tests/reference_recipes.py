@@ -30,9 +30,12 @@ def e4m3_values():
 _E4M3 = e4m3_values()
 
 
-def e4m3_up(v):
-  """Smallest E4M3 value >= v (v >= 0), 448 beyond 448; NaN stays NaN."""
-  v = np.asarray(v, np.float64)
+def e4m3_up(v, slack=2.0**-21):
+  """Smallest E4M3 value r with r * (1 + slack) >= v (v >= 0), 448 beyond 448; NaN stays NaN.
+
+  The slack (4 float32 ulps) is the round-up rule's: a scale product a few roundings above an E4M3 value keeps it.
+  """
+  v = np.asarray(v, np.float64) / (1.0 + slack)
   safe = np.where(np.isnan(v), 0.0, v)
   idx = np.minimum(np.searchsorted(_E4M3, safe, side="left"), len(_E4M3) - 1)
   return np.where(np.isnan(v), np.nan, _E4M3[idx])

@@ -170,6 +170,33 @@ def test_round_up_scale_is_the_next_e4m3_value():
                np.float32)
   got = np.asarray(fp4jax.nvfp4.round_e4m3_up(jnp.asarray(v)), np.float64)
   np.testing.assert_array_equal(got, rref.e4m3_up(np.minimum(v.astype(np.float64), 448.0)))
+  np.testing.assert_array_equal(got[4], 1.125)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_round_up_scale_keeps_a_value_a_few_ulps_above_it(impl):
+  """Up to 2^-21 (4 ulps) above an E4M3 value keeps it; 5 ulps moves to the next one."""
+  from pallas_kernels import numerics
+  fn = fp4jax.nvfp4.round_e4m3_up if impl == "xla" else numerics.round_e4m3_up
+  ulp = 2.0**-23
+  v = np.array([1.0 + ulp, 1.0 + 4 * ulp, 1.0 + 5 * ulp, 48 * (1 + ulp), 384 * (1 + 4 * ulp), 384 * (1 + 5 * ulp),
+                2.0**-9 * (1 + ulp)], np.float32)
+  got = np.asarray(jax.jit(fn)(jnp.asarray(v)), np.float64)
+  np.testing.assert_array_equal(got, [1.0, 1.0, 1.125, 48.0, 384.0, 416.0, 2.0**-9])
+
+
+@pytest.mark.parametrize("kind", ["gauss", "heavy"])
+def test_round_up_scales_requantize_idempotently(kind):
+  """quantize -> dequantize -> quantize gives the same codes and scales under scale_rule="up" (spec: idempotence)."""
+  rng = np.random.default_rng(1)
+  for _ in range(23):  # the 23rd draw of this stream moved 3 of 32 block scales by a whole E4M3 step before the slack
+    x = rng.standard_normal((4, 128)) * np.exp(rng.uniform(-3, 3, (4, 1)))
+  x = (x if kind == "gauss" else x ** 3).astype(np.float32)
+  fmt = fp4jax.NVFP4(scale_rule="up")
+  q1 = fp4jax.quantize(jnp.asarray(x), fmt)
+  q2 = fp4jax.quantize(fp4jax.dequantize(q1), fmt)
+  np.testing.assert_array_equal(np.asarray(q2.scales, np.float32), np.asarray(q1.scales, np.float32))
+  np.testing.assert_array_equal(np.asarray(q2.codes), np.asarray(q1.codes))
 
 
 # ---------------------------------------------------------------- stochastic rounding
