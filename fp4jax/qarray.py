@@ -23,7 +23,8 @@ class QArray:
             FP8: float8_e4m3fn values, unpacked, same shape as the (padded) input.
     scales: block scales. NVFP4 float8_e4m3fn, MXFP4 float8_e8m0fnu, FP8 float32. Shape: the input shape with the
             blocked axis divided by the block size (1D), or the last two axes divided (2D); FP8 "tensor": shape ().
-    amax:   float32 scalar, max |x| over the whole tensor (NVFP4's per-tensor scale is 2688 / amax).
+    amax:   float32 scalar, max |x| over the whole tensor (NVFP4's per-tensor scale is 2688 / amax); with
+            NVFP4(double_block=True) one float32 per 1x128 group instead (the input shape, blocked axis / 128).
   Static metadata: fmt, shape (padded input shape), orig_shape, axis (non-negative), block_2d, dtype (input dtype).
   """
 
@@ -59,12 +60,15 @@ class QArray:
 
   @property
   def nbytes(self) -> int:
-    """Bytes of real storage: packed codes + block scales + the float32 amax (~4.5 bits/element for NVFP4)."""
-    return int(self.codes.size * self.codes.dtype.itemsize + self.scales.size * self.scales.dtype.itemsize + 4)
+    """Bytes of real storage: packed codes + block scales + the float32 amax (~4.5 bits/element for NVFP4; 4.75
+    with double-block scales, whose amax holds one float32 per 128 elements)."""
+    return int(self.codes.size * self.codes.dtype.itemsize + self.scales.size * self.scales.dtype.itemsize
+               + self.amax.size * self.amax.dtype.itemsize)
 
   @property
   def bits_per_element(self) -> float:
-    """Stored bits (codes, scales and amax) per element: 4.5 for NVFP4 1x16 blocks plus the amax."""
+    """Stored bits (codes, scales and amax) per element: 4.5 for NVFP4 1x16 blocks plus the amax (4.75 with
+    double-block scales)."""
     return 8.0 * self.nbytes / self.size
 
   def unpacked_codes(self) -> jax.Array:

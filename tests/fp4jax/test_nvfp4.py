@@ -393,3 +393,10 @@ def test_misspelt_format_names_get_the_closest_one():
     fp4jax.get_format("xyz")
   with pytest.raises(ValueError, match=r"Unknown format 4; expected"):
     fp4jax.get_format(4)
+
+
+def test_double_block_storage_counts_one_float32_amax_per_128_elements():
+  q = fp4jax.quantize(jnp.ones((64, 256), jnp.float32), fp4jax.NVFP4(double_block=True))
+  assert q.amax.shape == (64, 2)
+  assert q.nbytes == 64 * 128 + 64 * 16 + 64 * 2 * 4
+  assert q.bits_per_element == 4.75
