@@ -412,10 +412,12 @@ class Transformer(nnx.Module):
     if t > c.max_seq_len:
       raise ValueError(f"Sequence length {t} exceeds ModelConfig.max_seq_len={c.max_seq_len}.")
     if key is None:
-      needing = [name for name, layer in self.linear_layers().items() if layer.recipe.needs_key]
+      # get_recipe: a layer's recipe may have been assigned as a name after construction (fp4jax.nn.Linear allows it).
+      recipes = {name: fp4jax.recipes.get_recipe(layer.recipe) for name, layer in self.linear_layers().items()}
+      needing = [name for name, recipe in recipes.items() if recipe.needs_key]
       if needing:
         raise ValueError(f"key=None, but {len(needing)} linear layers (e.g. {needing[0]!r}, recipe "
-                         f"{self.linear_layers()[needing[0]].recipe.name!r}) need randomness; pass key=.")
+                         f"{recipes[needing[0]].name!r}) need randomness; pass key=.")
     positions_T = jnp.arange(t, dtype=jnp.int32)
     x_BxTxD = self.embed(tokens_BxT).astype(jnp.float32)
     forward = _block_forward_remat if c.remat else _block_forward

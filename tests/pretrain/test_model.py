@@ -213,6 +213,17 @@ def test_stochastic_rounding_needs_a_key():
   _forward(_model(ONE_LAYER, recipe="nvfp4:stochastic_rounding=false"), _tokens((1, 16)))
 
 
+def test_key_check_reads_a_recipe_assigned_by_name():
+  """fp4jax.nn.Linear takes a recipe name assigned after construction; the model's key check reads it too."""
+  model = _model(ONE_LAYER)
+  layer = next(iter(model.linear_layers().values()))
+  layer.recipe = "bf16"
+  assert _forward(model, _tokens((1, 16))).shape[:2] == (1, 16)
+  layer.recipe = "nvfp4"
+  with pytest.raises(ValueError, match="recipe 'nvfp4'.*need randomness"):
+    _forward(model, _tokens((1, 16)))
+
+
 def test_deterministic_per_key_with_stochastic_rounding():
   model = _model(ONE_LAYER, recipe=fp4jax.recipes.nvfp4())
   tokens = _tokens((2, 33))
