@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -37,6 +38,12 @@ class OptimizerConfig:
       if not ok:
         raise ValueError(f"OptimizerConfig: {message}")
 
+    for name in ("lr", "min_lr_ratio", "warmup_fraction", "decay_fraction", "b1", "b2", "eps", "weight_decay",
+                 "grad_clip"):  # a string or None would fail below with a bare TypeError
+      value = getattr(self, name)
+      need(isinstance(value, numbers.Real) and not isinstance(value, bool),
+           f"{name} must be a number; got {value!r} ({type(value).__name__}).")
+    need(isinstance(self.decay_shape, str), f"decay_shape must be a str; got {self.decay_shape!r}.")
     for name in ("lr", "eps", "weight_decay", "grad_clip"):  # inf: eps=inf freezes every weight without a word
       need(math.isfinite(getattr(self, name)), f"{name} must be finite; got {getattr(self, name)!r}"
            + (" (0 turns clipping off)." if name == "grad_clip" else "."))

@@ -3,6 +3,7 @@ the recipe string parsed once per CLI run."""
 
 import json
 
+import numpy as np
 import pytest
 
 import fp4jax.recipes
@@ -29,6 +30,12 @@ def test_flat_options_land_in_their_groups():
   for name in ("lr", "eps", "weight_decay", "grad_clip"):  # eps=inf trained with every Adam update 0
     with pytest.raises(ValueError, match=f"OptimizerConfig: {name} must be finite; got inf"):
       config.replace(**{name: float("inf")})
+  for name, value in (("lr", "1e-3"), ("warmup_fraction", None), ("b1", "0.9"), ("grad_clip", True)):
+    with pytest.raises(ValueError, match=f"OptimizerConfig: {name} must be a number; got {value!r}"):
+      config.replace(**{name: value})
+  assert optimizer_lib.OptimizerConfig(lr=np.float32(1e-3), b2=1).lr == np.float32(1e-3)
+  with pytest.raises(ValueError, match="decay_shape must be a str; got 1"):
+    config.replace(decay_shape=1)
   with pytest.raises(ValueError, match="exceeds the model's 3 blocks"):
     config.replace(bf16_last=4)
 
