@@ -33,7 +33,7 @@ def test_flat_options_land_in_their_groups():
   for name, value in (("lr", "1e-3"), ("warmup_fraction", None), ("b1", "0.9"), ("grad_clip", True)):
     with pytest.raises(ValueError, match=f"OptimizerConfig: {name} must be a number; got {value!r}"):
       config.replace(**{name: value})
-  assert optimizer_lib.OptimizerConfig(lr=np.float32(1e-3), b2=1).lr == np.float32(1e-3)
+  assert optimizer_lib.OptimizerConfig(lr=np.float32(1e-3), grad_clip=1).lr == np.float32(1e-3)
   with pytest.raises(ValueError, match="decay_shape must be a str; got 1"):
     config.replace(decay_shape=1)
   with pytest.raises(ValueError, match="exceeds the model's 3 blocks"):
