@@ -5,7 +5,9 @@
                  -> fp4jax.QArray
       bit-identical to fp4jax.quantize(x, fmt, ...) (after fp4jax.random_hadamard when rht_size is set), for
       fmt = fp4jax.NVFP4() (the default) and its scale_rule="up", "4over6", "eden", headroom and double_block
-      variants.
+      variants. Exceptions (pallas_kernels/quantize.py says more): a tensor whose largest magnitude is a float32
+      subnormal keeps it as amax where XLA:CPU's gives 0 (codes, scales and values agree), and with an RHT of a
+      size other than 4 and 16, or compiled, the transform's float32 sums may differ from XLA's in the last bit.
   fp4_matmul(a, b, *, contract=(1, 0), interpret=None, tiles=None, split_k=None, use_blackwell=None,
              num_warps=None, num_stages=None) -> float32 [M, N]
       dequantize(a) . dequantize(b) for NVFP4/MXFP4 QArrays (NVFP4 double-block too: one K step per 1x128

@@ -346,7 +346,8 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
     interpret: None = interpret mode on CPU, compiled on GPU (RuntimeError if the GPU cannot run the kernels).
     tiles: (BM, BN, BK) powers of two (BM, BN >= 16, BK >= 32 and a multiple of the block sizes; BK = 128 with a
       double-block operand); None picks.
-    split_k: number of K splits (>= 1; partial products summed in float32); None picks (1 in interpret mode).
+    split_k: number of K splits (any int >= 1; partial products summed in float32); None picks (a power of two;
+      1 in interpret mode).
     num_warps, num_stages: Triton launch parameters; None picks (8 warps on >= 128x128 tiles, 3 stages).
     use_blackwell: None = native block-scaled MMA (jax.nn.scaled_matmul) when the GPU has compute capability
       >= 10 and both operands are NVFP4 with 1D blocks and no 1x128 group scales; False = always the Pallas kernel.
@@ -372,7 +373,10 @@ def fp4_matmul(a: QArray, b: QArray, *, contract: tuple[int, int] = (1, 0), inte
     out = gemm_lib.scale_output(blackwell_matmul(a, b, op_a, op_b), _global_scale(a), _global_scale(b))
     return out[:m_out, :n_out]
 
-  bm, bn, bk = tiles or default_tiles(m, n, k, interpret)
+  if tiles is not None and not (isinstance(tiles, (tuple, list)) and len(tiles) == 3 and all(
+      isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tiles)):
+    raise ValueError(f"fp4_matmul: tiles must be None or (BM, BN, BK), three int powers of two; got {tiles!r}.")
+  bm, bn, bk = (int(t) for t in tiles) if tiles is not None else default_tiles(m, n, k, interpret)
   if grouped and tiles is None:
     bk = gemm_lib.GROUP
   if grouped and bk != gemm_lib.GROUP:

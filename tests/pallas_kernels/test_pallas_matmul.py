@@ -241,7 +241,11 @@ def test_bad_operands_raise():
     call(a, b, contract=(1,))
   with pytest.raises(ValueError, match="split_k must be a positive int"):
     call(a, b, split_k=0)
+  for tiles in ((16, 16), (16.0, 16, 32), (16, True, 32), 16):  # were unpacking and operator TypeErrors
+    with pytest.raises(ValueError, match=r"tiles must be None or \(BM, BN, BK\)"):
+      call(a, b, tiles=tiles)
   assert call(a, b).shape == (16, 16) and call(a, b, split_k=np.int64(1)).shape == (16, 16)
+  assert call(a, b, tiles=[16, np.int64(16), 32]).shape == (16, 16)
 
 
 def test_scale_rules_beyond_nvidias():
