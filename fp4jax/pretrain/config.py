@@ -319,6 +319,11 @@ def field_flags() -> dict[str, str]:
   return flags
 
 
+def group_keys(group: str) -> frozenset[str]:
+  """Flat option names of one group's fields ("evaluation" -> eval_every, eval_batches, stats_every, ...)."""
+  return frozenset(flat_key(f) for f in dataclasses.fields(_NESTED_TYPES[group]))
+
+
 @functools.cache
 def result_free_keys() -> frozenset[str]:
   """Flat option names of the fields marked `result_free` (out, progress, log_every, checkpoint cadence, ...)."""

@@ -258,6 +258,25 @@ def _windows_note(stored: TrainConfig, config: TrainConfig, start: int) -> str |
           f"{start} on val_loss is measured on other windows: not comparable with the val_loss logged before.")
 
 
+def _changes_notes(stored_dict: dict, config: TrainConfig, *, schedule_said: bool) -> list[str]:
+  """What a resume says about settings that changed since the checkpoint: those that change training, and apart,
+  the validation and statistics settings (their own PRNG streams: training runs the same, only those records do
+  not)."""
+  changed = config_lib.result_differences(stored_dict, config.to_dict())
+  if schedule_said:  # the schedule note has said what these do
+    changed = [c for c in changed if c not in ("steps", "warmup_fraction", "decay_fraction", "switch_at")]
+  evaluation = config_lib.group_keys("evaluation")
+  recorded = [c for c in changed if c in evaluation]
+  trained = [c for c in changed if c not in evaluation]
+  notes = []
+  if trained:
+    notes.append(f"Note: resuming with changed settings {trained}; the run will differ from an uninterrupted one.")
+  if recorded:
+    notes.append(f"Note: resuming with changed validation settings {recorded}: training runs as it would have; the "
+                 "val_loss and statistics records follow the new settings.")
+  return notes
+
+
 def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, TrainState]:
   resume_step = config.checkpointing.resume_step
   if resume_step is not None and resume_step > config.steps:
@@ -294,11 +313,8 @@ def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, 
     # lives, is no change of the run.
     same = {"corpus": config.data.corpus, "cache_dir": config.data.cache_dir}
     stored_dict = {**stored_dict, "data": {**stored_dict["data"], **same}}
-  changed = config_lib.result_differences(stored_dict, config.to_dict())
-  if schedule:  # the schedule note has said what these do
-    changed = [c for c in changed if c not in ("steps", "warmup_fraction", "decay_fraction", "switch_at")]
-  if changed:
-    log(f"Note: resuming with changed settings {changed}; the run will differ from an uninterrupted one.")
+  for line in _changes_notes(stored_dict, config, schedule_said=bool(schedule)):
+    log(line)
   note = _windows_note(stored, config, start)
   if note:
     log(note)

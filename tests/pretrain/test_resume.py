@@ -244,6 +244,22 @@ def test_schedule_note_says_what_a_new_steps_does():
   assert "the learning-rate schedule and the BF16 switch are recomputed for 200 steps" in switched
 
 
+def test_changed_validation_settings_are_not_said_to_change_the_run():
+  """Another --eval-every / --eval-batches / --stats-every was said to make the run differ from an uninterrupted
+  one; validation and statistics have their own PRNG streams, so only their records change."""
+  stored = TrainConfig.from_options(steps=100, eval_every=10, eval_batches=1)
+  notes = trainer._changes_notes(stored.to_dict(), stored.replace(eval_every=5, eval_batches=2, stats_every=5),
+                                 schedule_said=False)
+  assert len(notes) == 1 and "changed validation settings ['eval_batches', 'eval_every', 'stats_every']" in notes[0]
+  assert "training runs as it would have" in notes[0]
+  notes = trainer._changes_notes(stored.to_dict(), stored.replace(eval_every=5, weight_decay=0.0),
+                                 schedule_said=False)
+  assert notes[0] == ("Note: resuming with changed settings ['weight_decay']; the run will differ from an "
+                      "uninterrupted one.")
+  assert "['eval_every']" in notes[1]
+  assert trainer._changes_notes(stored.to_dict(), stored.replace(progress=False), schedule_said=False) == []
+
+
 def test_schedule_note_only_for_settings_the_schedule_reads():
   """A new --weight-decay (or beta, eps, clip) once read as "the learning-rate schedule is recomputed ... this run
   equals a fresh 100-step run", which it does not; the changed-settings note covers it instead."""
