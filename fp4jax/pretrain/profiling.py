@@ -45,6 +45,15 @@ class StepProfiler:
     self.active = False
     self.traced: list[int] = []
 
+  def start_note(self, start: int) -> str | None:
+    """What a run starting at step `start` (a resume) says when it misses all or part of the window."""
+    if self.window is None or start <= self.window[0]:
+      return None
+    a, b = self.window
+    if start >= b:
+      return f"Note: --profile {a}:{b} lies before this run's first step {start}: nothing is traced."
+    return f"Note: --profile {a}:{b} starts before this run's first step {start}: steps {start}..{b - 1} are traced."
+
   def before(self, step: int) -> None:
     if self.window is not None and not self.active and self.window[0] <= step < self.window[1]:
       trace_dir(self.out).mkdir(parents=True, exist_ok=True)

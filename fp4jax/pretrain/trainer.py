@@ -425,6 +425,8 @@ class _Loop:
     metrics_file = metrics_lib.MetricsLog(self.out) if main else contextlib.nullcontext(_NO_METRICS)
     # Every process traces its own devices (profiling.trace_dir); the main one says where.
     profiler = profiling.StepProfiler(config.logging.profile_window, self.out, self.log if main else lambda _: None)
+    if main and profiler.start_note(self.start):
+      self.log(profiler.start_note(self.start))
     with metrics_file as metrics_log, _sigint_flag() as interrupted, bar, profiler:
 
       def write_metrics(info: StepInfo):

@@ -53,6 +53,20 @@ def test_trace_holds_the_window_steps_only(env, tmp_path):
   folder = tmp_path / "run" / profiling.PROFILE_DIR
   assert _traced_step_runs(folder) == 2
   assert any("Profile of steps 1..2" in line for line in logged)
+  # A resume past the window traced nothing without a word.
+  logged = []
+  trainer.train(config.replace(steps=5, resume=True), log=logged.append, compile_cache=env["cache"])
+  assert any("--profile 1:3 lies before this run's first step 4: nothing is traced" in line for line in logged)
+  assert len(list(folder.glob("plugins/profile/*/*.trace.json.gz"))) == 1
+
+
+def test_a_run_starting_inside_or_after_the_window_says_what_it_traces(tmp_path):
+  profiler = profiling.StepProfiler((2, 5), tmp_path)
+  assert profiler.start_note(0) is None and profiler.start_note(2) is None
+  assert profiler.start_note(3) == ("Note: --profile 2:5 starts before this run's first step 3: steps 3..4 are "
+                                    "traced.")
+  assert "nothing is traced" in profiler.start_note(5)
+  assert profiling.StepProfiler(None, tmp_path).start_note(7) is None
 
 
 @pytest.mark.slow
