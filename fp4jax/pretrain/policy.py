@@ -178,7 +178,9 @@ class PrecisionPolicy:
     if self.switch_at is None:
       lines.append("Switch: none")
     else:
-      when = f"{self.switch_at:.0%} of the run" if isinstance(self.switch_at, float) else f"step {self.switch_at}"
+      # As given (.6g): a rounded percentage could disagree with the step it resolves to (0.825 -> "82%", step 165).
+      when = (f"{self.switch_at * 100:.6g}% of the run" if isinstance(self.switch_at, float)
+              else f"step {self.switch_at}")
       if isinstance(self.switch_at, float) and total_steps is not None:
         when += f" (step {self.switch_step(total_steps)} of {total_steps})"
       what = "forward (Fprop) to BF16" if self.switch == "forward" else "all GEMMs to BF16"

@@ -194,6 +194,9 @@ def test_describe_mentions_blocks_switch_and_recipe():
   assert "82%" in text and "all GEMMs" in text and "(step" not in text
   assert NVFP4.table() in text
   assert "Switch: at 82% of the run (step 820 of 1000), all GEMMs" in policy.describe(62, total_steps=1000)
+  for at, said in ((0.825, "82.5% of the run (step 165 of 200)"), (0.004, "0.4% of the run (step 1 of 200)"),
+                   (0.996, "99.6% of the run (step 199 of 200)")):  # were "82%", "0%" and "100%"
+    assert f"Switch: at {said}" in PrecisionPolicy(switch_at=at).describe(4, total_steps=200)
 
 
 def test_recipe_stored_before_sr_bits_existed_resumes_with_threefry():
