@@ -115,7 +115,8 @@ class CheckpointConfig:
       raise ValueError("CheckpointConfig: data_changed only applies with resume=True (it allows resuming on other "
                        "data than the checkpoint's).")
     if self.overwrite and self.resume:
-      raise ValueError("CheckpointConfig: overwrite and resume exclude each other.")
+      raise ValueError("CheckpointConfig: overwrite and resume (--overwrite, --resume) exclude each other: "
+                       "--resume continues the run in --out, --overwrite replaces it.")
 
 
 @dataclasses.dataclass(frozen=True)

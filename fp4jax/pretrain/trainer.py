@@ -620,7 +620,7 @@ def eval_setup(out: str | pathlib.Path, step: int | None = None, *, eval_batches
     eval_batches = config_lib.EvalConfig().batches  # the run itself did not validate
   if eval_batches is not None:
     if eval_batches < 1:
-      raise ValueError(f"eval_batches must be >= 1 to evaluate; got {eval_batches}.")
+      raise ValueError(f"eval_batches (--eval-batches) must be >= 1 to evaluate; got {eval_batches}.")
     config = config.replace(eval_batches=eval_batches)
   dataset, val = load_data(config)
   note = resume_lib.eval_data_note(meta.get("data"), dataset.identity, step, named, stored_corpus)

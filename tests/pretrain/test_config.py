@@ -34,6 +34,8 @@ def test_flat_options_land_in_their_groups():
     with pytest.raises(ValueError, match=f"OptimizerConfig: {name} must be a number; got {value!r}"):
       config.replace(**{name: value})
   assert optimizer_lib.OptimizerConfig(lr=np.float32(1e-3), grad_clip=1).lr == np.float32(1e-3)
+  with pytest.raises(ValueError, match=r"overwrite and resume \(--overwrite, --resume\) exclude each other"):
+    config.replace(overwrite=True, resume=True)
   with pytest.raises(ValueError, match="decay_shape must be a str; got 1"):
     config.replace(decay_shape=1)
   with pytest.raises(ValueError, match="exceeds the model's 3 blocks"):

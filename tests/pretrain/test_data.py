@@ -321,9 +321,11 @@ def test_corpus_errors(tmp_path):
 
 
 def test_config_errors(text_folder, tmp_path):
-  for bad in (dict(tokenizer="words"), dict(vocab_size=512), dict(val_fraction=1.0),
-              dict(tokenizer="bpe", vocab_size=256)):
-    with pytest.raises(ValueError):
+  """Each message names the option that sets the field."""
+  for bad, flag in ((dict(tokenizer="words"), "--data.tokenizer"), (dict(vocab_size=512), "--data.vocab_size"),
+                    (dict(val_fraction=1.0), "--data.val_fraction"),
+                    (dict(tokenizer="bpe", vocab_size=256), "--data.vocab_size")):
+    with pytest.raises(ValueError, match=f"\\({flag}\\)"):
       data.load_dataset(data.DataConfig(corpus=str(text_folder), cache_dir=str(tmp_path), **bad))
 
 

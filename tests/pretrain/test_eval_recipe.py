@@ -87,6 +87,8 @@ def test_own_recipe_reproduces_the_run_and_bf16_is_the_weights_unquantized(train
   assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_loss"] == bf16["val_loss"]
   assert cli.main(["eval", "--out", out, "--recipe", "nvpf4"]) == cli.EXIT_USAGE
   assert "did you mean 'nvfp4'" in capsys.readouterr().err
+  assert cli.main(["eval", "--out", out, "--eval-batches", "0"]) == cli.EXIT_USAGE
+  assert "eval_batches (--eval-batches) must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
