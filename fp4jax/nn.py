@@ -187,6 +187,9 @@ def _layer_shape(module) -> tuple[int, int] | None:
 def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = None) -> model_quantize.Report:
   """Runs the GEMMs of `model`'s nnx.Linear / LinearGeneral / Einsum layers under recipes chosen by path rules.
 
+  fp4jax.nn.Linear layers carry their own `recipe` attribute: a quantizing rule that matches one is refused (set
+  its recipe instead); an unquantized rule leaves them as they are.
+
   Args:
     model: any NNX model; edited in place (each quantized layer's `dot_general` / `einsum_op` becomes a
       QuantizedDotGeneral / QuantizedEinsum holding its own "quant" stream). Parameters are untouched.
@@ -210,14 +213,24 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
   rules = model_quantize.compile_rules(rules)
   if rngs is not None and not isinstance(rngs, nnx.Rngs):
     rngs = nnx.Rngs(quant=rngs)  # a seed or a key
-  layers, plan = [], []
+  layers, plan, own_recipe = [], [], []
   for parts, module in nnx.iter_modules(model):
+    if isinstance(module, Linear):  # fp4jax's own layer: its recipe is an attribute, not an injected dot_general
+      i = model_quantize.first_match(rules, model_quantize.path_name(parts))
+      if i is not None and rules[i].quantizes:
+        own_recipe.append(model_quantize.shown(model_quantize.path_name(parts)))
+      continue
     if not isinstance(module, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)):
       continue
     path = model_quantize.path_name(parts)
     i = model_quantize.first_match(rules, path)
     layers.append(model_quantize.Layer(path, type(module).__name__, i))
     plan.append((module, path, rules[i] if i is not None else None))
+  if own_recipe:
+    raise ValueError(f"quantize_model: a rule quantizes {own_recipe[:3]}{'...' if len(own_recipe) > 3 else ''}, "
+                     "which are fp4jax.nn.Linear layers: they run their own `recipe` attribute (set it, e.g. "
+                     "layer.recipe = fp4jax.recipes.nvfp4()); quantize_model edits flax's nnx.Linear / "
+                     "LinearGeneral / Einsum layers. Narrow the rules so they match none of them.")
   needs_key = [model_quantize.shown(path) for module, path, rule in plan
                if rule is not None and rule.quantizes and rule.recipe.needs_key and _stream_of(module) is None]
   if needs_key and (rngs is None or "quant" not in rngs):

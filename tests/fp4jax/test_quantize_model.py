@@ -101,6 +101,21 @@ def test_report_lists_layers_rules_and_unused_rules():
   assert "head" in text and "left alone" in text
 
 
+def test_a_rule_quantizing_an_fp4jax_linear_is_refused():
+  """fp4jax.nn.Linear layers were skipped without a word ("0 of 0 linear layers quantized"): the model stayed BF16."""
+  class Mixed(nnx.Module):
+    def __init__(self):
+      self.a = fp4jax.nn.Linear(32, 32, rngs=nnx.Rngs(0))
+      self.b = nnx.Linear(32, 32, rngs=nnx.Rngs(1))
+
+  model = Mixed()
+  with pytest.raises(ValueError, match=r"quantizes \['a'\], which are fp4jax.nn.Linear layers: .*layer.recipe ="):
+    fp4jax.quantize_model(model, [(".*", "nvfp4:stochastic_rounding=false")])
+  assert model.a.recipe.name == "bf16" and not isinstance(model.b.dot_general, fp4jax.nn.QuantizedDotGeneral)
+  report = fp4jax.quantize_model(model, [("b", "nvfp4:stochastic_rounding=false"), (".*", None)])
+  assert list(report.quantized) == ["b"] and model.a.recipe.name == "bf16"
+
+
 def test_quantized_forward_equals_fp4jax_dot_general_on_the_layer_inputs():
   """The injected model's logits equal a twin whose layers call fp4jax.dot_general themselves, bit for bit.
   (NVFP4's forward GEMM uses no randomness, so the twin's fixed key changes nothing.)"""
