@@ -85,6 +85,13 @@ class QuantizedModel:
 
   def _intercept(self, next_fun, args, kwargs, context):
     module = context.module
+    if context.method_name == "__call__" and isinstance(module, Dense):  # fp4jax's own: its recipe is a field
+      path = model_quantize.path_name(module.scope.path)
+      i = model_quantize.first_match(self.rules, path)
+      if i is not None and self.rules[i].quantizes:
+        raise ValueError(f"quantize_model: a rule quantizes {model_quantize.shown(path)!r}, an fp4jax.linen.Dense: "
+                         "it runs its own `recipe` field (set it, Dense(..., recipe=...)); quantize_model edits "
+                         "flax's nn.Dense / DenseGeneral layers. Narrow the rules so they match none of them.")
     if context.method_name != "__call__" or not isinstance(module, (nn.Dense, nn.DenseGeneral)):
       return next_fun(*args, **kwargs)
     path = model_quantize.path_name(module.scope.path)
@@ -126,7 +133,8 @@ def quantize_model(model: nn.Module, rules, *, rngs=None) -> QuantizedModel:
   """`model` with the GEMMs of its Dense / DenseGeneral layers quantized by ordered (regex, recipe) path rules.
 
   Paths are the layers' scope names joined by dots ("Block_0.Dense_1"); the first fully matching rule wins; a None
-  or "bf16" recipe leaves a layer alone. DenseGeneral with batch_dims is refused when a quantized rule matches it.
+  or "bf16" recipe leaves a layer alone. fp4jax.linen.Dense layers run their own `recipe` field: a quantizing rule
+  that matches one is refused when the model runs. DenseGeneral with batch_dims is refused when a quantized rule matches it.
   `rngs` is NNX's argument, refused here: Linen takes the SR keys per step, `apply(..., rngs={"quant": key})`.
   """
   if not isinstance(model, nn.Module):

@@ -332,6 +332,19 @@ def test_linen_refusals_name_the_layer():
     qcustom.apply(qcustom.init(jax.random.key(0), X_LINEN), X_LINEN)
 
 
+  class Mixed(linen.Module):  # fp4jax.linen.Dense was skipped without a word: the model stayed BF16
+    @linen.compact
+    def __call__(self, x):
+      return linen.Dense(D, name="plain")(fp4jax.linen.Dense(D, name="ours")(x))
+
+  rules = [("ours", "nvfp4:stochastic_rounding=false")]
+  with pytest.raises(ValueError, match="quantizes 'ours', an fp4jax.linen.Dense: it runs its own `recipe` field"):
+    fp4jax.quantize_model(Mixed(), rules).init(jax.random.key(0), X_LINEN)
+  mixed = fp4jax.quantize_model(Mixed(), [("plain", "nvfp4:stochastic_rounding=false"), (".*", None)])
+  assert mixed.apply(mixed.init(jax.random.key(0), X_LINEN), X_LINEN).shape[-1] == D
+  assert list(mixed.report.quantized) == ["plain"]
+
+
 @pytest.mark.parametrize("rules, match", [
     ("nvfp4", r"got the string 'nvfp4'\. For every layer: \[\('\.\*', 'nvfp4'\)\]"),
     (fp4jax.recipes.nvfp4(), r"\(for every layer: \[\('\.\*', recipe\)\]\); got Recipe"),
