@@ -23,7 +23,12 @@ from fp4jax import recipes as recipes_lib
 
 
 class Dense(nn.Module):
-  """y = x W (+ b) with W [in, features] and GEMMs quantized by `recipe`; SR keys from `self.make_rng("quant")`."""
+  """y = x W (+ b) with W [in, features] and GEMMs quantized by `recipe`; SR keys from `self.make_rng("quant")`.
+
+  Defaults differ from nn.Dense's, as fp4jax.nn.Linear's from nnx.Linear's: no bias, bfloat16 compute (dtype=None
+  infers it as nn.Dense does), recipe None = "bf16". nn.Dense's precision, bias_init, dot_general and
+  preferred_element_type are not taken: the recipe decides the GEMM. Errors name the layer's scope path.
+  """
 
   features: int
   recipe: Any = None
@@ -42,8 +47,13 @@ class Dense(nn.Module):
     x = x.astype(dtype)
     kernel = kernel if recipe.is_quantized else kernel.astype(dtype)
     out_dtype = jnp.float32 if recipe.is_quantized else gemm.unquantized_output_dtype(recipe, dtype)
-    y = dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), recipe=recipe, key=key,
-                    preferred_element_type=out_dtype)
+    try:  # the error names this layer: a model has many
+      y = dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), recipe=recipe, key=key,
+                      preferred_element_type=out_dtype)
+    except ValueError as e:
+      where = ".".join(map(str, self.scope.path)) or self.name or "Dense"
+      raise ValueError(f"fp4jax.linen.Dense {where!r} ({x.shape[-1]} -> {self.features}, recipe "
+                       f"{recipe.name!r}): {e}") from None
     # cast_output: its transpose hands the backward rule dY as the bfloat16 values it is (see its docstring).
     y = cast_output(y, jnp.dtype(dtype)) if recipe.is_quantized else y.astype(dtype)
     if self.use_bias:

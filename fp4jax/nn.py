@@ -42,6 +42,10 @@ class Linear(nnx.Module):
                kernel_init=default_kernel_init, rngs: nnx.Rngs):
     self.in_features, self.out_features = in_features, out_features
     self.recipe = recipes_lib.get_recipe(recipe if recipe is not None else "bf16")
+    try:  # at construction, not at the first call: a model with a layer its recipe cannot run fails where it is built
+      check_layer_shape(in_features, out_features, self.recipe)
+    except ValueError as e:
+      raise ValueError(f"{self._label()}: {e}") from None
     self.dtype, self.param_dtype = dtype, param_dtype
     self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
     # The bias draws a params key it does not need, as nnx.Linear's bias_init does, so that later layers built from
@@ -52,6 +56,11 @@ class Linear(nnx.Module):
     self.quant_rngs = rngs["quant"].fork() if "quant" in rngs else nnx.data(None)
     self.outliers = nnx.data(None)
     self.record_inputs = False
+
+  def _label(self, recipe=None) -> str:
+    recipe = recipe if recipe is not None else self.recipe
+    name = recipes_lib.get_recipe(recipe).name
+    return f"fp4jax.nn.Linear({self.in_features}, {self.out_features}, recipe={name!r})"
 
   def __call__(self, x_xK, *, key=None, out_sharding=None):
     if x_xK.shape[-1] != self.in_features:
@@ -70,13 +79,16 @@ class Linear(nnx.Module):
     # Quantized recipes quantize the float32 master weight directly, so the weight gradient stays float32.
     kernel = self.kernel[...] if recipe.is_quantized else self.kernel[...].astype(dtype)
     dims = (((x_xK.ndim - 1,), (0,)), ((), ()))
-    if self.outliers is not None and recipe.is_quantized:  # a layer in BF16 (the late switch) ignores them
-      y = outcontrol.dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=jnp.float32,
-                                 outliers=self.outliers, out_sharding=out_sharding)
-    else:
-      out_dtype = jnp.float32 if recipe.is_quantized else gemm.unquantized_output_dtype(recipe, dtype)
-      y = dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=out_dtype,
-                      out_sharding=out_sharding)
+    try:  # the error names this layer: a model has many
+      if self.outliers is not None and recipe.is_quantized:  # a layer in BF16 (the late switch) ignores them
+        y = outcontrol.dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=jnp.float32,
+                                   outliers=self.outliers, out_sharding=out_sharding)
+      else:
+        out_dtype = jnp.float32 if recipe.is_quantized else gemm.unquantized_output_dtype(recipe, dtype)
+        y = dot_general(x_xK, kernel, dims, recipe=recipe, key=key, preferred_element_type=out_dtype,
+                        out_sharding=out_sharding)
+    except ValueError as e:
+      raise ValueError(f"{self._label(recipe)}: {e}") from None
     # cast_output: its transpose hands the backward rule dY as the bfloat16 values it is (see its docstring).
     y = cast_output(y, jnp.dtype(dtype)) if recipe.is_quantized else y.astype(dtype)
     if self.bias is not None:

@@ -116,6 +116,24 @@ def test_linen_sr_recipe_needs_quant_rng():
     LinenMLP("nvfp4").apply({"params": _linen_params(x)}, x)
 
 
+def test_layer_errors_name_the_layer():
+  """A shape or dtype error inside a model named no layer; the NNX layer now refuses its shape when built."""
+  with pytest.raises(ValueError, match=r"fp4jax.nn.Linear\(32, 24, recipe='nvfp4'\): fprop rhs: nvfp4 blocks of 16 "
+                                       "need N divisible by 16"):
+    fp4jax.nn.Linear(32, 24, recipe="nvfp4", rngs=nnx.Rngs(0))
+  layer = fp4jax.nn.Linear(32, 32, recipe="nvfp4:stochastic_rounding=false", dtype=jnp.int8, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"fp4jax.nn.Linear\(32, 32, recipe='nvfp4-sr'\): quantize supports float32"):
+    layer(jnp.ones((4, 32)))
+
+  class Two(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+      return fp4jax.linen.Dense(24, recipe="nvfp4", name="proj")(fp4jax.linen.Dense(32, recipe="nvfp4")(x))
+
+  with pytest.raises(ValueError, match=r"fp4jax.linen.Dense 'proj' \(32 -> 24, recipe 'nvfp4'\): fprop rhs"):
+    Two().init({"params": jax.random.key(0), "quant": jax.random.key(1)}, jnp.ones((4, 32)))
+
+
 class _ScannedDense(linen.Module):
   """One fp4jax.linen.Dense per scan step, each on the same input (equal layers see equal GEMMs but for SR)."""
 
