@@ -264,9 +264,11 @@ class Recipe:
 def bf16(*, sr_bits: str = "hash", gemm_mode: str = "auto") -> Recipe:
   """No quantization: every GEMM is a plain dot_general in the compute dtype.
 
-  sr_bits, gemm_mode: kept on the Recipe like every preset's (nothing is rounded or quantized, so they change nothing).
+  gemm_mode: the backward's operands (fp4jax.gemm.unquantized_output_dtype): "bf16" multiplies bfloat16 dY, "f32"
+  float32 dY, "auto" the first on accelerators and the second on CPUs; a mode other than "auto" is in the name
+  ("bf16-gemm:f32"), as for every preset. sr_bits: kept like every preset's (nothing is rounded: it changes nothing).
   """
-  return Recipe(name="bf16", sr_bits=sr_bits, gemm_mode=gemm_mode)
+  return Recipe(name="bf16" + recipe_names.gemm_tag(gemm_mode), sr_bits=sr_bits, gemm_mode=gemm_mode)
 
 
 def _fp4_recipe(name, fmt, *, rht, rht_size, stochastic_rounding, weight_2d, rht_on, random_signs, random_bits,

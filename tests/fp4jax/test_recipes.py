@@ -171,7 +171,8 @@ def test_names_tell_apart_recipes_that_differ():
   """Logs and reports label runs by recipe name: two different recipes never share one."""
   named = [recipes.mxfp4(), recipes.mxfp4(scale_rule="floor"), recipes.fp8(), recipes.fp8(scaling="tensor"),
            recipes.fp8(block_size=32), recipes.nvfp4(), recipes.nvfp4().replace(rht_size=4),
-           recipes.nvfp4().replace(gemm_mode="f32"), recipes.nvfp4().replace(random_bits=8)]
+           recipes.nvfp4().replace(gemm_mode="f32"), recipes.nvfp4().replace(random_bits=8),
+           recipes.bf16(), recipes.bf16(gemm_mode="f32"), recipes.bf16(gemm_mode="bf16")]
   assert len({r.name for r in named}) == len({r for r in named}) == len(named)
   assert recipes.mxfp4(scale_rule="floor").name == "mxfp4+floor"
   assert recipes.fp8(scaling="tensor").name == "fp8-tensor" and recipes.fp8(block_size=32).name == "fp8-b32"
@@ -179,6 +180,9 @@ def test_names_tell_apart_recipes_that_differ():
   # A GEMM mode is tagged as the presets tag it, replacing the old tag; an explicit name wins; no change, no tag.
   assert recipes.nvfp4().replace(gemm_mode="f32") == recipes.nvfp4(gemm_mode="f32")
   assert recipes.nvfp4(gemm_mode="bf16").replace(gemm_mode="f32").name == "nvfp4-gemm:f32"
+  # bf16's mode picks its backward's operand dtype (bf16 or float32 dY): named like the others' (was plain "bf16").
+  assert recipes.get_recipe("bf16:gemm_mode=f32") == recipes.bf16().replace(gemm_mode="f32")
+  assert recipes.bf16(gemm_mode="f32").name == "bf16-gemm:f32" and recipes.bf16(sr_bits="threefry").name == "bf16"
   assert recipes.nvfp4().replace(rht_size=4, name="mine").name == "mine"
   assert recipes.nvfp4().replace(rht_size=16) == recipes.nvfp4()
 
