@@ -13,6 +13,7 @@ recompiles once per `phase`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterable, Sequence
 
@@ -78,7 +79,9 @@ class PrecisionPolicy:
     if s is not None:
       if isinstance(s, float):
         if not 0.0 < s < 1.0:
-          raise ValueError(f"PrecisionPolicy.switch_at as a fraction must lie in (0, 1); got {s!r}.")
+          step = (f" For step {int(s)}, write the int {int(s)}." if s >= 1 and math.isfinite(s) and s == int(s)
+                  else "")
+          raise ValueError(f"PrecisionPolicy.switch_at as a fraction must lie in (0, 1); got {s!r}.{step}")
       elif not _is_int(s) or s < 0:
         raise ValueError(f"PrecisionPolicy.switch_at must be None, a float in (0, 1) or an int step >= 0; got {s!r}.")
     if self.switch not in SWITCH_MODES:

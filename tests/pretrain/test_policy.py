@@ -117,7 +117,9 @@ def test_switch_errors():
     (dict(blocks=(1, -2)), "blocks"),
     (dict(blocks="1,2"), "blocks"),
     (dict(pattern="blocks.(0"), "not a valid regex"),
-    (dict(switch_at=1.0), "switch_at"),
+    (dict(switch_at=1.0), r"switch_at as a fraction must lie in \(0, 1\); got 1.0. For step 1, write the int 1."),
+    (dict(switch_at=100.0), "For step 100, write the int 100"),  # --switch-at 1e2 parses to a float
+    (dict(switch_at=2.5), r"got 2.5.$"),
     (dict(switch_at=0.0), "switch_at"),
     (dict(switch_at=-3), "switch_at"),
     (dict(switch_at=True), "switch_at"),
