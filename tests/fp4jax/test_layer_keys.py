@@ -162,3 +162,13 @@ def test_layer_keys_of_a_raw_rbg_key_are_accepted():
     raw = jax.random.PRNGKey(0)
     np.testing.assert_array_equal(fp4jax.dot_general(x, w, DN, recipe="nvfp4", key=dg.derive_layer_keys(raw)),
                                   fp4jax.dot_general(x, w, DN, recipe="nvfp4", key=raw))
+
+
+def test_every_gemm_operand_gets_its_own_random_stream():
+  """Dgrad's dY, Wgrad's dY, the RHT signs and the backward weight / activation SR fold distinct tags into the
+  layer key: reusing one (a single-digit slip) correlates the rounding of two GEMMs of the same dY."""
+  assert len(set(dg._TAGS)) == len(dg._TAGS) == 5
+  layer = dg.derive_layer_keys(jax.random.key(0))
+  data = np.asarray(jax.random.key_data(layer.keys)).reshape(len(dg._TAGS), -1)
+  assert len({row.tobytes() for row in data}) == len(dg._TAGS)
+  assert len({row.tobytes() for row in np.asarray(layer.seeds).reshape(len(dg._TAGS), -1)}) == len(dg._TAGS)

@@ -9,6 +9,8 @@ import pytest
 
 import fp4jax
 import reference as ref
+from fp4jax import gemm
+from fp4jax.quantize import decoded_values
 from op_by_op import op_by_op
 
 FMT = fp4jax.NVFP4()
@@ -134,6 +136,39 @@ def case_scale_midpoints():
   return _rows(x)
 
 
+SCALE_ORDER_AMAX = np.float32(1000.3)  # S_enc = 2688 / amax with a full mantissa (S_enc = 1 hides the order)
+
+
+def _scale_order_products():
+  """(S_enc, block amaxes whose scale product rounds to another E4M3 value if computed as (amax_b * S_enc) * (1/6)
+  instead of the specification's amax_b * (S_enc * (1/6)))."""
+  s_enc = np.float32(np.float32(2688.0) / SCALE_ORDER_AMAX)
+  c = np.float32(s_enc * SIXTH)
+  e4m3 = np.unique(np.abs(ref.e4m3_rne(np.ldexp(np.arange(8, 16), -3)[None, :] * np.ldexp(1.0, np.arange(-6, 9))[:, None])))
+  mids = (e4m3[1:] + e4m3[:-1]) / 2
+  found = []
+  for m in mids[(mids > 2.0**-6) & (mids < 400)]:
+    b = np.float32(m / float(c))
+    for b in [b] + [np.nextafter(b, np.float32(d * np.inf), dtype=np.float32) for d in (-1, 1)]:
+      spec, other = np.float32(b * c), np.float32(np.float32(b * s_enc) * SIXTH)
+      if ref.e4m3_rne(np.float64(spec)) != ref.e4m3_rne(np.float64(other)):
+        found.append(b)
+  return s_enc, np.asarray(found, np.float32)
+
+
+def case_scale_order():
+  """Block amaxes on which the order of the block-scale product decides the E4M3 scale (one step apart)."""
+  rng = _rng(10)
+  x = (rng.standard_normal((64, 64)) * 0.01).astype(np.float32)
+  x[0, 0] = SCALE_ORDER_AMAX
+  for i, a in enumerate(_scale_order_products()[1][:4 * 63]):
+    row, b = 1 + i // 4, i % 4
+    v = rng.uniform(-1, 1, 16).astype(np.float32) * a
+    v[rng.integers(16)] = a
+    x[row, 16 * b:16 * b + 16] = v
+  return _rows(x)
+
+
 def case_wide_range():
   """Block magnitudes log-uniform over 8 decades: scales from 448 down to E4M3 subnormals and zero."""
   rng = _rng(8)
@@ -151,6 +186,7 @@ CASES = {
     "ties": case_ties,
     "neg_zero": case_neg_zero,
     "scale_midpoints": case_scale_midpoints,
+    "scale_order": case_scale_order,
     "wide_range": case_wide_range,
     "bf16": lambda: jnp.asarray(case_normal(), jnp.bfloat16),
     "bf16_heavy": lambda: jnp.asarray(case_student_t(), jnp.bfloat16),
@@ -210,6 +246,75 @@ def test_cases_hit_what_they_claim():
   assert np.sum(up != down) > 100  # products within 2^-20 (a few float32 ulp) of an E4M3 rounding boundary
   r = ref.nvfp4_quantize(case_neg_zero())
   assert np.sum(r["codes"] == 8) >= 64 * 2
+  s_enc, products = _scale_order_products()
+  assert len(products) >= 40
+  x = case_scale_order()
+  amax_b = np.abs(x.reshape(-1, 16)).max(-1)
+  other_order = ref.e4m3_rne(ref.f32(ref.f32(amax_b * float(s_enc)) * float(SIXTH)))
+  assert np.sum(other_order != ref.nvfp4_quantize(x)["scales"].reshape(-1)) >= 40
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_value_paths_equal_dequantize(case):
+  """fake_quant, decoded_values and the bf16 GEMM unit round through the value path (grids.round_e2m1_magnitude),
+  not the codes; on exact ties (and everywhere) they must equal dequantize(quantize(x)) bit for bit."""
+  x = jnp.asarray(CASES[case]())
+  d = fp4jax.dequantize(fp4jax.quantize(x, "nvfp4"))
+  np.testing.assert_array_equal(np.asarray(fp4jax.fake_quant(x, "nvfp4")), np.asarray(d.astype(x.dtype)))
+  values, _ = decoded_values(x, "nvfp4")
+  np.testing.assert_array_equal(np.asarray(values), np.asarray(d))
+  unit = gemm.unit_values(x, "nvfp4")
+  np.testing.assert_array_equal(np.asarray(unit.values.astype(jnp.float32) * unit.factor), np.asarray(d))
+
+
+def test_tiny_and_infinite_amax_scales_match_reference():
+  """amax < 2688 / FLT_MAX: S_enc is clamped to FLT_MAX (unclamped, an all-zero block's scale became 0 * inf = NaN
+  and a finite tensor dequantized to NaN rows). amax = inf: S_enc = 0 is taken as 1, so the stored scales are the
+  reference's (448 for an infinite block), though the dequantized tensor is NaN."""
+  tiny = np.zeros((4, 16, 64), np.float32)
+  tiny[0, 0, :3] = [1e-36, -5e-37, 2e-37]
+  q = _quantizer(-1, False, True)(jnp.asarray(tiny))
+  # Scales only: below amax ~3.2e-35 XLA:CPU flushes 1 / S_enc and the codes saturate (docs/numerics.md).
+  np.testing.assert_array_equal(ref.as_f64(q.scales), ref.nvfp4_quantize(tiny)["scales"])
+  assert ref.as_f64(q.scales)[0, 0, 0] == 56.0 and np.all(ref.as_f64(q.scales).reshape(-1)[1:] == 0)
+  for x_hat in (fp4jax.dequantize(q), fp4jax.fake_quant(jnp.asarray(tiny), "nvfp4")):
+    assert np.all(np.isfinite(np.asarray(x_hat))) and np.all(np.asarray(x_hat)[tiny == 0] == 0)
+  inf = np.asarray(case_normal())
+  inf[0, 0, 3], inf[1, 2, 20] = np.inf, -np.inf
+  q = _quantizer(-1, False, True)(jnp.asarray(inf))
+  r = ref.nvfp4_quantize(inf)
+  np.testing.assert_array_equal(ref.as_f64(q.scales), r["scales"])
+  np.testing.assert_array_equal(np.asarray(q.unpacked_codes()).astype(np.int64), r["codes"].astype(np.int64))
+  assert r["scales"][0, 0, 0] == 448.0 and r["scales"][1, 2, 1] == 448.0
+  assert np.all(np.isnan(np.asarray(fp4jax.dequantize(q))))
+
+
+def test_round_e4m3_saturates_at_448_and_global_range_is_6_times_448():
+  v = np.array([447.0, 460.0, 464.0, 470.0, 500.0, 1e9, np.inf, -470.0, -np.inf], np.float32)
+  got = np.asarray(fp4jax.grids.round_e4m3(jnp.asarray(v)), np.float64)
+  np.testing.assert_array_equal(got, ref.e4m3_rne(v.astype(np.float64)))
+  np.testing.assert_array_equal(got, [448.0] * 7 + [-448.0] * 2)
+  assert fp4jax.nvfp4.GLOBAL_RANGE == fp4jax.NVFP4().global_range == 2688.0
+
+
+def test_four_over_six_keeps_negative_zero():
+  x = np.zeros((2, 32), np.float32)
+  x[0, :16] = -0.0
+  x[1, 0], x[1, 1] = 1.0, -0.0
+  q = fp4jax.quantize(jnp.asarray(x), "nvfp4_4over6")
+  codes = np.asarray(q.unpacked_codes())
+  assert np.all(codes[0, :16] == 8) and codes[1, 1] == 8
+  assert np.all(np.signbit(np.asarray(fp4jax.dequantize(q))[0, :16]))
+
+
+def test_round_e2m1_nearest_ties_to_even_and_keeps_nan():
+  ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 0.0], np.float32)
+  got = np.asarray(fp4jax.rounding.round_e2m1_nearest(jnp.asarray(np.concatenate([ties, -ties]))))
+  want = np.array([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 0.0], np.float32)
+  np.testing.assert_array_equal(got, np.concatenate([want, -want]))
+  assert np.all(np.signbit(got[9:]))  # -0.25 -> -0
+  nan = np.asarray(fp4jax.rounding.round_e2m1_nearest(jnp.asarray([np.nan, -np.nan], jnp.float32)))
+  assert np.all(np.isnan(nan)) and np.signbit(nan[1]) and not np.signbit(nan[0])
 
 
 # Eager runs only on the [4, 16, 64] layout: each new shape costs eager compiles of every primitive.
