@@ -351,6 +351,12 @@ def test_get_batch_deterministic_and_shifted(shakespeare):
   np.testing.assert_array_equal(b["inputs"], starts[:, None] + np.arange(32))
   np.testing.assert_array_equal(b["targets"], starts[:, None] + np.arange(1, 33))
   assert starts.min() >= 0 and starts.max() <= 50_000 - 33 and np.unique(starts).size > 60
+  # The split is part of the seed: on one stream, train and val draw other windows (and the last start, size - 33,
+  # is drawn: a window of T + 1 tokens ending at the stream's end).
+  both = data.TokenDataset(train=ramp[:40], val=ramp[:40], vocab_size=65536, source="ramp")
+  draw = lambda split, step: data.get_batch(both, split, step, batch_size=16, seq_len=32, seed=0)["inputs"][:, 0]
+  assert not np.array_equal(draw("train", 0), draw("val", 0))
+  assert set(np.concatenate([draw("train", s) for s in range(8)])) == set(range(40 - 32))
 
 
 def test_process_slices_concatenate(shakespeare):

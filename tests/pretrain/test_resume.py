@@ -172,6 +172,11 @@ def test_keep_schedule_keeps_warmup_decay_and_switch_in_steps():
   assert resume_lib.keep_schedule(stored, stored) == stored
   with pytest.raises(ValueError, match="do not fit"):
     resume_lib.keep_schedule(stored, stored.replace(steps=25))
+  # A checkpoint at step 6 has run steps 0..5: a switch at 6 has not happened, so it keeps its distance from the
+  # end; from a checkpoint at 7 it has, and stays where it was.
+  ten = TrainConfig.from_options(steps=10, switch_at=6)
+  assert resume_lib.keep_schedule(ten, ten.replace(steps=20), start=6).policy.switch_at == 16
+  assert resume_lib.keep_schedule(ten, ten.replace(steps=20), start=7).policy.switch_at == 6
 
 
 @pytest.mark.slow

@@ -147,6 +147,10 @@ def test_layers_that_write_state_run_in_the_loop():
   model.blocks[1].mlp.up.record_inputs = True  # OutControl's record phase
   assert model_lib.block_runs(model.blocks) == [(0, 1), (1, 2), (2, 3)]
   model = _model(config)
+  for block in model.blocks:  # all alike: the graphdefs agree, so only the recording itself keeps them apart
+    block.mlp.up.record_inputs = True
+  assert model_lib.block_runs(model.blocks) == [(0, 1), (1, 2), (2, 3)]
+  model = _model(config)
   taps_lib.tap_linear_layers(model, (2, 17))
   assert model_lib.block_runs(model.blocks) == [(0, 1), (1, 2), (2, 3)]
 

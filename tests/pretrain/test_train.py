@@ -534,3 +534,11 @@ def test_python_m_entry_point_help():
                         timeout=120, env={**os.environ, "PYTHONPATH": REPO})
   assert proc.returncode == 0, proc.stderr
   assert "--recipe" in proc.stdout and "--bf16-last" in proc.stdout
+
+
+def test_each_step_key_is_the_run_key_folded_with_the_step():
+  """The trainer's per-step key (pinned apart from the slow training test that checks it)."""
+  keyed = steps_lib.with_step_key(lambda state, batch, key: key)
+  state = steps_lib.TrainState(params=None, opt_state=None, step=jnp.int32(5))
+  got = keyed(state, None, jax.random.key(0))
+  np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(jax.random.fold_in(jax.random.key(0), 5)))
