@@ -362,6 +362,23 @@ def test_lowers_for_cuda(kind):
   assert text.count("xla.gpu.triton") == 1
 
 
+def test_blackwell_path_applies_both_global_scales(monkeypatch):
+  """fp4_matmul's Blackwell branch around an XLA stand-in for scaled_matmul (code x block scale products, no global
+  scales): the epilogue must apply a's and b's amax / 2688 once each (operands 1e5 apart expose a lost or doubled
+  factor). The branch itself runs only on compute capability >= 10."""
+  def stand_in(a, b, op_a, op_b):
+    (lhs, ls), (rhs, rs) = matmul_lib.blackwell_operand(a, op_a), matmul_lib.blackwell_operand(b, op_b)
+    scaled = lambda v, s: v[0].astype(jnp.float32) * jnp.repeat(s[0].astype(jnp.float32), 16, axis=-1)
+    return jnp.dot(scaled(lhs, ls), scaled(rhs, rs).T, precision=HIGHEST)
+
+  monkeypatch.setattr(matmul_lib, "blackwell_matmul", stand_in)
+  a = fp4jax.quantize(_input((32, 64), 42) * 1e3, "nvfp4", axis=1)
+  b = fp4jax.quantize(_input((64, 48), 43) * 1e-2, "nvfp4", axis=0)
+  out = fp4_matmul(a, b, interpret=True, use_blackwell=True)
+  ref = jnp.dot(fp4jax.dequantize(a), fp4jax.dequantize(b), precision=HIGHEST)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+
+
 def test_blackwell_path_lowers_and_its_operands_are_exact():
   """The cc >= 10 path (jax.nn.scaled_matmul) cannot run here: check it lowers for cuda to the block-scaled dot,
   and that the operands it builds give the reference product under scaled_matmul's documented semantics."""
