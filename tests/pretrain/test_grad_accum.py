@@ -148,3 +148,18 @@ def test_train_step_updates_with_the_micro_batches_mean_gradient(recipe):
     np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(mean_grads)):
       np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-3 * float(np.max(np.abs(b))))
+
+
+@pytest.mark.slow
+def test_finite_metric_reads_the_updated_params():
+  """An update that leaves loss and gradients finite but the new weights not (an overflowing optimizer, a broken
+  reset) must read as not finite, or the trainer would carry NaN weights forward and checkpoint them."""
+  cfg = model_lib.get_model_config("tiny", n_layers=1)
+  graphdef, params = nnx.split(run_setup.init_model(cfg, fp4jax.recipes.bf16(), jax.random.key(0)))
+  tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  broken = optax.sgd(float("nan"))
+  state = steps_lib.TrainState(params=params, opt_state=broken.init(params), step=jnp.int32(0))
+  _, metrics = jax.jit(steps_lib.make_train_step(graphdef, broken))(state, batch, jax.random.key(2))
+  assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])
+  assert not bool(metrics["finite"])
