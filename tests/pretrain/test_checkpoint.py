@@ -96,6 +96,19 @@ def test_round_trip_is_bit_exact(data_config, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_newest_checkpoint_is_the_default(data_config, tmp_path):
+  """restore, restore_meta and resume_meta default to the newest step (every other test had one checkpoint)."""
+  config = make_config(data_config, tmp_path)
+  save_run(config, steps=(4, 8))
+  manager = ckpt.open_manager(tmp_path, create=False)
+  assert ckpt.restore_meta(manager)[0] == 8
+  step, state, _ = ckpt.restore(manager, make_state(config))
+  assert step == 8 and int(state["step"]) == 8
+  manager.close()
+  assert resume_lib.resume_meta(tmp_path)[0] == 8
+
+
+@pytest.mark.slow
 def test_restore_into_another_model_is_refused(data_config, tmp_path):
   config = make_config(data_config, tmp_path)
   save_run(config, steps=(4,))
