@@ -144,7 +144,8 @@ def quantize_model(model: nn.Module, rules, *, rngs=None) -> QuantizedModel:
 
   Paths are the layers' scope names joined by dots ("Block_0.Dense_1"); the first fully matching rule wins; a None
   or "bf16" recipe leaves a layer alone. fp4jax.linen.Dense layers run their own `recipe` field: a quantizing rule
-  that matches one is refused when the model runs. DenseGeneral with batch_dims is refused when a quantized rule matches it.
+  that matches one is refused when the model runs. DenseGeneral with batch_dims is refused when a quantized rule
+  matches it.
   `rngs` is NNX's argument, refused here: Linen takes the SR keys per step, `apply(..., rngs={"quant": key})`.
   """
   if not isinstance(model, nn.Module):

@@ -600,8 +600,8 @@ def _check_config(config: DataConfig) -> None:
   if config.tokenizer not in ("byte", "bpe"):
     raise ValueError(f"DataConfig.tokenizer (--data.tokenizer) must be 'byte' or 'bpe', got {config.tokenizer!r}.")
   if config.tokenizer == "byte" and config.vocab_size != _BYTE_VOCAB:
-    raise ValueError(f"tokenizer='byte' always has vocab 256; DataConfig.vocab_size={config.vocab_size} (--data.vocab_size) is "
-                     "only for 'bpe'.")
+    raise ValueError(f"tokenizer='byte' always has vocab 256; DataConfig.vocab_size={config.vocab_size} "
+                     "(--data.vocab_size) is only for 'bpe'.")
   if config.tokenizer == "bpe" and not _BYTE_VOCAB < config.vocab_size <= 2**31 - 1:
     raise ValueError(f"tokenizer='bpe' needs DataConfig.vocab_size (--data.vocab_size) > 256 (the byte alphabet), "
                      f"got {config.vocab_size}.")

@@ -53,8 +53,10 @@ def _env(tmp: pathlib.Path, devices: int, **extra) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if not k.startswith("FP4JAX_")}
   env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
              PYTHONPATH=str(REPO), JAX_COMPILATION_CACHE_DIR=str(tmp / "jax_cache"),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", FP4JAX_HEARTBEAT_TIMEOUT="10",
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", FP4JAX_HEARTBEAT_TIMEOUT="60",
              FP4JAX_SHUTDOWN_TIMEOUT="10", FP4JAX_INIT_TIMEOUT="60")
+  # Heartbeats: 60 s, as 10 s aborted healthy processes when two of these tests (8 JAX processes) shared the 2 cores
+  # of a CI run; the test of a dead process sets 10 s.
   env.update(extra)
   return env
 
@@ -699,8 +701,8 @@ def test_eval_on_two_processes_matches_one_process(runs):
   np.testing.assert_allclose(two["val_loss"], one["val_loss"], rtol=1e-5)
 
 
-def _launch_and_wait_for_first_step(tmp, out, log_name):
-  procs = _launch(tmp, TRAIN_ARGS + ["--out", str(out)], 2, log_name)
+def _launch_and_wait_for_first_step(tmp, out, log_name, **extra):
+  procs = _launch(tmp, TRAIN_ARGS + ["--out", str(out)], 2, log_name, **extra)
   deadline = time.monotonic() + TIMEOUT
   metrics = out / "metrics.jsonl"
   while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
@@ -737,7 +739,7 @@ def test_sigint_to_one_process_stops_all_with_a_checkpoint_then_resume_on_one_pr
 @pytest.mark.slow
 @pytest.mark.xdist_group(RUNS_GROUP)
 def test_a_dead_process_makes_the_other_exit_with_an_error(runs):
-  procs = _launch_and_wait_for_first_step(runs, runs / "dead", "dead")
+  procs = _launch_and_wait_for_first_step(runs, runs / "dead", "dead", FP4JAX_HEARTBEAT_TIMEOUT="10")
   procs[1].kill()
   t0 = time.monotonic()
   code = _wait(procs[:1], timeout=90)[0]
