@@ -61,7 +61,7 @@ def outlier_count(k_features: int, fraction: float) -> int:
   check_fraction(fraction)
   if fraction == 0:
     return 0
-  # 0.05 * 640 is 32.000000000000004 in floating point; yet any fraction > 0 selects at least one channel.
+  # 0.07 * 100 is 7.000000000000001 in floating point; yet any fraction > 0 selects at least one channel.
   k = max(1, math.ceil(fraction * k_features - 1e-9))
   if k >= k_features:
     raise ValueError(f"OutControl fraction {fraction} selects all {k_features} channels of a layer; use a smaller "

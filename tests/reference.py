@@ -258,7 +258,7 @@ def mxfp8_quantize(x, axis=-1, block=32):
 
 
 def fp8_quantize(x, scaling="block", block=128, axis=-1, block_2d=False):
-  """Reference FP8 E4M3: scale = f32(amax_blk / 448), codes = e4m3(f32(x * f32(448 / amax_blk)))."""
+  """Reference FP8 E4M3: scale = f32(amax_blk / 448), codes = e4m3(f32(x * min(f32(448 / amax_blk), FLT_MAX)))."""
   x = as_f64(x)
   axis = axis % x.ndim
   if scaling == "tensor":
@@ -267,7 +267,7 @@ def fp8_quantize(x, scaling="block", block=128, axis=-1, block_2d=False):
     amax_blk = block_amax(np.abs(x), block, axis, block_2d)
   with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
     scale = np.where(amax_blk == 0, 1.0, f32(amax_blk / E4M3_MAX))
-    factor = np.where(amax_blk == 0, 1.0, f32(E4M3_MAX / amax_blk))
+    factor = np.where(amax_blk == 0, 1.0, np.minimum(f32(E4M3_MAX / amax_blk), FLT_MAX))
     factor_el = factor if scaling == "tensor" else expand(factor, block, axis, block_2d)
     codes = e4m3_rne(f32(x * factor_el))
   return {"codes": codes, "scales": scale, "amax": float(np.max(np.abs(x)))}

@@ -333,3 +333,10 @@ def test_exact_grad_reference_of_operands_drawn_per_step_is_each_draws_own():
     want = [np.linalg.norm(np.mean(dw[g:g + size], 0) - np.mean(ref[g:g + size], 0))
             / np.linalg.norm(np.mean(ref[g:g + size], 0)) for g in range(0, draws, size)]
     np.testing.assert_allclose(groups, want, rtol=1e-4)
+
+
+def test_standard_error_is_the_sample_std_over_sqrt_n():
+  """ddof=1: [1, 3] has sample std sqrt(2), so the standard error of its mean is 1 (ddof=0 would give 1/sqrt(2))."""
+  assert probes.standard_error([1.0, 3.0]) == pytest.approx(1.0, rel=1e-12)
+  assert probes.standard_error([0.0, 0.0, 3.0]) == pytest.approx(1.0, rel=1e-12)  # sample std sqrt(3)
+  assert np.isnan(probes.standard_error([2.0]))

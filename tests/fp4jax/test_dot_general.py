@@ -411,3 +411,16 @@ def test_default_output_dtype_is_lax_dot_generals_for_every_recipe(dtypes):
   for recipe in ("bf16", "nvfp4", "mxfp4", "fp8"):
     assert fp4jax.dot_general(x, w, DN, recipe=recipe, key=key).dtype == want, recipe
   assert outcontrol.dot_general(x, w, DN, recipe="nvfp4", key=key, outliers=jnp.asarray([3])).dtype == want
+
+
+def test_linear_dot_general_pairs_contracted_axes_listed_out_of_order():
+  """Contracting lhs axes (2, 1) with rhs axes (0, 1): K is flattened in the pairs' order on both sides, so the
+  quantized result stays near the exact einsum (a flattening of one side in sorted order would pair h with d)."""
+  from fp4jax.contraction import linear_dot_general
+  k1, k2 = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(k1, (8, 16, 32), jnp.float32)  # [B, H, D]
+  w = jax.random.normal(k2, (32, 16, 32), jnp.float32)  # [D, H, N]
+  y = linear_dot_general(x, w, (((2, 1), (0, 1)), ((), ())), recipe="nvfp4", key=jax.random.key(1))
+  want = jnp.einsum("bhd,dhn->bn", x, w, precision="highest")
+  assert y.shape == want.shape
+  assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 0.3

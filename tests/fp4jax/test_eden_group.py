@@ -131,3 +131,20 @@ def test_eden_block_sums_read_the_elements_in_place():
   computations = _per_element_computations(lambda x: gemm.f32_unit(x, fmt, axis=0), x)
   assert computations
   assert not [c.name for c in computations if "transpose(" in c.text]
+
+
+def test_eden_scales_with_8_random_bits_truncate_the_probability():
+  """With 8 random bits the round-up probability is floor(p * 256) / 256 (as rounding.uniform_from_bits says): between
+  the E4M3 neighbours 2 and 2.25, p = 0.5 / 256 never rounds up, p = 64.5 / 256 rounds up 64 / 256 of the time."""
+  lo, hi = 2.0, 2.25
+  n = 1 << 14
+  for p256, expected in ((0.5, 0.0), (64.5, 64 / 256)):
+    s = np.float32(lo + (hi - lo) * p256 / 256.0)
+    got = np.asarray(eden.round_scales(jnp.full((n,), s), rounding="stochastic", key=jax.random.key(3),
+                                       random_bits=8))
+    assert set(np.unique(got).tolist()) <= {lo, hi}
+    up = float(np.mean(got == hi))
+    if expected == 0:
+      assert up == 0, up
+    else:
+      assert abs(up - expected) <= 4.0 * np.sqrt(expected / n), (p256, up)

@@ -264,3 +264,10 @@ def test_pallas_backend_inside_shard_map_falls_back_to_the_xla_path_with_a_warni
     got = jax.jit(pallas)(_put(mesh, x, P("data")), _put(mesh, w, P()))
   with jax.set_mesh(mesh):
     np.testing.assert_array_equal(got, jax.jit(xla)(_put(mesh, x, P("data")), _put(mesh, w, P())))
+
+
+def test_like_keeps_a_multi_axis_entry_only_where_the_product_of_its_sizes_divides():
+  explicit, _ = _meshes()
+  both = NamedSharding(explicit, P(("data", "model"), None))  # 2 x 4 = 8 shards along axis 0
+  assert explicit_axes.like((16, 3), both).spec == P(("data", "model"), None)
+  assert explicit_axes.like((4, 3), both).spec == P(None, None)  # 4 rows: divisible by "data" alone, not by 8

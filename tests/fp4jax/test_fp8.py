@@ -11,6 +11,8 @@ import fp4jax
 import reference as ref
 from op_by_op import op_by_op
 
+FLT_MAX = np.float32(np.finfo(np.float32).max)
+
 
 def _rng(seed):
   return np.random.default_rng(seed)
@@ -167,3 +169,16 @@ def test_formats_and_storage():
   assert fp4jax.FP8().block_size == 128
   q = _quantizer("block", -1, False, True)(jnp.asarray(case_normal()))
   assert q.nbytes == 2 * 16 * 256 + 2 * 16 * 2 * 4 + 4
+
+
+@pytest.mark.parametrize("scaling", ["block", "tensor"])
+def test_fp8_tiny_amax_encode_factor_is_clamped_to_flt_max(scaling):
+  """amax < 448 / FLT_MAX: the encode factor is FLT_MAX, not inf, so zeros stay 0 (not 0 * inf = NaN)."""
+  x = np.zeros((2, 256), np.float32)
+  x[0, :3] = [1e-37, -5e-38, 2e-38]
+  _, encode = fp4jax.fp8.scales(jnp.asarray([np.float32(1e-37), np.float32(0.0)]))
+  np.testing.assert_array_equal(np.asarray(encode), [FLT_MAX, 1.0])
+  q = fp4jax.quantize(jnp.asarray(x), fp4jax.FP8(scaling=scaling))
+  x_hat = np.asarray(fp4jax.dequantize(q))
+  assert np.all(np.isfinite(np.asarray(q.codes, np.float32))) and np.all(np.isfinite(x_hat))
+  assert np.all(x_hat[x == 0] == 0)

@@ -6,6 +6,7 @@ path for operands only an xla-backend GEMM reads (both GEMM modes), must equal t
 (layer_operands, fprop, dgrad, wgrad) for every preset recipe.
 """
 
+import dataclasses
 import importlib
 import re
 
@@ -17,7 +18,9 @@ import pytest
 import fp4jax
 from fp4jax import gemm
 from fp4jax import recipes
+from fp4jax import rht
 import compiled_hlo
+import reference as ref
 
 dg = importlib.import_module("fp4jax.dot_general")  # the module (fp4jax.dot_general is the function)
 
@@ -251,3 +254,49 @@ def test_eager_calls_compile_the_rule_once_per_shape_and_recipe():
   want = jax.jit(lambda a, b: fp4jax.dot_general(a, b, dims, recipe=recipe, key=jax.random.key(1)))(x + 1, w)
   np.testing.assert_array_equal(_bits(y2), _bits(want))
   assert y1.shape == (32, 32)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_to_input_basis_applies_the_inverse_of_fprops_rht(axis):
+  """The gradient leaves Fprop's Hadamard basis through H^T (H^T != H once Fprop's signs are not all ones; Quartet's
+  plain Sylvester H is symmetric and hides a forward H there)."""
+  r = fp4jax.recipes.quartet(stochastic_rounding=False).replace(fprop_rht_signs="fixed")
+  g = np.random.default_rng(12).standard_normal((64, 96) if axis == 1 else (96, 64)).astype(np.float32)
+  mask = jnp.ones(g.shape, jnp.bool_)
+  got = np.asarray(dg.to_input_basis(jnp.asarray(g), mask, r, jax.random.key(0), axis=axis, in_fprop_basis=True),
+                   np.float64)
+  want = ref.rht_apply(g, r.rht_size, rht.default_signs(r.rht_size), axis=axis, inverse=True)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_scale_output_multiplies_by_fa_then_by_fb():
+  """(out * fa) * fb in float32, bit for bit; not out * (fa * fb), whose product of two tiny factors underflows."""
+  rng = np.random.default_rng(13)
+  out = rng.standard_normal((64, 64)).astype(np.float32) * np.float32(1e3)
+  fa = (np.float32(10.0) ** rng.uniform(-4, 4, (64, 1))).astype(np.float32)
+  fb = (np.float32(10.0) ** rng.uniform(-4, 4, (1, 64))).astype(np.float32)
+  got = np.asarray(jax.jit(gemm.scale_output)(jnp.asarray(out), jnp.asarray(fa), jnp.asarray(fb)))
+  want = ((out * fa).astype(np.float32) * fb).astype(np.float32)
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+  tiny = np.float32(2.0**-80)
+  np.testing.assert_array_equal(np.asarray(gemm.scale_output(jnp.float32(2.0**100), tiny, tiny)), np.float32(2.0**-60))
+
+
+def test_dgrads_requantize_switch_leaves_dw_alone():
+  """Wgrad's gradient leaves Fprop's Hadamard basis as Wgrad's own x operand says (`wgrad.rhs.requantize`):
+  switching Dgrad's W to the original tensor must not change dW (same key, no stochastic rounding)."""
+  rng = np.random.default_rng(14)
+  x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
+  g = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+  key = jax.random.key(0)
+  r = fp4jax.recipes.quartet(stochastic_rounding=False, gemm_mode="f32").replace(fprop_rht_signs="fixed")
+  r2 = r.replace(dgrad=dataclasses.replace(r.dgrad, rhs=dataclasses.replace(r.dgrad.rhs, requantize=False)))
+  ops = jax.jit(lambda x, w: dg.layer_operands(x, w, r, key))(x, w)
+  dw = [np.asarray(jax.jit(lambda g, xw, m, rec=rec: dg.wgrad(g, xw, rec, key, jnp.float32, m)[0])(
+      g, ops.x_wgrad, ops.w_mask)) for rec in (r, r2)]
+  want = ref.rht_apply(np.asarray(dg.gemm_lib.f32_values(ops.x_wgrad), np.float64).T
+                       @ np.asarray(dg.gemm_lib.f32_values(dg.wgrad_gradient(g, r, key)), np.float64)
+                       * np.asarray(ops.w_mask), 32, rht.default_signs(32), axis=0, inverse=True)
+  np.testing.assert_allclose(dw[0], want, rtol=0, atol=1e-4 * np.abs(want).max())
+  np.testing.assert_array_equal(dw[0], dw[1])

@@ -10,6 +10,7 @@ import pytest
 import fp4jax
 import reference as ref
 from fp4jax import gemm
+from fp4jax import nvfp4
 from fp4jax.quantize import decoded_values
 from op_by_op import op_by_op
 
@@ -268,7 +269,7 @@ def test_value_paths_equal_dequantize(case):
 
 
 def test_tiny_and_infinite_amax_scales_match_reference():
-  """amax < 2688 / FLT_MAX: S_enc is clamped to FLT_MAX (unclamped, an all-zero block's scale became 0 * inf = NaN
+  """amax < 2688 / F32_MAX: S_enc is clamped to F32_MAX (unclamped, an all-zero block's scale became 0 * inf = NaN
   and a finite tensor dequantized to NaN rows). amax = inf: S_enc = 0 is taken as 1, so the stored scales are the
   reference's (448 for an infinite block), though the dequantized tensor is NaN."""
   tiny = np.zeros((4, 16, 64), np.float32)
@@ -339,7 +340,7 @@ def test_all_float32_max(jit):
   assert np.all(r["scales"] == 448.0)
   deq = np.asarray(fp4jax.dequantize(q))
   assert np.all(np.isfinite(deq))
-  np.testing.assert_array_equal(deq, x)  # 6 * 448 * f32(FLT_MAX / 2688) happens to round back to FLT_MAX
+  np.testing.assert_array_equal(deq, x)  # 6 * 448 * f32(F32_MAX / 2688) happens to round back to F32_MAX
 
 
 @pytest.mark.parametrize("magnitude", [1e-6, 1e-7, 1e-8])
@@ -505,3 +506,30 @@ def test_double_block_storage_counts_one_float32_amax_per_128_elements():
   assert q.amax.shape == (64, 2)
   assert q.nbytes == 64 * 128 + 64 * 16 + 64 * 2 * 4
   assert q.bits_per_element == 4.75
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_block_encode_scale_is_one_over_s_b_times_s_dec_in_float32(jit):
+  """enc_b = f32(1 / f32(s_b * f32(1 / S_enc))), the reference's roundings in its order, bit for bit.
+
+  Eager too: under jit XLA:CPU rewrites (1 / s_b) / s_dec into 1 / (s_b * s_dec), which hides that wrong order on the
+  CPU (a GPU's divide_in_float64 would not)."""
+  rng = np.random.default_rng(0)
+  amax = np.float32(10.0) ** rng.uniform(-3, 3, 4096).astype(np.float32)
+  s_enc = (np.float32(2688.0) / amax).astype(np.float32)
+  s_b = np.asarray(ref.e4m3_rne(rng.uniform(2.0**-6, 448.0, 4096)), np.float32)
+  s_dec = (np.float32(1.0) / s_enc).astype(np.float32)
+  want = np.minimum(np.float32(1.0) / (s_b * s_dec).astype(np.float32), F32_MAX).astype(np.float32)
+  f = jax.jit(nvfp4.block_encode_scale) if jit else nvfp4.block_encode_scale
+  got = np.asarray(f(jnp.asarray(s_b), jnp.asarray(s_enc)))
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_double_block_with_a_partial_last_group_round_trips():
+  """A blocked axis of 48 elements (3 blocks) holds one partial 1x128 group: one amax per row, and dequantize's
+  field check accepts the QArray quantize made."""
+  x = jax.random.normal(jax.random.key(0), (4, 48), jnp.float32)
+  q = fp4jax.quantize(x, fp4jax.NVFP4(double_block=True))
+  assert q.amax.shape == (4, 1)
+  y = fp4jax.dequantize(q)
+  assert y.shape == (4, 48) and bool(jnp.all(jnp.isfinite(y)))

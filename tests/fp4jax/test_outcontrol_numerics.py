@@ -228,3 +228,31 @@ def test_a_forward_switched_to_bf16_runs_the_outlier_channels_forward_in_bf16_to
   dx8 = mx8(g, 1) @ mx8(w[idx], 1).T
   np.testing.assert_allclose(dx[:, idx], dx8, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(dw[idx], mx8(x[:, idx], 0).T @ mx8(g, 0), rtol=1e-6, atol=1e-6)
+
+
+def test_outcontrol_dgrad_blocks_the_output_gradient_along_n():
+  """Dgrad contracts over N, so dY's MXFP8 blocks run along N. A row of dY 2^20 larger than the others would flush the
+  other rows' elements to 0 in blocks along M; along N they keep their 3-bit mantissas."""
+  M, K, N = 64, 64, 32
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((M, K)).astype(np.float32)
+  w = (rng.standard_normal((K, N)) / 8.0).astype(np.float32)
+  g = rng.standard_normal((M, N)).astype(np.float32)
+  g[5] *= np.float32(2.0**20)
+  idx = np.array([3, 40], np.int32)
+  recipe = recipes.nvfp4(stochastic_rounding=False, rht=False, gemm_mode="f32")
+  ops = outcontrol.split_operands(jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx), recipe, jax.random.key(0))
+  dx = np.asarray(outcontrol.split_dgrad(jnp.asarray(g), ops, jnp.asarray(idx), recipe, jax.random.key(0),
+                                         jnp.float32), np.float64)
+  w8 = ref.mxfp8_quantize(w[idx], axis=0)["values"]
+  w8_dgrad = ref.mxfp8_quantize(w8.astype(np.float32), axis=1)["values"]
+  dx_ref = ref.mxfp8_quantize(g, axis=1)["values"] @ w8_dgrad.T  # [M, k], float64
+  rows = np.arange(M) != 5
+  err = np.abs(dx[rows][:, idx] - dx_ref[rows]).max() / np.abs(dx_ref[rows]).max()
+  assert err < 1e-5, err
+
+
+def test_outlier_count_forgives_a_product_one_ulp_above_an_integer():
+  """0.07 * 100 is 7.000000000000001 in floating point: k = ceil(f K) must still be 7, not 8."""
+  assert 0.07 * 100 > 7
+  assert outcontrol.outlier_count(100, 0.07) == 7 and outcontrol.outlier_count(1200, 0.07) == 84

@@ -522,3 +522,13 @@ def test_linen_dense_subclass_calling_super_is_quantized_once():
   np.testing.assert_array_equal(np.asarray(grad(scaled)),
                                 np.asarray(jax.grad(lambda p: jnp.sum((2 * plain.apply(p, x, rngs=rngs)) ** 2))(
                                     params)["params"]["kernel"]))
+
+
+def test_rules_match_the_whole_layer_path():
+  """re.fullmatch, as documented: "layers" names no layer of a Sequential ("layers.0", "layers.1"), "layers\\.1" one."""
+  model = nnx.Sequential(nnx.Linear(D, D, rngs=nnx.Rngs(0)), nnx.Linear(D, D, rngs=nnx.Rngs(1)))
+  report = fp4jax.quantize_model(model, [("layers", "nvfp4"), (r"layers\.1", "mxfp4:stochastic_rounding=false"),
+                                         ("ayers.0", "nvfp4")])
+  assert report.quantized == {"layers.1": "mxfp4-sr"}
+  assert report.unmatched_layers == ("layers.0",)
+  assert report.unused_rules == ("layers", "ayers.0")

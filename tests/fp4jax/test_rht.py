@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import fp4jax
+from fp4jax import rht
 import compiled_hlo
 import reference as ref
 
@@ -331,3 +332,23 @@ def test_fused_16_point_transform_adds_in_the_documented_order(dtype, shape, axi
   seq = np.moveaxis(seq.reshape(*t.shape[:-2], -1), -1, axis)
   if dtype == jnp.float32:
     assert np.mean(seq != _numpy_mix16(np.asarray(x, np.float32), s, axis, False)) > 0.1
+
+
+@pytest.mark.parametrize("size", [2, 4, 8, 32, 64, 128, 256])
+def test_default_signs_are_bit_16_of_the_documented_lcg(size):
+  """Sizes other than 16: bit 16 of x <- 1103515245 x + 12345 mod 2^31 seeded with `size`, fixed forever."""
+  x, want = size, []
+  for _ in range(size):
+    x = (1103515245 * x + 12345) % 2**31
+    want.append(1.0 if (x >> 16) & 1 else -1.0)
+  np.testing.assert_array_equal(np.asarray(rht.default_signs(size), np.float64), want)
+  np.testing.assert_array_equal(np.sign(np.asarray(fp4jax.hadamard_matrix(size), np.float64)[:, 0]), want)
+
+
+def test_raw_key_data_gives_the_signs_of_its_typed_key():
+  """A legacy uint32 key and the typed key holding the same data draw the same Rademacher signs."""
+  raw = jax.random.PRNGKey(7)
+  typed = jax.random.wrap_key_data(raw)
+  want = np.asarray(jax.random.rademacher(typed, (32,), dtype=jnp.float32))
+  np.testing.assert_array_equal(np.asarray(rht.resolve_signs(32, raw)), want)
+  np.testing.assert_array_equal(np.asarray(rht.resolve_signs(32, typed)), want)

@@ -155,3 +155,13 @@ def test_gemm_dispatch_applies_on_gpu_only(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   with _no_warning():
     assert backends.pallas_gemm(a, b, (1, 0), routes=to_xla) is None
+
+
+def test_gemm_dims_are_m_n_k_for_either_contraction_layout():
+  """(M, N, K) of a . b whatever axes are contracted: the dispatch table is looked up with the output's M and N."""
+  from fp4jax import backends
+  a_MxK, a_KxM = jax.ShapeDtypeStruct((16, 64), jnp.float32), jax.ShapeDtypeStruct((64, 16), jnp.float32)
+  b_KxN, b_NxK = jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((32, 64), jnp.float32)
+  assert backends.gemm_dims(a_MxK, b_KxN, (1, 0)) == (16, 32, 64)
+  assert backends.gemm_dims(a_MxK, b_NxK, (1, 1)) == (16, 32, 64)
+  assert backends.gemm_dims(a_KxM, b_KxN, (0, 0)) == (16, 32, 64)

@@ -535,3 +535,15 @@ def test_bpe_without_package_has_clear_error(text_folder, tmp_path, monkeypatch)
   assert cli.main(["train", "--out", str(tmp_path / "run"), "--steps", "2", "--data.corpus", str(text_folder),
                    "--data.tokenizer", "bpe", "--data.vocab_size", "300", "--model.vocab_size", "300",
                    "--data.cache_dir", str(tmp_path), "--progress", "false"]) == cli.EXIT_USAGE
+
+
+def test_val_windows_run_in_order_batch_after_batch():
+  """Batch i holds the i-th run of batch_size evenly spaced windows: the starts, read batch after batch and row
+  after row, are the evenly spaced ones in increasing order (not interleaved across batches)."""
+  ramp = np.arange(1000, dtype=np.uint16)
+  ds = data.TokenDataset(train=ramp, val=ramp[:101], vocab_size=65536, source="ramp")
+  vb = data.val_batches(ds, batch_size=3, seq_len=10, num_batches=4)
+  starts = np.concatenate([b["inputs"][:, 0] for b in vb])
+  np.testing.assert_array_equal(starts, np.linspace(0, 101 - 11, 12).round().astype(np.int64))
+  for b in vb:
+    np.testing.assert_array_equal(b["inputs"], b["inputs"][:, :1] + np.arange(10))
