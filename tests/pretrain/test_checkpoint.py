@@ -147,6 +147,19 @@ def test_a_mismatch_names_the_params_before_the_optimizer_copies(tmp_path):
   manager.close()
 
 
+def test_restore_without_a_step_reads_the_newest_checkpoint(tmp_path):
+  """step=None means the latest checkpoint, for the state and for the metadata alike, not the oldest kept one."""
+  state = lambda step: {"params": {"w": jnp.full(3, step, jnp.float32)}, "step": jnp.asarray(step, jnp.int32)}
+  manager = ckpt.open_manager(tmp_path)
+  for step in (4, 8):
+    ckpt.save(manager, step, state(step), {"config": {"at": step}}, force=True)
+  manager.wait_until_finished()
+  step, restored, meta = ckpt.restore(manager, state(0))
+  assert step == 8 and int(restored["step"]) == 8 and meta["config"] == {"at": 8}
+  assert ckpt.restore_meta(manager) == (8, {"config": {"at": 8}})
+  manager.close()
+
+
 def test_resume_without_checkpoints_is_a_clear_error(data_config, tmp_path):
   with pytest.raises(ckpt.CheckpointError, match="no checkpoints"):
     trainer.train(make_config(data_config, tmp_path / "never", resume=True), log=None)

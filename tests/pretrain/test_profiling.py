@@ -96,3 +96,20 @@ def test_the_loop_waits_for_the_step_before_where_the_trace_starts_or_stops(tmp_
   profiler.active = True  # as after before(2): within the window the steps overlap, at its end they do not
   assert [profiler.starts_or_stops_before(s) for s in range(2, 6)] == [False, False, True, True]
   assert not profiling.StepProfiler(None, tmp_path).starts_or_stops_before(0)
+
+
+def test_the_trace_starts_before_the_windows_first_step_and_stops_after_its_last(monkeypatch, tmp_path):
+  """Window 2:4 around steps 0..5: start_trace just before step 2, stop_trace just after step 3, steps 2 and 3
+  traced (the profiler itself is replaced by a recorder)."""
+  calls = []
+  monkeypatch.setattr(jax.profiler, "start_trace", lambda folder: calls.append("start"))
+  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append("stop"))
+  logged = []
+  with profiling.StepProfiler((2, 4), tmp_path, log=logged.append) as profiler:
+    for step in range(6):
+      profiler.before(step)
+      calls.append(step)
+      profiler.after(step)
+  assert calls == [0, 1, "start", 2, 3, "stop", 4, 5]
+  assert profiler.traced == [2, 3] and not profiler.active
+  assert logged and logged[0].startswith("Profile of steps 2..3 in ")

@@ -158,6 +158,19 @@ def test_a_refused_resume_moves_nothing_aside(tmp_path, case):
   assert start == 4 and any("Moved checkpoint 8 aside" in line for line in log), log  # what a refusal spared
 
 
+def test_an_explicit_resume_step_moves_only_the_later_checkpoints_aside(tmp_path):
+  """--resume-step 8 of checkpoints 4, 8, 12: 12 is moved aside, 8 (the one restored) and 4 stay where they are."""
+  stored = TrainConfig.from_options(out=str(tmp_path), steps=16, checkpoint_every=4)
+  state = _save_fake_run(tmp_path, stored, steps=(4, 8, 12))
+  log = []
+  start, restored, _ = resume_lib.restore_readable(tmp_path, state._asdict(), 8, log=log.append)
+  assert start == 8 and np.asarray(restored["params"]["w"]).tolist() == [8.0] * 3
+  assert [p.name.split(".")[:2] for p in (tmp_path / resume_lib.MOVED_DIR).iterdir()] == [["12", "after-resume-8"]]
+  manager = ckpt.open_manager(tmp_path, create=False)
+  assert ckpt.available_steps(manager) == [4, 8]
+  manager.close()
+
+
 def test_keep_schedule_keeps_warmup_decay_and_switch_in_steps():
   stored = TrainConfig.from_options(steps=100, warmup_fraction=0.1, decay_fraction=0.2, min_lr_ratio=0.1,
                                     switch_at=0.9)
@@ -206,6 +219,8 @@ def test_a_run_that_switched_to_bf16_is_not_switched_back():
     resume_lib.check_switch_kept(stored, stored.replace(steps=20), 4)
   resume_lib.check_switch_kept(stored, stored.replace(steps=20), 3)  # not switched yet at the checkpoint
   resume_lib.check_switch_kept(stored, stored.replace(steps=20, switch_at=3), 6)
+  # A longer run whose switch moves to exactly the checkpoint's step runs BF16 from there on: nothing runs nvfp4 again.
+  resume_lib.check_switch_kept(stored, stored.replace(steps=20, switch_at=4), 4)
   # --keep-schedule keeps a switch already made where it was, and one still ahead as far from the end.
   assert resume_lib.keep_schedule(stored, stored.replace(steps=20), 6).policy.switch_step(20) == 3
   assert resume_lib.keep_schedule(stored, stored.replace(steps=20), 2).policy.switch_step(20) == 13

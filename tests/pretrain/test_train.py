@@ -409,6 +409,14 @@ def test_tensor_stats_counts_codes():
     metrics.tensor_stats(x, "fp8")
 
 
+def test_tensor_stats_count_negative_codes_by_magnitude():
+  """zero and sat read the E2M1 magnitude without its sign bit: -6 saturates, a negative value that rounds to -0
+  is a zero code, and 4.0 (the code below 6) does not count as saturated."""
+  x = jnp.asarray([[-6.0, -0.1, 4.0, -3.0] + [0.0] * 12], jnp.float32)  # one block: amax 6, so scale 1
+  s = jax.jit(metrics.tensor_stats, static_argnums=1)(x, "nvfp4")
+  assert float(s["zero"]) == 13 / 16 and float(s["sat"]) == 1 / 16
+
+
 
 @pytest.mark.parametrize("scale", [1e-25, 1e19, 1e30])
 def test_tensor_stats_error_of_tiny_and_huge_tensors(scale):
