@@ -411,6 +411,17 @@ def test_time_jitted_and_hlo_passes():
   assert not any(line.split()[1].startswith("copy") for line in full)  # no full-size copy of the data
 
 
+def test_time_jitted_reports_the_median_min_and_max_of_the_timed_calls(monkeypatch):
+  """Timing.median_s is the median of the timed calls (not their mean: one slow call on a shared machine must not
+  move it), next to their min and max. Simulated clock: the three timed calls take 1, 2 and 6 s."""
+  clock = iter([0.0, 1.0, 10.0, 12.0, 20.0, 26.0])
+  monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock))
+  monkeypatch.setattr(common.jax, "jit", lambda f, donate_argnums=(): f)
+  t = common.time_jitted(lambda x: x, (jnp.ones(4),), name="r", donate_argnums=(), warmup=1, repeats=3)
+  assert (t.median_s, t.min_s, t.max_s) == (2.0, 1.0, 6.0)
+  assert t.elements_per_s == 4 / 2.0
+
+
 # ---------------------------------------------------------------- the fused paths the benchmark measures
 
 

@@ -387,6 +387,20 @@ def test_runs_of_another_length_preset_or_experiment_get_no_gap_and_are_named():
           "reference's: experiment x, preset smoke, steps 6, tokens 768).") in text
 
 
+def test_the_header_describes_the_reference_even_when_another_run_comes_first():
+  """The header's steps and tokens, and the runs named not comparable, are measured from the reference run's
+  setting, not from whichever row comes first (here a 12-step run listed before the 6-step reference)."""
+  rows = [{"run": "q", "seed": 0, "status": "finished", "final_val_loss": 3.2, "steps": 12, "tokens": 1536},
+          {"run": "bf16", "seed": 0, "status": "finished", "final_val_loss": 3.3, "steps": 6, "tokens": 768}]
+  for r in rows:
+    r.update(experiment="x", preset="smoke", label=r["run"], overrides={})
+  report._add_gaps(rows, "bf16")  # pylint: disable=protected-access
+  text = report.markdown_table({"reference": "bf16"}, rows)
+  assert "6 steps, 768 tokens per run" in text
+  assert ("**Not comparable** (no gap): q/seed0: steps 12, tokens 1536 (the reference's: experiment x, preset "
+          "smoke, steps 6, tokens 768).") in text
+
+
 def test_a_finished_run_with_a_nan_val_loss_is_counted_apart():
   """A NaN val loss (the trainer stops on a non-finite train loss only) averaged into the row, blanking it."""
   rows = [{"run": "bf16", "seed": s, "status": "finished", "final_val_loss": 3.0, "tokens_per_s": 100.0}

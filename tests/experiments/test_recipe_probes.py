@@ -15,6 +15,7 @@ from experiments import sweep
 from experiments.probes import recipe_gemms
 from experiments.probes import recipe_gemms_report as report
 from experiments.probes import run as probes_run
+from fp4jax.analysis import gemm_probes
 from stored_results import check_reproduces
 from stored_results import stored
 
@@ -98,6 +99,26 @@ def test_report_of_the_stored_smoke_results(tmp_path):
   n_layers = len(results["layers"])
   assert len(rows) == 1 + 3 * n_layers * len(results["runs"]) and rows[0].startswith("run,recipe,layer,gemm,err")
   check_claims(results)
+
+
+def _hand_layer_result(kmax_se):
+  """One layer x recipe of a recipe-probes results.json (num_draws=4: K = 1, 2), made by hand."""
+  curve = {"K": [1, 2], "mean": [0.2, 0.15], "se": [0.01, kmax_se], "groups": [[0.2] * 4, [0.15] * 2]}
+  return {"err": {g: [0.1, 0.1, 0.1, 0.1] for g in gemm_probes.GEMMS},
+          "bias": {g: {ref: curve for gg, ref in gemm_probes.SERIES if gg == g} for g in gemm_probes.GEMMS},
+          "chain": {"dgrad": [0.0] * 4, "wgrad": [0.0] * 4}, "maxima": {"dgrad": [-0.01] * 4, "wgrad": [-0.01] * 4}}
+
+
+def test_bias_at_k_max_and_its_pooled_standard_error():
+  """A layer's "K = max" columns take the curve's last level (mean and SE), not its first; a recipe's SE over layers
+  is pooled as sqrt(mean SE^2) / sqrt(layers): Kmax SEs 0.03 and 0.04 pool to 0.025 (not the RMS 0.0354)."""
+  row = report.layer_row(_hand_layer_result(0.03))
+  assert (row["dgrad_exact_K1"], row["dgrad_exact_Kmax"], row["dgrad_exact_Kmax_se"]) == (0.2, 0.15, 0.03)
+  results = {"runs": {"r": {}},
+             "layers": {"l0": {"r": _hand_layer_result(0.03)}, "l1": {"r": _hand_layer_result(0.04)}}}
+  s = report.recipe_summary(results)["r"]
+  assert s["dgrad_exact_Kmax_se"] == pytest.approx(0.025)
+  assert s["dgrad_exact_Kmax"] == pytest.approx(0.15) and s["fprop_err"] == pytest.approx(0.1)
 
 
 @pytest.mark.slow

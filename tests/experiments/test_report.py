@@ -103,3 +103,26 @@ def test_plots_average_the_seeds_the_table_averages(tmp_path):
   np.testing.assert_allclose(b_train.get_ydata(), [2.1 + 1.0 / (s + 1) for s in range(4)])
   b_gap = report.loss_gap_figure(meta, rows, curves, "a").axes[0].get_lines()[1]  # after the zero line
   np.testing.assert_allclose(b_gap.get_ydata(), [100 * ((2.1 - 2.0) / (2.0 + 1.0 / (s + 1))) for s in range(4)])
+
+
+def test_plots_average_the_seeds_by_their_mean_not_their_median(tmp_path):
+  """With three seeds the plotted train and validation curves are the mean over seeds (as the table's val loss),
+  not their median: seeds at 2.0, 2.1 and 2.8 plot 2.3 (the median, 2.1, hid a bad seed)."""
+  _sweep(tmp_path, {"a": [2.0, 2.1, 2.8]}, seeds=3)
+  meta, rows, curves = report.collect(tmp_path)
+  lines = report.loss_curves_figure(meta, rows, curves, 1).axes[0].get_lines()
+  np.testing.assert_allclose(lines[0].get_ydata(), [2.3 + 1.0 / (s + 1) for s in range(4)])
+  np.testing.assert_allclose(lines[1].get_ydata(), [2.3])
+
+
+def test_gap_plot_leaves_out_the_validation_at_step_zero():
+  """The gap plot's validation dots start after step 0 (the initial evaluation, before any update, is no gap of
+  training); the later ones are the paired per-seed gaps 100 * (run - ref) / ref."""
+  rows = [{"run": r, "label": r, "seed": 0, "status": "finished", "final_val_loss": v, "steps": 4, "tokens": 64}
+          for r, v in (("a", 2.0), ("b", 2.2))]
+  curves = {(r, 0): {"step": np.arange(4), "loss": np.full(4, v), "val_step": np.array([0, 4]),
+                     "val_loss": np.array([v0, v])}
+            for r, v0, v in (("a", 5.0, 2.0), ("b", 5.5, 2.2))}
+  dots = report.loss_gap_figure({"experiment": "x"}, rows, curves, "a", 1).axes[0].get_lines()[2]
+  np.testing.assert_allclose(dots.get_xdata(), [4 * 16 / 1e6])
+  np.testing.assert_allclose(dots.get_ydata(), [10.0])
