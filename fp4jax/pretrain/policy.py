@@ -187,7 +187,9 @@ class PrecisionPolicy:
       if isinstance(self.switch_at, float) and total_steps is not None:
         when += f" (step {self.switch_step(total_steps)} of {total_steps})"
       what = "forward (Fprop) to BF16" if self.switch == "forward" else "all GEMMs to BF16"
-      lines.append(f"Switch: at {when}, {what}")
+      # Accepted rather than refused (a sweep may set one switch across recipes), but said: nothing changes.
+      idle = "" if self.recipe.is_quantized else " (no effect: the recipe is unquantized)"
+      lines.append(f"Switch: at {when}, {what}{idle}")
     lines += ["Recipe:", str(self.recipe)]
     return "\n".join(lines)
 

@@ -201,6 +201,13 @@ def test_describe_mentions_blocks_switch_and_recipe():
     assert f"Switch: at {said}" in PrecisionPolicy(switch_at=at).describe(4, total_steps=200)
 
 
+def test_a_switch_on_an_unquantized_recipe_is_described_as_having_no_effect():
+  """--recipe bf16 --switch-at 0.5 is accepted (one switch may be set across a sweep's recipes) but said to do nothing."""
+  idle = "all GEMMs to BF16 (no effect: the recipe is unquantized)"
+  assert idle in PrecisionPolicy(recipe=fp4jax.recipes.bf16(), switch_at=0.5).describe(4, total_steps=10)
+  assert "no effect" not in PrecisionPolicy(recipe=NVFP4, switch_at=0.5).describe(4, total_steps=10)
+
+
 def test_recipe_stored_before_sr_bits_existed_resumes_with_threefry():
   from fp4jax.pretrain import policy as policy_lib  # pylint: disable=g-import-not-at-top
   stored = policy_lib.recipe_to_json(fp4jax.recipes.nvfp4(sr_bits="hash"))
