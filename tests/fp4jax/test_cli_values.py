@@ -68,3 +68,19 @@ def test_a_misspelt_choice_gets_the_closest_valid_one(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"invalid choice: '{argv[1]}'" in err and err.endswith(")" + hint + "\n"), err
+
+
+def test_int_list_range_limit_is_exact():
+  """parse_int_list refuses a range of more than MAX_LIST_RANGE indices and takes one of exactly that many: the
+  boundary is pinned (an off-by-one would let 0-65536, one index too many, through)."""
+  n = cli_values.MAX_LIST_RANGE
+  assert len(cli_values.parse_int_list(f"0-{n - 1}")) == n
+  with pytest.raises(ValueError, match=f"holds {n + 1} indices"):
+    cli_values.parse_int_list(f"0-{n}")
+
+
+def test_tuple_values_are_stripped_item_by_item():
+  """'a + b' (spaces around the '+', as typed in a shell-quoted spec) gives the stripped items, so the recipe spec
+  "nvfp4:rht_on=wgrad + dgrad" names the GEMMs "wgrad" and "dgrad", not " dgrad"."""
+  assert cli_values.parse_scalar(" wgrad + dgrad ") == ("wgrad", "dgrad")
+  assert cli_values.parse_scalar("wgrad+dgrad+") == ("wgrad", "dgrad")  # an empty item is dropped

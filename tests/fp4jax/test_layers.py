@@ -269,3 +269,52 @@ def test_switching_recipe_compiles_once_per_recipe():
       outputs.setdefault(spec, []).append(np.asarray(forward(layer, x)))
   assert sorted(traces) == ["bf16", "nvfp4-sr"]
   assert not np.array_equal(outputs["bf16"][0], outputs["nvfp4:stochastic_rounding=false"][0])
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4:stochastic_rounding=false"])
+def test_biased_layer_output_has_the_compute_dtype(recipe):
+  """y = x W + b comes back in the layer's compute dtype (bfloat16 by default), NNX and Linen, quantized or not:
+  the float32 bias is cast before the add, else it would promote every biased layer's output (and so the next
+  layer's input and activation memory) to float32. The MLP tests cast the loss to float32 and cannot see it."""
+  x = jnp.ones((16, D_IN), jnp.float32)
+  layer = fp4jax.nn.Linear(D_IN, D_HID, recipe=recipe, use_bias=True, rngs=nnx.Rngs(0))
+  assert layer(x).dtype == jnp.bfloat16
+  dense = fp4jax.linen.Dense(D_HID, recipe=recipe, use_bias=True)
+  variables = dense.init(jax.random.key(0), x)
+  assert dense.apply(variables, x).dtype == jnp.bfloat16
+
+
+def test_nnx_layers_draw_sr_keys_from_streams_of_their_own():
+  """Each Linear forks its own "quant" stream when built: a layer's SR keys do not depend on how often other layers
+  built from the same nnx.Rngs were called (calling, or freezing, one layer must not change another's noise)."""
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((TOKENS, D_IN)), jnp.float32)
+
+  def build():
+    rngs = nnx.Rngs(params=0, quant=1)
+    return (fp4jax.nn.Linear(D_IN, D_HID, recipe="nvfp4", rngs=rngs),
+            fp4jax.nn.Linear(D_IN, D_HID, recipe="nvfp4", rngs=rngs))
+
+  grad = nnx.jit(lambda m: nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m).kernel[...])
+  (a1, b1), (_, b2) = build(), build()
+  grad(a1)  # only the first model's first layer is called
+  np.testing.assert_array_equal(grad(b1), grad(b2))
+
+
+def test_quantized_layers_quantize_the_float32_master_weight():
+  """Under a quantized recipe both layers hand dot_general the float32 master weight (only x is cast to the compute
+  dtype): NVFP4's scales and codes are computed from the float32 values, as the paper's recipe quantizes master
+  weights. Quantizing the bfloat16-rounded weight instead changes codes and so outputs, which training alone hides."""
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((TOKENS, D_IN)), jnp.float32)
+  recipe = recipes.nvfp4(stochastic_rounding=False)
+  dims = (((1,), (0,)), ((), ()))
+
+  def expected(kernel):
+    y = fp4jax.dot_general(x.astype(jnp.bfloat16), kernel, dims, recipe=recipe, preferred_element_type=jnp.float32)
+    return y.astype(jnp.bfloat16)
+
+  layer = fp4jax.nn.Linear(D_IN, D_HID, recipe=recipe, rngs=nnx.Rngs(0))
+  np.testing.assert_array_equal(layer(x), expected(layer.kernel[...]))
+  assert not np.array_equal(expected(layer.kernel[...]), expected(layer.kernel[...].astype(jnp.bfloat16)))
+  dense = fp4jax.linen.Dense(D_HID, recipe=recipe)
+  variables = dense.init(jax.random.key(0), x)
+  np.testing.assert_array_equal(dense.apply(variables, x), expected(variables["params"]["kernel"]))

@@ -244,3 +244,29 @@ def test_stochastic_rounding_on_an_fprop_operand_is_refused(side):
   op = dataclasses.replace(getattr(r.fprop, side), rounding="stochastic")
   with pytest.raises(ValueError, match=f"fprop.{side}: stochastic rounding applies to the backward's operands"):
     r.replace(fprop=dataclasses.replace(r.fprop, **{side: op}))
+
+
+def test_fp8_preset_is_the_paper_baseline():
+  """The FP8 baseline's table, operand by operand: E4M3 in 1x128 blocks for the activations and gradients (x, dY;
+  Wgrad's x is an activation too, blocked 1x128 along the tokens), 128x128 tiles for the weight only, RNE, padded.
+  str(fp8()) shows only Wgrad's lhs as "1x128", so a 2D-blocked Wgrad x would go unnoticed without this."""
+  r = recipes.fp8()
+  act = OperandConfig(fp4jax.FP8(), pad=True)
+  weight = OperandConfig(fp4jax.FP8(), block_2d=True, pad=True)
+  assert r.fprop == GemmConfig(act, weight) and r.dgrad == GemmConfig(act, weight)
+  assert r.wgrad == GemmConfig(act, act)
+  assert not r.needs_key and r.dgrad_reuses_weight  # Dgrad reuses the 128x128 Fprop weight, transposed
+
+
+def test_each_ablation_switch_has_its_own_name_tag():
+  """recipe_names.ablation_name gives a preset one tag per switched component; logs and result tables label runs by
+  that name, so no switch may be left untagged (8-bit SR printed as plain "nvfp4" would pass for the paper's
+  32-bit recipe)."""
+  named = {"nvfp4": {}, "nvfp4-sr8bit": dict(random_bits=8), "nvfp4-threefry": dict(sr_bits="threefry"),
+           "nvfp4-sr": dict(stochastic_rounding=False), "nvfp4-2d": dict(weight_2d=False),
+           "nvfp4-rht": dict(rht=False), "nvfp4-rht4": dict(rht_size=4),
+           "nvfp4-signs:per_call": dict(random_signs="per_call"),
+           "nvfp4-rht@dgrad+wgrad": dict(rht_on=("dgrad", "wgrad"))}
+  for name, kwargs in named.items():
+    assert recipes.nvfp4(**kwargs).name == name, kwargs
+  assert recipes.mxfp4(random_bits=8).name == "mxfp4-sr8bit"
