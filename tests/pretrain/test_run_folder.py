@@ -167,6 +167,39 @@ def test_corpus_too_small_says_so(env, tmp_path, capsys):
         corpus=str(corpus), cache_dir=env["data"].cache_dir, val_fraction=0.0), eval_batches=1), log=None)
 
 
+def test_a_file_named_like_a_step_is_no_checkpoint(tmp_path):
+  """Only a <step> folder in checkpoints/ is a finished checkpoint: a stray file named "3" gives --resume nothing
+  to resume from and does not make the folder an existing run."""
+  (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+  (tmp_path / "run" / "checkpoints" / "3").write_text("")
+  with pytest.raises(ckpt.CheckpointError, match="holds no finished checkpoint"):
+    runfolder.check_resumable(tmp_path / "run")
+  out, lock = runfolder.open_run_folder(tmp_path / "run", resume=False, overwrite=False)
+  lock.release()
+
+
+def test_an_empty_metrics_file_is_no_run_to_protect(tmp_path):
+  """A run killed before its first record leaves an empty metrics.jsonl: a fresh run in that folder is not refused."""
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / "metrics.jsonl").write_text("")
+  out, lock = runfolder.open_run_folder(tmp_path / "run", resume=False, overwrite=False)
+  lock.release()
+  (out / "metrics.jsonl").write_text('{"step": 0}\n')
+  with pytest.raises(ValueError, match="already holds a run"):
+    runfolder.open_run_folder(out, resume=False, overwrite=False)
+
+
+def test_corpus_too_small_hint_leaves_a_training_window(env, tmp_path):
+  """The --seq-len hint fits the train split too (seq_len + 1 tokens), not only the validation windows: with a
+  3-token train split and room for more in the held-out one, it says 2, and --seq-len 2 then loads."""
+  corpus = tmp_path / "tiny.txt"
+  corpus.write_text("Hello world!")  # 12 bytes: 3 train tokens, 9 held out at val_fraction 0.75
+  small = data.DataConfig(corpus=str(corpus), cache_dir=env["data"].cache_dir, val_fraction=0.75)
+  with pytest.raises(ValueError, match="train split 3, .*--seq-len of at most 2, or"):
+    run_setup.load_data(make_config(env, tmp_path / "run", data=small, eval_batches=1))
+  assert len(run_setup.load_data(make_config(env, tmp_path / "run", data=small, eval_batches=1, seq_len=2))[1]) == 1
+
+
 @pytest.mark.slow
 def test_each_checkpoint_holds_its_own_config(env, tmp_path):
   """No run-level config file that a resume with other settings could make disagree with older checkpoints."""

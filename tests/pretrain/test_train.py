@@ -515,6 +515,13 @@ def test_cli_errors_exit_cleanly(tmp_path, capsys):
       capsys.readouterr().err)
 
 
+def test_cli_without_a_command_prints_the_usage_and_fails(capsys):
+  """`fp4jax` alone prints the usage and exits 2 (a script that forgot the command must not pass); --help exits 0."""
+  assert cli.main([]) == cli.EXIT_USAGE
+  assert "fp4jax train" in capsys.readouterr().out
+  assert cli.main(["--help"]) == 0
+
+
 def test_cli_maps_divergence_to_exit_code(monkeypatch, capsys):
   def diverge(config):
     raise trainer.TrainingDiverged(3, float("nan"), 1.0, 2)
@@ -550,3 +557,65 @@ def test_each_step_key_is_the_run_key_folded_with_the_step():
   state = steps_lib.TrainState(params=None, opt_state=None, step=jnp.int32(5))
   got = keyed(state, None, jax.random.key(0))
   np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(jax.random.fold_in(jax.random.key(0), 5)))
+
+
+# --- the loop's bookkeeping, with a step that only counts (no model step is built: a fast test) -------------------
+
+def _counting_steps(monkeypatch, diverge_at=None):
+  """Phases hand out a step that only advances the step counter (loss 2.5, finite until step `diverge_at`): no
+  train step is built, so the loop's cadences, records and checkpoints run in a fast test."""
+  def cached_train_step(self, step, oc_phase):
+    del self, step, oc_phase
+    def counting_step(state, batch, key, schedule):
+      del batch, key, schedule
+      finite = True if diverge_at is None else state.step < diverge_at
+      return state._replace(step=state.step + 1), {"loss": jnp.float32(2.5), "grad_norm": jnp.float32(1.0),
+                                                    "finite": jnp.asarray(finite)}
+    return counting_step
+  monkeypatch.setattr(steps_lib.Phases, "_cached_train_step", cached_train_step)
+
+
+def _logged_steps(out):
+  return [r["step"] for r in metrics.read_metrics(out)]
+
+
+def test_loop_logs_the_last_step_counts_this_calls_tokens_and_resumes_the_bar(env, tmp_path, monkeypatch, capsys):
+  """Pins the loop's bookkeeping: metrics rows every log_every steps plus the last step (no final row when nothing
+  was measured at the end), the final checkpoint, a resumed call's tokens (its own steps only) and its progress bar
+  (starting at the resumed step)."""
+  _counting_steps(monkeypatch)
+  out = tmp_path / "run"
+  config = tiny_config(env, out, steps=6, log_every=4, checkpoint_every=100, batch_size=2)
+  first = run(env, config)
+  assert _logged_steps(out) == [0, 4, 5]
+  assert first["checkpoint_step"] == 6 and first["tokens"] == 6 * 2 * 32
+  capsys.readouterr()
+  resumed = run(env, config.replace(resume=True, steps=8, progress=True))
+  assert _logged_steps(out) == [0, 4, 5, 7]
+  assert resumed["start_step"] == 6 and resumed["tokens"] == 2 * 2 * 32 and resumed["checkpoint_step"] == 8
+  assert "8/8" in capsys.readouterr().err
+
+
+def test_loop_saves_the_trained_state_when_a_hook_raises_after_the_last_step(env, tmp_path, monkeypatch):
+  """A hook raising after the last step (not the final call) saves that step's output as checkpoint `steps`."""
+  _counting_steps(monkeypatch)
+
+  def fail_at_last(step, record):
+    del record
+    if step == 3:
+      raise KeyError("my metric")
+
+  with pytest.raises(KeyError, match="my metric"):
+    run(env, tiny_config(env, tmp_path / "run", steps=4, checkpoint_every=100, batch_size=2), hooks=[fail_at_last])
+  assert _checkpoint_steps(tmp_path / "run") == [4]
+
+
+def test_divergence_after_a_resume_names_the_checkpoint_resumed_from(env, tmp_path, monkeypatch):
+  """A resumed run that diverges before saving again names the checkpoint it resumed from as the last good one."""
+  _counting_steps(monkeypatch)
+  config = tiny_config(env, tmp_path / "run", steps=4, checkpoint_every=100, batch_size=2)
+  run(env, config)
+  _counting_steps(monkeypatch, diverge_at=5)
+  with pytest.raises(trainer.TrainingDiverged) as e:
+    run(env, config.replace(resume=True, steps=8))
+  assert e.value.step == 5 and e.value.last_checkpoint == 4

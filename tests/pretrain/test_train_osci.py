@@ -2,6 +2,7 @@
 bit for bit (its statistics are checkpointed), and runs sharded."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -45,6 +46,16 @@ def test_off_by_default_and_flags_build_the_group():
   built = cli.config_from_args(["--out", "x", "--recipe", "tetrajet_v2", "--osci-reset-start", "100",
                                  "--osci-reset-every", "20", "--osci-reset-window", "5"])
   assert built.osci_reset == osci.OsciResetConfig(start=100, every=20, window=5)
+
+
+def test_host_schedule_matches_the_compiled_one_from_a_start_on_a_cycle_boundary():
+  """osci.kind (the host's: which steps fetch the reset count) and the traced branch of the update agree, also when
+  `start` is a multiple of `every` (that cycle runs: its snapshot is step `start`)."""
+  config = osci.OsciResetConfig(start=4, every=4, window=2)
+  host = [osci.kind(s, config) for s in range(12)]
+  assert host == ["none"] * 4 + ["snapshot", "track", "track", "reset"] * 2
+  traced = [osci.KINDS[int(osci._branch(jnp.asarray(s), config))] for s in range(12)]  # pylint: disable=protected-access
+  assert traced == host
 
 
 def test_first_reset_step_and_what_the_run_log_says():
