@@ -7,6 +7,7 @@ benchmarks and experiments that set up a model the way training does; trainer re
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -73,6 +74,16 @@ def load_data(config: TrainConfig, process_index: int = 0, process_count: int = 
   return dataset, val
 
 
+def _smallest_corpus(window: int, frac: float, val_need: int) -> int:
+  """The fewest tokens whose train split (n - ceil(n * frac)) holds `window` and held-out split `val_need` tokens."""
+  val = lambda n: math.ceil(n * frac) if frac > 0 else 0
+  # Below (val_need - 1) / frac the held-out split is too short; start just under it (float slack) and count up.
+  need = max(window, int((val_need - 1) / frac) - 1) if val_need else window
+  while need - val(need) < window or val(need) < val_need:
+    need += 1
+  return need
+
+
 def _check_corpus_size(dataset: data_lib.TokenDataset, config: TrainConfig) -> None:
   """Every window takes seq_len+1 tokens from one split; says how to fix a corpus too small for that."""
   window, frac = config.train_seq_len + 1, config.data.val_fraction
@@ -83,17 +94,17 @@ def _check_corpus_size(dataset: data_lib.TokenDataset, config: TrainConfig) -> N
     raise ValueError(f"data.val_fraction=0 leaves no validation split, but eval_batches={config.evaluation.batches}: "
                      "pass --eval-batches 0 or a --data.val_fraction > 0.")
   n = n_train + dataset.val.size
-  need = int(np.ceil(window / frac)) if config.evaluation.batches else window
-  while need - int(np.ceil(need * frac)) < window:  # the smallest corpus whose splits both hold a window
-    need += 1
-  # The longest --seq-len that leaves a training window, and the validation windows eval_batches x batch_size
-  # asks for (batches.val_batches): a hint that would fail in the next check helps no one.
+  # The validation windows eval_batches x batch_size asks for (batches.val_batches) need seq_len + n_windows tokens:
+  # a hint that would fail in the next check helps no one.
   n_windows = config.evaluation.batches * config.batch_size
+  need = _smallest_corpus(window, frac, window - 1 + n_windows if config.evaluation.batches else 0)
+  # The longest --seq-len that leaves a training window and those validation windows.
   fits = min(n_train - 1, dataset.val.size - n_windows) if config.evaluation.batches else n_train - 1
   raise ValueError(
       f"The corpus is too small: it has {n} tokens (train split {n_train}, validation split {dataset.val.size} at "
-      f"val_fraction={frac}), but every window needs seq_len+1={window} tokens from one split, so it needs at "
-      f"least {need} tokens. Use a larger --corpus"
+      f"val_fraction={frac}), but every window needs seq_len+1={window} tokens from one split"
+      + (f" and validation takes {n_windows} windows (eval_batches x batch_size)" if config.evaluation.batches else "")
+      + f", so it needs at least {need} tokens. Use a larger --corpus"
       + (f", a --seq-len of at most {fits}" if fits >= 1 else "")
       + (", or --eval-batches 0 to skip validation." if config.evaluation.batches else "."))
 

@@ -153,7 +153,20 @@ def test_corpus_too_small_says_so(env, tmp_path, capsys):
                    "--out", str(tmp_path / "run")]) == cli.EXIT_USAGE
   err = capsys.readouterr().err
   assert "The corpus is too small: it has 12 tokens" in err
-  assert "seq_len+1=65" in err and "needs at least 1300 tokens" in err and "--eval-batches 0" in err
+  assert "seq_len+1=65" in err and "--eval-batches 0" in err
+  # seq_len 64 + 32 held-out tokens for eval_batches 4 x batch_size 8 windows at val_fraction 0.05 (it said 1300,
+  # whose 65-token split holds one window): a corpus of the size it names loads, one token fewer does not.
+  assert "validation takes 32 windows (eval_batches x batch_size), so it needs at least 1901 tokens" in err
+  for n, loads in ((1901, True), (1900, False)):
+    corpus.write_text("abcdefghij" * 190 + "a" * (n - 1900))
+    config = TrainConfig.from_options(out=str(tmp_path / "run"), data=data.DataConfig(
+        corpus=str(corpus), cache_dir=env["data"].cache_dir))
+    if loads:
+      assert len(run_setup.load_data(config)[1]) == 4
+    else:
+      with pytest.raises(ValueError, match="has only 31 distinct windows"):
+        run_setup.load_data(config)
+  corpus.write_text("Hello world!")
   small = data.DataConfig(corpus=str(corpus), cache_dir=env["data"].cache_dir, val_fraction=0.5)
   # The longest --seq-len that leaves 4 validation windows (eval_batches 1 x batch_size 4) in the 6-token split:
   # it said 5 (one window), and following it failed in the next check.
