@@ -57,6 +57,22 @@ def test_ms_eden_with_threefry_bits_falls_back():
   _check_gemms_on_the_kernel(fp4jax.recipes.get_recipe("quartet2:rht_size=16,sr_bits=threefry"), "hash generator")
 
 
+def test_ms_eden_round_to_nearest_stays_on_the_kernel_with_threefry_bits():
+  """Only MS-EDEN's stochastic scales need the hash generator's bits: a round-to-nearest MS-EDEN quantizer of an
+  sr_bits='threefry' recipe runs on the kernel (no fallback warning) and gives fp4jax.quantize's codes and scales."""
+  from fp4jax import backends
+  backends._fallback.cache_clear()
+  recipe = fp4jax.recipes.get_recipe("quartet2:rht_size=16,sr_bits=threefry")
+  cfg = dataclasses.replace(recipe.dgrad.lhs, rounding="nearest", rht=False)
+  assert cfg.fmt.scale_rule == "eden"
+  x = jax.random.normal(jax.random.key(6), (32, 64))
+  with _no_warning():
+    out = backends.pallas_quantize(x, cfg, axis=1, recipe=recipe, key=None, signs=None)
+  ref = fp4jax.quantize(x, cfg.fmt, axis=1)
+  np.testing.assert_array_equal(np.asarray(out.codes), np.asarray(ref.codes))
+  np.testing.assert_array_equal(np.asarray(out.scales, np.float32), np.asarray(ref.scales, np.float32))
+
+
 def test_tetrajet_v2_on_the_kernels():
   """TetraJet-v2's double-block operands (an FP32 scale per 1x128 group; they used to fall back to XLA): all six
   quantizers (RHT + SR and the re-quantized Fprop operands included) and the three GEMMs run on the kernels, one
@@ -116,6 +132,21 @@ def test_uncovered_operands_fall_back_with_a_warning():
     assert backends.pallas_quantize(x, cfg, axis=1, recipe=nvfp4, key=None, signs=None) is None
 
 
+def test_pallas_quantize_passes_on_the_recipes_8_bit_sr():
+  """random_bits=8 (hardware-style SR: one random byte per element) reaches the kernel: a stochastically rounded
+  operand's codes equal fp4jax.quantize's with random_bits=8, which differ from its 32-bit codes."""
+  from fp4jax import backends
+  recipe = fp4jax.recipes.get_recipe("nvfp4").replace(random_bits=8)
+  cfg, key = recipe.dgrad.lhs, jax.random.key(5)
+  assert cfg.rounding == "stochastic"
+  x = jax.random.normal(jax.random.key(4), (32, 64))
+  out = backends.pallas_quantize(x, cfg, axis=1, recipe=recipe, key=key, signs=None)
+  ref8, ref32 = (fp4jax.quantize(x, cfg.fmt, axis=1, rounding="stochastic", key=key, random_bits=bits)
+                 for bits in (8, 32))
+  assert not np.array_equal(np.asarray(ref8.codes), np.asarray(ref32.codes))
+  np.testing.assert_array_equal(np.asarray(out.codes), np.asarray(ref8.codes))
+
+
 class _no_warning:
   def __enter__(self):
     import warnings
@@ -141,6 +172,17 @@ def test_gemm_dispatch_table():
   assert backends.GEMM_ROUTES == () or all(r.source for r in backends.GEMM_ROUTES)
   with pytest.raises(ValueError, match="backend"):
     backends.GemmRoute("NVIDIA H200", 64, "cuda", "test")
+
+
+def test_gemm_dispatch_matches_device_kind_prefixes():
+  """A route's device_kind is a prefix of the device's kind (one row covers "NVIDIA H200 NVL" and the like), not
+  the other way round; max_min_dim must be >= 1 (0 would route nothing)."""
+  from fp4jax import backends
+  routes = (backends.GemmRoute("NVIDIA H200", 1 << 30, "xla", "test"),)
+  assert backends.choose_gemm_backend(128, 128, 128, "NVIDIA H200 NVL", routes) == "xla"
+  assert backends.choose_gemm_backend(128, 128, 128, "NVIDIA H20", routes) == "pallas"
+  with pytest.raises(ValueError, match="max_min_dim"):
+    backends.GemmRoute("NVIDIA H200", 0, "xla", "test")
 
 
 def test_gemm_dispatch_applies_on_gpu_only(monkeypatch):

@@ -97,6 +97,14 @@ def test_mxfp4_and_mixed_formats():
   _check_group(cases)
 
 
+def test_column_blocked_operand_against_a_weight_packed_along_n():
+  """a [K, M] with 16x1 blocks down K (packed along its contraction axis 0) against a 2D weight packed along N: no
+  halves, so a's tile is nibble-joined and transposed, and its scaling blocks must be transposed with it (1x16)."""
+  x, w = _input((64, 32), 14), _input((64, 48), 15)
+  _check_group([("a[K,M] 1D x b 2D packed along N", _q(x, axis=0), _q(w, axis=1, block_2d=True), (0, 0),
+                 (16, 16, 32))])
+
+
 def test_split_k_odd_shapes():
   """K split across a grid axis (partial products summed in float32), with M, N, K that no tile divides."""
   x, w = _input((37, 208), 12), _input((208, 53), 13)
@@ -119,6 +127,21 @@ def test_default_split_k():
   assert matmul_lib.default_split_k(8192, 8192, 8192, (128, 128, 128), False, cores=132) == 1
   assert matmul_lib.default_split_k(16, 1024, 256 * 3, (16, 64, 256), False, cores=132) == 1  # no K padding
   assert matmul_lib.default_split_k(16, 1024, 8192, (16, 64, 256), True) == 1  # interpret mode
+
+
+def test_default_split_k_counts_ragged_tiles_and_keeps_two_k_steps_per_split():
+  """default_split_k counts the ragged last row/column tile as a program (M=40 at BM=32 is 2 row tiles, not 1) and
+  never splits below 2 K steps per split (a single-program GEMM with 4 K steps gets 2 splits, not 4)."""
+  assert matmul_lib.default_split_k(40, 4096, 8192, (32, 64, 256), False, cores=132) == 2  # 128 programs, not 64
+  assert matmul_lib.default_split_k(16, 64, 1024, (16, 64, 256), False, cores=132) == 2  # 4 K steps: 2 per split
+
+
+def test_default_tiles_compiled():
+  """Compiled tiles: skinny M (up to 32 rows) gets BM = M rounded up, BN = 64, BK = 256 (long B slabs); larger M
+  gets 128x128 output tiles with BK = 128."""
+  assert matmul_lib.default_tiles(32, 4096, 4096, False) == (32, 64, 256)
+  assert matmul_lib.default_tiles(5, 4096, 4096, False) == (16, 64, 256)
+  assert matmul_lib.default_tiles(33, 4096, 4096, False) == (64, 128, 128)
 
 
 def test_decode_by_bit_placement_is_exact():
@@ -362,6 +385,16 @@ def test_lowers_for_cuda(kind):
   assert text.count("xla.gpu.triton") == 1
 
 
+def test_compiled_launch_uses_8_warps_from_128x128_tiles():
+  """num_warps defaults to 8 on output tiles of at least 128x128 (the in-register decode of two tiles needs the
+  threads) and 4 below; num_stages to 3. Read off the Triton call lowered for cuda."""
+  a, b = _abstract((256, 256), axis=1), _abstract((256, 256), axis=0)
+  for tiles, warps in (((128, 128, 128), 8), ((64, 128, 128), 4)):
+    f = lambda a, b, t=tiles: fp4_matmul(a, b, interpret=False, use_blackwell=False, tiles=t)
+    text = platform.lower_for_cuda(f, a, b).as_text()
+    assert f"num_warps = {warps} : i32" in text and "num_stages = 3 : i32" in text, tiles
+
+
 def test_blackwell_path_applies_both_global_scales(monkeypatch):
   """fp4_matmul's Blackwell branch around an XLA stand-in for scaled_matmul (code x block scale products, no global
   scales): the epilogue must apply a's and b's amax / 2688 once each (operands 1e5 apart expose a lost or doubled
@@ -377,6 +410,23 @@ def test_blackwell_path_applies_both_global_scales(monkeypatch):
   out = fp4_matmul(a, b, interpret=True, use_blackwell=True)
   ref = jnp.dot(fp4jax.dequantize(a), fp4jax.dequantize(b), precision=HIGHEST)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+
+
+def test_blackwell_path_takes_only_1d_nvfp4_without_group_scales(monkeypatch):
+  """use_blackwell=True sends only NVFP4 x NVFP4 with 1D blocks and one tensor amax to scaled_matmul: double-block
+  (1x128 group) operands have no per-tensor factor for its epilogue, and stay on the Pallas kernel."""
+  def refuse(*_):
+    raise AssertionError("the Blackwell path took an operand it does not cover")
+
+  monkeypatch.setattr(matmul_lib, "blackwell_matmul", refuse)
+
+  @jax.jit
+  def run(x, w):
+    a, b = fp4jax.quantize(x, DOUBLE, axis=1), fp4jax.quantize(w, DOUBLE, axis=0)
+    return fp4_matmul(a, b, interpret=True, use_blackwell=True), *_reference(a, b, (1, 0))
+
+  out, ref, bound = (np.asarray(v) for v in run(_grouped_input((16, 256), 62, 1), _grouped_input((256, 16), 63, 0)))
+  assert np.all(np.abs(out - ref) <= 1e-5 * bound)
 
 
 def test_blackwell_path_lowers_and_its_operands_are_exact():

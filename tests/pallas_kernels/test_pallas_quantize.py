@@ -518,6 +518,14 @@ def test_lowers_for_cuda(kw):
   assert text.count("xla.gpu.triton") == (2 if "rht_size" in kw and kw.get("fmt") != DOUBLE_BLOCK else 1)
 
 
+def test_compiled_block_scale_division_is_ieee():
+  """Compiled, the encode-scale division is PTX div.rn.f32 (IEEE round to nearest, as fp4jax's) through inline
+  asm, not Triton's `/` (div.full.f32, up to 2 ulp off): the asm string is in the kernel lowered for cuda."""
+  text = platform.lower_for_cuda(lambda x: quantize_nvfp4(x, interpret=False).codes,
+                                 jnp.zeros((256, 256), jnp.bfloat16)).as_text()
+  assert "div.rn.f32" in text and "div.full.f32" not in text
+
+
 def test_platform_reports_cpu():
   ok, why = platform.available(reason=True)
   assert ok is (jax.default_backend() == "gpu" and platform.compute_capability() is not None
@@ -526,6 +534,26 @@ def test_platform_reports_cpu():
   if jax.default_backend() == "cpu":
     assert platform.resolve_interpret(None) is True
     assert "GPU" in why
+
+
+def test_gpu_capability_thresholds(monkeypatch):
+  """On a (simulated) GPU: compiled kernels need compute capability >= 8.0 (Triton's bf16 dot), the native
+  block-scaled MMA path >= 10.0; both thresholds inclusive."""
+  class FakeGpu:
+    platform, device_kind, core_count = "gpu", "NVIDIA fake", 132
+
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  try:
+    for cc, ok, blackwell in (("7.5", False, False), ("8.0", True, False), ("9.0", True, False),
+                              ("10.0", True, True)):
+      device = FakeGpu()
+      device.compute_capability = cc
+      monkeypatch.setattr(jax, "devices", lambda *_, d=device: [d])
+      platform._availability.cache_clear()
+      assert platform.available() is ok, cc
+      assert platform.use_blackwell_path() is (blackwell and platform.has_scaled_matmul()), cc
+  finally:
+    platform._availability.cache_clear()  # recomputed on the real backend next time
 
 
 # --- kernel-safe numerics == fp4jax.grids, bit for bit -------------------------------------------------------------
