@@ -37,3 +37,31 @@ def test_transformer_part_trains_a_step():
 def test_unknown_qwix_row_is_rejected():
   with pytest.raises(SystemExit):
     vs_qwix.main(["--qwix", "qwix:int3"])
+
+
+def test_ratios_pair_each_block_with_the_unquantized_rows_same_block(monkeypatch, capsys):
+  """run_part divides each row's median step time in a block by the unquantized row's median in the same block (a
+  machine slowing down between blocks moves both); main prints the median and the min of those per-block ratios,
+  and the loss of the last step. Fake steps on a fake clock."""
+  import types  # pylint: disable=g-import-not-at-top
+  clock = [0.0]
+  warmup, steps = 1, 3
+  cost = {"unquantized": (1.0, 2.0), "nvfp4": (1.2, 3.0)}  # seconds per step in block 0 and block 1: ratios 1.2, 1.5
+
+  def fake_run(name, width, batch):
+    def step(state, key):
+      del key
+      clock[0] += cost[name][max(state - warmup, 0) // steps]
+      return state + 1, 10.0 - state
+    return step, 0
+
+  monkeypatch.setattr(vs_qwix, "_mlp_run", fake_run)
+  monkeypatch.setattr(vs_qwix, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+  ratios, _, losses = vs_qwix.run_part("mlp", ["unquantized", "nvfp4"], steps=steps, warmup=warmup, runs=2, width=8,
+                                       batch=8)
+  assert ratios["nvfp4"] == pytest.approx([1.2, 1.5]) and ratios["unquantized"] == [1.0, 1.0]
+  assert losses["nvfp4"] == 4.0  # the 7th step's (state 6)
+  vs_qwix.main(["--parts", "mlp", "--recipes", "nvfp4", "--qwix", "", "--steps", "3", "--warmup", "1", "--runs", "2"])
+  rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()
+          if line.startswith("  ") and "row" not in line}
+  assert rows["nvfp4"][:2] == ["1.35", "1.20"] and rows["nvfp4"][3] == "4.00000"

@@ -411,6 +411,13 @@ def test_time_jitted_and_hlo_passes():
   assert not any(line.split()[1].startswith("copy") for line in full)  # no full-size copy of the data
 
 
+def test_time_jitted_counts_the_first_arguments_elements_by_default():
+  """`elements` defaults to the first argument's size, not another argument's (a key, a second operand)."""
+  t = common.time_jitted(lambda x, y: x + y.sum(), (jnp.ones((4, 8)), jnp.ones(3)), name="two", donate_argnums=(),
+                         warmup=0, repeats=1)
+  assert t.elements == 32
+
+
 def test_time_jitted_reports_the_median_min_and_max_of_the_timed_calls(monkeypatch):
   """Timing.median_s is the median of the timed calls (not their mean: one slow call on a shared machine must not
   move it), next to their min and max. Simulated clock: the three timed calls take 1, 2 and 6 s."""

@@ -301,3 +301,56 @@ def test_native_division_row_traces_the_platform_divide_and_does_not_leak():
   assert "xf64>" in lowered()
   recipes = {label for _, group in gpu_model._train_plan(dry=True, priority_only=True)[1] for label, _ in group}
   assert gpu_model.NATIVE_DIVISION in recipes
+
+
+def test_median_time_is_the_median_per_call_of_the_repetitions(monkeypatch):
+  """report.median_time: one untimed call per argument set, one call to size the repetitions (target_s / its time),
+  then per repetition the seconds of its back-to-back calls divided by their number; the median of those, not the
+  fastest, nor a repetition's total."""
+  import types  # pylint: disable=g-import-not-at-top
+  clock = [0.0]
+  costs = [9.0, 9.0, 0.125] + [0.25] * 4 + [0.75] * 4 + [0.5] * 4  # warm-ups, the sizing call, 3 reps of 4 calls
+  seen = []
+
+  def fn(a):
+    seen.append(a)
+    clock[0] += costs[len(seen) - 1]
+    return a
+
+  monkeypatch.setattr(report, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+  t = report.median_time(fn, [(0,), (1,)], target_s=0.5, reps=3)
+  assert len(seen) == 15 and seen[3:7] == [0, 1, 0, 1]  # 0.5 / 0.125: 4 calls per rep, cycling the argument sets
+  assert t == 0.5
+
+
+def test_a_section_stops_starting_rows_five_seconds_before_its_budget(tmp_path, monkeypatch):
+  """gpu_bench.py SECTION --budget S: the section's deadline is S - 5 seconds from its start (room for the last row
+  before gpu.sh's timeout), and --dry / --run reach the Section."""
+  from benchmarks import gpu_bench  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
+  monkeypatch.delenv(gpu_bench.ABORT_ENV, raising=False)
+  monkeypatch.setattr(gpu_bench, "time", types.SimpleNamespace(time=lambda: 1000.0))
+  got = []
+  monkeypatch.setattr(gpu_bench, "_section_fn", lambda name: got.append)
+  assert gpu_bench.main(["train", "--out", str(tmp_path), "--budget", "30", "--dry", "--run", "2"]) == 0
+  [sec] = got
+  assert (sec.name, sec.deadline, sec.dry, sec.run) == ("train", 1025.0, True, 2)
+
+
+def test_quant_gbs_counts_input_codes_and_scales_against_a_read_plus_write_copy(tmp_path, monkeypatch):
+  """Section `quant`'s bandwidths: the copy moves its bf16 input twice (read + write); a quantizer moves 2 B in,
+  0.5 B of codes and 1/16 B of scales out per element; the row's ratio is the one over the other."""
+  import fp4jax  # pylint: disable=g-import-not-at-top
+  from benchmarks.gpu import quant  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(quant, "QUANT_BENCH", [("row 1x16 RNE (Fprop x)", dict())])
+  monkeypatch.setattr("pallas_kernels.quantize_nvfp4",
+                      lambda x, interpret, key, fmt, **kw: fp4jax.quantize(x, fmt, key=key, **kw))
+  monkeypatch.setattr(report, "median_time", lambda fn, arg_sets, **kw: 1e-3)
+  quant.run(report.Section("quant", str(tmp_path), float("inf"), dry=True))
+  copy, row = report.read_rows(str(tmp_path))
+  n = 256 * 256  # the dry run's shape
+  assert copy["unit"] == "GB/s" and copy["value"] == pytest.approx(2 * 2 * n / 1e-3 / 1e9)
+  assert row["value"] == pytest.approx((2 * n + n // 2 + n // 16) / 1e-3 / 1e9), row["note"]
+  assert row["baseline"] == copy["value"] and row["ratio"] == pytest.approx(row["value"] / copy["value"])
+  assert row["ok"] is True and row["err"] == 0.0
