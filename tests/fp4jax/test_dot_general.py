@@ -424,3 +424,58 @@ def test_linear_dot_general_pairs_contracted_axes_listed_out_of_order():
   want = jnp.einsum("bhd,dhn->bn", x, w, precision="highest")
   assert y.shape == want.shape
   assert float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 0.3
+
+
+def test_mixed_dtype_gradients_take_each_inputs_dtype():
+  """The rule's cotangents are cast back to their own input's dtype: a bfloat16 x with a float32 W gives a bfloat16
+  dx and a float32 dW (not dW in x's dtype)."""
+  x = jax.random.normal(jax.random.key(0), (32, 64), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (64, 32), jnp.float32)
+  dx, dw = jax.grad(lambda x, w: fp4jax.dot_general(x, w, DN, recipe=RNE).astype(jnp.float32).sum(),
+                    argnums=(0, 1))(x, w)
+  assert (dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.float32)
+
+
+def test_dgrad_weight_sr_uses_its_own_key_tag():
+  """A re-quantized, stochastically rounded Dgrad weight (TetraJet-v2) draws its SR bits from fold_in(key, 4)
+  (_DGRAD_W_SR), not from Wgrad's activation stream fold_in(key, 5); signs from fold_in(key, 3)."""
+  from fp4jax.dot_general import quantize_operand  # pylint: disable=g-import-not-at-top
+  recipe = fp4jax.recipes_beyond.tetrajet_v2(sr_bits="threefry")
+  w = jax.random.normal(jax.random.key(1), (64, 32), jnp.float32)
+  key = jax.random.key(7)
+  wq = jax.jit(lambda w: fprop_operands(jnp.zeros((16, 64)), w, recipe, key)[1])(w)
+  got = jax.jit(lambda w, wq: dgrad_weight(w, wq, recipe, key, jnp.float32))(w, wq)
+  w_src = dequantize(wq).astype(jnp.float32)
+  signs = jax.random.fold_in(key, 3)
+  want, other = (jax.jit(lambda w, t=t: quantize_operand(w, recipe.dgrad.rhs, axis=1, recipe=recipe,
+                                                         key=jax.random.fold_in(key, t), signs=signs))(w_src)
+                 for t in (4, 5))
+  assert not _codes_equal(want, other)  # the tag matters for these inputs
+  assert _codes_equal(got, want)
+
+
+def test_wgrad_pads_tokens_to_the_rht_size():
+  """Wgrad's RHT runs along the tokens: a token count that is a multiple of the blocks (48 = 3 x 16) but not of a
+  64-point RHT is zero-padded to 64 inside the rule, so dW equals that of the explicitly zero-padded call."""
+  recipe = recipes.get_recipe("nvfp4:rht_size=64,stochastic_rounding=false")
+  x = jax.random.normal(jax.random.key(0), (48, 64), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (64, 64), jnp.float32)
+  dy = jax.random.normal(jax.random.key(2), (48, 64), jnp.float32)
+  key = jax.random.key(3)
+  dw = lambda x, dy: jax.vjp(lambda w: fp4jax.dot_general(x, w, DN, recipe=recipe, key=key), w)[1](dy)[0]
+  pad = lambda a: jnp.pad(a, ((0, 16), (0, 0)))
+  np.testing.assert_array_equal(np.asarray(dw(x, dy)), np.asarray(dw(pad(x), pad(dy))))
+
+
+def test_dgrad_dy_sr_uses_its_own_key_tag():
+  """Dgrad's stochastically rounded dY draws its SR bits from fold_in(key, 1) (_DGRAD_SR), Wgrad's from
+  fold_in(key, 2): the two GEMMs' rounding noise is independent."""
+  from fp4jax.dot_general import dgrad_gradient, quantize_operand  # pylint: disable=g-import-not-at-top
+  recipe = recipes.nvfp4(rht=False)
+  dy = jax.random.normal(jax.random.key(2), (32, 64), jnp.float32)
+  key = jax.random.key(7)
+  got = jax.jit(lambda dy: dgrad_gradient(dy, recipe, key))(dy)
+  want, other = (jax.jit(lambda dy, t=t: quantize_operand(dy, recipe.dgrad.lhs, axis=1, recipe=recipe,
+                                                          key=jax.random.fold_in(key, t)))(dy) for t in (1, 2))
+  assert recipe.dgrad.lhs.rounding == "stochastic" and not _codes_equal(want, other)
+  assert _codes_equal(got, want)

@@ -148,3 +148,11 @@ def test_eden_scales_with_8_random_bits_truncate_the_probability():
       assert up == 0, up
     else:
       assert abs(up - expected) <= 4.0 * np.sqrt(expected / n), (p256, up)
+
+
+def test_numpy_integer_eden_group_is_stored_as_a_python_int():
+  """NVFP4 stores eden_group as a plain int: np.int64(64) gives the same field type and repr (what recipe names,
+  JSON and reports print) as 64, not "eden_group=np.int64(64)"."""
+  a = fp4jax.NVFP4(scale_rule="eden", eden_group=np.int64(64))
+  b = fp4jax.NVFP4(scale_rule="eden", eden_group=64)
+  assert type(a.eden_group) is int and repr(a) == repr(b)

@@ -182,3 +182,20 @@ def test_fp8_tiny_amax_encode_factor_is_clamped_to_flt_max(scaling):
   x_hat = np.asarray(fp4jax.dequantize(q))
   assert np.all(np.isfinite(np.asarray(q.codes, np.float32))) and np.all(np.isfinite(x_hat))
   assert np.all(x_hat[x == 0] == 0)
+
+
+@pytest.mark.parametrize("block_size", [0, -128])
+def test_fp8_non_positive_block_size_is_refused(block_size):
+  """FP8 blocks hold at least one element: block_size 0 (or negative) is refused when the format is built, not left
+  to fail (or divide by zero) in the quantizer's reshape."""
+  with pytest.raises(ValueError, match=f"FP8 block_size must be a positive int; got {block_size}"):
+    fp4jax.FP8(block_size=block_size)
+  assert fp4jax.FP8(block_size=1).block_size == 1  # the smallest block is allowed
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_mxfp8_block_size_other_than_32_is_refused(block_size):
+  """OCP MXFP8 has one E8M0 scale per 32 elements: other block sizes are refused, not run as non-OCP blocks."""
+  with pytest.raises(ValueError, match=f"MXFP8 uses 32-element blocks; got block_size={block_size}"):
+    fp4jax.MXFP8(block_size=block_size)
+  assert fp4jax.MXFP8(block_size=32) == fp4jax.MXFP8()
