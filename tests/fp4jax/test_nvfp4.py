@@ -269,7 +269,7 @@ def test_value_paths_equal_dequantize(case):
 
 
 def test_tiny_and_infinite_amax_scales_match_reference():
-  """amax < 2688 / F32_MAX: S_enc is clamped to F32_MAX (unclamped, an all-zero block's scale became 0 * inf = NaN
+  """amax < 2688 / FLT_MAX: S_enc is clamped to FLT_MAX (unclamped, an all-zero block's scale became 0 * inf = NaN
   and a finite tensor dequantized to NaN rows). amax = inf: S_enc = 0 is taken as 1, so the stored scales are the
   reference's (448 for an infinite block), though the dequantized tensor is NaN."""
   tiny = np.zeros((4, 16, 64), np.float32)
@@ -340,7 +340,7 @@ def test_all_float32_max(jit):
   assert np.all(r["scales"] == 448.0)
   deq = np.asarray(fp4jax.dequantize(q))
   assert np.all(np.isfinite(deq))
-  np.testing.assert_array_equal(deq, x)  # 6 * 448 * f32(F32_MAX / 2688) happens to round back to F32_MAX
+  np.testing.assert_array_equal(deq, x)  # 6 * 448 * f32(FLT_MAX / 2688) happens to round back to FLT_MAX
 
 
 @pytest.mark.parametrize("magnitude", [1e-6, 1e-7, 1e-8])
