@@ -54,7 +54,7 @@ HLO findings (XLA:CPU, jax 0.10.2, AVX-512 host; `--hlo` prints the kernels of t
   Where the time goes (LLVM IR of the kernels, AVX-512 host, XLA vectorises 8-wide): the block amax along the
   minor axis is ~3.4 instructions per element (XLA vectorises across blocks, so each block's 16 elements are
   gathered by scalar loads); the RNE loop ~5.7, the SR loop ~9.8. Both passes are compute-bound, not memory-bound.
-  RHT: the 16-point RHT is 16 broadcast multiply-adds per element (fp4jax.rht._mix, summed in the dot's order: the
+  RHT: the 16-point RHT is 16 broadcast multiply-adds per element (fp4jax.rht.mix_fixed_order, in the dot's order: the
   same bits), ~7.8 instructions per element in its own loop, whose result XLA writes out and the quantizer's two
   passes read: RNE+RHT makes 3 passes against q+dq's 2, and ~17 instructions per element in all. A bfloat16 input
   used to be converted into a float32 copy first (a fourth pass: XLA fuses a producer into at most 15 differently

@@ -4,10 +4,11 @@ For y = x W with x [..., K] (tokens M = product of leading dims) and W [K, N] (o
   Fprop  y  = Q(x along K)            @ Q(W, 2D)
   Dgrad  dx = Q(dY along N, SR)       @ Q(W, 2D)^T          (the Fprop weight codes, transposed: no re-quantization)
   Wgrad  dW = Q(RHT x along M)^T      @ Q(RHT dY along M, SR)
-The "xla" backend multiplies the operands' values with float32 accumulation, which equals a real FP4 GEMM up to
-float32 summation order: either code x block scale in bfloat16 (exact: at most 6 significant bits) with the
-per-tensor scales applied to the float32 output (gemm_mode "bf16", BF16 tensor cores on a GPU), or the fully
-dequantized float32 values at HIGHEST precision (gemm_mode "f32", the reference); see fp4jax.gemm.
+The "xla" backend multiplies the operands' values with float32 accumulation: either code x block scale in bfloat16
+(exact: at most 6 significant bits) with the per-tensor scales applied to the float32 output (gemm_mode "bf16",
+BF16 tensor cores on a GPU), which equals a real FP4 GEMM up to float32 summation order, or the fully dequantized
+float32 values at HIGHEST precision (gemm_mode "f32", the reference, which also rounds each decoded element and
+product to float32); see fp4jax.gemm.
 Residuals are kept quantized: the backward needs Q(W, 2D) and Q(RHT x along M), both computed in the forward pass
 from high-precision tensors (or, for operands marked `requantize`, from the dequantized Fprop operands), so no
 full-precision copy of x or W is saved.

@@ -92,7 +92,7 @@ class NVFP4(_FP4Format):
   headroom: encode elements at 16/17 of their scale (block max at 6 * 16/17) and undo it in the tensor decode
     scale: E4M3 rounding moves a normal block scale down by at most a factor 16/17, so no element saturates (the
     other cure for the stochastic-rounding bias; fouroversix's rounding "adjustment factor"). Subnormal E4M3 scales
-    (blocks under ~1e-5 of the tensor amax) can round down by up to a third: SR is biased there; "up" is not.
+    (blocks under ~3.5e-5 of the tensor amax) can round down by up to a third: SR is biased there; "up" is not.
   double_block: TetraJet-v2's "double-block" scaling (arXiv 2510.27527; thu-ml/TetraJet-v2-NVFP4Training,
     kernels/baseline_fakequant/nvfp4_quant_fused_kernel.py): the FP32 second-level scale comes from the amax of
     each 1x128 group (8 blocks along the blocked axis) instead of the whole tensor, so one outlier only coarsens

@@ -2,12 +2,13 @@
 
 "f32" multiplies the fully dequantized float32 values at HIGHEST precision (the reference). "bf16" multiplies code x
 block scale in bfloat16, exact for FP4 (at most 6 significant bits), with float32 accumulation and the per-tensor
-scales applied to the float32 output: the same products, so the two differ only in float32 summation order.
-NVFP4 with double-block scales (TetraJet-v2) has an FP32 scale per 1x128 group along the contraction axis: "bf16"
-multiplies each group's codes x block scales in a GEMM of its own and applies both operands' group scales to that
-partial product (`grouped_gemm`), as a block-scaled GEMM on tensor cores does per k-block. The products are exact
-again; "f32" rounds each dequantized element to float32 first, so there the two differ by that rounding as well
-(both within float32's error of the exact GEMM). Operands with no exact bfloat16 form (FP8 block scales, float32
+scales applied to the float32 output, as an FP4 GEMM does: its products are exact, so it equals a real FP4 GEMM up
+to float32 summation order. "f32" rounds each dequantized element q * s_b * (amax / 2688) and each product to
+float32, so the two modes differ by those roundings as well as the order, both within float32's error of the exact
+GEMM (tests/fp4jax/test_gemm_mode.py bounds it). NVFP4 with double-block scales (TetraJet-v2) has an FP32 scale per
+1x128 group along the contraction axis: "bf16" multiplies each group's codes x block scales in a GEMM of its own and
+applies both operands' group scales to that partial product (`grouped_gemm`), as a block-scaled GEMM on tensor cores
+does per k-block. Operands with no exact bfloat16 form (FP8 block scales, float32
 arrays) take the "f32" path.
 The custom_vjp rule (fp4jax.dot_general) runs its three GEMMs through `gemm`.
 """
@@ -181,9 +182,10 @@ def auto_gemm_mode(backend: str, flags=frozenset()) -> str:
 def resolve_gemm_mode(recipe: recipes_lib.Recipe) -> str:
   """The recipe's GEMM mode, with "auto" resolved for this machine (`auto_gemm_mode`).
 
-  Both modes multiply the same exact products, so "bf16" differs from the float32 reference ("f32") only in float32
-  summation order; pass gemm_mode="f32" for runs that must reproduce float32-GEMM results bit for bit on every
-  machine (golden losses, stored results), and gemm_mode="bf16" to run the bf16 path on any.
+  "bf16" multiplies exact products and differs from the float32 reference ("f32", which rounds each decoded element
+  and product) within float32 rounding: the summation order and those roundings. Pass gemm_mode="f32" for runs that
+  must reproduce float32-GEMM results bit for bit on every machine (golden losses, stored results), and
+  gemm_mode="bf16" to run the bf16 path on any.
   """
   if recipe.gemm_mode != "auto":
     return recipe.gemm_mode

@@ -309,11 +309,23 @@ def _block_of(q: QArray):
 
 
 def _finish(values, amax, orig_shape, dtype):
-  """Non-finite amax poisons the whole tensor (fail loudly, never plausible numbers); crop padding; cast."""
+  """Non-finite amax poisons the whole tensor (fail loudly, never plausible numbers); crop padding; saturate; cast."""
   values = jnp.where(jnp.all(jnp.isfinite(amax)), values, jnp.nan)
   if values.shape != tuple(orig_shape):
     values = values[tuple(slice(0, n) for n in orig_shape)]
-  return values.astype(dtype)
+  return saturated(values, dtype).astype(dtype)
+
+
+def saturated(values, dtype):
+  """`values` with magnitudes beyond `dtype`'s largest finite value set to it (NaN stays NaN).
+
+  A format's grid can reach past the output dtype from finite input: an MX block of float16 values near 65504
+  decodes to 65536 (4 x 2^14 with the "ceil" rule), and NVFP4 with headroom maps a block maximum to 17/16 of it
+  (past FLT_MAX from 3.2e38). As the MX exponent caps do, those values saturate rather than becoming inf: a finite
+  tensor never decodes to inf, and only non-finite input gives non-finite output (the tensor poisoned with NaN).
+  """
+  fmax = jnp.finfo(dtype).max
+  return jnp.where(jnp.abs(values) > fmax, jnp.sign(values) * jnp.asarray(fmax, values.dtype), values)
 
 
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:

@@ -113,8 +113,9 @@ class Recipe:
       (jax.random.bits; the generator of earlier runs). See fp4jax.prng.
     gemm_mode: how the xla backend multiplies quantized operands: "f32" (dequantized float32 values at HIGHEST
       precision, the reference), "bf16" (code x block scale, exact in bf16, with float32 accumulation and the
-      per-tensor scales applied to the output: equal to "f32" up to summation order; NVFP4 double-block scales are
-      applied per 1x128 group, after one bf16 GEMM each: equal to "f32" up to float32 rounding) or "auto" (the
+      per-tensor scales applied to the output: a real FP4 GEMM up to summation order, and "f32" up to float32
+      rounding, as "f32" rounds each decoded element and product; NVFP4 double-block scales are applied per 1x128
+      group, after one bf16 GEMM each) or "auto" (the
       faster one on this machine: bf16 on GPUs, TPUs and AVX-512 CPUs, f32 on other CPUs; see
       fp4jax.gemm.auto_gemm_mode).
   """
@@ -337,7 +338,7 @@ def nvfp4(*, rht: bool = True, rht_size: int = 16, stochastic_rounding: bool = T
     "4over6"), chosen per block by `select` ("mse", "mae" or "absmax").
   unbiased_sr: the SR operands' block scales: False (NVIDIA: rounded to nearest, ~1.2 % bias at block maxima),
     True or "up" (rounded up: unbiased), "headroom" (elements at 16/17 of their scale: unbiased except in blocks
-    whose E4M3 scale is subnormal, under ~1e-5 of the tensor amax, docs/numerics.md; with 4/6 the
+    whose E4M3 scale is subnormal, under ~3.5e-5 of the tensor amax, docs/numerics.md; with 4/6 the
     SR operands choose their candidate on nearest-rounded values, NVFP4(select_on="nearest"), since choosing among
     stochastically rounded candidates, as the reference does, biases SR again: docs/numerics.md).
   sr_bits, gemm_mode: the SR bit generator and the GEMM mode (see Recipe); they change speed, not the recipe.

@@ -20,7 +20,7 @@ from fp4jax import keys
 # The sign vector hard-coded by the NVFP4 reference implementation (d = 16), shared by all layers for the run.
 REFERENCE_SIGNS_16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 MIN_SIZE, MAX_SIZE = 2, 256
-# The tile size whose transform runs as elementwise multiply-adds instead of a dot (off a mesh), see _mix.
+# The tile size whose transform runs as elementwise multiply-adds instead of a dot (off a mesh), see mix_fixed_order.
 FUSED_SIZE = 16
 # The tile sizes whose transform along a non-minor axis runs as a dot batched over the tiles, see _tile_batched_dot.
 TILE_BATCHED_SIZES = (64, 128)
@@ -108,9 +108,10 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
   """
   check_size(size)
   x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"random_hadamard takes floating-point input (float32, bfloat16, float16); got dtype "
-                     f"{x.dtype.name}.")
+  if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):  # float64 too: the transform is float32 arithmetic
+    raise ValueError(f"random_hadamard takes float32, bfloat16 or float16 input; got dtype {x.dtype.name}.")
+  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+    raise ValueError(f"axis must be an int; got {axis!r}.")
   if not -x.ndim <= axis < x.ndim:
     raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}.")
   axis %= x.ndim
@@ -146,7 +147,7 @@ def _random_hadamard_jit(x, signs, *, size, axis, inverse, as_dot):
   if axis == x.ndim - 1:
     tiles = x.reshape(*x.shape[:-1], n // size, size)
     if not as_dot:
-      y = _mix(tiles, h, tiles.ndim - 1)
+      y = mix_fixed_order(tiles, h, tiles.ndim - 1)
     else:
       y = jnp.einsum("...j,ji->...i", grids.exact_float32(tiles), h, precision=jax.lax.Precision.HIGHEST)
     return y.reshape(x.shape).astype(out_dtype)
@@ -156,7 +157,7 @@ def _random_hadamard_jit(x, signs, *, size, axis, inverse, as_dot):
   p = math.prod(x.shape[:axis]) * (n // size)
   tiles = x.reshape(p, size, -1)
   if not as_dot:
-    y = _mix(tiles, h, 1)
+    y = mix_fixed_order(tiles, h, 1)
   elif size in TILE_BATCHED_SIZES:
     y = _tile_batched_dot(grids.exact_float32(tiles), h)
   else:
@@ -178,7 +179,7 @@ def _tile_batched_dot(tiles, h):
   return jax.lax.dot_general(h_pxjxi, tiles, (((1,), (1,)), ((0,), (0,))), precision=jax.lax.Precision.HIGHEST)
 
 
-def _mix(tiles, h, j_axis):
+def mix_fixed_order(tiles, h, j_axis):
   """sum_j tiles_j h[j, i] along `j_axis` (length 16): 16 broadcast multiply-adds, an elementwise expression.
 
   On XLA:CPU one vectorised loop fusion (with the cast to the output dtype) runs ~2x faster than the [.., 16] x

@@ -7,11 +7,13 @@
       fmt = fp4jax.NVFP4() (the default) and its scale_rule="up", "4over6", "eden", headroom and double_block
       variants. Exceptions (pallas_kernels/quantize.py says more): a tensor whose largest magnitude is a float32
       subnormal keeps it as amax where XLA:CPU's gives 0 (codes, scales and values agree), and with an RHT of a
-      size other than 4 and 16, or compiled, the transform's float32 sums may differ from XLA's in the last bit.
+      size other than 4 and 16, or compiled, the transform's float32 sums may differ from fp4jax's in the last bit.
   fp4_matmul(a, b, *, contract=(1, 0), interpret=None, tiles=None, split_k=None, use_blackwell=None,
              num_warps=None, num_stages=None) -> float32 [M, N]
-      dequantize(a) . dequantize(b) for NVFP4/MXFP4 QArrays (NVFP4 double-block too: one K step per 1x128
-      group), up to float32 summation order.
+      the FP4 GEMM of NVFP4/MXFP4 QArrays (NVFP4 double-block too: one K step per 1x128 group): exact
+      code x block scale products in bf16, float32 accumulation, the tensor scales in the epilogue. It equals
+      fp4jax's gemm_mode="bf16" up to float32 summation order, and dequantize(a) . dequantize(b) (which rounds each
+      decoded element and product) within float32 rounding.
   available(reason=False) -> bool (or (bool, why)): whether the kernels can run compiled on this machine.
   platform.lower_for_cuda(fn, *args): jax.jit(fn) lowered for cuda on any machine (jax 0.10 and 0.11).
 

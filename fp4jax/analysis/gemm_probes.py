@@ -5,7 +5,7 @@ with the exact products of the same inputs, so every recipe of a comparison (BF1
 Given a layer's x [M, K], W [K, N] and output gradient dY [M, N] (fp4jax.analysis.model_probes.capture_layer_tensors),
 draw d runs the rule's own public pieces (fp4jax.dot_general.layer_operands, fprop, dgrad, wgrad) with the layer key
 fold_in(key, d), as one training step would, in gemm_mode "f32" (dequantized float32 values at HIGHEST precision:
-"bf16" mode differs only in summation order). Outputs stay float32 (not rounded to the model's dtype). Measured:
+"bf16" mode differs within float32 rounding). Outputs stay float32 (not rounded to the model's dtype). Measured:
 
   error      ||out_d - exact|| / ||exact|| per draw, for Fprop (y = x W), Dgrad (dx = dY W^T), Wgrad (dW = x^T dY);
              exact = the float64 product of the captured tensors.

@@ -237,3 +237,21 @@ def test_blocks_near_float32_max_stay_finite(name):
   np.testing.assert_array_equal(ref.as_f64(q.scales), scales)
   ref.assert_same_bits(_dequantize_jit(q), want)
   ref.assert_same_bits(jax.jit(functools.partial(fp4jax.fake_quant, fmt=fmt))(jnp.asarray(x)), want)
+
+
+@pytest.mark.parametrize("name, value", [("mxfp4_ceil", 61000.0), ("mxfp4_tseng", 61000.0), ("mxfp8", 65504.0)])
+def test_float16_blocks_near_its_max_saturate_in_float16(name, value):
+  """A float16 block near 65504 decodes to 65536 (ceil: scale 2^14, top 4 x 2^14; tseng and MXFP8 alike), which
+  float16 cannot hold: fake_quant (x's dtype) and dequantize(q, float16) gave inf from finite input. They saturate
+  at 65504 now; float32 keeps 65536, and a NaN still poisons the tensor."""
+  x = np.full((2, 32), value, np.float16)
+  x[1] = -x[1]
+  q = fp4jax.quantize(jnp.asarray(x), name)
+  wide = np.asarray(fp4jax.dequantize(q))
+  assert np.max(np.abs(wide)) == 65536.0  # the format's value, past float16's range
+  want = np.clip(wide, -65504.0, 65504.0).astype(np.float16)
+  for got in (fp4jax.fake_quant(jnp.asarray(x), name), fp4jax.dequantize(q, jnp.float16)):
+    assert got.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16))
+  x[0, 3] = np.nan
+  assert np.all(np.isnan(np.asarray(fp4jax.fake_quant(jnp.asarray(x), name))))

@@ -533,3 +533,18 @@ def test_double_block_with_a_partial_last_group_round_trips():
   assert q.amax.shape == (4, 1)
   y = fp4jax.dequantize(q)
   assert y.shape == (4, 48) and bool(jnp.all(jnp.isfinite(y)))
+
+
+def test_headroom_block_maxima_near_float32_max_saturate():
+  """With headroom a block maximum lands at 6 x 16/17 and rounds to 6: it decodes to ~17/16 of the tensor amax,
+  past FLT_MAX from 3.2e38, and came out inf from finite input. It saturates at FLT_MAX (float16: 65504) now; an
+  ordinary tensor keeps its bits (the 17/16 overshoot of round-to-nearest is headroom's, not an overflow)."""
+  headroom = fp4jax.NVFP4(headroom=True)
+  x = np.full((2, 16), 3.3e38, np.float32)
+  x[1] = -x[1]
+  got = np.asarray(fp4jax.fake_quant(jnp.asarray(x), headroom))
+  np.testing.assert_array_equal(got, np.where(x > 0, F32_MAX, -F32_MAX).astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(fp4jax.dequantize(fp4jax.quantize(jnp.asarray(x), headroom))), got)
+  half = np.asarray(fp4jax.fake_quant(jnp.full((1, 16), 65504.0, jnp.float16), headroom))
+  assert half.dtype == np.float16 and np.all(half == 65504.0)
+  assert float(fp4jax.fake_quant(jnp.ones((1, 16)), headroom)[0, 0]) == 1.0625

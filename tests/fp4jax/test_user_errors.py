@@ -40,6 +40,16 @@ def test_keys_of_both_kinds_are_accepted():
     fp4jax.random_hadamard(X_MxK, signs=1)
 
 
+def test_random_hadamard_names_a_bad_dtype_or_axis_itself():
+  """float64 (under jax_enable_x64) was refused by an internal helper's message, and axis=True ran as axis 1."""
+  with jax.enable_x64(True):
+    with pytest.raises(ValueError, match="random_hadamard takes .* got dtype float64"):
+      fp4jax.random_hadamard(jnp.ones((4, 32), jnp.float64))
+  for axis in (True, 1.0):
+    with pytest.raises(ValueError, match="axis must be an int"):
+      fp4jax.random_hadamard(X_MxK, axis=axis)
+
+
 def test_quantized_dot_general_refuses_sr_without_a_key_per_call():
   fn = fp4jax.quantized_dot_general(recipes.nvfp4())
   with pytest.raises(ValueError, match="fresh key on every call"):
