@@ -109,7 +109,7 @@ def val_batches(
     raise ValueError(f"{num_batches} validation batches (--eval-batches) of {batch_size} windows ask for "
                      f"{num_batches * batch_size} windows, but the validation split ({tokens.size} tokens) has only "
                      f"{distinct} distinct windows of seq_len+1={seq_len + 1} tokens: {fix}, or a larger "
-                     "--data.val_fraction or corpus.")
+                     "validation split (a larger corpus, or --data.val_fraction when training).")
   starts = np.linspace(0, tokens.size - seq_len - 1, num_batches * batch_size).round().astype(np.int64)
   starts_NxB = starts.reshape(num_batches, batch_size)
   lo = process_index * b_local

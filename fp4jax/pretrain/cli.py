@@ -49,7 +49,7 @@ from typing import Any
 
 from fp4jax import cli_values
 
-EXIT_DIVERGED, EXIT_USAGE, EXIT_PEER_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
+EXIT_DIVERGED, EXIT_USAGE, EXIT_PEER_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 3, 130, 143  # 128 + signal
 
 
 class UsageExit(SystemExit):
@@ -303,6 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   except trainer.TrainingDiverged as e:
     print(f"fp4jax: {e}", file=sys.stderr)
     return EXIT_DIVERGED
+  except trainer.Terminated:
+    print("fp4jax: terminated (SIGTERM).", file=sys.stderr)
+    return EXIT_TERMINATED
   except KeyboardInterrupt:
     print("fp4jax: interrupted.", file=sys.stderr)
     return EXIT_INTERRUPTED

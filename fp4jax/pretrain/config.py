@@ -43,10 +43,13 @@ def _is_int(value) -> bool:
 
 
 def _need_ints(obj, minimum: int, *names: str) -> None:
+  """Refuses a field of `names` that is not an int >= minimum, naming its CLI option ("every" is --log-every)."""
+  fields = {f.name: f for f in dataclasses.fields(obj)}
   for name in names:
     value = getattr(obj, name)
     if not _is_int(value) or value < minimum:
-      raise ValueError(f"{type(obj).__name__}: {name} must be an int >= {minimum}; got {value!r}.")
+      flag = "--" + flat_key(fields[name]).replace("_", "-")
+      raise ValueError(f"{type(obj).__name__}: {name} ({flag}) must be an int >= {minimum}; got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -244,9 +244,9 @@ def eval_data_note(recorded: dict[str, Any] | None, current: data_lib.DataIdenti
     return (f"Note: evaluating checkpoint {step} on other data than it was trained on: {'; '.join(changes)}. The "
             "val_loss is not comparable with the run's own.")
   named_instead = ("" if corpus_flag is None else f", or name the corpus explicitly ({corpus_flag} {current.corpus}) "
-                   "to evaluate on this data deliberately")
+                   "to use this data deliberately")
   raise ValueError(f"The data differs from what checkpoint {step} was trained on: {'; '.join(changes)}. Restore "
-                   f"the corpus to evaluate on the run's own validation split{named_instead}.")
+                   f"the corpus to use the run's own data{named_instead}.")
 
 
 def keep_schedule(stored: TrainConfig, config: TrainConfig, start: int | None = None) -> TrainConfig:
@@ -299,6 +299,11 @@ def _schedule_inputs(config: TrainConfig) -> tuple:
   return config.steps, o.lr, o.min_lr_ratio, o.warmup_fraction, o.decay_fraction, o.decay_shape
 
 
+def _from(switch: int | None, start: int) -> int | None:
+  """The step from which a run resumed at `start` runs BF16 under `switch` (None: never)."""
+  return None if switch is None else max(switch, start)
+
+
 def check_switch_kept(stored: TrainConfig, config: TrainConfig, start: int) -> None:
   """Refuses a resume that would take a run which has switched to BF16 back to its quantized recipe.
 
@@ -322,6 +327,9 @@ def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str |
   same_schedule = _schedule_inputs(stored) == _schedule_inputs(config)
   if same_schedule and old_switch == new_switch:
     return None
+  if same_schedule and _from(old_switch, start) == _from(new_switch, start):
+    return (f"Note: resuming at step {start} with the BF16 switch at step {new_switch} instead of {old_switch}: both "
+            f"lie at or before step {start}, so from there on the run is the stored run continued.")
   lr_old, lr_new = _lrs(stored, start + 1), _lrs(config, start + 1)
   switched_before = [s for s in (old_switch, new_switch) if s is not None and s < start]
   past_agrees = np.array_equal(lr_old[:start], lr_new[:start]) and (old_switch == new_switch or not switched_before)
@@ -341,6 +349,6 @@ def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str |
   if start >= stored.steps and stored.optimizer.decay_fraction > 0 and lr_new[start] > lr_old[start - 1]:
     lines.append("The stored run had finished its decay; the learning rate rises again.")
   if new_switch is None and old_switch is not None and old_switch < start:
-    lines.append(f"The stored run switched to BF16 at step {old_switch}; without --switch-at, steps from {start} on "
-                 f"run {config.policy.recipe.name} again.")
+    lines.append(f"The stored run switched to BF16 at step {old_switch}; with the switch removed (--switch-at None), "
+                 f"steps from {start} on run {config.policy.recipe.name} again.")
   return " ".join(lines)

@@ -288,7 +288,8 @@ def open_run_folder(out_dir: str | pathlib.Path, *, resume: bool, overwrite: boo
       try:
         out.mkdir(parents=True, exist_ok=True)
       except OSError as e:  # a file in the way, no permission: a usage error, not a traceback
-        raise ValueError(f"Cannot create the run folder {out}: {e.strerror or e}. Choose another --out.") from e
+        what = next((f"{p} is a file" for p in (out, *out.parents) if p.is_file()), e.strerror or e)
+        raise ValueError(f"Cannot create the run folder {out}: {what}. Choose another --out.") from e
   except (ValueError, OSError) as e:
     error = e
   _agree(error, "to open the run folder", pi, pc)  # the others wait for process 0's mkdir

@@ -142,7 +142,7 @@ def sample_run(out: str | pathlib.Path, sample: SampleConfig = SampleConfig(), *
   """
   if jax.process_count() > 1:
     raise ValueError("fp4jax sample runs in one process: start it without the FP4JAX_* multi-process variables.")
-  setup = trainer.eval_setup(out, step, eval_batches=1, corpus=corpus, recipe=recipe, log=log)
+  setup = trainer.eval_setup(out, step, eval_batches=1, corpus=corpus, recipe=recipe, log=log, command="fp4jax sample")
   dataset = setup.dataset
   if prompt is None:
     source = dataset.val if dataset.val.size else dataset.train

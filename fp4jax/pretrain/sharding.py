@@ -106,7 +106,9 @@ def make_mesh(config: MeshConfig | str | None = None, devices: Sequence[Any] | N
   devices = list(jax.devices() if devices is None else devices)
   if config.size != len(devices):
     raise ValueError(f"mesh {config} has {config.size} devices but {len(devices)} are available; the product of "
-                     f"the axis sizes must equal the device count.")
+                     f"the axis sizes must equal the device count: pass --mesh with sizes whose product is "
+                     f"{len(devices)}, or --mesh None for one device (a --resume keeps the stored run's mesh unless "
+                     f"--mesh names another).")
   return Mesh(np.asarray(devices).reshape(config.shape), AXES)
 
 

@@ -10,8 +10,8 @@ rounding included. Step s + 1 goes to the device before the host reads step s's 
 Multi-process runs (fp4jax.pretrain.distributed.init_distributed first): every process runs this same loop on its
 own rows of each batch; process 0 alone writes metrics.jsonl and the log (each checkpoint holds the config),
 creates or clears the run folder and moves superseded checkpoints aside, while all processes save and restore the
-orbax checkpoints together (process 0 holds run.lock, each other process its own run.<i>.lock). A Ctrl-C on any
-process stops all of them after the same step (within _STOP_CHECK_EVERY steps). Unreadable checkpoints are not
+orbax checkpoints together (process 0 holds run.lock, each other process its own run.<i>.lock). A Ctrl-C or SIGTERM
+on any process stops all of them after the same step (within _STOP_CHECK_EVERY steps). Unreadable checkpoints are not
 skipped in multi-process runs (see fp4jax.pretrain.resume).
 """
 
@@ -115,11 +115,24 @@ def bar_interval(stream=None) -> float:
   return LOG_BAR_INTERVAL if logged else TERMINAL_BAR_INTERVAL
 
 
+class Terminated(KeyboardInterrupt):
+  """Raised by `train` after the checkpoint that a SIGTERM asked for (a batch scheduler stopping or preempting the
+  job); a KeyboardInterrupt, so code that handles Ctrl-C handles it too. `fp4jax train` exits 143 on it."""
+
+
+class _StopRequest(threading.Event):
+  """Set by the first SIGINT or SIGTERM; `signum` says which."""
+  signum: int | None = None
+
+
+_STOP_SIGNALS = {signal.SIGINT: "Interrupted", signal.SIGTERM: "Terminated"}
+
+
 @contextlib.contextmanager
-def _sigint_flag():
-  """Turns the first Ctrl-C into a flag the loop checks after each step (every _STOP_CHECK_EVERY steps in a
-  multi-process run; a second Ctrl-C interrupts at once)."""
-  flag = threading.Event()
+def _stop_flag():
+  """Turns the first Ctrl-C or SIGTERM into a flag the loop checks after each step (every _STOP_CHECK_EVERY steps
+  in a multi-process run); a second one interrupts at once, without saving."""
+  flag = _StopRequest()
   if threading.current_thread() is not threading.main_thread():
     yield flag
     return
@@ -127,15 +140,19 @@ def _sigint_flag():
   def handler(signum, frame):
     del frame
     if flag.is_set():
-      raise KeyboardInterrupt
+      raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    flag.signum = signum
     flag.set()
-    tqdm.tqdm.write("Interrupted: saving a checkpoint after this step (Ctrl-C again to abort without saving).")
+    again = "Ctrl-C" if signum == signal.SIGINT else "the signal"
+    tqdm.tqdm.write(f"{_STOP_SIGNALS[signum]}: saving a checkpoint after this step ({again} again to abort without "
+                    "saving).")
 
-  previous = signal.signal(signal.SIGINT, handler)
+  previous = {signum: signal.signal(signum, handler) for signum in _STOP_SIGNALS}
   try:
     yield flag
   finally:
-    signal.signal(signal.SIGINT, previous)
+    for signum, old in previous.items():
+      signal.signal(signum, old)
 
 
 # --- the loop -----------------------------------------------------------------------------------------------------
@@ -161,9 +178,9 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
   (distributed.check_same_data), before anything is compiled.
   Raises TrainingDiverged on a non-finite loss (nothing non-finite is ever saved), CheckpointError when --resume
   finds no readable checkpoint (unreadable newer ones are moved aside, see fp4jax.pretrain.resume), RunLockedError
-  when another run holds --out, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C,
-  checkpoint.CheckpointSaveError when a checkpoint cannot be written (a full disk; --resume continues from the last
-  finished one).
+  when another run holds --out, ValueError for bad configs or data, KeyboardInterrupt after saving on Ctrl-C
+  (Terminated on SIGTERM), checkpoint.CheckpointSaveError when a checkpoint cannot be written (a full disk; --resume
+  continues from the last finished one).
   """
   if jax.process_count() > 1:  # first: a process started with other settings fails before any data or compile
     distributed.check_same_run(config.to_dict(), config_lib.field_flags())
@@ -329,7 +346,8 @@ def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, 
     if resume_step is not None:
       kept_in = resume_lib.moved_path(out, f"metrics.after-resume-{start}", ".jsonl")
     dropped = metrics_lib.truncate_metrics(out, start - 1, keep_dropped=kept_in, log=log)
-  said = f" (dropped {dropped} later metric records" + (f", kept in {kept_in})" if resume_step is not None else ")")
+  records = "record" if dropped == 1 else "records"
+  said = f" (dropped {dropped} later metric {records}" + (f", kept in {kept_in})" if resume_step is not None else ")")
   log(f"Resumed from step {start} in {out}" + (said if dropped else ""))
   return start, state
 
@@ -427,7 +445,7 @@ class _Loop:
     profiler = profiling.StepProfiler(config.logging.profile_window, self.out, self.log if main else lambda _: None)
     if main and profiler.start_note(self.start):
       self.log(profiler.start_note(self.start))
-    with metrics_file as metrics_log, _sigint_flag() as interrupted, bar, profiler:
+    with metrics_file as metrics_log, _stop_flag() as interrupted, bar, profiler:
 
       def write_metrics(info: StepInfo):
         r = info.record
@@ -460,8 +478,8 @@ class _Loop:
       last_done = time.perf_counter()  # when the last finished step's numbers reached the host
 
       def stop_after(step: int) -> bool:
-        """Whether the run stops after `step` for a Ctrl-C. Across processes that is a collective, which waits for
-        the step in flight, so a multi-process run asks every _STOP_CHECK_EVERY steps and at the last."""
+        """Whether the run stops after `step` for a Ctrl-C or SIGTERM. Across processes that is a collective, which
+        waits for the step in flight, so a multi-process run asks every _STOP_CHECK_EVERY steps and at the last."""
         if jax.process_count() > 1 and step % _STOP_CHECK_EVERY and step != config.steps - 1:
           return False
         # All processes stop after the same step, so the checkpoint is saved by all of them together.
@@ -514,8 +532,10 @@ class _Loop:
           step, info = sent.info.step, sent.info
         self.save(step + 1, info.state, force=True)
         ckpt.wait(self.manager)
-        self.log(f"Interrupted after step {step + 1}: checkpoint saved in {ckpt.checkpoint_dir(self.out)}.")
-        raise KeyboardInterrupt
+        terminated = interrupted.signum == signal.SIGTERM
+        self.log(f"{'Terminated' if terminated else 'Interrupted'} after step {step + 1}: checkpoint saved in "
+                 f"{ckpt.checkpoint_dir(self.out)}.")
+        raise Terminated if terminated else KeyboardInterrupt
 
       # Step s + 1 goes to the device before the host reads step s's numbers, so the host's work between steps
       # (the batch, the step call itself, the metrics) overlaps the device's. The loop waits for a step first where
@@ -595,9 +615,11 @@ def with_forward_recipe(config: TrainConfig, recipe) -> TrainConfig:
 
 
 def eval_setup(out: str | pathlib.Path, step: int | None = None, *, eval_batches: int | None = None,
-               corpus: str | None = None, recipe=None, log: Callable[[str], None] | None = print) -> EvalSetup:
+               corpus: str | None = None, recipe=None, log: Callable[[str], None] | None = print,
+               command: str = "fp4jax eval") -> EvalSetup:
   """The checkpoint's step, meta and config and the checked validation data `evaluate` uses (see there); `recipe`
-  (see with_forward_recipe) is checked against the model here, before any array is restored.
+  (see with_forward_recipe) is checked against the model here, before any array is restored. `command`: the CLI
+  command an error's fix names (fp4jax sample passes its own).
 
   Each process of a multi-process run reads on its own (no collective), so one that fails here can tell the others
   (the CLI's start check) instead of leaving them waiting in orbax's restore.
@@ -613,7 +635,7 @@ def eval_setup(out: str | pathlib.Path, step: int | None = None, *, eval_batches
     with_forward_recipe(config, recipe)  # a recipe the model cannot run is refused before the data is read
   stored_corpus = config.data.corpus
   named = corpus is not None
-  corpus = corpus if named else resume_lib.recorded_corpus(meta, step, f"fp4jax eval --out {out}")
+  corpus = corpus if named else resume_lib.recorded_corpus(meta, step, f"{command} --out {out}")
   if corpus is not None:
     config = config.replace(**{"data.corpus": corpus})
   if eval_batches is None and not config.evaluation.batches:

@@ -145,7 +145,7 @@ def test_restore_run_reads_the_recorded_corpus_and_refuses_changed_data(tmp_path
   assert built[1:] == ["corpus.txt"] and len(notes) == 1 and "does not record which data" in notes[0]
   corpus.write_text(text.replace("question", "answer!!"))
   with pytest.raises(ValueError, match=r"^The data differs from what checkpoint 4 was trained on: the corpus "
-                     r".* holds other text.*Restore the corpus to evaluate on the run's own validation split\.$"):
+                     r".* holds other text.*Restore the corpus to use the run's own data\.$"):
     training.restore_run(tmp_path / "run", 4)
   corpus.unlink()
   with pytest.raises(FileNotFoundError, match=r"corpus.txt no longer exists\. If the corpus moved, put it back at "

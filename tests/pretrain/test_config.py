@@ -162,3 +162,13 @@ def test_resume_step_without_resume_is_refused():
   with pytest.raises(ValueError, match="only applies with resume=True"):
     TrainConfig.from_options(resume_step=4, overwrite=True)
   assert TrainConfig.from_options(resume=True, resume_step=4).checkpointing.resume_step == 4
+
+
+@pytest.mark.parametrize("option, value, flag", [("log_every", 0, "--log-every"), ("eval_every", -1, "--eval-every"),
+                                                 ("checkpoint_every", 0, "--checkpoint-every"),
+                                                 ("keep_checkpoints", 0, "--keep-checkpoints"),
+                                                 ("stats_every", -1, "--stats-every"), ("steps", 0, "--steps")])
+def test_a_bad_count_names_its_option(option, value, flag):
+  """`--log-every 0` said "LogConfig: every must be an int >= 1": the field's name, not the option to fix."""
+  with pytest.raises(ValueError, match=f"\\({flag}\\) must be an int >= "):
+    TrainConfig.from_options(**{option: value})

@@ -120,6 +120,20 @@ def test_recorded_corpus_that_is_gone_says_how_to_name_it(tmp_path):
   assert resume_lib.recorded_corpus(meta, 4, "") == meta["data"]["corpus"]
 
 
+def test_sample_names_itself_in_the_moved_corpus_fix(tmp_path):
+  """fp4jax sample reads its checkpoint through eval_setup, whose fix for a moved corpus named `fp4jax eval`."""
+  stored = config_lib.TrainConfig(out=str(tmp_path), steps=4, data="corpus.txt").to_dict()
+  manager = ckpt.open_manager(tmp_path)
+  ckpt.save(manager, 4, {"w": jnp.zeros(3)}, {"config": stored, "data": {"corpus": str(tmp_path / "gone.txt")}},
+            force=True)
+  manager.wait_until_finished()
+  manager.close()
+  for command in ("fp4jax eval", "fp4jax sample"):
+    kwargs = {} if command == "fp4jax eval" else {"command": command}
+    with pytest.raises(FileNotFoundError, match=f"name it: {command} --out {tmp_path} --corpus PATH"):
+      trainer.eval_setup(tmp_path, **kwargs)
+
+
 def _stored(tmp_path, monkeypatch, meta):
   monkeypatch.setattr(resume_lib, "resume_meta", lambda out, step=None: (4, meta))
 

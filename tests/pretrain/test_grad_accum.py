@@ -88,7 +88,7 @@ def test_config_takes_grad_accum_dividing_the_batch():
   assert TrainConfig.from_dict(stored).grad_accum == 1
   with pytest.raises(ValueError, match="grad_accum=3 must divide batch_size=8"):
     TrainConfig.from_options(batch_size=8, grad_accum=3)
-  with pytest.raises(ValueError, match="grad_accum must be an int >= 1"):
+  with pytest.raises(ValueError, match=r"grad_accum \(--grad-accum\) must be an int >= 1"):
     TrainConfig.from_options(grad_accum=0)
 
 

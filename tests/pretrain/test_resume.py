@@ -226,7 +226,13 @@ def test_a_run_that_switched_to_bf16_is_not_switched_back():
   assert resume_lib.keep_schedule(stored, stored.replace(steps=20), 2).policy.switch_step(20) == 13
   # Dropping the switch on resume is allowed, and said.
   note = resume_lib.schedule_note(stored, stored.replace(steps=20, switch_at=None), 6)
-  assert "switched to BF16 at step 3; without --switch-at, steps from 6 on run nvfp4 again" in note
+  assert ("switched to BF16 at step 3; with the switch removed (--switch-at None), steps from 6 on run nvfp4 again"
+          in note)
+  # Another switch step that also lies before the checkpoint changes nothing from there on, and the note says so
+  # (it said the result equals neither the stored run continued nor a fresh run).
+  note = resume_lib.schedule_note(stored, stored.replace(switch_at=2), 6)
+  assert note.endswith("both lie at or before step 6, so from there on the run is the stored run continued.")
+  assert "neither" in resume_lib.schedule_note(stored, stored.replace(switch_at=8), 6)
 
 
 def test_checkpoint_meta_records_the_gemm_mode_auto_resolved_to(env, tmp_path):

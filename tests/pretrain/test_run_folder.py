@@ -126,10 +126,10 @@ def test_single_and_multi_process_runs_exclude_each_other(tmp_path):
 def test_an_out_that_cannot_be_a_folder_is_a_usage_error(tmp_path, capsys):
   """A file at --out once ended `fp4jax train` in a FileExistsError traceback."""
   (tmp_path / "x").write_text("not a folder")
-  with pytest.raises(ValueError, match="Cannot create the run folder .*File exists"):
+  with pytest.raises(ValueError, match=f"Cannot create the run folder .*: {tmp_path / 'x'} is a file"):
     runfolder.open_run_folder(tmp_path / "x", resume=False, overwrite=False, process_index=0, process_count=1)
   assert cli.main(["train", "--out", str(tmp_path / "x" / "run"), "--steps", "2"]) == cli.EXIT_USAGE
-  assert "Cannot create the run folder" in capsys.readouterr().err
+  assert f"{tmp_path / 'x'} is a file. Choose another --out." in capsys.readouterr().err
   assert (tmp_path / "x").read_text() == "not a folder"
 
 

@@ -619,3 +619,42 @@ def test_divergence_after_a_resume_names_the_checkpoint_resumed_from(env, tmp_pa
   with pytest.raises(trainer.TrainingDiverged) as e:
     run(env, config.replace(resume=True, steps=8))
   assert e.value.step == 5 and e.value.last_checkpoint == 4
+
+
+@pytest.mark.parametrize("signum, stopped", [(signal.SIGTERM, trainer.Terminated), (signal.SIGINT, KeyboardInterrupt)])
+def test_a_sigterm_saves_a_checkpoint_after_the_step_as_ctrl_c_does(env, tmp_path, monkeypatch, signum, stopped):
+  """A batch scheduler stops (or preempts) a job with SIGTERM: it killed the run, losing the steps since the last
+  checkpoint and leaving an orbax tmp folder. It now stops the loop after the step, with a checkpoint, as Ctrl-C
+  does, and raises Terminated (a KeyboardInterrupt); the handlers are restored afterwards."""
+  _counting_steps(monkeypatch)
+  before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+  def stop_at_2(step, record):
+    del record
+    if step == 2:
+      os.kill(os.getpid(), signum)
+
+  out = tmp_path / "run"
+  with pytest.raises(stopped) as e:
+    run(env, tiny_config(env, out, steps=20, checkpoint_every=100, batch_size=2), hooks=[stop_at_2])
+  assert isinstance(e.value, trainer.Terminated) == (signum == signal.SIGTERM)
+  saved = _checkpoint_steps(out)
+  assert len(saved) == 1 and 3 <= saved[0] <= 4, saved  # after the step in flight when the hook ran
+  assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_second_stop_signal_aborts_at_once():
+  with trainer._stop_flag() as flag:  # pylint: disable=protected-access
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert flag.is_set() and flag.signum == signal.SIGTERM
+    with pytest.raises(trainer.Terminated):
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_cli_exits_143_on_sigterm_and_130_on_ctrl_c(monkeypatch, capsys):
+  for error, code in ((trainer.Terminated, 143), (KeyboardInterrupt, 130)):
+    def stop(config, error=error):
+      raise error
+    monkeypatch.setattr(trainer, "train", stop)
+    assert cli.main(["train", "--steps", "4", "--out", "unused"]) == code
+  assert "terminated (SIGTERM)" in capsys.readouterr().err
