@@ -233,9 +233,31 @@ def check_resumable(out_dir: str | pathlib.Path) -> None:
     what = f"{ck_dir} does not exist"
   else:
     what = f"{ck_dir} holds no finished checkpoint" if any(ck_dir.iterdir()) else f"{ck_dir} is empty"
+  holder = _live_holder(out)
+  if holder is not None:  # a run that has not saved its first checkpoint yet: say so, not "start afresh"
+    raise RunLockedError(f"{out} is in use by another fp4jax run ({_describe(holder)}), which has saved no checkpoint "
+                         "yet to resume from. Wait for it, stop it, or choose another --out.")
   hint = (" It holds metrics of a run stopped before its first checkpoint: pass --overwrite to start afresh."
           if _existing_run(out) else " Run without --resume to start afresh.")
   raise ckpt.CheckpointError(f"--resume: no checkpoints in {out} ({what}).{hint}")
+
+
+def _live_holder(out: pathlib.Path) -> dict | None:
+  """The holder record of a run holding `out`'s run.lock now, else None; reads without taking or changing it."""
+  path = lock_path(out)
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+  except OSError:
+    return None
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+      return _read_holder(fd) if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return None
+  finally:
+    os.close(fd)
 
 
 class PeerFailedError(ValueError):

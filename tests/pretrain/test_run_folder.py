@@ -298,3 +298,16 @@ def test_out_without_a_home_folder(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match=r"'~/run': no home folder to expand '~' to \(Could not determine"):
     runfolder.run_path("~/run")
   assert runfolder.run_path(tmp_path / "run") == tmp_path / "run"
+
+
+def test_resume_of_a_run_still_before_its_first_checkpoint_names_the_holder(tmp_path):
+  """--resume on a folder whose run holds the lock but has saved nothing said "no checkpoints ... run without
+  --resume to start afresh", which would then have failed on the lock; it names the running holder now, and the
+  look takes nothing: the lock file and a free folder's message are as they were."""
+  with runfolder.acquire(tmp_path) as held:
+    record = runfolder.lock_path(tmp_path).read_text()
+    with pytest.raises(runfolder.RunLockedError, match=f"pid {os.getpid()} .* has saved no checkpoint yet"):
+      runfolder.check_resumable(tmp_path)
+    assert runfolder.lock_path(tmp_path).read_text() == record and held.fd >= 0
+  with pytest.raises(ckpt.CheckpointError, match="no checkpoints"):
+    runfolder.check_resumable(tmp_path)
