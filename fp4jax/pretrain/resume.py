@@ -320,6 +320,19 @@ def check_switch_kept(stored: TrainConfig, config: TrainConfig, start: int) -> N
                    f"{config.policy.recipe.name} again. To stay in BF16, pass --switch-at {old_switch} (an int step).")
 
 
+def switch_mode_note(stored: TrainConfig, config: TrainConfig, start: int) -> str | None:
+  """A note when a resume past the stored run's switch to BF16 switches less of it (--switch all -> forward): Dgrad
+  and Wgrad, BF16 since the switch, run the quantized recipe again (a deliberate choice, so said, not refused)."""
+  old_switch = stored.policy.switch_step(stored.steps)
+  new_switch = config.policy.switch_step(config.steps)
+  if old_switch is None or old_switch >= start or new_switch is None or new_switch > start:
+    return None
+  if stored.policy.switch == "all" and config.policy.switch == "forward":
+    return (f"Note: the stored run switched all GEMMs to BF16 at step {old_switch}; with --switch forward, Dgrad "
+            f"and Wgrad run {config.policy.recipe.name} again from step {start}.")
+  return None
+
+
 def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str | None:
   """What resuming the checkpoint of `stored` at `start` under `config` does to the schedule (None: nothing)."""
   old_switch = stored.policy.switch_step(stored.steps)

@@ -321,7 +321,7 @@ def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, 
   if schedule:
     log(schedule)
   note = resume_lib.gemm_mode_note(meta.get("gemm_mode"), config.policy.recipe)
-  for line in [*notes, note]:
+  for line in [*notes, note, resume_lib.switch_mode_note(stored, config, start)]:
     if line:
       log(line)
   stored_dict = meta["config"]

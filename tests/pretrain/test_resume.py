@@ -233,6 +233,12 @@ def test_a_run_that_switched_to_bf16_is_not_switched_back():
   note = resume_lib.schedule_note(stored, stored.replace(switch_at=2), 6)
   assert note.endswith("both lie at or before step 6, so from there on the run is the stored run continued.")
   assert "neither" in resume_lib.schedule_note(stored, stored.replace(switch_at=8), 6)
+  # --switch forward after a switch of all GEMMs brings the backward back to NVFP4: said.
+  assert resume_lib.switch_mode_note(stored, stored.replace(switch="forward"), 6) == (
+      "Note: the stored run switched all GEMMs to BF16 at step 3; with --switch forward, Dgrad and Wgrad run nvfp4 "
+      "again from step 6.")
+  assert resume_lib.switch_mode_note(stored, stored.replace(switch="forward"), 3) is None  # not switched yet
+  assert resume_lib.switch_mode_note(stored.replace(switch="forward"), stored, 6) is None  # switches more
 
 
 def test_checkpoint_meta_records_the_gemm_mode_auto_resolved_to(env, tmp_path):
