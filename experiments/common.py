@@ -1,11 +1,13 @@
-"""Helpers shared by the experiments: the sweep's file names, JSON-ready values and Markdown tables.
+"""Helpers shared by the experiments: the sweep's file names, JSON-ready values, Markdown tables, probe results.
 
 Imports nothing from the experiments, so the sweep, the sweep report and the probes all import it without a cycle.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -60,3 +62,28 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
   lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
   return "\n".join(lines)
+
+
+PROBE_RESULTS = "results.json"
+# The command that redraws each kind of probe results; a recipe-probes results.json has "runs", the layer probes' not.
+PROBE_REPORT_COMMANDS = {"layers": "python -m experiments.probes --report-only --out {out}",
+                         "recipes": "python -m experiments.probes recipes --report-only --out {out}"}
+
+
+def probe_kind(results: Mapping[str, Any]) -> str:
+  """"recipes" for experiments.probes recipes' results.json, "layers" for experiments.probes'."""
+  return "recipes" if "runs" in results else "layers"
+
+
+def read_probe_results(out: str | pathlib.Path, kind: str) -> dict[str, Any]:
+  """OUT/results.json of a probes run of `kind` ("layers" or "recipes"); a ValueError naming the command for the
+  other kind's results (whose report would fail on a missing key), FileNotFoundError where there are none."""
+  path = pathlib.Path(out) / PROBE_RESULTS
+  if not path.is_file():
+    raise FileNotFoundError(f"No {PROBE_RESULTS} in {out}: run the probes first.")
+  results = json.loads(path.read_text())
+  found = probe_kind(results)
+  if found != kind:
+    raise ValueError(f"{path} holds the {found} probes' results, not the {kind} probes': redraw it with "
+                     f"`{PROBE_REPORT_COMMANDS[found].format(out=out)}`.")
+  return results

@@ -47,8 +47,13 @@ def evaluate_sweep(folder: str | pathlib.Path, recipes: Sequence[str] = DEFAULT_
   """(the sweep's meta, one row per finished run x seed x recipe): {"run", "label", "seed", "recipe" (OWN for the
   run's own, else the spec asked for), "recipe_spec" (what ran), "step", "val_loss"}.
 
-  Recipes are checked against every run before anything is evaluated (a ValueError names the run).
+  Recipes are checked against every run before anything is evaluated (a ValueError names the run); one listed twice
+  is refused (each seed would count twice in the std).
   """
+  repeated = sorted({r for r in recipes if list(recipes).count(r) > 1})
+  if repeated:
+    raise ValueError(f"--recipes lists {', '.join(map(repr, repeated))} more than once: each would be evaluated and "
+                     "counted twice per seed.")
   folder = pathlib.Path(folder)
   meta, rows, _ = report.collect(folder)
   finished = [r for r in rows if r["status"] == "finished"]

@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from experiments.common import PROVENANCE_FIELDS, SUMMARY_FILE, SWEEP_FILE, fmt, has_provenance, table
+from experiments.common import PROBE_REPORT_COMMANDS, PROBE_RESULTS, PROVENANCE_FIELDS, SUMMARY_FILE, SWEEP_FILE
+from experiments.common import fmt, has_provenance, probe_kind, table
 
 RESULTS_JSONL, RESULTS_CSV, CURVES_CSV, RESULTS_MD = "results.jsonl", "results.csv", "curves.csv", "results.md"
 LOSS_PNG, GAP_PNG = "loss_curves.png", "loss_gap.png"
@@ -83,11 +84,10 @@ def collect(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[str, 
                        f"{path.parent.relative_to(folder)}: move it back or delete that folder.")
     found[summary["run"], summary["seed"]] = (path.parent, summary)
   if not found:
-    if (folder / "results.json").is_file():  # a probes folder (experiments.probes), which has its own report
-      raise FileNotFoundError(
-          f"{folder} holds probe results (results.json), not a sweep's runs: redraw its report with `python -m "
-          f"experiments.probes --out {folder} --report-only` (`python -m experiments.probes recipes --out {folder} "
-          f"--report-only` for the recipe probes).")
+    if (folder / PROBE_RESULTS).is_file():  # a probes folder (experiments.probes), which has its own report
+      kind = probe_kind(json.loads((folder / PROBE_RESULTS).read_text()))
+      raise FileNotFoundError(f"{folder} holds {kind} probe results ({PROBE_RESULTS}), not a sweep's runs: redraw "
+                              f"its report with `{PROBE_REPORT_COMMANDS[kind].format(out=folder)}`.")
     raise FileNotFoundError(f"No finished runs (*/seed*/{SUMMARY_FILE}) under {folder}.")
   seeds = meta.get("seeds")
   if isinstance(seeds, int) and not isinstance(seeds, bool):
@@ -123,6 +123,11 @@ def _finite_val(row: Mapping[str, Any]) -> bool:
   """A finished run with a finite final val loss (a NaN one is stored as finished: training stops on train loss)."""
   v = row.get("final_val_loss")
   return row["status"] == "finished" and v is not None and bool(np.isfinite(v))
+
+
+def _unvalidated(row: Mapping[str, Any]) -> bool:
+  """A finished run that took no val loss (eval_batches=0): counted as a seed, with no val loss or gap."""
+  return row["status"] == "finished" and row.get("final_val_loss") is None
 
 
 _COMPARED = ("experiment", "preset", "steps", "tokens")  # what a gap's two runs must share
@@ -181,13 +186,17 @@ def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
   for name in dict.fromkeys(r["run"] for r in rows):
     mine = [r for r in rows if r["run"] == name]
     done = [r for r in mine if _finite_val(r)]
+    unvalidated = [r for r in mine if _unvalidated(r)]
     val_mean, val_std = _mean_std([r["final_val_loss"] for r in done])
     gaps = [r.get("gap_pct") for r in done if r.get("gap_pct") is not None]
     gap_mean, gap_std = _mean_std(gaps)
-    tps, _ = _mean_std([r.get("tokens_per_s") for r in done])  # a diverged seed's few steps are mostly compile
-    out.append({"run": name, "label": mine[0].get("label", name), "seeds": len(done),
+    # A diverged seed's few steps are mostly compile: its throughput is left out.
+    tps, _ = _mean_std([r.get("tokens_per_s") for r in done + unvalidated])
+    out.append({"run": name, "label": mine[0].get("label", name), "seeds": len(done) + len(unvalidated),
+                "unvalidated": len(unvalidated),
                 "diverged": [r.get("diverged_step") for r in mine if r["status"] == "diverged"],
-                "nonfinite_val": sum(r["status"] == "finished" and not _finite_val(r) for r in mine),
+                "nonfinite_val": sum(r["status"] == "finished" and not _finite_val(r) and not _unvalidated(r)
+                                     for r in mine),
                 "val_loss_mean": val_mean, "val_loss_std": val_std, "gap_pct_mean": gap_mean,
                 "gap_pct_std": gap_std, "gap_seeds": len(gaps), "tokens_per_s": tps, "steps": mine[0].get("steps"),
                 "tokens": mine[0].get("tokens"), "bf16_blocks": mine[0].get("bf16_blocks")})
@@ -284,7 +293,8 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
         f"{k}={v}" for k, v in (run_rows[0].get("overrides") or {}).items()) or a["run"]
     seeds = f"{a['seeds']}" + (f" (+{len(a['diverged'])} diverged at step "
                                f"{', '.join(map(str, a['diverged']))})" if a["diverged"] else "") + (
-                                   f" (+{a['nonfinite_val']} non-finite val loss)" if a["nonfinite_val"] else "")
+                                   f" (+{a['nonfinite_val']} non-finite val loss)" if a["nonfinite_val"] else "") + (
+                                   f" ({a['unvalidated']} without validation)" if a["unvalidated"] else "")
     gap = "reference" if a["run"] == reference else fmt(a["gap_pct_mean"], a["gap_pct_std"], 2, signed=True)
     if a["run"] != reference and 0 < a["gap_seeds"] < a["seeds"]:  # the reference diverged (or is missing) there
       gap += f" ({a['gap_seeds']} of {a['seeds']} seeds)"
@@ -292,8 +302,10 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
     blocks = ",".join(map(str, a["bf16_blocks"])) if a["bf16_blocks"] else "none"
     table_rows.append([a["run"], setting, blocks, seeds, fmt(a["val_loss_mean"], a["val_loss_std"], 4), gap, tps])
   lines += [table(["run", "setting", "BF16 blocks", "seeds", "final val loss", gap_head, "tokens/s"], table_rows)]
-  if reference and not any(a["run"] == reference and a["seeds"] for a in agg):
-    lines += ["", f"No gaps: the reference run {reference!r} has no finished seed here."]
+  if reference and not any(a["run"] == reference and a["seeds"] > a["unvalidated"] for a in agg):
+    why = ("took no val loss (eval_batches=0)" if any(a["run"] == reference and a["seeds"] for a in agg) else
+           "has no finished seed here")
+    lines += ["", f"No gaps: the reference run {reference!r} {why}."]
   lines += ["", "Final val loss: mean ± std over seeds on fixed held-out batches. Gap: (val loss - reference val "
             "loss) / reference val loss, computed per seed against the reference run with the same seed (same "
             "initialisation and data order), then mean ± std. Tokens/s: mean over seeds of each run's median training "

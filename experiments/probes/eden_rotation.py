@@ -14,6 +14,7 @@ to fp4jax's quantizer. Default: the layers and BF16 base run of
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import jax
@@ -86,13 +87,26 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--layers", default="blocks.0.attn.q,blocks.2.attn.q")
   parser.add_argument("--sizes", default="32,128")
   args = parser.parse_args(argv)
-  config, model, _, _, dataset = training.restore_run(args.checkpoint)
+  if args.draws < 2:
+    parser.error(f"--draws must be >= 2 (the floor compares the mean of the draws with one); got {args.draws}.")
+  try:
+    sizes = [int(s) for s in args.sizes.split(",")]
+  except ValueError:
+    parser.error(f"--sizes takes comma-separated ints; got {args.sizes!r}.")
+  try:
+    config, model, _, _, dataset = training.restore_run(args.checkpoint)
+  except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   batch = training.probe_batch(dataset, recipe_gemms.get_preset("cpu").base, config)
   _, tensors = model_probes.capture_layer_tensors(model, batch)
+  unknown = [name for name in args.layers.split(",") if name not in tensors]
+  if unknown:
+    parser.error(f"--layers: no layer {', '.join(map(repr, unknown))}; the model has {', '.join(tensors)}.")
   print("| layer | size | rotation | err (1 draw) | bias (mean of draws) | floor |\n|---|---|---|---|---|---|")
   for layer in args.layers.split(","):
     t = tensors[layer]
-    for n in (int(s) for s in args.sizes.split(",")):
+    for n in sizes:
       for kind in ROTATIONS:
         r = wgrad_floor(t.x_MxK, t.dy_MxN, kind, n, jax.random.key(1), num_draws=args.draws)
         print(f"| {layer} | {n} | {kind} | {r['err']:.4f} | {r['bias']:.4f} | {r['floor']:.4f} |", flush=True)

@@ -4,7 +4,6 @@ OUT/results.json."""
 from __future__ import annotations
 
 import csv
-import json
 import math
 import pathlib
 from collections.abc import Mapping
@@ -15,9 +14,9 @@ import numpy as np
 from fp4jax.analysis import gemm_probes
 from fp4jax.analysis import probes
 
-from experiments.common import fmt, table
+from experiments.common import PROBE_RESULTS, fmt, read_probe_results, table
 
-RESULTS_FILE = "results.json"
+RESULTS_FILE = PROBE_RESULTS
 REPORT_FILE = "report.md"
 CSV_FILE = "results.csv"
 PLOT_FILE = "bias_vs_k.png"
@@ -221,6 +220,6 @@ def plot_bias(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Path:
 def write_report(out: str | pathlib.Path) -> list[pathlib.Path]:
   """Writes OUT/report.md, OUT/results.csv and OUT/bias_vs_k.png from OUT/results.json; returns their paths."""
   out = pathlib.Path(out)
-  results = json.loads((out / RESULTS_FILE).read_text())
+  results = read_probe_results(out, "recipes")
   return [write_markdown(results, out / REPORT_FILE), write_csv(results, out / CSV_FILE),
           plot_bias(results, out / PLOT_FILE)]

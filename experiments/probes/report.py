@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 from collections.abc import Mapping
@@ -12,20 +11,20 @@ import numpy as np
 
 from fp4jax.analysis import probes
 
-from experiments.common import fmt, table
+from experiments.common import PROBE_RESULTS, fmt, read_probe_results, table
 from experiments.probes import plots
 from experiments.probes import summary
 from experiments.probes.presets import MAIN
 from experiments.probes.summary import layer_value
 
-RESULTS_FILE = "results.json"
+RESULTS_FILE = PROBE_RESULTS
 REPORT_FILE = "report.md"
 
 
 def write_report(out: str | pathlib.Path) -> list[pathlib.Path]:
   """Writes OUT/report.md and the PNG plots from OUT/results.json; returns the written paths."""
   out = pathlib.Path(out)
-  results = json.loads((out / RESULTS_FILE).read_text())
+  results = read_probe_results(out, "layers")
   written = [write_markdown(results, out / REPORT_FILE), plots.plot_layer_errors(results, out / "layer_errors.png"),
              plots.plot_bias(results, out / "bias_vs_k.png")]
   if results.get("model", {}).get("only") or results.get("model", {}).get("all_but"):

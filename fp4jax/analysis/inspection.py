@@ -52,6 +52,8 @@ def sample_tensor(seed: int = 0, rows: int = 4096, cols: int = 1024, outliers: i
     raise ValueError(f"sample_tensor needs rows, cols >= 1; got {rows}x{cols}.")
   if not 0 <= outliers <= cols:
     raise ValueError(f"outliers must be in [0, cols={cols}]; got {outliers}.")
+  if not np.isfinite(outlier_scale):
+    raise ValueError(f"outlier_scale must be finite; got {outlier_scale}.")
   rng = np.random.default_rng(seed)
   x_RxC = rng.standard_normal((rows, cols), dtype=np.float32)
   x_RxC[:, rng.choice(cols, outliers, replace=False)] *= np.float32(outlier_scale)
@@ -171,6 +173,8 @@ def main(argv=None) -> list[dict]:
     parser.error(f"--outliers must be in [0, {args.cols}]; got {args.outliers}.")
   if args.seed < 0:
     parser.error(f"--seed must be >= 0 (NumPy's seed); got {args.seed}.")
+  if not np.isfinite(args.outlier_scale):
+    parser.error(f"--outlier-scale must be a finite number; got {args.outlier_scale}.")
 
   start = time.perf_counter()
   x = sample_tensor(args.seed, args.size, args.cols, args.outliers, args.outlier_scale)

@@ -60,6 +60,11 @@ def test_inspect_cli_rejects_bad_columns(capsys):
   with pytest.raises(SystemExit):
     fp4_inspect.main(["--size", "8", "--cols", "128", "--seed", "-1"])  # NumPy's traceback before
   assert "--seed must be >= 0" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    fp4_inspect.main(["--size", "8", "--cols", "128", "--outlier-scale", "nan"])  # a table of nan before
+  assert "--outlier-scale must be a finite number" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="outlier_scale must be finite"):
+    fp4_inspect.sample_tensor(rows=4, cols=16, outliers=1, outlier_scale=float("inf"))
 
 
 def test_nvfp4_beats_mxfp4_floor_on_normal_data():

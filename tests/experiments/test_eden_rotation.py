@@ -40,3 +40,12 @@ def test_eden_floor_is_the_rht_not_the_quantizer():
   assert got["haar"]["floor"] < 0.006
   # The noise falls like 1/sqrt(K) behind the Haar rotation: the mean of 128 draws is mostly noise left over.
   assert got["haar"]["bias"] < 2.0 * got["haar"]["err"] / np.sqrt(128)
+
+
+def test_bad_arguments_are_usage_errors(tmp_path, capsys):
+  """--draws 1 gave floor = nan (a 0 / 0), and a missing checkpoint a CheckpointError traceback."""
+  with pytest.raises(SystemExit) as e:
+    eden_rotation.main(["--draws", "1"])
+  assert e.value.code == 2 and "--draws must be >= 2" in capsys.readouterr().err
+  assert eden_rotation.main(["--checkpoint", str(tmp_path / "nope"), "--draws", "4"]) == 2
+  assert capsys.readouterr().err.startswith("error: ")

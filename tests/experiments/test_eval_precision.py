@@ -45,6 +45,10 @@ def test_refuses_a_folder_without_runs_and_a_bad_recipe(tmp_path, capsys, monkey
   err = capsys.readouterr().err
   assert "nvfp4/seed0: recipe 'nvpf4'" in err and "did you mean 'nvfp4'" in err
   assert not evaluated  # refused before the first evaluation
+  # A recipe listed twice was evaluated twice, and each seed counted twice in the std.
+  assert eval_precision.main([str(tmp_path), "--recipes", "bf16", "mxfp4", "bf16", "--quiet"]) == 2
+  assert "--recipes lists 'bf16' more than once" in capsys.readouterr().err
+  assert not evaluated
 
 
 def test_table_has_a_difference_column_per_recipe():

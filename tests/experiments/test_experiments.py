@@ -416,6 +416,22 @@ def test_a_finished_run_with_a_nan_val_loss_is_counted_apart():
   assert "| 1 (+1 non-finite val loss) | 3.3000 | +10.00 |" in report.markdown_table({"reference": "bf16"}, rows)
 
 
+def test_runs_without_validation_are_seeds_with_throughput_and_no_val_loss():
+  """A sweep with eval_batches=0 (supported: its runs are done) was reported as "0 (+1 non-finite val loss)", with
+  no tokens/s and "No gaps: the reference run 'bf16' has no finished seed here"."""
+  rows = [{"run": run, "seed": 0, "status": "finished", "final_val_loss": None, "tokens_per_s": tps}
+          for run, tps in (("bf16", 300.0), ("q", 200.0))]
+  for r in rows:
+    r.update(steps=5, tokens=640, experiment="x", preset="smoke", label=r["run"], overrides={})
+  report._add_gaps(rows, "bf16")  # pylint: disable=protected-access
+  q = {a["run"]: a for a in report.aggregate(rows)}["q"]
+  assert q["seeds"] == 1 and q["unvalidated"] == 1 and q["nonfinite_val"] == 0 and q["val_loss_mean"] is None
+  assert q["tokens_per_s"] == pytest.approx(200.0) and q["gap_pct_mean"] is None
+  text = report.markdown_table({"reference": "bf16"}, rows)
+  assert "| 1 (1 without validation) | - | - | 200 |" in text
+  assert "No gaps: the reference run 'bf16' took no val loss (eval_batches=0)." in text
+
+
 def test_report_on_a_missing_folder_says_it_does_not_exist(tmp_path, capsys):
   assert report.main([str(tmp_path / "nope")]) == 2
   assert "does not exist" in capsys.readouterr().err
@@ -428,9 +444,24 @@ def test_smooth_is_a_trailing_moving_average():
 
 
 def test_report_on_a_probes_folder_points_to_its_own_report(tmp_path, capsys):
-  (tmp_path / "results.json").write_text("{}")
-  assert report.main([str(tmp_path)]) == 2
-  assert "--report-only" in capsys.readouterr().err
+  """The hint named both probe commands, and each --report-only on the other kind's results ended in a KeyError."""
+  from experiments.probes import recipe_gemms, run  # pylint: disable=g-import-not-at-top
+  layers, recipes = tmp_path / "layers", tmp_path / "recipes"
+  for folder, results in ((layers, {"layers": {}}), (recipes, {"runs": {}})):
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps(results))
+  assert report.main([str(layers)]) == 2
+  assert f"layers probe results (results.json), not a sweep's runs: redraw its report with `python -m " \
+         f"experiments.probes --report-only --out {layers}`." in capsys.readouterr().err
+  assert report.main([str(recipes)]) == 2
+  assert f"`python -m experiments.probes recipes --report-only --out {recipes}`" in capsys.readouterr().err
+  assert run.main(["--report-only", "--out", str(recipes)]) == 2
+  assert ("holds the recipes probes' results, not the layers probes': redraw it with `python -m experiments.probes "
+          f"recipes --report-only --out {recipes}`") in capsys.readouterr().err
+  assert recipe_gemms.main(["--report-only", "--out", str(layers)]) == 2
+  assert f"redraw it with `python -m experiments.probes --report-only --out {layers}`" in capsys.readouterr().err
+  assert run.main(["--report-only", "--out", str(tmp_path)]) == 2
+  assert "No results.json in" in capsys.readouterr().err
 
 
 def test_shared_settings_leave_out_what_runs_set_themselves():
