@@ -10,8 +10,10 @@ Mesh-independent numerics: quantization runs inside `jax.jit` on the global (log
 is the global max over all shards (XLA inserts an all-reduce-max: one scalar per quantized operand, the only
 collective quantization adds), and stochastic-rounding bits are a function of the key and the global element index
 (fp4jax.prng; threefry, `sr_bits="threefry"`, is partitionable), identical however the tensor is split.
-`check_divisibility` makes sure every scaling block (NVFP4: 16 elements, 16x16 weight tiles) and RHT tile along
-tokens lies within one shard, so no block straddles a shard boundary.
+`check_divisibility` makes sure every scaling block of the Fprop weight format (NVFP4: 16 elements, 16x16 weight
+tiles) and Wgrad's RHT tile along tokens lies within one shard, so none straddles a shard boundary. Coarser units
+of other recipes are not checked (TetraJet-v2's 1x128 scale groups, Quartet II's RHT tiles along K or N): since
+quantization sees the global array, one that straddles a shard changes no bits, only adds communication.
 
 Multi-process runs (fp4jax.pretrain.distributed): the mesh spans every process's devices; each process reads only
 the rows of the batch its devices hold (`batch_block`) and `global_batch` assembles the global arrays.
