@@ -1,6 +1,7 @@
 """NVFP4 quantizer vs the independent NumPy reference: codes, scales, amax and dequantized values bit for bit."""
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -548,3 +549,13 @@ def test_headroom_block_maxima_near_float32_max_saturate():
   half = np.asarray(fp4jax.fake_quant(jnp.full((1, 16), 65504.0, jnp.float16), headroom))
   assert half.dtype == np.float16 and np.all(half == 65504.0)
   assert float(fp4jax.fake_quant(jnp.ones((1, 16)), headroom)[0, 0]) == 1.0625
+
+
+def test_saturation_runs_only_where_decoded_values_can_pass_the_dtype():
+  """The saturating pass costs ~20 % of a float32 q+dq (a compute-bound loop): it runs for narrower outputs and for
+  the formats that decode past their amax, not for plain float32 NVFP4/MXFP4/FP8, which stay within it."""
+  pass_dtype = importlib.import_module("fp4jax.quantize").may_pass_dtype
+  for fmt in (fp4jax.NVFP4(), fp4jax.NVFP4(scale_rule="4over6"), fp4jax.get_format("mxfp4"), fp4jax.get_format("fp8")):
+    assert not pass_dtype(fmt, jnp.float32) and pass_dtype(fmt, jnp.bfloat16) and pass_dtype(fmt, jnp.float16)
+  assert pass_dtype(fp4jax.NVFP4(headroom=True), jnp.float32) and pass_dtype(fp4jax.NVFP4(scale_rule="eden"),
+                                                                             jnp.float32)
