@@ -100,11 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   batch = training.probe_batch(dataset, recipe_gemms.get_preset("cpu").base, config)
   _, tensors = model_probes.capture_layer_tensors(model, batch)
-  unknown = [name for name in args.layers.split(",") if name not in tensors]
+  layers = args.layers.split(",")
+  unknown = [name for name in layers if name not in tensors]
   if unknown:
     parser.error(f"--layers: no layer {', '.join(map(repr, unknown))}; the model has {', '.join(tensors)}.")
   print("| layer | size | rotation | err (1 draw) | bias (mean of draws) | floor |\n|---|---|---|---|---|---|")
-  for layer in args.layers.split(","):
+  for layer in layers:
     t = tensors[layer]
     for n in sizes:
       for kind in ROTATIONS:

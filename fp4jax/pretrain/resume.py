@@ -299,7 +299,7 @@ def _schedule_inputs(config: TrainConfig) -> tuple:
   return config.steps, o.lr, o.min_lr_ratio, o.warmup_fraction, o.decay_fraction, o.decay_shape
 
 
-def _from(switch: int | None, start: int) -> int | None:
+def _bf16_from(switch: int | None, start: int) -> int | None:
   """The step from which a run resumed at `start` runs BF16 under `switch` (None: never)."""
   return None if switch is None else max(switch, start)
 
@@ -340,7 +340,7 @@ def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str |
   same_schedule = _schedule_inputs(stored) == _schedule_inputs(config)
   if same_schedule and old_switch == new_switch:
     return None
-  if same_schedule and _from(old_switch, start) == _from(new_switch, start):
+  if same_schedule and _bf16_from(old_switch, start) == _bf16_from(new_switch, start):
     return (f"Note: resuming at step {start} with the BF16 switch at step {new_switch} instead of {old_switch}: both "
             f"lie at or before step {start}, so from there on the run is the stored run continued.")
   lr_old, lr_new = _lrs(stored, start + 1), _lrs(config, start + 1)

@@ -117,6 +117,9 @@ class RunLock:
     self.release()
 
 
+_HELD_ERRNOS = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)  # flock's answers for a lock another holds
+
+
 def acquire(out_dir: str | pathlib.Path, *, process_index: int = 0, process_count: int = 1,
             log: Callable[[str], None] | None = None) -> RunLock:
   """Locks `out_dir` (which must exist) for this process, or raises RunLockedError naming the holder.
@@ -131,7 +134,7 @@ def acquire(out_dir: str | pathlib.Path, *, process_index: int = 0, process_coun
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+      if e.errno not in _HELD_ERRNOS:
         raise OSError(e.errno, f"Cannot lock the run folder ({path}): {e.strerror}. The file system may not "
                       "support flock; use an --out on a local or lock-capable file system.") from e
       holder = _read_holder(fd)
@@ -253,7 +256,7 @@ def _live_holder(out: pathlib.Path) -> dict | None:
     try:
       fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as e:
-      return _read_holder(fd) if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+      return _read_holder(fd) if e.errno in _HELD_ERRNOS else None
     fcntl.flock(fd, fcntl.LOCK_UN)
     return None
   finally:
