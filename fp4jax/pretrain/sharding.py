@@ -300,17 +300,26 @@ class Placement:
 
   @classmethod
   def for_mesh(cls, mesh_spec: str | None, state, *, recipe, batch_size: int, seq_len: int,
-               grad_accum: int = 1) -> "Placement":
+               grad_accum: int = 1, quantized_layers: Sequence[str] | None = None) -> "Placement":
     """One device when `mesh_spec` is empty; else a mesh, after checking `recipe`'s blocks fit its shards (those
-    of each of the step's `grad_accum` micro-batches)."""
+    of each of the step's `grad_accum` micro-batches).
+
+    `quantized_layers` (names such as "blocks.0.attn.k") are the layers that run `recipe`, when a precision policy
+    keeps others in BF16: only their kernels are checked, and the token blocks only if there is one. None: every
+    block's kernels."""
     if not mesh_spec:
       if jax.process_count() > 1:
         raise ValueError(f"this is one of {jax.process_count()} processes: pass a --mesh over all "
                          f"{jax.device_count()} devices (e.g. data={jax.device_count()}).")
       return cls.single_device()
     mesh = make_mesh(mesh_spec)
+    sizes, quantized = recipe_block_sizes(recipe), {}
+    if quantized_layers is not None:
+      quantized = {"quantized": "^(" + "|".join(map(re.escape, quantized_layers)) + r")\.kernel$"}
+      if not quantized_layers:  # nothing runs the recipe: no weight or token block to keep inside a shard
+        sizes = {"block_size": 1, "weight_2d": False, "rht_size": 1}
     check_divisibility(state.params, mesh, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
-                       **recipe_block_sizes(recipe))
+                       **sizes, **quantized)
     state_sh = tree_shardings(state, mesh)
     return cls(state=state_sh, params=state_sh.params, batch=batch_sharding(mesh), replicated=replicated(mesh),
                mesh=mesh, key=str(mesh_spec))

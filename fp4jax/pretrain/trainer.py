@@ -41,6 +41,7 @@ from fp4jax.pretrain import config as config_lib
 from fp4jax.pretrain import data as data_lib
 from fp4jax.pretrain import distributed
 from fp4jax.pretrain import metrics as metrics_lib
+from fp4jax.pretrain import model as model_lib
 from fp4jax.pretrain import optimizer as optimizer_lib
 from fp4jax.pretrain import osci as osci_lib
 from fp4jax.pretrain import policy as policy_lib
@@ -72,9 +73,13 @@ class TrainingDiverged(RuntimeError):
 
 
 def _placement(config: TrainConfig, state: TrainState) -> Placement:
+  # The layers the policy keeps in BF16 have no blocks to keep inside shards (before the switch the others run the
+  # recipe; after it their blocks are the same or fewer).
+  recipes = config.policy.layer_recipes(model_lib.layer_names(config.model), config.model.n_layers)
   return Placement.for_mesh(config.mesh, state, recipe=config.policy.recipe,
                             batch_size=config.batch_size, seq_len=config.train_seq_len,
-                            grad_accum=config.grad_accum)
+                            grad_accum=config.grad_accum,
+                            quantized_layers=[name for name, r in recipes.items() if r.is_quantized])
 
 
 # --- run folder ---------------------------------------------------------------------------------------------------

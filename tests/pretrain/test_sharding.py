@@ -109,6 +109,29 @@ def test_blocks_must_not_straddle_shards():
   sharding.check_divisibility(params, _mesh((2, 2, 2)), batch_size=8, seq_len=64, **NVFP4_BLOCKS)
 
 
+@pytest.mark.parametrize("policy, seq_len", [({"pattern": r".*attn\.(k|v)"}, 64), ({"first": 2}, 10)])
+def test_layers_the_policy_keeps_in_bf16_are_not_checked(policy, seq_len):
+  r"""The check took every block's kernels: `--bf16-pattern '.*attn\.(k|v)'` on data=2,tensor=4 was refused for k/v's
+  8 columns per shard, which run in BF16; with every block in BF16 (`--bf16-first 2`) even 5 tokens per shard were."""
+  from fp4jax.pretrain import config as config_lib, trainer  # pylint: disable=g-import-not-at-top
+  params, cfg = _tiny_params()
+  state = steps_lib.TrainState(params=params, opt_state=(), step=jnp.asarray(0, jnp.int32))
+  mesh = "data=2,tensor=4"
+  # tiny's k and v: 2 KV heads x 16 = 32 columns, 8 per shard of 4; q: 64, 16 per shard.
+  with pytest.raises(ValueError, match=r"attn\.k\.kernel.*8 per shard, not a multiple of 16"):
+    sharding.Placement.for_mesh(mesh, state, recipe=fp4jax.recipes.nvfp4(), batch_size=8, seq_len=seq_len)
+  config = config_lib.TrainConfig(model=cfg, mesh=mesh, batch_size=8, seq_len=seq_len, steps=2,
+                                  policy=config_lib.PrecisionPolicy(recipe="nvfp4", **policy))
+  assert trainer._placement(config, state).mesh is not None  # pylint: disable=protected-access
+  # Layers that do run the recipe are still checked.
+  with pytest.raises(ValueError, match=r"attn\.k\.kernel"):
+    sharding.Placement.for_mesh(mesh, state, recipe=fp4jax.recipes.nvfp4(), batch_size=8, seq_len=64,
+                                quantized_layers=["blocks.0.attn.q", "blocks.1.attn.k"])
+  with pytest.raises(ValueError, match="5 tokens"):
+    sharding.Placement.for_mesh("data=8", state, recipe=fp4jax.recipes.nvfp4(), batch_size=8, seq_len=5,
+                                quantized_layers=["blocks.0.attn.q"])
+
+
 def _assert_same_qarray(a, b):
   np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
   np.testing.assert_array_equal(np.asarray(a.scales.astype(jnp.float32)), np.asarray(b.scales.astype(jnp.float32)))
