@@ -77,7 +77,18 @@ def test_set_bf16_blocks_leaves_each_high_precision_run_its_own_blocks(tmp_path,
   sweep = high_precision_layers.get_config("cpu").with_overrides(changes)
   blocks = {r.name: sweep.config(r, 0, tmp_path).policy.bf16_blocks(4) for r in sweep.runs if r.name != "bf16"}
   assert blocks == {"none": (), "first1": (0,), "last1": (3,), "first1_last1": (0, 3), "first2": (0, 1),
-                    "last2": (2, 3), "first2_last2": (0, 1, 2, 3)}
+                    "last2": (2, 3)}
+
+
+def test_every_high_precision_run_keeps_a_block_in_nvfp4(tmp_path):
+  """The cpu preset's "first 2 + last 2 BF16" covered all 4 blocks: a BF16 run reported as an NVFP4 variant."""
+  for preset in ("smoke", "cpu", "gpu"):
+    sweep = high_precision_layers.get_config(preset)
+    for run in sweep.runs:
+      if run.name != "bf16":
+        config = sweep.config(run, 0, tmp_path)
+        assert len(config.policy.bf16_blocks(config.model.n_layers)) < config.model.n_layers, (preset, run.name)
+  assert "first4_last4" in [r.name for r in high_precision_layers.get_config("gpu").runs]
 
 
 def test_empty_out_is_refused(tmp_path, monkeypatch, capsys, no_training):
