@@ -1,7 +1,8 @@
 """Presets beyond NVIDIA's recipe: Four Over Six, TetraJet-v2, Quartet II and Quartet (re-exported by fp4jax.recipes).
 
 Each accepts `sr_bits=` and `gemm_mode=` like every preset (see fp4jax.recipes.Recipe): they change speed, not the
-recipe, and show in the name as in `nvfp4()` ("-threefry" when something is rounded stochastically, "-gemm:MODE").
+recipe, and show in the name as in `nvfp4()` ("-threefry" when something is rounded stochastically, "-gemm:MODE"),
+as do 8 random bits ("-sr8bit") and a non-default RHT size: one recipe, one name.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ def _check_switches(**switches) -> None:
       raise ValueError(f"{flag} must be True or False; got {value!r}.")
 
 
-def _speed_tags(stochastic: bool, sr_bits: str, gemm_mode: str) -> str:
-  """Name tags of the SR generator (only when something is rounded stochastically) and the GEMM mode."""
-  return (f"-{sr_bits}" if stochastic and sr_bits != "hash" else "") + recipe_names.gemm_tag(gemm_mode)
+def _sr_and_speed_tags(stochastic: bool, random_bits: int, sr_bits: str, gemm_mode: str) -> str:
+  """Name tags of the SR bits and generator (only when something is rounded stochastically) and the GEMM mode, as
+  `nvfp4()` tags them ("-sr8bit", "-threefry", "-gemm:f32")."""
+  sr = (f"-sr{random_bits}bit" if random_bits != 32 else "") + (f"-{sr_bits}" if sr_bits != "hash" else "")
+  return (sr if stochastic else "") + recipe_names.gemm_tag(gemm_mode)
 
 
 def four_over_six(*, select: str = "mse", unbiased_sr=False, rht: bool = True, rht_size: int = 16,
@@ -72,8 +75,9 @@ def tetrajet_v2(*, rht_size: int = 16, double_block: bool = True, stochastic_rou
   fwd = lib.OperandConfig(fmt=fmt)
   grad = lib.OperandConfig(fmt=fmt, rounding=sr, rht=True)
   requant = lib.OperandConfig(fmt=fmt, rounding=sr, rht=True, requantize=True)
-  name = ("tetrajet_v2" + ("" if double_block else "-double_block") + ("" if stochastic_rounding else "-sr")
-          + _speed_tags(stochastic_rounding, sr_bits, gemm_mode))
+  name = ("tetrajet_v2" + ("" if rht_size == 16 else f"-rht{rht_size}") + ("" if double_block else "-double_block")
+          + ("" if stochastic_rounding else "-sr") + _sr_and_speed_tags(stochastic_rounding, random_bits, sr_bits,
+                                                                         gemm_mode))
   return lib.Recipe(name=name, fprop=lib.GemmConfig(fwd, fwd), dgrad=lib.GemmConfig(grad, requant),
                     wgrad=lib.GemmConfig(grad, requant), rht_size=rht_size, rht_signs="per_call",
                     random_bits=random_bits, backend=backend, sr_bits=sr_bits, gemm_mode=gemm_mode)
@@ -103,7 +107,7 @@ def quartet2(*, four_over_six: bool = False, rht_size: int = 128, stochastic_sca
   requant = lib.OperandConfig(fmt=bwd_fmt, rounding=sr, rht=True, requantize=True)
   name = ("quartet2" + ("+4over6" if four_over_six else "") + ("" if rht_size == 128 else f"-rht{rht_size}")
           + ("" if stochastic_scales else "-sr")
-          + _speed_tags(stochastic_scales, sr_bits, gemm_mode))
+          + _sr_and_speed_tags(stochastic_scales, random_bits, sr_bits, gemm_mode))
   return lib.Recipe(name=name, fprop=lib.GemmConfig(fwd, fwd), dgrad=lib.GemmConfig(grad, requant),
                     wgrad=lib.GemmConfig(grad, requant), rht_size=rht_size, rht_signs="per_call",
                     random_bits=random_bits, backend=backend, sr_bits=sr_bits, gemm_mode=gemm_mode)
@@ -132,7 +136,7 @@ def quartet(*, rht_size: int = 32, stochastic_rounding: bool = True, random_bits
   grad = lib.OperandConfig(fmt=bwd_fmt, rounding=sr, rht=True)
   requant = lib.OperandConfig(fmt=bwd_fmt, rounding=sr, rht=True, requantize=True)
   name = ("quartet" + ("" if rht_size == 32 else f"-rht{rht_size}") + ("" if stochastic_rounding else "-sr")
-          + _speed_tags(stochastic_rounding, sr_bits, gemm_mode))
+          + _sr_and_speed_tags(stochastic_rounding, random_bits, sr_bits, gemm_mode))
   return lib.Recipe(name=name, fprop=lib.GemmConfig(fwd, fwd), dgrad=lib.GemmConfig(grad, requant),
                     wgrad=lib.GemmConfig(grad, requant), rht_size=rht_size, rht_signs="per_call",
                     fprop_rht_signs="none", random_bits=random_bits, backend=backend, sr_bits=sr_bits,

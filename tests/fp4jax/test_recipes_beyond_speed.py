@@ -3,6 +3,7 @@ SR bit generator (`sr_bits`) and GEMM modes (`gemm_mode`)."""
 
 import functools
 import importlib
+import inspect
 import re
 
 import jax
@@ -80,6 +81,45 @@ def test_new_preset_names_carry_the_speed_tags():
   assert recipes.four_over_six(sr_bits="threefry").name == "four_over_six-threefry"
   assert recipes.get_recipe("nvfp4:four_over_six=true,gemm_mode=f32").name == "nvfp4+4over6-gemm:f32"
   assert recipes.four_over_six is fp4jax.recipes_beyond.four_over_six
+
+
+# Values each preset switch is tried with (the default is skipped; values a preset refuses are skipped).
+_SWITCH_VALUES = {"rht": (True, False), "rht_size": (8, 16, 32, 64, 128), "stochastic_rounding": (True, False),
+                  "stochastic_scales": (True, False), "weight_2d": (True, False), "double_block": (True, False),
+                  "four_over_six": (True, False), "rht_on": (("fprop",), ("dgrad", "wgrad")),
+                  "random_signs": (False, "per_call"), "random_bits": (8,), "sr_bits": ("threefry",),
+                  "gemm_mode": ("f32", "bf16"), "select": ("mse", "mae", "max"), "unbiased_sr": (True, "up"),
+                  "scale_rule": ("ceil", "floor", "quest", "tseng"), "block_size": (32, 64),
+                  "scaling": ("block", "tensor")}
+
+
+@pytest.mark.parametrize("preset", [p for p in recipes.PRESETS if p != "bf16"])
+def test_every_switch_that_changes_a_preset_changes_its_name(preset):
+  """Layers, logs and reports name a recipe by `.name` ("one recipe, one name"): quartet, quartet2 and tetrajet_v2
+  with random_bits=8, and tetrajet_v2 with another rht_size, kept the default's name."""
+  factory = recipes.PRESETS[preset]
+  default = factory()
+  params = inspect.signature(factory).parameters
+  tried = 0
+  for switch, values in _SWITCH_VALUES.items():
+    if switch not in params:
+      continue
+    for value in values:
+      if value == params[switch].default:
+        continue
+      try:
+        r = factory(**{switch: value})
+      except ValueError:  # a value this preset refuses
+        continue
+      tried += 1
+      if switch == "sr_bits" and not any(op.rounding == "stochastic" for g in ("fprop", "dgrad", "wgrad")
+                                         for op in (r.gemm(g).lhs, r.gemm(g).rhs)):
+        continue  # no SR: the generator is used for nothing (as with nvfp4:stochastic_rounding=false), and untagged
+      assert r != default and r.name != default.name, (switch, value, r.name)
+  assert set(params) - set(_SWITCH_VALUES) <= {"backend"}, "a new switch: give it values above"
+  assert tried >= 3
+  assert recipes.quartet(random_bits=8).name == "quartet-sr8bit"
+  assert recipes.tetrajet_v2(rht_size=32, random_bits=8, sr_bits="threefry").name == "tetrajet_v2-rht32-sr8bit-threefry"
 
 
 def test_eden_stochastic_scales_draw_bits_from_the_recipe_generator():
