@@ -450,13 +450,29 @@ def rht_size_limit(k: int, n: int, recipe: recipes_lib.Recipe) -> int | None:
   return min(fits) if fits else None
 
 
+# The axes of K and N that each operand's blocks run along: 1D blocks run along the GEMM's contracted axis (Wgrad's
+# is M, the tokens), 2D blocks also along the operand's other axis (an activation's other axis is M).
+_BLOCK_AXES = {("fprop", "lhs"): (("K",), ("K",)), ("fprop", "rhs"): (("K",), ("K", "N")),
+               ("dgrad", "lhs"): (("N",), ("N",)), ("dgrad", "rhs"): (("N",), ("K", "N")),
+               ("wgrad", "lhs"): ((), ("N",)), ("wgrad", "rhs"): ((), ("K",))}
+
+
 def check_layer_shape(k: int, n: int, recipe: recipes_lib.Recipe) -> None:
   """Raises a ValueError unless a linear layer with weight [K, N] = [k, n] can run `recipe`: the blocks of its
-  Fprop and Dgrad operands and their RHT tiles divide K and N (Wgrad's token axis is padded inside the rule)."""
+  operands and the Fprop and Dgrad RHT tiles divide K and N (Wgrad's token axis is padded inside the rule)."""
   sizes = {"K": k, "N": n}
-  for gemm, role, dim in _FEATURE_OPERANDS:
+  # Blocks first: a smaller rht_size cannot fix them, so the RHT hint below is only given where it suffices.
+  for (gemm, role), (axes_1d, axes_2d) in _BLOCK_AXES.items():
     op = getattr(recipe.gemm(gemm), role)
-    if op.rht and sizes[dim] % recipe.rht_size:
+    if not op.quantized or op.pad:
+      continue
+    b = op.fmt.block_size
+    for d in (axes_2d if op.block_2d else axes_1d):
+      if sizes[d] % b:
+        raise ValueError(f"{gemm} {role}: {op.fmt.name} blocks of {b} need {d} divisible by {b}; got {d}={sizes[d]} "
+                         f"(weight [K, N] = [{k}, {n}]). Use a multiple of {b}, or keep this layer in bf16.")
+  for gemm, role, dim in _FEATURE_OPERANDS:
+    if getattr(recipe.gemm(gemm), role).rht and sizes[dim] % recipe.rht_size:
       fit = _largest_rht_size_dividing(sizes[dim], recipe.rht_size)
       example = f" (e.g. recipe '{recipe.name}:rht_size={fit}')" if recipe.name in recipes_lib.PRESETS else ""
       hint = (f"Use rht_size={fit} or smaller, a power of two dividing {dim}{example}" if fit > 1
@@ -464,13 +480,6 @@ def check_layer_shape(k: int, n: int, recipe: recipes_lib.Recipe) -> None:
       raise ValueError(f"{gemm} {role}: recipe {recipe.name!r} runs a {recipe.rht_size}-point RHT along {dim}, which "
                        f"needs {dim} divisible by {recipe.rht_size}; got {dim}={sizes[dim]} (weight [K, N] = "
                        f"[{k}, {n}]). {hint}, or keep this layer in bf16.")
-    if not op.quantized or op.pad:
-      continue
-    b = op.fmt.block_size
-    for d in (("K", "N") if op.block_2d else (dim,)):
-      if sizes[d] % b:
-        raise ValueError(f"{gemm} {role}: {op.fmt.name} blocks of {b} need {d} divisible by {b}; got {d}={sizes[d]} "
-                         f"(weight [K, N] = [{k}, {n}]). Use a multiple of {b}, or keep this layer in bf16.")
 
 
 def lax_output_dtype(lhs, rhs, dimension_numbers) -> jnp.dtype:

@@ -189,11 +189,33 @@ def check_layer_recipes(config: "ModelConfig", recipe) -> None:
     try:
       check_layer_shape(*shape_of(name), r)
     except ValueError as e:
-      limits = [rht_size_limit(*shape_of(m), r) for m in names if per_layer[m] == r]
-      limits = [x for x in limits if x is not None]
+      same = [m for m in names if per_layer[m] == r]
+      limits = [x for x in (rht_size_limit(*shape_of(m), r) for m in same) if x is not None]
+      smaller = _with_rht_size(r, min(limits)) if limits and 1 < min(limits) < r.rht_size else None
       fit = (f" Every layer of this model fits rht_size={min(limits)}."
-             if limits and 1 < min(limits) < r.rht_size else "")
+             if smaller is not None and _all_fit(same, shape_of, smaller) else "")
       raise ValueError(f"Linear layer {name!r}: {e}{fit}") from None
+
+
+def _with_rht_size(recipe, size: int):
+  """`recipe` with RHT size `size` (a preset rebuilt from its name, so that what follows the size follows it: Quartet
+  II's EDEN groups), or None where that recipe cannot be built."""
+  try:
+    if recipe.name in fp4jax.recipes.PRESETS:
+      return fp4jax.recipes.get_recipe(f"{recipe.name}:rht_size={size}")
+    return recipe.replace(rht_size=size)
+  except ValueError:
+    return None
+
+
+def _all_fit(names, shape_of, recipe) -> bool:
+  """Whether every layer in `names` can run `recipe` (its blocks as well as its RHT tiles)."""
+  try:
+    for name in names:
+      check_layer_shape(*shape_of(name), recipe)
+  except ValueError:
+    return False
+  return True
 
 
 def _layer_recipe(recipe, name: str):

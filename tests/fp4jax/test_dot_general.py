@@ -393,6 +393,26 @@ def test_rht_size_limit_is_the_largest_power_of_two_tiling_both_feature_axes():
     check_layer_shape(256, 96, both)
 
 
+def test_2d_blocks_are_checked_along_each_operands_own_feature_axis():
+  """2D blocks on an activation (a hand-built recipe) were checked along the weight's two axes: x [M, K] was refused
+  for N=40, which it lacks, while Wgrad's x, blocked along K too, passed the check and failed in the backward."""
+  from fp4jax.dot_general import check_layer_shape  # pylint: disable=g-import-not-at-top
+  G, O, nv = recipes.GemmConfig, recipes.OperandConfig, fp4jax.NVFP4()
+  x_2d = recipes.Recipe(name="x-2d", fprop=G(O(nv, block_2d=True), O(nv)))
+  check_layer_shape(64, 40, x_2d)
+  x = jax.random.normal(jax.random.key(0), (32, 64))
+  assert fp4jax.dot_general(x, jnp.ones((64, 40)), DN, recipe=x_2d).shape == (32, 40)
+  with pytest.raises(ValueError, match=r"^fprop lhs: nvfp4 blocks of 16 need K divisible by 16; got K=40"):
+    check_layer_shape(40, 64, x_2d)
+  wgrad_x_2d = recipes.Recipe(name="wgrad-x-2d", wgrad=G(O(nv), O(nv, block_2d=True)))
+  for k, n in ((40, 32), (40, 64)):
+    with pytest.raises(ValueError, match=r"^wgrad rhs: nvfp4 blocks of 16 need K divisible by 16; got K=40"):
+      fp4jax.dot_general(jnp.ones((32, k)), jnp.ones((k, n)), DN, recipe=wgrad_x_2d)
+  with pytest.raises(ValueError, match=r"^wgrad lhs: nvfp4 blocks of 16 need N divisible by 16; got N=40"):
+    check_layer_shape(64, 40, recipes.Recipe(name="wgrad-dy-2d", wgrad=G(O(nv, block_2d=True), O(nv))))
+  check_layer_shape(40, 40, recipes.Recipe(name="wgrad-1d", wgrad=G(O(nv), O(nv))))  # along M, padded
+
+
 def test_unknown_recipe_name_raises():
   with pytest.raises(ValueError, match="Unknown recipe"):
     fp4jax.dot_general(jnp.ones((M, K)), jnp.ones((K, N)), DN, recipe="nvfp5")

@@ -282,6 +282,19 @@ def test_a_quantized_step_draws_its_randomness_in_three_batched_evaluations():
   assert (counts["random_fold_in"], counts["random_bits"]) == (2, 1), counts
 
 
+def test_the_rht_size_hint_is_given_only_where_it_suffices():
+  """quartet at d_model 48 said "Use rht_size=16 ... Every layer of this model fits rht_size=16", and following it hit
+  MXFP4's 32-blocks, which no RHT size fixes: the blocks are named first, without the hint."""
+  config = model_lib.get_model_config("tiny", d_model=48)
+  with pytest.raises(ValueError, match=r"^Linear layer 'blocks\.0\.attn\.q': fprop lhs: mxfp4 blocks of 32 need K "
+                                       r"divisible by 32; got K=48 .* keep this layer in bf16\.$"):
+    model_lib.check_layer_recipes(config, fp4jax.recipes.get_recipe("quartet"))
+  # The hint's fit is checked against every layer: with 16-blocks it holds and is given.
+  with pytest.raises(ValueError, match=r"RHT along K.*Every layer of this model fits rht_size=16\.$"):
+    model_lib.check_layer_recipes(config, fp4jax.recipes.get_recipe("nvfp4:rht_on=fprop,rht_size=32"))
+  model_lib.check_layer_recipes(config, fp4jax.recipes.get_recipe("nvfp4:rht_on=fprop,rht_size=16"))
+
+
 def test_transformer_refuses_a_layer_its_recipe_cannot_tile_before_building_anything():
   config = model_lib.get_model_config("tiny")
   recipe = fp4jax.recipes.get_recipe("nvfp4:rht_on=fprop,rht_size=128")
