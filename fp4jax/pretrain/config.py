@@ -190,15 +190,24 @@ class TrainConfig:
         raise ValueError(f"OsciReset (osci_reset_start={self.osci_reset.start}) needs a quantized --recipe; got "
                          f"{self.policy.recipe.name!r}.")
       osci_reset_lib.check_recipe(self.policy.recipe)
+      self._check_a_layer_is_quantized(f"OsciReset (osci_reset_start={self.osci_reset.start})", "reset")
     if self.outcontrol.enabled:
       if not self.policy.recipe.is_quantized:
         raise ValueError(f"OutControl (outcontrol_fraction={self.outcontrol.fraction}) needs a quantized --recipe; "
                          f"got {self.policy.recipe.name!r}.")
       outcontrol_tracked_layers(self)  # a fraction that selects all of some layer's input channels
+      self._check_a_layer_is_quantized(f"OutControl (outcontrol_fraction={self.outcontrol.fraction})", "split")
       if self.outcontrol.select_step >= self.steps:
         raise ValueError(f"OutControl: calibration ends after step {self.outcontrol.select_step} (start "
                          f"{self.outcontrol.start} + window {self.outcontrol.window} - 1), beyond this "
                          f"{self.steps}-step run; use a smaller --outcontrol-start / --outcontrol-window.")
+
+  def _check_a_layer_is_quantized(self, what: str, verb: str) -> None:
+    names = model_lib.layer_names(self.model)
+    if len(self.policy.bf16_layers(names, self.model.n_layers)) == len(names):
+      raise ValueError(f"{what} is on, but the precision policy keeps every linear layer in BF16 (--bf16-first, "
+                       f"--bf16-last, --bf16-blocks, --bf16-pattern): nothing to {verb}. Keep a layer quantized, or "
+                       "turn it off.")
 
   @property
   def train_seq_len(self) -> int:

@@ -31,6 +31,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import numbers
 import os
 import pathlib
 import re
@@ -92,6 +93,7 @@ class DataConfig:
       if any("," in e for e in entries):
         raise ValueError(f"Corpus paths may not contain a comma (it separates entries); got {entries}.")
       object.__setattr__(self, "corpus", ",".join(entries))
+    _check_config(self)  # here, not when loading: a bad value from Python fails before a model is built
 
 
 @dataclasses.dataclass(frozen=True)
@@ -597,6 +599,14 @@ def _read_entry(entry: pathlib.Path) -> tuple[np.ndarray, dict]:
 
 
 def _check_config(config: DataConfig) -> None:
+  if not isinstance(config.corpus, str) or not config.corpus:
+    raise ValueError(f"DataConfig.corpus (--corpus) must be '{BUILTIN_CORPUS}' or a path (or several, "
+                     f"comma-separated); got {config.corpus!r}.")
+  for field, kind in (("vocab_size", numbers.Integral), ("val_fraction", numbers.Real)):
+    value = getattr(config, field)
+    if not isinstance(value, kind) or isinstance(value, bool):  # a string or None would fail later, unexplained
+      what = "an int" if kind is numbers.Integral else "a number"
+      raise ValueError(f"DataConfig.{field} (--data.{field}) must be {what}; got {value!r} ({type(value).__name__}).")
   if config.tokenizer not in ("byte", "bpe"):
     raise ValueError(f"DataConfig.tokenizer (--data.tokenizer) must be 'byte' or 'bpe', got {config.tokenizer!r}.")
   if config.tokenizer == "byte" and config.vocab_size != _BYTE_VOCAB:

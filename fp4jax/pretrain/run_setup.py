@@ -100,13 +100,29 @@ def _check_corpus_size(dataset: data_lib.TokenDataset, config: TrainConfig) -> N
   need = _smallest_corpus(window, frac, window - 1 + n_windows if config.evaluation.batches else 0)
   # The longest --seq-len that leaves a training window and those validation windows.
   fits = min(n_train - 1, dataset.val.size - n_windows) if config.evaluation.batches else n_train - 1
+  split = _val_fraction_that_fits(n, window, window - 1 + n_windows) if config.evaluation.batches else None
   raise ValueError(
       f"The corpus is too small: it has {n} tokens (train split {n_train}, validation split {dataset.val.size} at "
       f"val_fraction={frac}), but every window needs seq_len+1={window} tokens from one split"
       + (f" and validation takes {n_windows} windows (eval_batches x batch_size)" if config.evaluation.batches else "")
       + f", so it needs at least {need} tokens. Use a larger --corpus"
       + (f", a --seq-len of at most {fits}" if fits >= 1 else "")
+      + (f", a --data.val_fraction of {split} when training" if split is not None else "")
       + (", or --eval-batches 0 to skip validation." if config.evaluation.batches else "."))
+
+
+def _val_fraction_that_fits(n: int, window: int, val_need: int) -> str | None:
+  """A val_fraction (2 significant digits) whose split of `n` tokens leaves a `window` to train on and `val_need`
+  validation tokens; None when none does."""
+  val = lambda f: math.ceil(n * f)
+  if n - val_need < window:
+    return None
+  step = 10.0 ** (math.floor(math.log10(val_need / n)) - 1)
+  f = math.ceil(val_need / n / step) * step
+  while val(float(f"{f:.2g}")) < val_need:  # float slack in the product
+    f += step
+  f = float(f"{f:.2g}")
+  return f"{f:g}" if f < 1 and n - val(f) >= window else None
 
 
 def initial_state(config: TrainConfig, params, optimizer_init: Callable) -> TrainState:

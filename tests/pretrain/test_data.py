@@ -337,6 +337,22 @@ def test_config_errors(text_folder, tmp_path):
       data.load_dataset(data.DataConfig(corpus=str(text_folder), cache_dir=str(tmp_path), **bad))
 
 
+@pytest.mark.parametrize("bad, message", [
+    (dict(val_fraction="0.1"), r"val_fraction \(--data.val_fraction\) must be a number; got '0.1' \(str\)"),
+    (dict(val_fraction=None), r"val_fraction \(--data.val_fraction\) must be a number; got None"),
+    (dict(val_fraction=float("nan")), r"val_fraction.*must be in \[0, 1\)"),
+    (dict(vocab_size=300.0, tokenizer="bpe"), r"vocab_size \(--data.vocab_size\) must be an int; got 300.0"),
+    (dict(vocab_size=True), "must be an int; got True"),
+    (dict(corpus=None), r"corpus \(--corpus\) must be 'shakespeare' or a path"),
+    (dict(tokenizer="foo"), "must be 'byte' or 'bpe'")])
+def test_a_bad_data_config_is_refused_when_built(bad, message):
+  """From Python, DataConfig(val_fraction="0.1") was accepted and failed at loading, after the model was built, with
+  a bare TypeError ('<=' not supported between 'float' and 'str')."""
+  with pytest.raises(ValueError, match=message):
+    data.DataConfig(**bad)
+  assert data.DataConfig(val_fraction=np.float32(0.25), vocab_size=np.int64(256)).val_fraction == 0.25
+
+
 # -------------------------------------------------------------------------------------------- batches
 
 

@@ -180,6 +180,21 @@ def test_corpus_too_small_says_so(env, tmp_path, capsys):
         corpus=str(corpus), cache_dir=env["data"].cache_dir, val_fraction=0.0), eval_batches=1), log=None)
 
 
+def test_corpus_too_small_for_a_tiny_val_fraction_names_the_one_that_fits(env, tmp_path):
+  """A 1-token validation split (val_fraction 0.001 of 1000 tokens) was blamed on the corpus ("needs at least 96001
+  tokens"), with no word of --data.val_fraction; the fraction named now loads."""
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("abcdefghij" * 100)
+  config = lambda frac: TrainConfig.from_options(out=str(tmp_path / "run"), data=data.DataConfig(
+      corpus=str(corpus), cache_dir=env["data"].cache_dir, val_fraction=frac))
+  # seq_len 64 + eval_batches 4 x batch_size 8 windows = 96 held-out tokens: 0.096 of 1000.
+  with pytest.raises(ValueError, match=r"a --data.val_fraction of 0.096 when training, or --eval-batches 0"):
+    run_setup.load_data(config(0.001))
+  assert len(run_setup.load_data(config(0.096))[1]) == 4
+  with pytest.raises(ValueError, match="has only 31 distinct windows"):  # one token fewer
+    run_setup.load_data(config(0.095))
+
+
 def test_a_file_named_like_a_step_is_no_checkpoint(tmp_path):
   """Only a <step> folder in checkpoints/ is a finished checkpoint: a stray file named "3" gives --resume nothing
   to resume from and does not make the folder an existing run."""
