@@ -8,8 +8,11 @@ recipe of --recipes in the layers its precision policy quantizes (`fp4jax eval -
 fp4jax.pretrain.trainer.with_forward_recipe; BF16 layers stay BF16, a late BF16 switch is dropped), next to its own
 recipe. Read across a row: `bf16` is the run's weights without forward quantization, so own minus bf16 is what
 quantizing the forward costs the trained model and bf16 minus the BF16 run's loss is what training in low precision
-did to the weights; a BF16 run's row in nvfp4 is quantization after training. All columns use the run's own validation
-batches and eval key.
+did to the weights; a BF16 run's row in nvfp4 is quantization after training (in every layer its policy quantizes:
+all of them where it keeps no block in BF16, unlike FP4 runs that keep some, so compare columns within a row). All
+columns use the run's own validation batches and eval key. A run whose last checkpoint lies past a late BF16 switch
+(experiments.precision_switch) ran its forward in BF16 there, with either switch mode, so its own column is its BF16
+forward and the table says so; the nvfp4 column, which drops the switch, gives what quantizing its forward costs.
 
 Writes into OUT:
   eval_precision.jsonl  one row per run x seed x recipe (recipe "own": the run's own), val loss and checkpoint step
@@ -45,7 +48,8 @@ DEFAULT_RECIPES = ("bf16", "nvfp4")
 def evaluate_sweep(folder: str | pathlib.Path, recipes: Sequence[str] = DEFAULT_RECIPES, *,
                    progress: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
   """(the sweep's meta, one row per finished run x seed x recipe): {"run", "label", "seed", "recipe" (OWN for the
-  run's own, else the spec asked for), "recipe_spec" (what ran), "step", "val_loss"}.
+  run's own, else the spec asked for), "recipe_spec" (the policy's recipe), "phase" (1: past the run's late BF16
+  switch, whose forward is BF16), "step", "val_loss"}.
 
   Recipes are checked against every run before anything is evaluated (a ValueError names the run); one listed twice
   is refused (each seed would count twice in the std).
@@ -72,7 +76,8 @@ def evaluate_sweep(folder: str | pathlib.Path, recipes: Sequence[str] = DEFAULT_
   for row, run_folder, recipe in tqdm.tqdm(todo, desc="eval_precision", disable=not progress):
     result = trainer.evaluate(run_folder, recipe=None if recipe == OWN else recipe, log=None)
     out.append({"run": row["run"], "label": row.get("label", row["run"]), "seed": row["seed"], "recipe": recipe,
-                "recipe_spec": result["recipe"], "step": result["step"], "val_loss": result["val_loss"]})
+                "recipe_spec": result["recipe"], "phase": result["phase"], "step": result["step"],
+                "val_loss": result["val_loss"]})
   return meta, out
 
 
@@ -93,7 +98,9 @@ def summarize(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[str], dic
 def markdown(rows: Sequence[dict[str, Any]], folder: pathlib.Path) -> str:
   """The table of eval_precision.md."""
   runs, recipes, cells = summarize(rows)
-  specs = {r["run"]: r["recipe_spec"] for r in rows if r["recipe"] == OWN}
+  # Rows written before "phase" was kept read as phase 0.
+  specs = {r["run"]: r["recipe_spec"] + (", BF16 forward after its switch" if r.get("phase") else "")
+           for r in rows if r["recipe"] == OWN}
   header = ["run (trained in)", "seeds", *(f"val loss: {r}" for r in recipes),
             *(f"{r} - own" for r in recipes if r != OWN)]
   body = []
@@ -104,7 +111,8 @@ def markdown(rows: Sequence[dict[str, Any]], folder: pathlib.Path) -> str:
   return "\n".join([
       f"# Evaluated in other precisions: {folder}", "",
       "Validation loss of each run's last checkpoint with the recipe of each column in the layers its precision "
-      "policy quantizes (BF16 layers stay BF16); `own`: the recipe it trained with. Mean ± std over seeds.", "",
+      "policy quantizes (BF16 layers stay BF16); `own`: the recipe it trained with (past a late BF16 switch: its "
+      "BF16 forward). Mean ± std over seeds.", "",
       table(header, body), ""])
 
 

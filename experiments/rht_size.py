@@ -4,7 +4,7 @@
 Everything else is the paper's recipe (RHT on Wgrad only, SR, 2D weights, last block(s) in BF16). Signs: "fixed"
 is one random sign vector for the whole run (the paper's default, `random_signs=True`); "nosigns" is a plain
 Hadamard transform (`random_signs=False`); "per_call" draws fresh signs at every GEMM. Sign ablations use size 16.
-Paper: at 1.2B sizes 2..128 made no difference; at 12B size 4 was worse, 128 a minor gain; no signs was worse;
+Paper: at 1.2B sizes 2, 4, 16 and 128 made no difference; at 12B size 4 was worse, 128 a minor gain; no signs was worse;
 fresh signs per call gave no gain.
 
     python -m experiments.rht_size --preset smoke --out runs/rht_size_smoke

@@ -711,7 +711,8 @@ def evaluate(out: str | pathlib.Path, step: int | None = None, *, eval_batches: 
   `recipe` evaluates the checkpoint's weights with another recipe in the layers its policy quantizes (see
   with_forward_recipe): "bf16" for the trained weights without forward quantization, "nvfp4" for a BF16 run
   quantized after training.
-  Returns {"step", "val_loss", "phase", "eval_batches", "recipe" (the policy's recipe the forward ran)}. Raises
-  CheckpointError if there is no readable checkpoint.
+  Returns {"step", "val_loss", "phase", "eval_batches", "recipe" (the policy's recipe; in phase 1, past a late BF16
+  switch, the forward ran BF16 in every layer, with either switch mode)}. Raises CheckpointError if there is no
+  readable checkpoint.
   """
   return evaluate_setup(out, eval_setup(out, step, eval_batches=eval_batches, corpus=corpus, recipe=recipe, log=log))

@@ -60,3 +60,16 @@ def test_table_has_a_difference_column_per_recipe():
   assert "| run (trained in) | seeds | val loss: own | val loss: bf16 | bf16 - own |" in text
   # The sample std over seeds (ddof=1: sqrt(0.02)), as experiments.report's results.md gives it.
   assert "| a (nvfp4) | 2 | 2.1000 ± 0.1414 | 2.0000 ± 0.1414 | -0.1000 |" in text
+
+
+def test_a_run_past_its_bf16_switch_is_labelled_so():
+  """precision_switch runs end past their switch, where the forward is BF16: `own` read "fwd_at50 (nvfp4)", and own
+  minus bf16 (~0 there) passed for what quantizing the forward costs."""
+  rows = [{"run": run, "label": run, "seed": 0, "recipe": recipe, "recipe_spec": spec, "phase": phase, "step": 10,
+           "val_loss": loss}
+          for run, recipe, spec, phase, loss in [
+              ("fwd_at50", "own", "nvfp4", 1, 2.0), ("fwd_at50", "nvfp4", "nvfp4", 0, 2.1),
+              ("nvfp4", "own", "nvfp4", 0, 2.2), ("nvfp4", "nvfp4", "nvfp4", 0, 2.2)]]
+  text = eval_precision.markdown(rows, "runs/x")
+  assert "| fwd_at50 (nvfp4, BF16 forward after its switch) | 1 |" in text and "| nvfp4 (nvfp4) | 1 |" in text
+  assert "past a late BF16 switch: its BF16 forward" in text
