@@ -120,9 +120,10 @@ def test_layers_the_policy_keeps_in_bf16_are_not_checked(policy, seq_len):
   # tiny's k and v: 2 KV heads x 16 = 32 columns, 8 per shard of 4; q: 64, 16 per shard.
   with pytest.raises(ValueError, match=r"attn\.k\.kernel.*8 per shard, not a multiple of 16"):
     sharding.Placement.for_mesh(mesh, state, recipe=fp4jax.recipes.nvfp4(), batch_size=8, seq_len=seq_len)
-  config = config_lib.TrainConfig(model=cfg, mesh=mesh, batch_size=8, seq_len=seq_len, steps=2,
-                                  policy=config_lib.PrecisionPolicy(recipe="nvfp4", **policy))
-  assert trainer._placement(config, state).mesh is not None  # pylint: disable=protected-access
+  for switch_at in (None, 0.5):  # a fractional switch needs the run's length to resolve: not asked here
+    config = config_lib.TrainConfig(model=cfg, mesh=mesh, batch_size=8, seq_len=seq_len, steps=4,
+                                    policy=config_lib.PrecisionPolicy(recipe="nvfp4", switch_at=switch_at, **policy))
+    assert trainer._placement(config, state).mesh is not None  # pylint: disable=protected-access
   # Layers that do run the recipe are still checked.
   with pytest.raises(ValueError, match=r"attn\.k\.kernel"):
     sharding.Placement.for_mesh(mesh, state, recipe=fp4jax.recipes.nvfp4(), batch_size=8, seq_len=64,
