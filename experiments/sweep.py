@@ -221,9 +221,16 @@ class Sweep:
     """The TrainConfig of `run` with `seed`, writing to `out` (not yet resuming or overwriting)."""
     overrides = dict(self.run_overrides(run), out=str(out), seed=seed)
     try:
-      return config_lib.config_from_overrides(overrides)
+      config = config_lib.config_from_overrides(overrides)
     except (TypeError, ValueError) as e:
       raise ValueError(f"Sweep {self.experiment!r}, run {run.name!r}: invalid settings: {e}") from e
+    names = fp4jax.pretrain.model.layer_names(config.model)
+    if (config.policy.recipe.is_quantized
+        and len(config.policy.bf16_layers(names, config.model.n_layers)) == len(names)):
+      raise ValueError(f"Sweep {self.experiment!r}, run {run.name!r}: its precision policy keeps every linear layer "
+                       f"of the {config.model.n_layers}-block model in BF16, so it would train the BF16 run under "
+                       f"the label {run.label!r}. Use a deeper model (model.n_layers), or leave it out with --runs.")
+    return config
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-ready description (written to OUT/sweep.json for the report)."""

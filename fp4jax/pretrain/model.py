@@ -37,6 +37,7 @@ from fp4jax import cli_values
 from fp4jax import formats
 from fp4jax import keys as keys_lib
 from fp4jax import prng
+from fp4jax import recipe_names
 from fp4jax.dot_general import LayerKeys, check_layer_shape, derive_layer_keys, rht_size_limit
 
 MLP_KINDS = ("swiglu", "squared_relu")
@@ -198,13 +199,16 @@ def check_layer_recipes(config: "ModelConfig", recipe) -> None:
 
 
 def _with_rht_size(recipe, size: int):
-  """`recipe` with RHT size `size` (a preset rebuilt from its name, so that what follows the size follows it: Quartet
+  """`recipe` with RHT size `size` (a preset rebuilt from its spec, so that what follows the size follows it: Quartet
   II's EDEN groups), or None where that recipe cannot be built."""
+  from fp4jax.pretrain import policy as policy_lib  # pylint: disable=g-import-not-at-top  (policy builds on model)
+  spec = policy_lib.recipe_spec(recipe)
   try:
-    if recipe.name in fp4jax.recipes.PRESETS:
-      return fp4jax.recipes.get_recipe(f"{recipe.name}:rht_size={size}")
-    return recipe.replace(rht_size=size)
-  except ValueError:
+    if spec is None:
+      return recipe.replace(rht_size=size)
+    name, kwargs = recipe_names.parse_spec(spec, fp4jax.recipes.PRESETS)
+    return fp4jax.recipes.PRESETS[name](**{**kwargs, "rht_size": size})
+  except (TypeError, ValueError):
     return None
 
 

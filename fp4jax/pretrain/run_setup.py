@@ -100,7 +100,9 @@ def _check_corpus_size(dataset: data_lib.TokenDataset, config: TrainConfig) -> N
   need = _smallest_corpus(window, frac, window - 1 + n_windows if config.evaluation.batches else 0)
   # The longest --seq-len that leaves a training window and those validation windows.
   fits = min(n_train - 1, dataset.val.size - n_windows) if config.evaluation.batches else n_train - 1
-  split = _val_fraction_that_fits(n, window, window - 1 + n_windows) if config.evaluation.batches else None
+  # Byte tokens only: BPE cuts the text, and another cut learns another vocabulary (other token counts).
+  split = (_val_fraction_that_fits(n, window, window - 1 + n_windows)
+           if config.evaluation.batches and config.data.tokenizer == "byte" else None)
   raise ValueError(
       f"The corpus is too small: it has {n} tokens (train split {n_train}, validation split {dataset.val.size} at "
       f"val_fraction={frac}), but every window needs seq_len+1={window} tokens from one split"

@@ -89,6 +89,13 @@ def test_every_high_precision_run_keeps_a_block_in_nvfp4(tmp_path):
         config = sweep.config(run, 0, tmp_path)
         assert len(config.policy.bf16_blocks(config.model.n_layers)) < config.model.n_layers, (preset, run.name)
   assert "first4_last4" in [r.name for r in high_precision_layers.get_config("gpu").runs]
+  # The preset's runs are fixed before `--set model.n_layers=2`: each sweep's configs refuse a run left with none.
+  shallow = high_precision_layers.get_config("cpu").with_overrides({"model.n_layers": 2})
+  with pytest.raises(ValueError, match=r"run 'first1_last1': its precision policy keeps every linear layer of the "
+                                       r"2-block model in BF16, so it would train the BF16 run under the label "
+                                       r"'first 1 \+ last 1 BF16'"):
+    shallow.config(next(r for r in shallow.runs if r.name == "first1_last1"), 0, tmp_path)
+  shallow.config(next(r for r in shallow.runs if r.name == "first1"), 0, tmp_path)
 
 
 def test_empty_out_is_refused(tmp_path, monkeypatch, capsys, no_training):

@@ -73,3 +73,15 @@ def test_a_run_past_its_bf16_switch_is_labelled_so():
   text = eval_precision.markdown(rows, "runs/x")
   assert "| fwd_at50 (nvfp4, BF16 forward after its switch) | 1 |" in text and "| nvfp4 (nvfp4) | 1 |" in text
   assert "past a late BF16 switch: its BF16 forward" in text
+
+
+def test_evaluate_sweep_keeps_the_phase_of_each_evaluation(tmp_path, monkeypatch):
+  row = {"run": "all_at50", "seed": 0, "status": "finished", "label": "all at 50 %"}
+  monkeypatch.setattr(eval_precision.report, "collect", lambda folder: ({}, [row], {}))
+  config = TrainConfig.from_options(model="tiny", recipe="nvfp4", switch_at=0.5)
+  monkeypatch.setattr(eval_precision.trainer, "eval_setup", lambda *a, **k: type("S", (), {"config": config}))
+  monkeypatch.setattr(eval_precision.trainer, "evaluate", lambda *a, recipe, **k: {
+      "recipe": "nvfp4", "phase": int(recipe is None), "step": 10, "val_loss": 2.0})
+  _, rows = eval_precision.evaluate_sweep(tmp_path, ["nvfp4"])
+  assert [(r["recipe"], r["phase"]) for r in rows] == [("own", 1), ("nvfp4", 0)]
+  assert "| all_at50 (nvfp4, BF16 forward after its switch) |" in eval_precision.markdown(rows, tmp_path)

@@ -293,6 +293,12 @@ def test_the_rht_size_hint_is_given_only_where_it_suffices():
   with pytest.raises(ValueError, match=r"RHT along K.*Every layer of this model fits rht_size=16\.$"):
     model_lib.check_layer_recipes(config, fp4jax.recipes.get_recipe("nvfp4:rht_on=fprop,rht_size=32"))
   model_lib.check_layer_recipes(config, fp4jax.recipes.get_recipe("nvfp4:rht_on=fprop,rht_size=16"))
+  # A preset with options (as a run parses it) is rebuilt from its spec: quartet2's EDEN groups follow the size
+  # ("quartet2-rht64" with rht_size replaced alone fails to build, and the hint was lost).
+  from fp4jax.pretrain import policy as policy_lib  # pylint: disable=g-import-not-at-top
+  for spec in ("quartet2", "quartet2:rht_size=64"):
+    with pytest.raises(ValueError, match=r"Every layer of this model fits rht_size=16\.$"):
+      model_lib.check_layer_recipes(config, policy_lib.parse_recipe(spec))
 
 
 def test_transformer_refuses_a_layer_its_recipe_cannot_tile_before_building_anything():

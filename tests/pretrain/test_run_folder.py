@@ -9,7 +9,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import types
 
+import numpy as np
 import pytest
 
 from fp4jax.pretrain import checkpoint as ckpt
@@ -193,6 +195,13 @@ def test_corpus_too_small_for_a_tiny_val_fraction_names_the_one_that_fits(env, t
   assert len(run_setup.load_data(config(0.096))[1]) == 4
   with pytest.raises(ValueError, match="has only 31 distinct windows"):  # one token fewer
     run_setup.load_data(config(0.095))
+  # BPE cuts the text, not the tokens, and learns another vocabulary from another cut: no such promise there.
+  split = types.SimpleNamespace(train=np.zeros(999), val=np.zeros(1))
+  for tokenizer, vocab, hinted in (("byte", 256, True), ("bpe", 300, False)):
+    bpe = TrainConfig.from_options(data=data.DataConfig(tokenizer=tokenizer, vocab_size=vocab, val_fraction=0.001))
+    with pytest.raises(ValueError, match="too small") as error:
+      run_setup._check_corpus_size(split, bpe)  # pylint: disable=protected-access
+    assert ("--data.val_fraction of 0.096" in str(error.value)) == hinted
 
 
 def test_a_file_named_like_a_step_is_no_checkpoint(tmp_path):
