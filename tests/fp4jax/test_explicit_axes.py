@@ -215,6 +215,12 @@ def _data_parallel(fn):
   return mesh, mapped
 
 
+# jaxlib 0.11.2's XLA:CPU segfaults compiling this gradient (the forward compiles; so does the gradient of a BF16
+# recipe); a segfault would take the whole test run with it. jaxlib 0.10.x compiles and runs it.
+_JAXLIB_0_11_CPU = jax.__version_info__[:2] == (0, 11) and jax.default_backend() == "cpu"
+
+
+@pytest.mark.skipif(_JAXLIB_0_11_CPU, reason="jaxlib 0.11's XLA:CPU segfaults compiling this gradient")
 @pytest.mark.parametrize("gemm", ["dot_general", "outcontrol"])
 def test_data_parallel_shard_map_gradients_equal_the_per_shard_ones(gemm):
   # The weight's cotangent varies over 'data' (each shard's dW) while the weight does not: the custom_vjp rule
