@@ -225,8 +225,7 @@ class Sweep:
     except (TypeError, ValueError) as e:
       raise ValueError(f"Sweep {self.experiment!r}, run {run.name!r}: invalid settings: {e}") from e
     names = fp4jax.pretrain.model.layer_names(config.model)
-    if (config.policy.recipe.is_quantized
-        and len(config.policy.bf16_layers(names, config.model.n_layers)) == len(names)):
+    if config.policy.recipe.is_quantized and not config.policy.quantized_layers(names, config.model.n_layers):
       raise ValueError(f"Sweep {self.experiment!r}, run {run.name!r}: its precision policy keeps every linear layer "
                        f"of the {config.model.n_layers}-block model in BF16, so it would train the BF16 run under "
                        f"the label {run.label!r}. Use a deeper model (model.n_layers), or leave it out with --runs.")

@@ -204,8 +204,7 @@ class TrainConfig:
                          f"{self.steps}-step run; use a smaller --outcontrol-start / --outcontrol-window.")
 
   def _check_a_layer_is_quantized(self, what: str, verb: str) -> None:
-    names = model_lib.layer_names(self.model)
-    if len(self.policy.bf16_layers(names, self.model.n_layers)) == len(names):
+    if not self.policy.quantized_layers(model_lib.layer_names(self.model), self.model.n_layers):
       raise ValueError(f"{what} is on, but the precision policy keeps every linear layer in BF16 (--bf16-first, "
                        f"--bf16-last, --bf16-blocks, --bf16-pattern): nothing to {verb}. Keep a layer quantized, or "
                        "turn it off.")

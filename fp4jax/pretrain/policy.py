@@ -147,6 +147,14 @@ class PrecisionPolicy:
         chosen.append(name)
     return tuple(chosen)
 
+  def quantized_layers(self, layer_names: Sequence[str], n_layers: int) -> tuple[str, ...]:
+    """Layer names that run the policy's quantized recipe (before any late switch): none when the recipe is BF16,
+    else all but `bf16_layers`."""
+    if not self.recipe.is_quantized:
+      return ()
+    bf16 = set(self.bf16_layers(layer_names, n_layers))
+    return tuple(name for name in layer_names if name not in bf16)
+
   def layer_recipes(self, layer_names: Sequence[str], n_layers: int, step: int = 0,
                     total_steps: int | None = None) -> dict[str, fp4jax.recipes.Recipe]:
     """The recipe of each layer at `step`: BF16 for the selected layers, the (possibly switched) recipe elsewhere."""

@@ -75,9 +75,7 @@ class TrainingDiverged(RuntimeError):
 def _placement(config: TrainConfig, state: TrainState) -> Placement:
   # The layers the policy keeps in BF16 have no blocks to keep inside shards. The others run the recipe (after a
   # late switch, the same blocks or none).
-  names = model_lib.layer_names(config.model)
-  bf16 = set(config.policy.bf16_layers(names, config.model.n_layers))
-  quantized = [name for name in names if name not in bf16] if config.policy.recipe.is_quantized else []
+  quantized = config.policy.quantized_layers(model_lib.layer_names(config.model), config.model.n_layers)
   return Placement.for_mesh(config.mesh, state, recipe=config.policy.recipe,
                             batch_size=config.batch_size, seq_len=config.train_seq_len,
                             grad_accum=config.grad_accum, quantized_layers=quantized)

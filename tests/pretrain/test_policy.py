@@ -53,6 +53,15 @@ def test_block_selection(kwargs, blocks):
   assert _bf16_names(policy) == _in_blocks(*blocks)
 
 
+def test_quantized_layers_are_the_rest_in_order_and_none_under_bf16():
+  policy = PrecisionPolicy(recipe="nvfp4", first=1, pattern=r".*mlp\.down")
+  bf16 = _bf16_names(policy)
+  assert policy.quantized_layers(NAMES, N_LAYERS) == tuple(n for n in NAMES if n not in bf16)
+  assert len(policy.quantized_layers(NAMES, N_LAYERS)) == len(NAMES) - len(bf16) > 0
+  assert PrecisionPolicy(recipe="nvfp4", first=N_LAYERS).quantized_layers(NAMES, N_LAYERS) == ()
+  assert PrecisionPolicy(recipe="bf16").quantized_layers(NAMES, N_LAYERS) == ()
+
+
 def test_pattern_selection_fullmatch():
   assert _bf16_names(PrecisionPolicy(pattern=r".*mlp\.down")) == {f"blocks.{i}.mlp.down" for i in range(N_LAYERS)}
   assert _bf16_names(PrecisionPolicy(pattern=r"blocks\.(0|1)\..*")) == _in_blocks(0, 1)
