@@ -37,6 +37,14 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
+SECTIONS="env:20 bits:60 mismatch:70 check:90 gemm:60 quant:90 linear:60 train:200 tiles:35 repeat:240 loop:150"
+# A misspelt name would run nothing and still exit 0: a wasted machine start.
+for name in ${ONLY//,/ }; do
+  case " $SECTIONS" in
+    *" $name:"*) ;;
+    *) echo "unknown section: $name (sections: $(echo "$SECTIONS" | sed 's/:[0-9]*//g'))" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$OUT"
 # Rows append to $OUT/rows.jsonl and the summaries read them all: an earlier invocation's rows would mix into this
 # one's (and fill in a repeat run this one lost). Move them aside instead.
@@ -46,7 +54,6 @@ if [ -e "$OUT/rows.jsonl" ]; then
 fi
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-SECTIONS="env:20 bits:60 mismatch:70 check:90 gemm:60 quant:90 linear:60 train:200 tiles:35 repeat:240 loop:150"
 RUNS="${REPEAT_RUNS:-3}"
 if [ -z "$DRY" ] && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/fp4jax_site .whl/*.whl \

@@ -65,9 +65,7 @@ def main(argv=None) -> int:
     return 0
   if args.section == "repeats":
     from benchmarks.gpu import model  # pylint: disable=g-import-not-at-top
-    from benchmarks.gpu import report  # pylint: disable=g-import-not-at-top
-    for row in model.summarize_runs(args.out):
-      print(report.format_row(row), flush=True)
+    model.summarize_runs(args.out)  # prints each row as it adds it
     return 0
   if args.section == "record":
     _record(args.out, args.name or "?", args.rc, args.log)

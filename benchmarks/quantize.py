@@ -140,7 +140,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--size", type=int, default=4096, help="the tensor is size x size (default 4096: 16M elements)")
   parser.add_argument("--repeats", type=int, default=5, help="timed runs per computation (median reported)")
-  parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (the first one compiles)")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed runs after the compile")
   parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated input dtypes")
   parser.add_argument("--hlo", action="store_true", help="also print the optimised HLO kernels of nvfp4 rne q+dq")
   args = parser.parse_args(argv)

@@ -1,6 +1,7 @@
 """The training loop's period: `fp4jax train`'s overlapped loop against the same loop made synchronous.
 
   python benchmarks/trainer_loop.py [--model tiny] [--recipes bf16 nvfp4] [--steps 100] [--skip 10] [--rounds 3]
+      [--corpus shakespeare]
 
 `fp4jax.pretrain.trainer.train` sends step s + 1 to the device before it reads step s's loss, so the host's work
 between steps (the batch, the step call, the metrics) overlaps the device's step. A hook that reads the train state
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common  # noqa: E402  pylint: disable=wrong-import-position
 from fp4jax.pretrain import config as config_lib  # noqa: E402  pylint: disable=wrong-import-position
+from fp4jax.pretrain import data as data_lib  # noqa: E402  pylint: disable=wrong-import-position
 from fp4jax.pretrain import steps as steps_lib  # noqa: E402  pylint: disable=wrong-import-position
 from fp4jax.pretrain import trainer  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -33,8 +35,9 @@ MODES = ("overlapped", "synchronous")
 
 
 def run_once(model: str, recipe: str, mode: str, *, steps: int, skip: int, batch_size: int,
-             cache: steps_lib.CompileCache) -> dict:
-  """One `trainer.train` run in `mode`: {"period", "step"} (seconds, medians from step `skip` on) and "loss"."""
+             cache: steps_lib.CompileCache, corpus: str = data_lib.BUILTIN_CORPUS) -> dict:
+  """One `trainer.train` run in `mode` on `corpus` (`--corpus`): {"period", "step"} (seconds, medians from step
+  `skip` on) and "loss"."""
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
   if steps < skip + 4:
@@ -50,6 +53,7 @@ def run_once(model: str, recipe: str, mode: str, *, steps: int, skip: int, batch
   with tempfile.TemporaryDirectory() as out:
     config = config_lib.config_from_overrides(dict(
         model=model, recipe=recipe, steps=steps, batch_size=batch_size, out=out, progress=False, eval_every=0,
+        data=corpus,
         checkpoint_every=10**6, log_every=steps))
     result = trainer.train(config, hooks, log=lambda _: None, compile_cache=cache)
   # clock[-1] is the final call after the last step; the record hook runs once per step before it.
@@ -58,14 +62,16 @@ def run_once(model: str, recipe: str, mode: str, *, steps: int, skip: int, batch
           "loss": result["final_loss"], "counted": len(periods)}
 
 
-def loop_periods(model: str, recipe: str, *, steps: int, skip: int, rounds: int, batch_size: int) -> dict:
+def loop_periods(model: str, recipe: str, *, steps: int, skip: int, rounds: int, batch_size: int,
+                 corpus: str = data_lib.BUILTIN_CORPUS) -> dict:
   """{mode: the fastest of `rounds` runs (run_once)}, the modes alternating, one compile."""
   if rounds < 1:
     raise ValueError(f"rounds must be >= 1; got {rounds}.")
   cache, best = steps_lib.CompileCache(), {}
   for _ in range(rounds):
     for mode in MODES:
-      run = run_once(model, recipe, mode, steps=steps, skip=skip, batch_size=batch_size, cache=cache)
+      run = run_once(model, recipe, mode, steps=steps, skip=skip, batch_size=batch_size, cache=cache,
+                     corpus=corpus)
       if mode not in best or run["period"] < best[mode]["period"]:
         best[mode] = run
   return best
@@ -90,6 +96,7 @@ def main(argv=None) -> int:
   parser.add_argument("--skip", type=int, default=10, help="first steps not counted (compile, warm-up)")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--corpus", default=data_lib.BUILTIN_CORPUS, help="as `fp4jax train --corpus`")
   args = parser.parse_args(argv)
   if args.skip < 0:
     parser.error(f"--skip must be >= 0; got {args.skip}.")
@@ -102,7 +109,7 @@ def main(argv=None) -> int:
   rows, counted = [], set()
   for recipe in args.recipes:
     best = loop_periods(args.model, recipe, steps=args.steps, skip=args.skip, rounds=args.rounds,
-                        batch_size=args.batch_size)
+                        batch_size=args.batch_size, corpus=args.corpus)
     rows.append(row(recipe, best))
     counted.update(run["counted"] for run in best.values())
     print(f"{recipe} done", file=sys.stderr, flush=True)

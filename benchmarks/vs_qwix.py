@@ -179,12 +179,15 @@ def main(argv=None):
   parser.add_argument("--recipes", nargs="*", default=DEFAULT_FP4JAX, help="fp4jax recipes (CLI strings)")
   parser.add_argument("--qwix", default=",".join(QWIX_RULES), help="Qwix rows (empty: none)")
   parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
-  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1: the first step compiles)")
   parser.add_argument("--runs", type=int, default=3, help="blocks of --steps timed steps; min and median reported")
   parser.add_argument("--width", type=int, default=1024)
   parser.add_argument("--batch", type=int, default=2048, help="MLP batch")
   parser.add_argument("--small-batch", type=int, default=8)
   args = parser.parse_args(argv)
+  for flag in ("steps", "warmup", "runs"):  # steps compile on their first call: with no warmup the compile is timed
+    if getattr(args, flag) < 1:
+      parser.error(f"--{flag} must be >= 1; got {getattr(args, flag)}.")
   qwix_rows = [q for q in args.qwix.split(",") if q]
   unknown = [q for q in qwix_rows if q not in QWIX_RULES]
   if unknown:

@@ -39,6 +39,14 @@ def test_unknown_qwix_row_is_rejected():
     vs_qwix.main(["--qwix", "qwix:int3"])
 
 
+@pytest.mark.parametrize("flag", ["--warmup", "--steps", "--runs"])
+def test_no_warmup_steps_or_runs_is_refused(flag, capsys):
+  """Steps compile on their first call: without a warmup step the compile would land in block 0's times."""
+  with pytest.raises(SystemExit):
+    vs_qwix.main(["--qwix", "", flag, "0"])
+  assert f"{flag} must be >= 1" in capsys.readouterr().err
+
+
 def test_ratios_pair_each_block_with_the_unquantized_rows_same_block(monkeypatch, capsys):
   """run_part divides each row's median step time in a block by the unquantized row's median in the same block (a
   machine slowing down between blocks moves both); main prints the median and the min of those per-block ratios,

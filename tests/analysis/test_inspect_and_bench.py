@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -377,6 +378,25 @@ class _Result:
     self.events.append("free")
 
 
+def _no_jit(f, donate_argnums=(), events=None):
+  """Stands in for jax.jit in time_jitted: `.lower(*args).compile()` gives back `f` (noted in `events`)."""
+  del donate_argnums
+
+  def compile_():
+    if events is not None:
+      events.append("compile")
+    return f
+  return types.SimpleNamespace(lower=lambda *args: types.SimpleNamespace(compile=compile_))
+
+
+def test_time_jitted_compiles_before_the_clock_even_without_warmup(monkeypatch):
+  events = []
+  monkeypatch.setattr(common.time, "perf_counter", lambda: events.append("clock") or float(len(events)))
+  monkeypatch.setattr(common.jax, "jit", lambda f, donate_argnums=(): _no_jit(f, events=events))
+  common.time_jitted(lambda x: x, (jnp.ones(4),), name="r", donate_argnums=(), warmup=0, repeats=2)
+  assert events == ["compile", "clock", "clock", "clock", "clock"]
+
+
 @pytest.mark.parametrize("helper", ["time_jitted", "interleaved_medians"])
 def test_timers_stop_before_the_result_is_freed(monkeypatch, helper):
   """Freeing a large result (XLA:CPU unmaps 64 MiB in ~4.5 ms) is not the computation's time: every timed call
@@ -392,7 +412,7 @@ def test_timers_stop_before_the_result_is_freed(monkeypatch, helper):
   monkeypatch.setattr(common.jax, "block_until_ready", lambda x: x)
   fn = lambda *args: _Result(events)
   if helper == "time_jitted":
-    monkeypatch.setattr(common.jax, "jit", lambda f, donate_argnums=(): f)
+    monkeypatch.setattr(common.jax, "jit", _no_jit)
     common.time_jitted(fn, (jnp.ones(4),), name="r", donate_argnums=(), warmup=1, repeats=3)
   else:
     common.interleaved_medians({"a": (fn, ()), "b": (fn, ())}, steps=3, warmup=1)
@@ -428,7 +448,7 @@ def test_time_jitted_reports_the_median_min_and_max_of_the_timed_calls(monkeypat
   move it), next to their min and max. Simulated clock: the three timed calls take 1, 2 and 6 s."""
   clock = iter([0.0, 1.0, 10.0, 12.0, 20.0, 26.0])
   monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock))
-  monkeypatch.setattr(common.jax, "jit", lambda f, donate_argnums=(): f)
+  monkeypatch.setattr(common.jax, "jit", _no_jit)
   t = common.time_jitted(lambda x: x, (jnp.ones(4),), name="r", donate_argnums=(), warmup=1, repeats=3)
   assert (t.median_s, t.min_s, t.max_s) == (2.0, 1.0, 6.0)
   assert t.elements_per_s == 4 / 2.0
@@ -511,21 +531,28 @@ def test_trainer_loop_table_and_refusals():
     trainer_loop.loop_periods("tiny", "bf16", steps=20, skip=2, rounds=0, batch_size=8)
 
 
-def test_trainer_loop_heading_counts_the_periods_run_once_counts(monkeypatch, capsys):
+def test_trainer_loop_heading_counts_the_periods_run_once_counts(monkeypatch, capsys, tmp_path):
   """The heading prints run_once's count: the hook fires once per step and once more after the last (steps + 1
-  times), so `steps - skip - 1` periods are counted, not the `steps - skip - 2` the heading's formula said."""
+  times), so `steps - skip - 1` periods are counted, not the `steps - skip - 2` the heading's formula said. The runs
+  train on --corpus."""
   from benchmarks import trainer_loop  # pylint: disable=g-import-not-at-top
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("abc" * 1000)
+  corpora = []
 
   def fake_train(config, hooks, log, compile_cache):  # the trainer's record calls, without a model
     del log, compile_cache
+    corpora.append(config.data.corpus)
     for step in range(config.steps):
       hooks[0](step, {"step_time": 0.01, "loss": 2.5})
     hooks[0](config.steps, {"val_loss": 2.4})  # the final record after the last step
     return {"final_loss": 2.5}
 
   monkeypatch.setattr(trainer_loop.trainer, "train", fake_train)
-  assert trainer_loop.main(["--recipes", "bf16", "--steps", "12", "--skip", "2", "--rounds", "1"]) == 0
+  assert trainer_loop.main(["--recipes", "bf16", "--steps", "12", "--skip", "2", "--rounds", "1",
+                            "--corpus", str(corpus)]) == 0
   assert "12 steps (9 periods counted)" in capsys.readouterr().out.splitlines()[0]
+  assert corpora == [str(corpus)] * 2
 
 
 @pytest.mark.parametrize("script,argv,flag", [

