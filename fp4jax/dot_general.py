@@ -557,8 +557,7 @@ def quantized_dot_general(recipe, key=None, *, fixed_key_every_call=None):
   if fixed_key_every_call is not None:
     keys.check_key(fixed_key_every_call, "fixed_key_every_call")
 
-  def fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, key=None, out_sharding=None,
-         **unused):
+  def fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, key=None, out_sharding=None):
     from fp4jax import contraction  # pylint: disable=g-import-not-at-top  (contraction imports this module)
     if key is None:
       key = fixed_key_every_call

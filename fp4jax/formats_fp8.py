@@ -68,6 +68,7 @@ class FP8(FormatBase):
     return values.astype(jnp.float8_e4m3fn)
 
   def unpack(self, stored, axis: int):
+    """float32 element values of stored float8_e4m3fn values."""
     del axis
     return stored.astype(jnp.float32)
 
@@ -100,6 +101,7 @@ class MXFP8(FormatBase):
                    nan_blocks=jnp.isnan(amax_b))
 
   def scaling_from_stored(self, scales, amax) -> Scaling:
+    """Decode scales from stored E8M0 block scales."""
     del amax
     e, is_nan = mxfp4.decode_exponents(scales)
     return Scaling(scales, (), mxfp4.pow2_factors(e), nan_blocks=is_nan)

@@ -102,6 +102,13 @@ class QuantizedModel:
         raise ValueError(f"quantize_model: a rule quantizes {model_quantize.shown(path)!r}, an fp4jax.linen.Dense: "
                          "it runs its own `recipe` field (set it, Dense(..., recipe=...)); quantize_model edits "
                          "flax's nn.Dense / DenseGeneral layers. Narrow the rules so they match none of them.")
+    if context.method_name == "__call__" and isinstance(module, nn.Einsum):  # calls jnp.einsum: nothing to replace
+      path = model_quantize.path_name(module.scope.path)
+      i = model_quantize.first_match(self.rules, path)
+      if i is not None and self.rules[i].quantizes:
+        raise ValueError(f"quantize_model: a rule quantizes {model_quantize.shown(path)!r}, a Linen nn.Einsum, which "
+                         "has no dot_general to replace, so it would run unquantized. Narrow the rules (or put "
+                         f"({path!r}, None) first), or use nn.DenseGeneral or NNX's nnx.Einsum, which it quantizes.")
     if context.method_name != "__call__" or not isinstance(module, (nn.Dense, nn.DenseGeneral)):
       return next_fun(*args, **kwargs)
     path = model_quantize.path_name(module.scope.path)
@@ -145,7 +152,7 @@ def quantize_model(model: nn.Module, rules, *, rngs=None) -> QuantizedModel:
   Paths are the layers' scope names joined by dots ("Block_0.Dense_1"); the first fully matching rule wins; a None
   or "bf16" recipe leaves a layer alone. fp4jax.linen.Dense layers run their own `recipe` field: a quantizing rule
   that matches one is refused when the model runs. DenseGeneral with batch_dims is refused when a quantized rule
-  matches it.
+  matches it, and so is Linen's nn.Einsum (it calls jnp.einsum, with no dot_general to replace).
   `rngs` is NNX's argument, refused here: Linen takes the SR keys per step, `apply(..., rngs={"quant": key})`.
   """
   if not isinstance(model, nn.Module):

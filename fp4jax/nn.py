@@ -114,7 +114,7 @@ class QuantizedDotGeneral(nnx.Module):
     return self.quant_rngs() if self.recipe.needs_key else None
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
-               out_sharding=None, **unused):
+               out_sharding=None):
     return contraction.linear_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                                           recipe=self.recipe, key=self._key(), where=self.path,
                                           out_sharding=out_sharding)
@@ -123,8 +123,7 @@ class QuantizedDotGeneral(nnx.Module):
 class QuantizedEinsum(QuantizedDotGeneral):
   """An `einsum_op` for nnx.Einsum: a linear-layer equation as one quantized GEMM (others refused, naming the layer)."""
 
-  def __call__(self, equation, lhs, rhs, precision=None, preferred_element_type=None, *, out_sharding=None,
-               **unused):
+  def __call__(self, equation, lhs, rhs, precision=None, preferred_element_type=None, *, out_sharding=None):
     return contraction.linear_einsum(equation, lhs, rhs, precision, preferred_element_type, recipe=self.recipe,
                                      key=self._key(), where=self.path, out_sharding=out_sharding)
 

@@ -18,6 +18,8 @@ import dataclasses
 import numbers
 from typing import Literal
 
+import numpy as np
+
 from fp4jax import formats
 from fp4jax import prng
 from fp4jax import recipe_names
@@ -29,6 +31,13 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 BACKENDS = ("xla", "pallas")
 RHT_SIGNS = ("fixed", "none", "per_call")
 GEMM_MODES = ("auto", "bf16", "f32")
+ROUNDINGS = ("nearest", "stochastic")
+
+
+def _check_flag(name: str, value) -> None:
+  # A string such as "false" is truthy: it would switch the option on.
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name} must be True or False; got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +58,20 @@ class OperandConfig:
   # (|x / s| >= the element max), in the basis the quantizer saw (before the inverse Fprop RHT): QuEST's mask.
   clip_mask: bool = False
 
+  def __post_init__(self):
+    for field in ("block_2d", "rht", "pad", "requantize", "clip_mask"):
+      _check_flag(field, getattr(self, field))
+    if self.rounding not in ROUNDINGS:
+      raise ValueError(f"rounding must be one of {ROUNDINGS}; got {self.rounding!r}.")
+    if self.fmt is not None and not isinstance(self.fmt, formats.FormatBase):
+      raise ValueError(f"fmt must be a fp4jax Format or None; got {self.fmt!r} (formats.get_format(name) builds one).")
+
   @property
   def quantized(self) -> bool:
     return self.fmt is not None
 
   def describe(self) -> str:
+    """One line: format, block layout, rounding and the operand's options ("NVFP4 1x16 SR RHT"; "bf16")."""
     if self.fmt is None:
       return "bf16"
     fmt, b = self.fmt, self.fmt.block_size
@@ -135,6 +153,7 @@ class Recipe:
 
   def __post_init__(self):
     rht_lib.check_size(self.rht_size)
+    _check_flag("reuse_fprop_weight", self.reuse_fprop_weight)
     if self.rht_signs not in RHT_SIGNS:
       raise ValueError(f"rht_signs must be one of {RHT_SIGNS}; got {self.rht_signs!r}.")
     if self.fprop_rht_signs is not None and self.fprop_rht_signs not in RHT_SIGNS:

@@ -112,6 +112,8 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
     raise ValueError(f"random_hadamard takes float32, bfloat16 or float16 input; got dtype {x.dtype.name}.")
   if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
     raise ValueError(f"axis must be an int; got {axis!r}.")
+  if not isinstance(inverse, (bool, np.bool_)):  # a string such as "False" is truthy: it would run the inverse
+    raise ValueError(f"inverse must be True or False; got {inverse!r}.")
   if not -x.ndim <= axis < x.ndim:
     raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}.")
   axis %= x.ndim

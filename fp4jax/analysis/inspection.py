@@ -158,6 +158,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> list[dict]:
+  """`python -m fp4jax.analysis.inspection`: prints the format comparison table of a sample tensor; returns its rows."""
   parser = argparse.ArgumentParser(prog="python -m fp4jax.analysis.inspection", description=__doc__.split("\n")[0])
   parser.add_argument("--size", type=int, default=4096, help="rows (tokens) of the sample tensor (default 4096)")
   parser.add_argument("--cols", type=int, default=1024, help="columns, the blocked axis; a multiple of 128")

@@ -94,11 +94,18 @@ def _hidden_nonzero(v, norm) -> jax.Array:
   return (norm == 0) & jnp.any(bits != 0)
 
 
+def _check_same_shape(what: str, a, b) -> None:
+  # Broadcasting ([3] against [3, 1]) or flattening (g against g.T) would score unrelated entries against each other.
+  if a.shape != b.shape:
+    raise ValueError(f"{what} compares tensors of one shape; got {a.shape} and {b.shape}.")
+
+
 def rel_error(a, ref) -> jax.Array:
   """||a - ref|| / ||ref|| in float32 (0 when both are zero, inf when ref is zero and a is not; NaN when either
   holds a NaN: a diverged tensor must not score as exact; NaN too when ref is nonzero only in subnormals, which
   XLA:CPU's arithmetic flushes to zero: a vanished gradient must not score as exact either)."""
   a, ref = jnp.asarray(a, jnp.float32), jnp.asarray(ref, jnp.float32)
+  _check_same_shape("rel_error", a, ref)
   num, den = _norm(a - ref), _norm(ref)
   num = jnp.where(_hidden_nonzero(a, num) & (den == 0), jnp.inf, num)  # a nonzero against a zero ref (a - ref = a)
   out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
@@ -108,7 +115,9 @@ def rel_error(a, ref) -> jax.Array:
 def cosine(a, b) -> jax.Array:
   """Cosine similarity of two tensors as flat vectors (1 when both are zero, 0 when only one is, NaN when either
   holds a NaN or is nonzero only in subnormals: XLA:CPU reads those as zero, so their direction is unmeasured)."""
-  a, b = jnp.ravel(jnp.asarray(a, jnp.float32)), jnp.ravel(jnp.asarray(b, jnp.float32))
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  _check_same_shape("cosine", a, b)
+  a, b = jnp.ravel(a), jnp.ravel(b)
   na, nb = _norm(a), _norm(b)
   na = jnp.where(_hidden_nonzero(a, na), jnp.nan, na)
   nb = jnp.where(_hidden_nonzero(b, nb), jnp.nan, nb)

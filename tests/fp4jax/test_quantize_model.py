@@ -344,6 +344,16 @@ def test_linen_refusals_name_the_layer():
   assert mixed.apply(mixed.init(jax.random.key(0), X_LINEN), X_LINEN).shape[-1] == D
   assert list(mixed.report.quantized) == ["plain"]
 
+  class WithEinsum(linen.Module):  # Linen's Einsum calls jnp.einsum: it ran unquantized under a "1 of 1" report
+    @linen.compact
+    def __call__(self, x):
+      return linen.Einsum((D, D), "bk,kn->bn", name="mix")(linen.Dense(D, name="plain")(x))
+
+  with pytest.raises(ValueError, match="quantizes 'mix', a Linen nn.Einsum, which has no dot_general"):
+    fp4jax.quantize_model(WithEinsum(), [(".*", "nvfp4:stochastic_rounding=false")]).init(jax.random.key(0), X_LINEN)
+  kept = fp4jax.quantize_model(WithEinsum(), [("mix", None), (".*", "nvfp4:stochastic_rounding=false")])
+  assert kept.apply(kept.init(jax.random.key(0), X_LINEN), X_LINEN).shape[-1] == D
+
 
 @pytest.mark.parametrize("rules, match", [
     ("nvfp4", r"got the string 'nvfp4'\. For every layer: \[\('\.\*', 'nvfp4'\)\]"),

@@ -159,3 +159,43 @@ def test_an_empty_batch_gives_lax_empty_result_and_gradients():
   gx, gw = jax.grad(lambda x, w: jnp.sum(fp4jax.dot_general(x, w, DN, recipe="nvfp4", key=jax.random.key(0))),
                     argnums=(0, 1))(x, W_KxN)
   assert gx.shape == (0, 64) and not np.any(np.asarray(gw))
+
+
+def test_a_misspelt_keyword_of_a_dot_general_stand_in_is_a_type_error():
+  """As lax.dot_general / jnp.einsum raise: a swallowed `preferred_elment_type=` would silently keep float32."""
+  from fp4jax import nn as fp4_nn  # pylint: disable=g-import-not-at-top
+  bf16 = {"preferred_elment_type": jnp.bfloat16}
+  with pytest.raises(TypeError, match="preferred_elment_type"):
+    fp4jax.quantized_dot_general("nvfp4")(X_MxK, W_KxN, DN, key=jax.random.key(0), **bf16)
+  with pytest.raises(TypeError, match="preferred_elment_type"):
+    fp4_nn.QuantizedDotGeneral(recipes.nvfp4(rht=False, stochastic_rounding=False), "layer")(X_MxK, W_KxN, DN, **bf16)
+  with pytest.raises(TypeError, match="optimize"):
+    fp4_nn.QuantizedEinsum(recipes.nvfp4(rht=False, stochastic_rounding=False), "layer")("mk,kn->mn", X_MxK, W_KxN, optimize=False)
+  right = fp4_nn.QuantizedDotGeneral(recipes.nvfp4(rht=False, stochastic_rounding=False), "layer")(X_MxK, W_KxN, DN,
+                                                                               preferred_element_type=jnp.bfloat16)
+  assert right.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("field", ["block_2d", "rht", "pad", "requantize", "clip_mask"])
+def test_operand_flags_refuse_strings(field):
+  """dataclasses.replace(op, rht="false") switched the RHT on (a truthy string), under a name that said it was off."""
+  op = recipes.nvfp4(rht=False).wgrad.lhs
+  with pytest.raises(ValueError, match=f"{field} must be True or False; got 'false'"):
+    dataclasses.replace(op, **{field: "false"})
+  with pytest.raises(ValueError, match="rounding must be one of"):
+    dataclasses.replace(op, rounding="sr")
+  with pytest.raises(ValueError, match="fmt must be a fp4jax Format"):
+    dataclasses.replace(op, fmt="nvfp4")
+
+
+def test_recipe_flags_refuse_strings():
+  with pytest.raises(ValueError, match="reuse_fprop_weight must be True or False"):
+    recipes.nvfp4().replace(reuse_fprop_weight="false")
+  assert not recipes.nvfp4().replace(reuse_fprop_weight=np.bool_(False)).reuse_fprop_weight
+
+
+def test_random_hadamard_refuses_a_string_inverse():
+  with pytest.raises(ValueError, match="inverse must be True or False; got 'False'"):
+    fp4jax.random_hadamard(X_MxK, inverse="False")
+  np.testing.assert_array_equal(fp4jax.random_hadamard(fp4jax.random_hadamard(X_MxK), inverse=np.bool_(True)),
+                                fp4jax.random_hadamard(fp4jax.random_hadamard(X_MxK), inverse=True))
