@@ -345,13 +345,15 @@ def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, 
         f"{stored_keep}: as it saves, the older checkpoints beyond the newest {config.checkpointing.keep} are deleted.")
   dropped, kept_in = 0, None
   if distributed.is_main_process():
-    # Going back with --resume-step abandons a branch: its records are kept beside its moved checkpoints. A plain
-    # resume drops only records the resumed steps write again, the same (resume is exact).
-    if resume_step is not None:
+    # Going back with --resume-step abandons a branch: its records are kept beside its moved checkpoints. So are a
+    # finished run's last records when more --steps extend it: its final val_loss comes back only where the longer
+    # run's schedule validates. A plain resume drops only records the resumed steps write again, the same (resume
+    # is exact).
+    if resume_step is not None or start == stored.steps < config.steps:
       kept_in = resume_lib.moved_path(out, f"metrics.after-resume-{start}", ".jsonl")
     dropped = metrics_lib.truncate_metrics(out, start - 1, keep_dropped=kept_in, log=log)
   records = "record" if dropped == 1 else "records"
-  said = f" (dropped {dropped} later metric {records}" + (f", kept in {kept_in})" if resume_step is not None else ")")
+  said = f" (dropped {dropped} later metric {records}" + (f", kept in {kept_in})" if kept_in is not None else ")")
   log(f"Resumed from step {start} in {out}" + (said if dropped else ""))
   return start, state
 

@@ -158,6 +158,30 @@ def test_a_refused_resume_moves_nothing_aside(tmp_path, case):
   assert start == 4 and any("Moved checkpoint 8 aside" in line for line in log), log  # what a refusal spared
 
 
+@pytest.mark.parametrize("steps", [8, 12])
+def test_extending_a_finished_run_keeps_its_final_records_beside(tmp_path, steps):
+  """--resume --steps 12 of a finished 8-step run dropped its final val_loss (step 8, not on the longer run's
+  validation schedule) and kept it nowhere. A resume of the same length keeps nothing beside: it validates at step 8
+  again, as the run did."""
+  stored = TrainConfig.from_options(out=str(tmp_path), steps=8, checkpoint_every=4)
+  state = _save_fake_run(tmp_path, stored)
+  data = DataIdentity(corpus="c", fingerprint="f", tokenizer="byte", vocab_size=256, num_files=1, num_bytes=1,
+                      cache_key="k")
+  records = [{"step": 7, "loss": 3.6}, {"step": 8, "val_loss": 3.5}]
+  (tmp_path / metrics.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+  log = []
+  start, _ = trainer._resume(stored.replace(resume=True, steps=steps), state, tmp_path, log.append, data)  # pylint: disable=protected-access
+  assert start == 8
+  kept = list((tmp_path / resume_lib.MOVED_DIR).glob("metrics.after-resume-8.*.jsonl"))
+  left = [json.loads(line) for line in (tmp_path / metrics.METRICS_FILE).read_text().splitlines()]
+  assert left == records[:1]
+  if steps == 8:
+    assert not kept
+  else:
+    assert [json.loads(line) for line in kept[0].read_text().splitlines()] == records[1:]
+    assert any(f"dropped 1 later metric record, kept in {kept[0]}" in line for line in log), log
+
+
 def test_an_explicit_resume_step_moves_only_the_later_checkpoints_aside(tmp_path):
   """--resume-step 8 of checkpoints 4, 8, 12: 12 is moved aside, 8 (the one restored) and 4 stay where they are."""
   stored = TrainConfig.from_options(out=str(tmp_path), steps=16, checkpoint_every=4)
