@@ -39,6 +39,7 @@ def get_config(preset: str) -> sweep.Sweep:
 
 
 def main(argv=None) -> int:
+  """`python -m experiments.components` (see --help and the module docstring); returns the exit code."""
   return cli.main(get_config, argv, prog="python -m experiments.components", doc=__doc__)
 
 

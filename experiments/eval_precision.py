@@ -151,6 +151,7 @@ def write(folder: str | pathlib.Path, rows: Sequence[dict[str, Any]]) -> list[pa
 
 
 def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) -> int:
+  """`python -m experiments.eval_precision` (see --help and the module docstring); returns the exit code."""
   parser = cli_values.ArgumentParser(prog="python -m experiments.eval_precision", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("folder", help="a sweep folder (python -m experiments.NAME --out FOLDER)")

@@ -35,6 +35,7 @@ def get_config(preset: str) -> sweep.Sweep:
 
 
 def main(argv=None) -> int:
+  """`python -m experiments.formats` (see --help and the module docstring); returns the exit code."""
   return cli.main(get_config, argv, prog="python -m experiments.formats", doc=__doc__)
 
 

@@ -40,6 +40,7 @@ def get_config(preset: str) -> sweep.Sweep:
 
 
 def main(argv=None) -> int:
+  """`python -m experiments.precision_switch` (see --help and the module docstring); returns the exit code."""
   return cli.main(get_config, argv, prog="python -m experiments.precision_switch", doc=__doc__)
 
 

@@ -59,6 +59,7 @@ def get_config(preset: str) -> sweep.Sweep:
 
 
 def main(argv=None) -> int:
+  """`python -m experiments.recipes` (see --help and the module docstring); returns the exit code."""
   return cli.main(get_config, argv, prog="python -m experiments.recipes", doc=__doc__)
 
 

@@ -516,6 +516,7 @@ def write_report(folder: str | pathlib.Path, *, reference: str | None = None, wi
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """`python -m experiments.report` (see --help and the module docstring); returns the exit code."""
   parser = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("run_dir", help="a sweep's --out folder")

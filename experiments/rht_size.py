@@ -41,6 +41,7 @@ def get_config(preset: str) -> sweep.Sweep:
 
 
 def main(argv=None) -> int:
+  """`python -m experiments.rht_size` (see --help and the module docstring); returns the exit code."""
   return cli.main(get_config, argv, prog="python -m experiments.rht_size", doc=__doc__)
 
 

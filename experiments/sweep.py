@@ -197,6 +197,7 @@ class Sweep:
     check_override_keys(self.base, "base override")
 
   def replace(self, **changes) -> Sweep:
+    """A copy with fields replaced (dataclasses.replace)."""
     return dataclasses.replace(self, **changes)
 
   def with_overrides(self, overrides: Mapping[str, Any]) -> Sweep:

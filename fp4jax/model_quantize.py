@@ -27,6 +27,7 @@ class Rule:
 
   @property
   def quantizes(self) -> bool:
+    """Whether the rule's recipe quantizes (None and BF16 rules leave a layer alone)."""
     return self.recipe is not None and self.recipe.is_quantized
 
 
@@ -74,6 +75,7 @@ def first_match(rules: tuple[Rule, ...], path: str) -> int | None:
 
 
 def path_name(parts) -> str:
+  """A layer's path as the rules match it: its parts joined by dots ("blocks.0.attn.q")."""
   return ".".join(str(p) for p in parts)
 
 

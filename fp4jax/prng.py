@@ -36,6 +36,7 @@ _M1, _M2 = np.uint32(0x7FEB352D), np.uint32(0x846CA68B)
 
 
 def check_sr_bits(sr_bits: str) -> None:
+  """Raises ValueError unless `sr_bits` is one of SR_BITS."""
   if sr_bits not in SR_BITS:
     raise ValueError(f"sr_bits must be one of {SR_BITS}; got {sr_bits!r}.")
 

@@ -39,11 +39,13 @@ class QArray:
   dtype: Any
 
   def tree_flatten(self):
+    """Pytree children (codes, scales, amax) and the static rest."""
     aux = (self.fmt, self.shape, self.orig_shape, self.axis, self.block_2d, jnp.dtype(self.dtype).name)
     return (self.codes, self.scales, self.amax), aux
 
   @classmethod
   def tree_unflatten(cls, aux, children):
+    """The QArray of `tree_flatten`'s parts."""
     fmt, shape, orig_shape, axis, block_2d, dtype = aux
     return cls(*children, fmt=fmt, shape=shape, orig_shape=orig_shape, axis=axis, block_2d=block_2d,
                dtype=jnp.dtype(dtype))

@@ -68,6 +68,7 @@ class OperandConfig:
 
   @property
   def quantized(self) -> bool:
+    """Whether the operand is quantized (a format is set)."""
     return self.fmt is not None
 
   def describe(self) -> str:
@@ -99,10 +100,12 @@ class GemmConfig:
 
   @property
   def quantized(self) -> bool:
+    """Whether either operand is quantized."""
     return self.lhs.quantized or self.rhs.quantized
 
   @property
   def rht(self) -> bool:
+    """Whether the GEMM's operands get the RHT (both or neither: Recipe checks)."""
     return self.lhs.rht or self.rhs.rht
 
 

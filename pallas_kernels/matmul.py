@@ -77,10 +77,12 @@ class Operand:
     return (kk, nk) if self.contract == 0 else (nk, kk)
 
   def codes_dims(self, nk: int, kk: int) -> tuple[int, int]:
+    """Shape of a stored tile's codes (as stored_dims, two per byte along pack_axis)."""
     r, c = self.stored_dims(nk, kk)
     return (r // 2, c) if self.pack_axis == 0 else (r, c // 2)
 
   def scales_dims(self, nk: int, kk: int) -> tuple[int, int]:
+    """Shape of a stored tile's block scales (as stored_dims, one per block)."""
     r, c = self.stored_dims(nk, kk)
     return (r // self.block[0], c // self.block[1])
 

@@ -112,15 +112,18 @@ class Plan:
 
   @property
   def grid(self):
+    """The kernel's grid: (planes, row tiles, column tiles)."""
     return (self.view[0], self.view[1] // self.tile[0], self.view[2] // self.tile[1])
 
   @property
   def codes_view(self):
+    """The 3D view of the stored codes (two per byte along pack_axis)."""
     p, r, c = self.view
     return (p, r // 2, c) if self.pack_axis == 0 else (p, r, c // 2)
 
   @property
   def scales_view(self):
+    """The 3D view of the stored block scales."""
     p, r, c = self.view
     return (p, r // self.block[0], c // self.block[1])
 
@@ -226,10 +229,12 @@ class ScaleRule:
 
   @property
   def inv_target(self) -> float:
+    """The first candidate's reciprocal target (the only one without 4/6)."""
     return self.inv_targets[0]
 
   @classmethod
   def of(cls, fmt: formats.NVFP4) -> "ScaleRule":
+    """The rule of an NVFP4 format; ValueError for formats or options the kernel does not implement."""
     if not isinstance(fmt, formats.NVFP4):
       raise ValueError(f"quantize_nvfp4 quantizes NVFP4 only; got {fmt.label}: use fp4jax.quantize.")
     if fmt.scale_rule not in SUPPORTED_SCALE_RULES:

@@ -380,3 +380,39 @@ def test_numerics_quantize_gradient_statement():
     jax.grad(lambda v: jnp.sum(fp4jax.dequantize(fp4jax.quantize(v, "nvfp4"))))(x)
   straight_through = jax.grad(lambda v: jnp.sum(fp4jax.fake_quant(v, "nvfp4")))(x)
   np.testing.assert_array_equal(np.asarray(straight_through), 1.0)
+
+
+def _public_callables_without_docstring(package: str) -> list[str]:
+  """Public functions, classes, methods and properties defined in `package`'s public modules whose docstring
+  (inherited ones count) is empty; dataclass fields (a function as a default value) are not methods."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import inspect  # pylint: disable=g-import-not-at-top
+  import pkgutil  # pylint: disable=g-import-not-at-top
+  root = importlib.import_module(package)
+  modules = [root] + [importlib.import_module(m.name) for m in pkgutil.walk_packages(root.__path__, f"{package}.")
+                      if not m.name.rsplit(".", 1)[-1].startswith("_")]
+  missing = []
+  for module in modules:
+    for name, obj in vars(module).items():
+      if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+        continue
+      if inspect.isfunction(obj) and not inspect.getdoc(obj):
+        missing.append(f"{module.__name__}.{name}")
+      if not inspect.isclass(obj):
+        continue
+      if not inspect.getdoc(obj):
+        missing.append(f"{module.__name__}.{name}")
+      fields = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+      for attr, member in vars(obj).items():
+        if attr.startswith("_") or attr in fields:
+          continue
+        if isinstance(member, property) and not inspect.getdoc(member):
+          missing.append(f"{module.__name__}.{name}.{attr}")
+        elif inspect.isfunction(getattr(member, "__func__", member)) and not inspect.getdoc(getattr(obj, attr)):
+          missing.append(f"{module.__name__}.{name}.{attr}")
+  return missing
+
+
+@pytest.mark.parametrize("package", ["fp4jax", "pallas_kernels", "experiments"])
+def test_public_functions_classes_and_methods_have_docstrings(package):
+  assert _public_callables_without_docstring(package) == []

@@ -79,6 +79,7 @@ def wgrad_floor(x_MxK, dy_MxN, kind: str, n: int, key, *, num_draws: int = 256) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """`python -m experiments.probes.eden_rotation` (see --help and the module docstring); returns the exit code."""
   from experiments.probes import recipe_gemms, training  # pylint: disable=g-import-not-at-top  (Flax, data)
   from fp4jax.analysis import model_probes  # pylint: disable=g-import-not-at-top
   parser = cli_values.ArgumentParser(description=__doc__.split("\n")[0])

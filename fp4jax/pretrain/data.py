@@ -112,10 +112,12 @@ class DataIdentity:
   tokenizer_digest: str = ""
 
   def to_dict(self) -> dict[str, Any]:
+    """The identity as a JSON-able dict (what checkpoints record)."""
     return dataclasses.asdict(self)
 
   @classmethod
   def from_dict(cls, data: Mapping[str, Any]) -> DataIdentity:
+    """The identity of a `to_dict` record, also one written before the fields with defaults existed."""
     # Fields with a default may be missing: records written before they existed.
     fields = [f for f in dataclasses.fields(cls) if f.name in data or f.default is dataclasses.MISSING]
     return cls(**{f.name: data[f.name] for f in fields})

@@ -91,10 +91,12 @@ class MetricsLog:
     self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
 
   def write(self, record: dict[str, Any]) -> None:
+    """Appends `record` as one JSON line and flushes it (a killed run keeps what it logged)."""
     self._file.write(json.dumps(_jsonable(record)) + "\n")
     self._file.flush()
 
   def close(self) -> None:
+    """Closes the file."""
     self._file.close()
 
   def __enter__(self):

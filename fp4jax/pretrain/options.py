@@ -30,10 +30,12 @@ def flat_key(f: dataclasses.Field) -> str:
 
 
 def is_result_free(f: dataclasses.Field) -> bool:
+  """Whether the option leaves training's results unchanged (paths, logging, progress), so a resume may change it."""
   return bool(f.metadata.get("result_free"))
 
 
 def default_of(f: dataclasses.Field):
+  """The field's default (a fresh one from its factory), or dataclasses.MISSING."""
   if f.default is not _MISSING:
     return f.default
   if f.default_factory is not _MISSING:

@@ -61,6 +61,7 @@ class OsciResetConfig:
 
   @property
   def enabled(self) -> bool:
+    """Whether OsciReset runs (a start step is set)."""
     return self.start is not None
 
   @property

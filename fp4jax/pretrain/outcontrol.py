@@ -50,6 +50,7 @@ class OutControlConfig:
 
   @property
   def enabled(self) -> bool:
+    """Whether OutControl runs (a fraction above 0)."""
     return self.fraction > 0
 
   @property

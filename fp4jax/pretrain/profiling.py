@@ -55,6 +55,7 @@ class StepProfiler:
     return f"Note: --profile {a}:{b} starts before this run's first step {start}: steps {start}..{b - 1} are traced."
 
   def before(self, step: int) -> None:
+    """Starts the trace when `step` is the first of the window."""
     if self.window is not None and not self.active and self.window[0] <= step < self.window[1]:
       trace_dir(self.out).mkdir(parents=True, exist_ok=True)
       jax.profiler.start_trace(str(trace_dir(self.out)))
@@ -68,6 +69,7 @@ class StepProfiler:
     return step >= self.window[1] if self.active else self.window[0] <= step < self.window[1]
 
   def after(self, step: int) -> None:
+    """Records `step` as traced; stops the trace after the window's last step."""
     if self.active:
       self.traced.append(step)
       if step + 1 >= self.window[1]:

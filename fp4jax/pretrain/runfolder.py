@@ -101,6 +101,7 @@ class RunLock:
   stale: dict
 
   def release(self) -> None:
+    """Empties and unlocks the lock file (idempotent)."""
     if self.fd < 0:
       return
     try:

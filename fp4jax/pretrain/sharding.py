@@ -70,10 +70,12 @@ class MeshConfig:
 
   @property
   def shape(self) -> tuple[int, int, int]:
+    """(data, fsdp, tensor)."""
     return (self.data, self.fsdp, self.tensor)
 
   @property
   def size(self) -> int:
+    """Devices the mesh needs."""
     return math.prod(self.shape)
 
   @classmethod
@@ -200,6 +202,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+  """A sharding that keeps a full copy on every device of `mesh`."""
   return NamedSharding(mesh, P())
 
 
@@ -295,6 +298,7 @@ class Placement:
 
   @classmethod
   def single_device(cls) -> "Placement":
+    """Everything on the first local device (runs without --mesh)."""
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return cls(state=device, params=device, batch=device, replicated=device)
 

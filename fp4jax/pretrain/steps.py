@@ -272,6 +272,7 @@ class CompileCache:
     self._fns = {}
 
   def get(self, key, build: Callable[[], Callable]) -> Callable:
+    """The function cached under `key`, built by `build()` on the first request."""
     if key not in self._fns:
       self._fns[key] = build()
     return self._fns[key]
@@ -310,9 +311,11 @@ class Phases:
     self._optimizer_key = (optimizer_lib.step_settings(config.optimizer), config.osci_reset)
 
   def phase(self, step: int) -> int:
+    """0 before the policy's late switch, 1 from it on."""
     return self.policy.phase(step, self.config.steps)
 
   def graphdef(self, step: int):
+    """The model's graphdef for `step`'s phase (layer recipes set as the policy has them then)."""
     phase = self.phase(step)
     if phase not in self._graphdefs:
       if phase != self._model_phase:  # recipes change only at the switch
@@ -349,6 +352,7 @@ class Phases:
                                           out_shardings=(pl.state, pl.replicated), donate_argnums=0))
 
   def eval_step(self, step: int, outcontrol: bool = False):
+    """The jitted validation step of `step`'s phase (with OutControl's state as an argument if `outcontrol`)."""
     graphdef = self.graphdef(step)
     pl = self.placement
     if outcontrol:  # the OutControl state is replicated: its leaves are small vectors
@@ -361,6 +365,7 @@ class Phases:
         out_shardings=pl.replicated))
 
   def stats_fn(self, step: int):
+    """The jitted per-layer quantization statistics of `step`'s phase (metrics.quant_stats)."""
     graphdef, fmt, pl = self.graphdef(step), self.config.evaluation.stats_format, self.placement
     return self.cache.get(("stats", graphdef, fmt, pl.key), lambda: jax.jit(pl.traced_on_mesh(
         lambda params, tokens, key: metrics_lib.quant_stats(graphdef, pl.gather_params(params), tokens, key, fmt))))
