@@ -1,12 +1,13 @@
 """One quantized linear layer: forward+backward time and saved-residual memory, as ratios to the bf16 layer.
 
   python benchmarks/linear_layer.py                       # M=4096 tokens, K=N=1024, recipes nvfp4 mxfp4 fp8
-  python benchmarks/linear_layer.py --tokens 512 --k 256 --n 256 --iters 5 --recipes nvfp4,nvfp4:rht=false
+  python benchmarks/linear_layer.py --tokens 512 --k 256 --n 256 --iters 5 --runs 3 --recipes nvfp4,nvfp4:rht=false
 
 The layer is y = x W as fp4jax.nn.Linear runs it: x bf16 [M, K], a float32 master weight W [K, N], bf16 output;
 the bf16 baseline casts W to bf16 and calls lax.dot_general. Time: jitted value_and_grad of sum(y * G) w.r.t.
-(x, W), warmed up, median of --iters runs. Residuals: the bytes the custom_vjp forward saves for the backward
-(fp4jax.dot_general._qmatmul_fwd, shapes only via jax.eval_shape) vs bf16 autodiff's x and W in bf16,
+(x, W), warmed up; the recipes take turns over --runs blocks of --iters calls, and each ratio is a block's median
+over bf16's in the same block (median and min over blocks). Residuals: the bytes the custom_vjp forward saves for
+the backward (fp4jax.dot_general._qmatmul_fwd, shapes only via jax.eval_shape) vs bf16 autodiff's x and W in bf16,
 (M*K + K*N) * 2 bytes. The "xla" backend emulates FP4 GEMMs in the recipe's gemm_mode: "f32" multiplies the
 dequantized values in float32, "bf16" the codes times their block scales in bf16 with float32 accumulation, and
 "auto" (the default) resolves per machine (fp4jax.gemm.resolve_gemm_mode: bf16 on accelerators and AVX-512 CPUs,
@@ -51,22 +52,35 @@ def layer_loss(recipe: recipes_lib.Recipe):
   return loss
 
 
-def time_fwd_bwd(recipe, x, w, g, *, iters: int, warmup: int) -> tuple[float, float]:
-  """(compile + first run seconds, median seconds per jitted value_and_grad call)."""
+def compile_step(recipe, x, w, g):
+  """(the jitted value_and_grad step, its compile + first run seconds)."""
   step = jax.jit(jax.value_and_grad(layer_loss(recipe), argnums=(0, 1)))
   t0 = time.perf_counter()
   jax.block_until_ready(step(x, w, g, jax.random.key(0)))
-  first = time.perf_counter() - t0
-  for i in range(warmup):
-    jax.block_until_ready(step(x, w, g, jax.random.key(1 + i)))
-  times = []
-  for i in range(iters):
-    key = jax.random.key(100 + i)  # a fresh key per step, as in training
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(step(x, w, g, key))
-    times.append(time.perf_counter() - t0)
-    del out  # freed after the clock stops, as in common.time_jitted
-  return first, statistics.median(times)
+  return step, time.perf_counter() - t0
+
+
+def time_blocks(steps: dict, x, w, g, *, iters: int, warmup: int, runs: int) -> dict[str, list[float]]:
+  """{recipe: the median seconds of its `iters` timed calls in each of `runs` blocks}. The recipes take turns block
+  by block, the order rotating, so that a change of the machine's load hits all alike; `warmup` untimed calls
+  each first."""
+  names = list(steps)
+  for name in names:
+    for i in range(warmup):
+      jax.block_until_ready(steps[name](x, w, g, jax.random.key(1 + i)))
+  block_s = {name: [] for name in names}
+  for b in range(runs):
+    for j in range(len(names)):
+      name = names[(b + j) % len(names)]
+      times = []
+      for i in range(iters):
+        key = jax.random.key(100 + b * iters + i)  # a fresh key per step, as in training
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(steps[name](x, w, g, key))
+        times.append(time.perf_counter() - t0)
+        del out  # freed after the clock stops, as in common.time_jitted
+      block_s[name].append(statistics.median(times))
+  return block_s
 
 
 def _nbytes(leaf) -> int:
@@ -96,12 +110,13 @@ def main(argv=None):
   parser.add_argument("--tokens", type=int, default=4096, help="M: tokens (batch x sequence)")
   parser.add_argument("--k", type=int, default=1024, help="K: input features")
   parser.add_argument("--n", type=int, default=1024, help="N: output features")
-  parser.add_argument("--iters", type=int, default=10, help="timed runs (median reported)")
+  parser.add_argument("--iters", type=int, default=10, help="timed calls per recipe and block (their median)")
+  parser.add_argument("--runs", type=int, default=3, help="blocks, the recipes in turns; median and min reported")
   parser.add_argument("--warmup", type=int, default=2, help="untimed runs after compilation")
   parser.add_argument("--recipes", default="nvfp4,mxfp4,fp8",
                       help="comma-separated recipe specs; '+' joins tuple values (nvfp4:rht_on=wgrad+dgrad)")
   args = parser.parse_args(argv)
-  for flag in ("tokens", "k", "n", "iters"):
+  for flag in ("tokens", "k", "n", "iters", "runs"):
     if getattr(args, flag) < 1:
       parser.error(f"--{flag} must be >= 1; got {getattr(args, flag)}.")
   if args.warmup < 0:
@@ -115,19 +130,25 @@ def main(argv=None):
   recipes = [recipes_lib.get_recipe(s) for s in specs]
 
   print(f"linear layer M={args.tokens} K={args.k} N={args.n}  backend={jax.default_backend()} "
-        f"({jax.devices()[0].device_kind}), jax {jax.__version__}, median of {args.iters}")
+        f"({jax.devices()[0].device_kind}), jax {jax.__version__}; {args.runs} blocks of {args.iters} calls, "
+        "recipes in turns; ratio to bf16 per block: median (min)")
   print("GEMM mode: " + (", ".join(f"{spec} {gemm_mode(recipe)}" for spec, recipe in zip(specs, recipes)
                                    if recipe.is_quantized) or "none quantized"))
+  compiled = {spec: compile_step(recipe, x, w, g) for spec, recipe in zip(specs, recipes)}
+  block_s = time_blocks({spec: step for spec, (step, _) in compiled.items()}, x, w, g, iters=args.iters,
+                        warmup=args.warmup, runs=args.runs)
   rows = []
   for spec, recipe in zip(specs, recipes):
-    first, median = time_fwd_bwd(recipe, x, w, g, iters=args.iters, warmup=args.warmup)
-    rows.append((spec, first, median, residual_bytes(recipe, x, w)))
-  base_t, base_b = rows[0][2], rows[0][3]
-  header = f"{'recipe':<28} {'compile+1st s':>13} {'fwd+bwd ms':>11} {'x bf16':>7} {'residual MiB':>13} {'x bf16':>7}"
+    ratios = [t / b for t, b in zip(block_s[spec], block_s["bf16"])]
+    rows.append((spec, compiled[spec][1], statistics.median(block_s[spec]), statistics.median(ratios), min(ratios),
+                 residual_bytes(recipe, x, w)))
+  base_b = rows[0][5]
+  header = (f"{'recipe':<28} {'compile+1st s':>13} {'fwd+bwd ms':>11} {'x bf16':>7} {'(min)':>6} {'residual MiB':>13} "
+            f"{'x bf16':>7}")
   print(header)
   print("-" * len(header))
-  for spec, first, median, nbytes in rows:
-    print(f"{spec:<28} {first:>13.2f} {median * 1e3:>11.2f} {median / base_t:>7.2f} {nbytes / 2**20:>13.2f} "
+  for spec, first, median, ratio, low, nbytes in rows:
+    print(f"{spec:<28} {first:>13.2f} {median * 1e3:>11.2f} {ratio:>7.2f} {low:>6.2f} {nbytes / 2**20:>13.2f} "
           f"{nbytes / base_b:>7.3f}")
   return rows
 

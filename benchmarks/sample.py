@@ -6,12 +6,14 @@ Each recipe's model (random parameters, the same for every recipe) draws `--toke
 fp4jax.pretrain.sample.generate over a full window (the model's max_seq_len; the prompt fills it, so every token
 runs the same compiled forward). The first call of each recipe compiles; its time is reported apart. Then the
 recipes take turns, `--rounds` times, and each reports its fastest round's milliseconds per token (one forward over
-the window plus the host round trip for the token) and the ratio to the first recipe's.
+the window plus the host round trip for the token), the ratio to the first recipe's, and the median and min over
+the rounds of its ratio to the first recipe's same round.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 
@@ -38,7 +40,8 @@ def models(model: str, recipes) -> dict[str, tuple]:
 
 
 def measure(model: str, recipes, *, tokens: int, rounds: int) -> list[dict]:
-  """Per recipe: {"recipe", "compile_s" (the first 1-token call), "ms_per_token" (fastest round), "tokens"}."""
+  """Per recipe: {"recipe", "compile_s" (the first 1-token call), "ms_per_token" (fastest round), "round_ms" (each
+  round's ms per token), "tokens"}."""
   if tokens < 1 or rounds < 1:
     raise ValueError(f"need tokens >= 1 and rounds >= 1; got tokens={tokens}, rounds={rounds}.")
   built = models(model, recipes)
@@ -60,7 +63,13 @@ def measure(model: str, recipes, *, tokens: int, rounds: int) -> list[dict]:
       rows[name]["runs"].append(seconds / tokens)
       if rows[name].setdefault("tokens", out.tolist()) != out.tolist():  # same seed and inputs: same tokens
         raise RuntimeError(f"{name}: a later round drew other tokens than the first.")
-  return [{**r, "ms_per_token": 1e3 * min(r.pop("runs"))} for r in rows.values()]
+  return [{**r, "round_ms": [1e3 * t for t in r["runs"]], "ms_per_token": 1e3 * min(r.pop("runs"))}
+          for r in rows.values()]
+
+
+def round_ratios(rows: list[dict]) -> list[list[float]]:
+  """Per row, each round's ms per token over the first row's in the same round (the rounds take turns)."""
+  return [[t / b for t, b in zip(r["round_ms"], rows[0]["round_ms"])] for r in rows]
 
 
 def main(argv=None) -> int:
@@ -72,11 +81,12 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   rows = measure(args.model, args.recipes, tokens=args.tokens, rounds=args.rounds)
   base = rows[0]["ms_per_token"]
-  print(f"model {args.model}, {args.tokens} tokens per round, fastest of {args.rounds} rounds; jax "
-        f"{jax.__version__} on {jax.devices()[0].device_kind}")
-  print(common.format_table(["recipe", "compile s", "ms/token", f"vs {rows[0]['recipe']}"],
+  print(f"model {args.model}, {args.tokens} tokens per round, fastest of {args.rounds} rounds (ratios per round: "
+        f"median, min); jax {jax.__version__} on {jax.devices()[0].device_kind}")
+  print(common.format_table(["recipe", "compile s", "ms/token", f"vs {rows[0]['recipe']}", "median", "min"],
                             [[r["recipe"], f"{r['compile_s']:.2f}", f"{r['ms_per_token']:.2f}",
-                              f"{r['ms_per_token'] / base:.2f}x"] for r in rows]))
+                              f"{r['ms_per_token'] / base:.2f}x", f"{statistics.median(q):.2f}x", f"{min(q):.2f}x"]
+                             for r, q in zip(rows, round_ratios(rows))]))
   return 0
 
 

@@ -558,6 +558,7 @@ def test_trainer_loop_heading_counts_the_periods_run_once_counts(monkeypatch, ca
 @pytest.mark.parametrize("script,argv,flag", [
     ("linear_layer", ["--tokens", "64", "--k", "64", "--n", "64", "--iters", "0"], "--iters"),
     ("linear_layer", ["--warmup", "-1"], "--warmup"),
+    ("linear_layer", ["--runs", "0"], "--runs"),
     ("train_step", ["--models", "tiny", "--steps", "0", "--warmup", "0"], "--steps"),
     ("train_step", ["--runs", "0"], "--runs"),
     ("train_step", ["--warmup", "-1"], "--warmup"),
@@ -626,3 +627,28 @@ def test_step_memory_benchmark_compiles_without_running(capsys):
   assert float(two[3]) < float(one[3])  # temp MiB
   row = step_memory.step_memory("tiny", "bf16", batch_size=4, seq_len=32, model_overrides={"n_layers": 1})
   assert row["peak"] == row["argument"] + row["output"] - row["alias"] + row["temp"] and row["alias"] > 0
+
+
+def test_linear_layer_recipes_take_turns_block_by_block(monkeypatch):
+  """Each recipe's block median comes from its own calls of that block; the order rotates from block to block."""
+  from benchmarks import linear_layer  # pylint: disable=g-import-not-at-top
+  clock, order = [0.0], []
+  cost = {"bf16": (1.0, 2.0), "nvfp4": (1.5, 3.0)}  # seconds per call in block 0 and block 1
+
+  def fake(name):
+    calls = [0]
+
+    def step(x, w, g, key):
+      del x, w, g, key
+      calls[0] += 1
+      if calls[0] > 1:  # the first call is the warmup
+        order.append(name)
+        clock[0] += cost[name][(calls[0] - 2) // 2]
+      return 0.0
+    return step
+
+  monkeypatch.setattr(linear_layer.time, "perf_counter", lambda: clock[0])
+  block_s = linear_layer.time_blocks({"bf16": fake("bf16"), "nvfp4": fake("nvfp4")}, None, None, None, iters=2,
+                                     warmup=1, runs=2)
+  assert order == ["bf16"] * 2 + ["nvfp4"] * 4 + ["bf16"] * 2
+  assert block_s == {"bf16": [1.0, 2.0], "nvfp4": [1.5, 3.0]}
