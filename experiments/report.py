@@ -103,8 +103,28 @@ def collect(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[str, 
       run_folder, summary = found[run, seed]
       rows.append(_row(summary))
       curves[run, seed] = _curve(run_folder)
+      mismatch = _curve_mismatch(summary, curves[run, seed])
+      if mismatch:
+        meta = dict(meta, inconsistent=[*meta.get("inconsistent", []), f"{run}/seed{seed}: {mismatch}"])
   _add_gaps(rows, meta.get("reference"))
   return meta, rows, curves
+
+
+def _curve_mismatch(summary: Mapping[str, Any], curve: Mapping[str, np.ndarray]) -> str | None:
+  """What a finished run's metrics.jsonl lacks of its summary.json (a log truncated or replaced by hand), or None.
+  The table reads the summary, the plots the log: they must be the same run."""
+  if summary.get("status") != "finished":
+    return None
+  steps, final = summary.get("steps"), summary.get("final_val_loss")
+  if final is not None and np.isfinite(final):
+    logged = dict(zip(curve["val_step"].tolist(), curve["val_loss"].tolist()))
+    if steps not in logged:
+      last = int(curve["step"][-1]) if len(curve["step"]) else None
+      return (f"its metrics.jsonl has no validation at step {steps} (train records end at step {last}); the table "
+              f"shows the summary's final val loss {final:.4f}")
+    if logged[steps] != final:
+      return f"its metrics.jsonl's validation at step {steps} is {logged[steps]:.6g}, the summary's {final:.6g}"
+  return None
 
 
 def _curve(run_folder: pathlib.Path) -> dict[str, np.ndarray]:
@@ -167,6 +187,8 @@ def read_results(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[
             c[step_key].append(int(rec["step"]))
             c[column].append(float(rec[column]))
   curves = {k: {name: np.asarray(v) for name, v in c.items()} for k, c in curves.items()}
+  # The stored gaps are to whichever --reference last wrote the file; the tables label them with the sweep's.
+  _add_gaps(rows, meta.get("reference"))
   return meta, rows, curves
 
 
@@ -275,6 +297,9 @@ def markdown_table(meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
   missing = _missing(meta, rows)
   if missing:
     lines += [f"**Missing** (not finished, not in the table): {', '.join(missing)}."]
+  if meta.get("inconsistent"):
+    lines += [f"**Log and summary disagree** (the table reads summary.json, the plots metrics.jsonl): "
+              f"{'; '.join(meta['inconsistent'])}."]
   if meta.get("left_out"):
     lines += [f"Left out: {', '.join(meta['left_out'])} (seeds beyond this sweep's {meta.get('seeds')}, from an "
               "earlier command; rerun with more --seeds to include them)."]
@@ -370,6 +395,19 @@ def _plotted_seeds(rows, run: str) -> set[int]:
   return done or {r["seed"] for r in mine}
 
 
+def _plot_label(rows, run: str) -> tuple[str, bool]:
+  """(the legend entry of `run`, whether its plotted seeds all diverged). The table's seed count is said where
+  the plots average fewer seeds than the run has, and a run with only diverged seeds says where they diverged."""
+  mine = [r for r in rows if r["run"] == run]
+  label = mine[0].get("label", run)
+  diverged = [r.get("diverged_step") for r in mine if r["status"] == "diverged"]
+  if not diverged:
+    return label, False
+  if len(diverged) == len(mine):
+    return f"{label} (diverged at step {', '.join(map(str, diverged))})", True
+  return f"{label} ({len(mine) - len(diverged)} of {len(mine)} seeds; {len(diverged)} diverged)", False
+
+
 def _mean_curve(curves, run: str, key: str, step_key: str, window: int = 1, seeds=None):
   """(steps, mean over seeds (all, or those in `seeds`) of the smoothed curve) on the steps every seed logged."""
   mine = [c for (name, seed), c in sorted(curves.items())
@@ -429,18 +467,23 @@ def loss_curves_figure(meta, rows, curves, window: int | None = None):
   fig, ax = _new_figure()
   tail_values = []
   for i, name in enumerate(dict.fromkeys(r["run"] for r in rows)):
-    label = next(r.get("label", name) for r in rows if r["run"] == name)
+    label, diverged = _plot_label(rows, name)
     color = f"C{i % 10}"
     tps = _tokens_per_step(rows, name)
     seeds = _plotted_seeds(rows, name)
     steps, loss = _mean_curve(curves, name, "loss", "step", window, seeds)
     if steps is not None:
       ax.plot(steps * tps / 1e6, loss, color=color, lw=1.2, label=label)
-      tail_values.extend(loss[len(loss) // 10:])
+      finite = np.flatnonzero(np.isfinite(loss))
+      if diverged and len(finite):  # where it was last finite; its short curve does not set the zoom
+        ax.plot(steps[finite[-1]] * tps / 1e6, loss[finite[-1]], "x", color=color, ms=8, mew=2)
+      elif not diverged:
+        tail_values.extend(loss[len(loss) // 10:])
     vsteps, vloss = _mean_curve(curves, name, "val_loss", "val_step", 1, seeds)
     if vsteps is not None:
       ax.plot(vsteps * tps / 1e6, vloss, "o", color=color, ms=3.5)
-      tail_values.extend(vloss[len(vloss) // 4:])
+      if not diverged:
+        tail_values.extend(vloss[len(vloss) // 4:])
   tail_values = [v for v in tail_values if np.isfinite(v)]  # a diverged run ends in NaN / inf
   if tail_values:  # zoom on the part of training where recipes differ, not the initial drop
     lo, hi = float(np.min(tail_values)), float(np.max(tail_values))
@@ -463,7 +506,7 @@ def loss_gap_figure(meta, rows, curves, reference: str, window: int | None = Non
   for i, name in enumerate(dict.fromkeys(r["run"] for r in rows)):
     if name == reference:
       continue
-    label = next(r.get("label", name) for r in rows if r["run"] == name)
+    label, _ = _plot_label(rows, name)
     color, tps = f"C{i % 10}", _tokens_per_step(rows, name)
     seeds = _plotted_seeds(rows, name) & _plotted_seeds(rows, reference)  # the seeds the table's gap averages
     steps, gap = _paired_gap(curves, name, reference, "loss", "step", window, seeds)
@@ -512,6 +555,8 @@ def write_report(folder: str | pathlib.Path, *, reference: str | None = None, wi
   ref = meta.get("reference")
   if ref and any(r["run"] == ref for r in rows) and len({r["run"] for r in rows}) > 1:
     written.append(_save(loss_gap_figure(meta, rows, curves, ref, window), folder / GAP_PNG))
+  elif (folder / GAP_PNG).is_file():  # an earlier report's, against a reference these rows no longer have
+    (folder / GAP_PNG).unlink()
   return written
 
 

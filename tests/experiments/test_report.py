@@ -126,3 +126,56 @@ def test_gap_plot_leaves_out_the_validation_at_step_zero():
   dots = report.loss_gap_figure({"experiment": "x"}, rows, curves, "a", 1).axes[0].get_lines()[2]
   np.testing.assert_allclose(dots.get_xdata(), [4 * 16 / 1e6])
   np.testing.assert_allclose(dots.get_ydata(), [10.0])
+
+
+def test_a_report_without_the_reference_removes_the_earlier_gap_plot(tmp_path):
+  """The reference's run folder gone: results.md said "no gaps", yet the earlier loss_gap.png stayed, plotting gaps
+  to a run the table no longer has."""
+  _sweep(tmp_path, {"a": [2.0], "b": [2.1]}, seeds=1)
+  report.write_report(tmp_path)
+  assert (tmp_path / report.GAP_PNG).is_file()
+  shutil.rmtree(tmp_path / "a")
+  written = report.write_report(tmp_path)
+  assert not (tmp_path / report.GAP_PNG).exists() and tmp_path / report.GAP_PNG not in written
+
+
+def test_read_results_gives_the_gaps_to_the_reference_the_tables_name(tmp_path):
+  """After `report --reference b`, results.jsonl held the gaps to b; read_results returned them, and
+  markdown_table printed them under "gap to a" (the sweep's reference)."""
+  _sweep(tmp_path, {"a": [2.0], "b": [2.5], "c": [3.0]}, seeds=1)
+  report.write_report(tmp_path, reference="b")
+  meta, rows, _ = report.read_results(tmp_path)
+  assert meta["reference"] == "a" and {r["run"]: r["gap_pct"] for r in rows}["c"] == pytest.approx(50.0)
+  assert _table_row(report.markdown_table(meta, rows), "c").startswith("| c | c | none | 1 | 3.0000 | +50.00 |")
+
+
+def test_a_run_whose_seeds_all_diverged_says_so_in_the_legend_and_sets_no_zoom(tmp_path):
+  """Its legend entry was the plain label, and its step-0 loss (a short curve keeps it) widened every run's zoom."""
+  _sweep(tmp_path, {"a": [2.0]}, seeds=1)
+  diverged = tmp_path / "b" / "seed0"
+  diverged.mkdir(parents=True)
+  (diverged / "metrics.jsonl").write_text(
+      "".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in ((0, 9.0), (1, 8.0), (2, float("nan")))))
+  (diverged / "summary.json").write_text(json.dumps(
+      {"experiment": "x", "preset": "smoke", "run": "b", "label": "b", "seed": 0, "overrides": {}, "status": "diverged",
+       "steps": 4, "tokens": 64, "final_val_loss": None, "diverged_step": 2}))
+  meta, rows, curves = report.collect(tmp_path)
+  ax = report.loss_curves_figure(meta, rows, curves, 1).axes[0]
+  assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a", "b (diverged at step 2)"]
+  assert ax.get_ylim()[1] < 4.0  # a's curve (2.25 to 3.0) sets it, not b's 9.0
+  gap_ax = report.loss_gap_figure(meta, rows, curves, "a").axes[0]
+  assert [t.get_text() for t in gap_ax.get_legend().get_texts()] == ["b (diverged at step 2)"]
+
+
+def test_a_log_that_disagrees_with_its_summary_is_said(tmp_path):
+  """metrics.jsonl cut short after the run: the table kept the summary's numbers with no word of it."""
+  _sweep(tmp_path, {"a": [2.0], "b": [2.1]}, seeds=1)
+  log = tmp_path / "b" / "seed0" / "metrics.jsonl"
+  log.write_text("".join(log.read_text().splitlines(keepends=True)[:2]))
+  report.write_report(tmp_path)
+  text = (tmp_path / report.RESULTS_MD).read_text()
+  assert ("**Log and summary disagree** (the table reads summary.json, the plots metrics.jsonl): b/seed0: its "
+          "metrics.jsonl has no validation at step 4 (train records end at step 1)") in text
+  _sweep(tmp_path / "fine", {"a": [2.0], "b": [2.1]}, seeds=1)
+  report.write_report(tmp_path / "fine")
+  assert "disagree" not in (tmp_path / "fine" / report.RESULTS_MD).read_text()
