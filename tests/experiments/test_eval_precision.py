@@ -85,3 +85,18 @@ def test_evaluate_sweep_keeps_the_phase_of_each_evaluation(tmp_path, monkeypatch
   _, rows = eval_precision.evaluate_sweep(tmp_path, ["nvfp4"])
   assert [(r["recipe"], r["phase"]) for r in rows] == [("own", 1), ("nvfp4", 0)]
   assert "| all_at50 (nvfp4, BF16 forward after its switch) |" in eval_precision.markdown(rows, tmp_path)
+
+
+def test_figure_plots_paired_differences_to_the_own_recipe_from_zero():
+  """Absolute losses on an axis cut at ~3.25 made a 0.6 % difference look like a bar twice as tall, the seed-to-seed
+  std hid the paired effect the table reports, and one seed drew zero-length error bars as if measured."""
+  rows = [{"run": "bf16", "seed": s, "recipe": r, "val_loss": v} for s, r, v in (
+      (0, eval_precision.OWN, 3.30), (0, "nvfp4", 3.31), (1, eval_precision.OWN, 3.35), (1, "nvfp4", 3.37))]
+  assert eval_precision.paired_differences(rows, "bf16", "nvfp4") == pytest.approx([0.01, 0.02])
+  ax = eval_precision.figure(rows).axes[0]
+  [bar] = ax.patches
+  assert bar.get_y() == 0.0 and bar.get_height() == pytest.approx(0.015)
+  assert "std over seeds of the paired differences" in ax.get_title() and ax.get_xticklabels()[0].get_text() == (
+      "bf16\nown: 3.3250")
+  one_seed = eval_precision.figure(rows[:2]).axes[0]
+  assert "1 seed" in one_seed.get_title() and not one_seed.containers[0].errorbar
