@@ -26,12 +26,15 @@ def get_config(preset: str) -> sweep.Sweep:
           sweep.Run("fp8", {"recipe": "fp8", "bf16_last": 0}, "FP8 (E4M3, 1x128 / 128x128 blocks)"),
           sweep.Run("nvfp4", {"recipe": "nvfp4"}, "NVFP4 (paper recipe)"),
           sweep.Run("mxfp4", {"recipe": "mxfp4"}, "MXFP4 (same recipe, RHT 32)")]
+  left_out = ""
   if preset == "smoke":
     runs = [r for r in runs if r.name != "fp8"]
+    left_out = " (FP8 only in the cpu and gpu presets)"
+  compared = " vs ".join(r.name.upper() for r in runs)
   return sweep.Sweep(experiment="formats", preset=preset, runs=tuple(runs), base=base, seeds=SEEDS[preset],
                      reference="bf16", command=f"python -m experiments.formats --preset {preset} "
                                                f"--out runs/formats_{preset}",
-                     description="BF16 vs FP8 vs NVFP4 vs MXFP4; the FP4 runs keep the same last block(s) in BF16.")
+                     description=f"{compared}{left_out}; the FP4 runs keep the same last block(s) in BF16.")
 
 
 def main(argv=None) -> int:

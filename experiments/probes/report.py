@@ -169,9 +169,9 @@ def write_markdown(results: Mapping[str, Any], path: pathlib.Path) -> pathlib.Pa
   for n, by_recipe in layers.items():
     for r, x in by_recipe.items():
       rows.append([n, r, fmt(x["fprop_err"]), fmt(layer_value(x, "dgrad_err")), fmt(layer_value(x, "wgrad_err")),
-                   fmt(x["chain_dgrad"]), fmt(summary.top_bias(x, "dgrad", "exact_grad")[1]),
+                   fmt(x["chain_dgrad"]), fmt(x["chain_wgrad"]), fmt(summary.top_bias(x, "dgrad", "exact_grad")[1]),
                    fmt(summary.top_bias(x, "wgrad", "exact_grad")[1])])
-  lines += [table(["layer", "recipe", "Fprop err", "Dgrad err", "Wgrad err", "chain gap", "Dgrad bias (K max)",
-                    "Wgrad bias (K max)"], rows), ""]
+  lines += [table(["layer", "recipe", "Fprop err", "Dgrad err", "Wgrad err", "chain gap Dgrad", "chain gap Wgrad",
+                    "Dgrad bias (K max)", "Wgrad bias (K max)"], rows), ""]
   path.write_text("\n".join(lines))
   return path

@@ -206,3 +206,11 @@ def test_merge_with_another_seed_count_is_refused_before_any_run(tmp_path, capsy
   assert "have 5 seed(s) per run, this sweep 1" in capsys.readouterr().err
   assert not (tmp_path / "new").exists()
   merge.check_mergeable(stored, recipes.get_config("cpu").to_dict())  # the stored sweep's own seed count merges
+
+
+@pytest.mark.parametrize("preset", ["smoke", "cpu"])
+def test_the_formats_description_names_the_formats_its_preset_runs(preset):
+  """The smoke preset's results.md said "BF16 vs FP8 vs NVFP4 vs MXFP4" over a table without FP8."""
+  config = formats.get_config(preset)
+  compared = config.description.split(";")[0].split(" (")[0].split(" vs ")
+  assert compared == [r.name.upper() for r in config.runs]

@@ -66,6 +66,11 @@ def test_report_of_the_stored_smoke_results(tmp_path):
   sr = [e for e in effects if e["what"] == "SR on -> off" and e["metric"].startswith("Dgrad bias vs exact")]
   # Without SR the gradient rounding is biased: the mean of many draws stays further from the exact gradient.
   assert len(sr) == 1 and sr[0]["mean"] > 0 and sr[0]["n"] == len(results["layers"]["layers"])
+  # The per-layer table's chain gaps, both named (one column headed "chain gap" held Dgrad's: 0 for every NVFP4 layer).
+  layer, by_recipe = next(iter(results["layers"]["layers"].items()))
+  row = next(line for line in text.splitlines() if line.startswith(f"| {layer} | nvfp4 |")).split(" | ")
+  assert "| Wgrad err | chain gap Dgrad | chain gap Wgrad |" in text
+  assert row[5:7] == [f"{by_recipe['nvfp4']['chain_dgrad']:.4f}", f"{by_recipe['nvfp4']['chain_wgrad']:.4f}"]
   bf16_row = next(line for line in text.splitlines() if line.startswith("| bf16 | 0.0000"))
   assert bf16_row.count("0.0000") >= 5  # BF16 against itself: exactly zero errors
 
