@@ -273,9 +273,9 @@ PER_PROCESS_FIELDS = frozenset({
     # Only process 0 shows the progress bar and writes metrics.jsonl; the other processes never read these, and
     # neither runs a collective.
     "logging.progress", "logging.every",
-    # Each process traces its own devices into its own folder (profiling.trace_dir), without a collective: tracing
-    # some hosts only, or other steps on each, is a legitimate choice.
-    "logging.profile",
+    # Not logging.profile: the loop waits for the step in flight where a trace starts or stops, and a process that
+    # waits there reaches the stop check's collective before it sends the next step, while the others send it first
+    # (their devices then run the step, whose collectives wait for the first process, before the check): deadlock.
 })
 
 

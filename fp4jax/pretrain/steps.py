@@ -367,8 +367,11 @@ class Phases:
   def stats_fn(self, step: int):
     """The jitted per-layer quantization statistics of `step`'s phase (metrics.quant_stats)."""
     graphdef, fmt, pl = self.graphdef(step), self.config.evaluation.stats_format, self.placement
+    # The tokens as a global batch (Placement.put_batch): unsharded, each process's own rows would pass for the
+    # whole batch, and process 0's statistics would cover its rows only.
     return self.cache.get(("stats", graphdef, fmt, pl.key), lambda: jax.jit(pl.traced_on_mesh(
-        lambda params, tokens, key: metrics_lib.quant_stats(graphdef, pl.gather_params(params), tokens, key, fmt))))
+        lambda params, tokens, key: metrics_lib.quant_stats(graphdef, pl.gather_params(params), tokens, key, fmt)),
+        in_shardings=(pl.params, pl.batch, pl.replicated), out_shardings=pl.replicated))
 
   def val_loss(self, params, val: list[dict[str, np.ndarray]], key: jax.Array, step: int,
                outcontrol=None) -> float:

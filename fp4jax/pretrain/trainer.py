@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tqdm
 from flax import nnx
@@ -178,7 +177,8 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
     as a dict).
   compile_cache: reuse jitted steps across calls (see CompileCache).
   Multi-process runs: raises distributed.ConfigMismatchError on every process when the processes' configs differ
-  (beyond distributed.PER_PROCESS_FIELDS), before anything is read or compiled, and when the data they read differs
+  (beyond distributed.PER_PROCESS_FIELDS) or their Hooks with reads_state=True do (their `every`: the loop waits for
+  the step in flight before each), before anything is read or compiled, and when the data they read differs
   (distributed.check_same_data), before anything is compiled.
   Raises TrainingDiverged on a non-finite loss (nothing non-finite is ever saved), CheckpointError when --resume
   finds no readable checkpoint (unreadable newer ones are moved aside, see fp4jax.pretrain.resume), RunLockedError
@@ -186,8 +186,9 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
   (Terminated on SIGTERM), checkpoint.CheckpointSaveError when a checkpoint cannot be written (a full disk; --resume
   continues from the last finished one).
   """
+  hooks = hooks if callable(hooks) else list(hooks)  # read twice below: not a one-shot iterator
   if jax.process_count() > 1:  # first: a process started with other settings fails before any data or compile
-    distributed.check_same_run(config.to_dict(), config_lib.field_flags())
+    distributed.check_same_run(*_run_settings(config, () if callable(hooks) else hooks))
   if callable(hooks):  # one Hook (callable) or function, not a list of them
     raise TypeError(f"train(config, hooks): hooks is a list of Hooks or callables; got one {type(hooks).__name__}: "
                     "pass [hook].")
@@ -201,6 +202,18 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
   with lock:
     log(f"Run folder: {out.absolute()}")
     return _train_locked(config, user_hooks, log, compile_cache, out)
+
+
+HOOKS_READING_STATE = "hooks.reading_state"
+
+
+def _run_settings(config: TrainConfig, hooks) -> tuple[dict[str, Any], dict[str, str]]:
+  """What the processes of a multi-process run compare (distributed.check_same_run): the config, and the `every` of
+  the Hooks that read the state. The loop waits for the step in flight before such a hook; a process that waits where
+  the others do not meets the stop check's collective out of step with theirs, and all hang."""
+  reading = sorted(h.every for h in hooks if isinstance(h, Hook) and h.reads_state)
+  flags = {**config_lib.field_flags(), HOOKS_READING_STATE: "train(hooks)'s Hooks with reads_state=True (every)"}
+  return {**config.to_dict(), "hooks": {"reading_state": reading}}, flags
 
 
 def _train_locked(config, user_hooks, log, compile_cache, out) -> dict[str, Any]:
@@ -388,7 +401,8 @@ class _Loop:
 
   def _stats(self, info: StepInfo):
     at = min(info.step, self.config.steps - 1)
-    raw = self.phases.stats_fn(at)(info.state.params, jnp.asarray(self.val[0]["inputs"]), self.keys["stats"])
+    tokens = self.phases.placement.put_batch({"inputs": self.val[0]["inputs"]})["inputs"]  # this process's rows
+    raw = self.phases.stats_fn(at)(info.state.params, tokens, self.keys["stats"])
     info.record["quant"] = jax.tree.map(float, raw)
 
   def _checkpoint(self, info: StepInfo):

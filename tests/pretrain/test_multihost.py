@@ -348,6 +348,11 @@ def test_check_same_run_raises_naming_the_options(monkeypatch):
                      r"optimizer.lr=0.001\."):
     distributed.check_same_run(config.to_dict(), config_lib.field_flags())
   assert gathers == [4, len(distributed.run_fields(config.to_dict()))]
+  # Another --profile: a process that waits for its step in flight where its trace starts meets the stop check's
+  # collective before the others' next step does: both hung for good (found with two CPU processes).
+  _fake_peer(monkeypatch, config.replace(profile="1:2"))
+  with pytest.raises(distributed.ConfigMismatchError, match=r"--profile \(logging.profile\) differs"):
+    distributed.check_same_run(config.to_dict(), config_lib.field_flags())
   _fake_peer(monkeypatch, config, peer_versions=["fp4jax 0.0.1", "jax 0.4"])
   with pytest.raises(distributed.ConfigMismatchError,
                      match="process 1 of this multi-process run runs a different fp4jax or jax version"):
@@ -752,3 +757,45 @@ def test_a_dead_process_makes_the_other_exit_with_an_error(runs):
   said = ("another process probably died", "heartbeat timeout", "stopped sending heartbeats")
   assert any(text in log for text in said), log[-3000:]
   assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.slow
+def test_two_processes_record_the_statistics_of_the_whole_validation_batch(tmp_path):
+  """Each process holds its own rows of the validation batch; the statistics took them unsharded, as if they were
+  the whole batch, so process 0 logged the statistics of its half (x_err off by 1e-4 from the 1-process run)."""
+  args = [*TRAIN_ARGS[:TRAIN_ARGS.index("--steps")], "--steps", "1", "--model.n_layers", "1", "--seq-len", "32",
+          "--eval-batches", "1", "--stats-every", "1", "--checkpoint-every", "8", "--progress", "false"]
+  two = _launch(tmp_path, args + ["--out", str(tmp_path / "two")], 2, "stats_two")
+  one = _launch(tmp_path, args + ["--out", str(tmp_path / "one")], 1, "stats_one")
+  assert _wait(two + one) == [0, 0, 0], _logs(tmp_path, "stats_two", 2) + _logs(tmp_path, "stats_one", 1)
+
+  def quant(name):
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [r["quant"] for r in records if "quant" in r]
+
+  got, want = quant("two"), quant("one")
+  assert len(got) == len(want) == 2 and got[0].keys() == want[0].keys()
+  for g, w in zip(got, want):
+    for layer in w:
+      for stat in w[layer]:
+        np.testing.assert_allclose(g[layer][stat], w[layer][stat], rtol=1e-6, atol=1e-7, err_msg=f"{layer} {stat}")
+
+
+def test_train_compares_the_hooks_that_read_the_state_across_processes(monkeypatch):
+  """A Hook with reads_state=True on one process only makes its loop wait for the step in flight where the others
+  send the next step first: their collectives then meet out of order and every process hangs (as with --profile)."""
+  compared = []
+
+  def check(settings, flags):
+    compared.append((settings, flags))
+    raise distributed.ConfigMismatchError("stop here")
+
+  monkeypatch.setattr(distributed, "check_same_run", check)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  hooks = iter([trainer.Hook(lambda info: None, every=5), trainer.Hook(lambda info: None, every=2, reads_state=False),
+                lambda step, record: None, trainer.Hook(lambda info: None)])
+  with pytest.raises(distributed.ConfigMismatchError, match="stop here"):
+    trainer.train(config_lib.TrainConfig.from_options(out="x"), hooks)
+  [(settings, flags)] = compared
+  assert settings["hooks"] == {"reading_state": [1, 5]} and "reads_state=True" in flags[trainer.HOOKS_READING_STATE]
+  assert distributed.run_fields(settings)[trainer.HOOKS_READING_STATE] == [1, 5]
