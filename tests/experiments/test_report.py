@@ -24,6 +24,17 @@ def _write_run(folder, run, seed, loss, *, steps=4, log_every=1, status="finishe
   return d
 
 
+def _write_diverged(folder, run, seed, losses):
+  """OUT/<run>/seed<seed> of a 4-step run whose loss went NaN at step len(losses), after `losses`."""
+  d = folder / run / f"seed{seed}"
+  d.mkdir(parents=True)
+  logged = list(enumerate(losses)) + [(len(losses), float("nan"))]
+  (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in logged))
+  (d / "summary.json").write_text(json.dumps(
+      {"experiment": "x", "preset": "smoke", "run": run, "label": run, "seed": seed, "overrides": {},
+       "status": "diverged", "steps": 4, "tokens": 64, "final_val_loss": None, "diverged_step": len(losses)}))
+
+
 def _sweep(folder, losses, seeds=2, **kwargs):
   """A sweep folder of runs {run: [loss of seed 0, seed 1, ...]} with reference "a"."""
   folder.mkdir(exist_ok=True)
@@ -90,13 +101,7 @@ def test_plots_average_the_seeds_the_table_averages(tmp_path):
   """b's seed 1 diverged at step 2: the table averaged b's finished seed 0, the plots both seeds on the steps they
   share, so b's train curve and gap ended at step 2 in NaN."""
   _sweep(tmp_path, {"a": [2.0, 2.2], "b": [2.1]}, seeds=2)
-  diverged = tmp_path / "b" / "seed1"
-  diverged.mkdir()
-  (diverged / "metrics.jsonl").write_text(
-      "".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in ((0, 3.0), (1, 2.9), (2, float("nan")))))
-  (diverged / "summary.json").write_text(json.dumps(
-      {"experiment": "x", "preset": "smoke", "run": "b", "label": "b", "seed": 1, "overrides": {}, "status": "diverged",
-       "steps": 4, "tokens": 64, "final_val_loss": None, "diverged_step": 2}))
+  _write_diverged(tmp_path, "b", 1, (3.0, 2.9))
   meta, rows, curves = report.collect(tmp_path)
   assert "| b | b | none | 1 (+1 diverged at step 2) | 2.1000 | +5.00 |" in report.markdown_table(meta, rows)
   b_train = report.loss_curves_figure(meta, rows, curves).axes[0].get_lines()[2]
@@ -152,13 +157,7 @@ def test_read_results_gives_the_gaps_to_the_reference_the_tables_name(tmp_path):
 def test_a_run_whose_seeds_all_diverged_says_so_in_the_legend_and_sets_no_zoom(tmp_path):
   """Its legend entry was the plain label, and its step-0 loss (a short curve keeps it) widened every run's zoom."""
   _sweep(tmp_path, {"a": [2.0]}, seeds=1)
-  diverged = tmp_path / "b" / "seed0"
-  diverged.mkdir(parents=True)
-  (diverged / "metrics.jsonl").write_text(
-      "".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in ((0, 9.0), (1, 8.0), (2, float("nan")))))
-  (diverged / "summary.json").write_text(json.dumps(
-      {"experiment": "x", "preset": "smoke", "run": "b", "label": "b", "seed": 0, "overrides": {}, "status": "diverged",
-       "steps": 4, "tokens": 64, "final_val_loss": None, "diverged_step": 2}))
+  _write_diverged(tmp_path, "b", 0, (9.0, 8.0))
   meta, rows, curves = report.collect(tmp_path)
   ax = report.loss_curves_figure(meta, rows, curves, 1).axes[0]
   assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a", "b (diverged at step 2)"]
