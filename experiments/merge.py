@@ -141,7 +141,7 @@ def merge_results(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Map
   (the same numbers for the kept runs). `log` gets a note naming the kept runs whose numerics could not be checked.
   """
   stored_meta, stored_rows, stored_curves = report.read_results(stored)
-  _, new_rows, new_curves = report.collect(new)
+  new_meta, new_rows, new_curves = report.collect(new)
   reference = meta.get("reference")
   _check_same_sweep(stored, stored_meta, meta)
   if reference is not None:
@@ -161,7 +161,9 @@ def merge_results(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Map
   rows.sort(key=lambda r: (order.index(r["run"]), r["seed"]))
   curves = {(r["run"], r["seed"]): curves[r["run"], r["seed"]] for r in rows if (r["run"], r["seed"]) in curves}
   report._add_gaps(rows, reference)  # pylint: disable=protected-access
-  return dict(meta), rows, curves
+  # A merged run whose log disagrees with its summary is said in the merged results.md (kept in its sweep.json).
+  inconsistent = [n for n in new_meta.get("inconsistent", []) if n.split("/", 1)[0] in replaced]
+  return dict(meta, **({"inconsistent": inconsistent} if inconsistent else {})), rows, curves
 
 
 def merge_into(stored: str | pathlib.Path, new: str | pathlib.Path, meta: Mapping[str, Any], *,

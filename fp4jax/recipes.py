@@ -34,10 +34,12 @@ GEMM_MODES = ("auto", "bf16", "f32")
 ROUNDINGS = ("nearest", "stochastic")
 
 
-def _check_flag(name: str, value) -> None:
+def _flag(name: str, value) -> bool:
+  """`value` as a plain bool (NumPy's too: a recipe's name and its stored JSON take plain ones); ValueError else."""
   # A string such as "false" is truthy: it would switch the option on.
   if not isinstance(value, (bool, np.bool_)):
     raise ValueError(f"{name} must be True or False; got {value!r}.")
+  return bool(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +62,7 @@ class OperandConfig:
 
   def __post_init__(self):
     for field in ("block_2d", "rht", "pad", "requantize", "clip_mask"):
-      _check_flag(field, getattr(self, field))
+      object.__setattr__(self, field, _flag(field, getattr(self, field)))
     if self.rounding not in ROUNDINGS:
       raise ValueError(f"rounding must be one of {ROUNDINGS}; got {self.rounding!r}.")
     if self.fmt is not None and not isinstance(self.fmt, formats.FormatBase):
@@ -156,7 +158,7 @@ class Recipe:
 
   def __post_init__(self):
     rht_lib.check_size(self.rht_size)
-    _check_flag("reuse_fprop_weight", self.reuse_fprop_weight)
+    object.__setattr__(self, "reuse_fprop_weight", _flag("reuse_fprop_weight", self.reuse_fprop_weight))
     if self.rht_signs not in RHT_SIGNS:
       raise ValueError(f"rht_signs must be one of {RHT_SIGNS}; got {self.rht_signs!r}.")
     if self.fprop_rht_signs is not None and self.fprop_rht_signs not in RHT_SIGNS:
@@ -212,6 +214,7 @@ class Recipe:
           head, _, tail = name.rpartition(old) if old and old in name else ("", "", name)
           name = head + tail + recipe_names.gemm_tag(value)
         else:
+          value = value.item() if isinstance(value, np.generic) else value  # np.False_ is tagged as False
           name += f"+{field}" + (f"={value}" if isinstance(value, (bool, int, float, str)) or value is None else "")
       changes["name"] = name
     return dataclasses.replace(self, **changes)

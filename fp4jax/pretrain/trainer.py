@@ -209,9 +209,10 @@ HOOKS_READING_STATE = "hooks.reading_state"
 
 def _run_settings(config: TrainConfig, hooks) -> tuple[dict[str, Any], dict[str, str]]:
   """What the processes of a multi-process run compare (distributed.check_same_run): the config, and the `every` of
-  the Hooks that read the state. The loop waits for the step in flight before such a hook; a process that waits where
-  the others do not meets the stop check's collective out of step with theirs, and all hang."""
-  reading = sorted(h.every for h in hooks if isinstance(h, Hook) and h.reads_state)
+  the Hooks that read the state during the run (every > 0; the final call comes after the loop). The loop waits for
+  the step in flight before such a hook; a process that waits where the others do not meets the stop check's
+  collective out of step with theirs, and all hang."""
+  reading = sorted(h.every for h in hooks if isinstance(h, Hook) and h.reads_state and h.every > 0)
   flags = {**config_lib.field_flags(), HOOKS_READING_STATE: "train(hooks)'s Hooks with reads_state=True (every)"}
   return {**config.to_dict(), "hooks": {"reading_state": reading}}, flags
 
@@ -358,11 +359,11 @@ def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, 
         f"{stored_keep}: as it saves, the older checkpoints beyond the newest {config.checkpointing.keep} are deleted.")
   dropped, kept_in = 0, None
   if distributed.is_main_process():
-    # Going back with --resume-step abandons a branch: its records are kept beside its moved checkpoints. So are a
-    # finished run's last records when more --steps extend it: its final val_loss comes back only where the longer
-    # run's schedule validates. A plain resume drops only records the resumed steps write again, the same (resume
+    # Going back with --resume-step abandons a branch: its records are kept beside its moved checkpoints. So are the
+    # dropped records when more --steps extend the run: a finished run's final val_loss comes back only where the
+    # longer run's schedule validates (also when an unreadable final checkpoint sent the resume further back). A plain resume drops only records the resumed steps write again, the same (resume
     # is exact).
-    if resume_step is not None or start == stored.steps < config.steps:
+    if resume_step is not None or stored.steps < config.steps:
       kept_in = resume_lib.moved_path(out, f"metrics.after-resume-{start}", ".jsonl")
     dropped = metrics_lib.truncate_metrics(out, start - 1, keep_dropped=kept_in, log=log)
   records = "record" if dropped == 1 else "records"

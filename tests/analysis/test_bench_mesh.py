@@ -34,6 +34,7 @@ def test_meshes_take_turns_and_ratios_pair_blocks(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("flag", ["--steps", "--runs"])
-def test_no_steps_or_runs_is_refused(flag):
+def test_no_steps_or_runs_is_refused(flag, capsys):
   with pytest.raises(SystemExit):
     mesh.main([flag, "0"])
+  assert f"{flag} must be >= 1" in capsys.readouterr().err

@@ -170,3 +170,13 @@ def test_the_stored_components_results_keep_their_runs_under_equivalent_definiti
   with pytest.raises(ValueError, match="full: stored"):
     merge.check_mergeable(REPO / "experiments" / "results" / "components_cpu",
                           _redefined(meta, "full", {"recipe": "nvfp4:rht=false"}), rerun=["bf16"])
+
+
+def test_a_merged_run_whose_log_disagrees_with_its_summary_is_said(tmp_path):
+  stored = _stored(tmp_path)
+  rerun = _write_sweep(tmp_path / "rerun", _meta(["bf16", "b", "c"]), NEW)
+  log = rerun / "c" / "seed1" / "metrics.jsonl"
+  log.write_text("".join(log.read_text().splitlines(keepends=True)[:2]))  # cut short after the run
+  merge.merge_into(stored, rerun, _meta(["bf16", "a", "c", "b"]))
+  assert ("**Log and summary disagree** (the table reads summary.json, the plots metrics.jsonl): c/seed1: its "
+          "metrics.jsonl has no validation at step 4") in (stored / report.RESULTS_MD).read_text()

@@ -191,7 +191,9 @@ def test_operand_flags_refuse_strings(field):
 def test_recipe_flags_refuse_strings():
   with pytest.raises(ValueError, match="reuse_fprop_weight must be True or False"):
     recipes.nvfp4().replace(reuse_fprop_weight="false")
-  assert not recipes.nvfp4().replace(reuse_fprop_weight=np.bool_(False)).reuse_fprop_weight
+  numpy_false = recipes.nvfp4().replace(reuse_fprop_weight=np.bool_(False))
+  assert numpy_false.reuse_fprop_weight is False and numpy_false.name == "nvfp4+reuse_fprop_weight=False"
+  assert dataclasses.replace(recipes.nvfp4().wgrad.lhs, rht=np.bool_(True)).rht is True  # stored as a plain bool
 
 
 def test_random_hadamard_refuses_a_string_inverse():

@@ -793,7 +793,8 @@ def test_train_compares_the_hooks_that_read_the_state_across_processes(monkeypat
   monkeypatch.setattr(distributed, "check_same_run", check)
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   hooks = iter([trainer.Hook(lambda info: None, every=5), trainer.Hook(lambda info: None, every=2, reads_state=False),
-                lambda step, record: None, trainer.Hook(lambda info: None)])
+                lambda step, record: None, trainer.Hook(lambda info: None),
+                trainer.Hook(lambda info: None, every=0)])  # the final call only: after the loop, no wait in it
   with pytest.raises(distributed.ConfigMismatchError, match="stop here"):
     trainer.train(config_lib.TrainConfig.from_options(out="x"), hooks)
   [(settings, flags)] = compared

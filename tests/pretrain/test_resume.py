@@ -182,6 +182,21 @@ def test_extending_a_finished_run_keeps_its_final_records_beside(tmp_path, steps
     assert any(f"dropped 1 later metric record, kept in {kept[0]}" in line for line in log), log
 
 
+def test_extending_past_an_unreadable_final_checkpoint_keeps_the_final_records_too(tmp_path):
+  """Checkpoint 8 unreadable: the resume falls back to 4, and the dropped records (the final val_loss among them)
+  are kept beside all the same."""
+  stored = TrainConfig.from_options(out=str(tmp_path), steps=8, checkpoint_every=4)
+  state = _save_fake_run(tmp_path, stored)
+  (ckpt.checkpoint_dir(tmp_path) / "8" / "meta" / "metadata").write_text("{not json")
+  data = DataIdentity(corpus="c", fingerprint="f", tokenizer="byte", vocab_size=256, num_files=1, num_bytes=1,
+                      cache_key="k")
+  records = [{"step": 3, "loss": 3.7}, {"step": 7, "loss": 3.6}, {"step": 8, "val_loss": 3.5}]
+  (tmp_path / metrics.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+  start, _ = trainer._resume(stored.replace(resume=True, steps=12), state, tmp_path, lambda _: None, data)  # pylint: disable=protected-access
+  [kept] = (tmp_path / resume_lib.MOVED_DIR).glob("metrics.after-resume-4.*.jsonl")
+  assert start == 4 and [json.loads(line) for line in kept.read_text().splitlines()] == records[1:]
+
+
 def test_an_explicit_resume_step_moves_only_the_later_checkpoints_aside(tmp_path):
   """--resume-step 8 of checkpoints 4, 8, 12: 12 is moved aside, 8 (the one restored) and 4 stay where they are."""
   stored = TrainConfig.from_options(out=str(tmp_path), steps=16, checkpoint_every=4)
