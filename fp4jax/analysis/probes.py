@@ -278,7 +278,9 @@ def operand_stats(q, rows: int | None = None) -> dict[str, jax.Array]:
   any_block = jnp.any(~empty)
   lo = jnp.where(any_block, jnp.min(jnp.where(empty, jnp.inf, s)), jnp.nan)
   hi = jnp.where(any_block, jnp.max(jnp.where(empty, 0.0, s)), jnp.nan)
-  return {"zero": jnp.mean(magnitude == 0), "sat": jnp.mean(magnitude == 7), "amax": q.amax.astype(jnp.float32),
+  # jnp.max: NVFP4 double-block scaling (TetraJet-v2) stores one amax per 1x128 group.
+  return {"zero": jnp.mean(magnitude == 0), "sat": jnp.mean(magnitude == 7),
+          "amax": jnp.max(q.amax.astype(jnp.float32)),
           "scale_lo": lo, "scale_hi": hi, "octaves": jnp.log2(hi / lo), "scale_zero": jnp.mean(empty),
           "scale_subnormal": subnormal}
 

@@ -351,3 +351,13 @@ def test_rel_error_and_cosine_refuse_tensors_of_other_shapes():
   with pytest.raises(ValueError, match="cosine compares tensors of one shape"):
     probes.cosine(g, g.T)
   assert float(probes.rel_error(a, a)) == 0.0 and float(probes.cosine(g, g)) == pytest.approx(1.0)
+
+
+def test_probe_layer_runs_a_double_block_recipe_and_reports_the_tensor_amax():
+  """TetraJet-v2's NVFP4 keeps one amax per 1x128 group: the probe's float() of it raised a TypeError."""
+  k = jax.random.split(jax.random.key(0), 3)
+  t = probes.LayerTensors(jax.random.normal(k[0], (128, 256), jnp.bfloat16),
+                          0.05 * jax.random.normal(k[1], (256, 128)), jax.random.normal(k[2], (128, 128), jnp.bfloat16))
+  out = probes.probe_layer(t, "tetrajet_v2", jax.random.key(1), num_draws=2)
+  assert out["stats"]["fprop.x"]["amax"] == float(jnp.max(jnp.abs(t.x_MxK.astype(jnp.float32))))  # max over groups
+  assert all(np.ndim(v) == 0 for s in out["stats"].values() for v in s.values())
