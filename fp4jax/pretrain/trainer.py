@@ -361,8 +361,8 @@ def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, 
   if distributed.is_main_process():
     # Going back with --resume-step abandons a branch: its records are kept beside its moved checkpoints. So are the
     # dropped records when more --steps extend the run: a finished run's final val_loss comes back only where the
-    # longer run's schedule validates (also when an unreadable final checkpoint sent the resume further back). A plain resume drops only records the resumed steps write again, the same (resume
-    # is exact).
+    # longer run's schedule validates (also when an unreadable final checkpoint sent the resume further back). A
+    # plain resume drops only records the resumed steps write again, the same (resume is exact).
     if resume_step is not None or stored.steps < config.steps:
       kept_in = resume_lib.moved_path(out, f"metrics.after-resume-{start}", ".jsonl")
     dropped = metrics_lib.truncate_metrics(out, start - 1, keep_dropped=kept_in, log=log)
