@@ -80,8 +80,8 @@ def time_meshes(shapes, recipe: str, *, steps: int, runs: int, batch: int, seq: 
       block_s[shape].append(statistics.median(times))
       losses[shape] = float(m["loss"])
   base = block_s[shapes[0]]
-  return {shape: {"ratios": [t / b for t, b in zip(block_s[shape], base)], "ms": 1e3 * statistics.median(block_s[shape]),
-                  "loss": losses[shape]} for shape in shapes}
+  return {shape: {"ratios": [t / b for t, b in zip(block_s[shape], base)],
+                  "ms": 1e3 * statistics.median(block_s[shape]), "loss": losses[shape]} for shape in shapes}
 
 
 def main(argv=None):
