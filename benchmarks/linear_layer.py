@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp4jax
+from benchmarks import interleave
 from fp4jax import gemm as gemm_lib
 from fp4jax import recipes as recipes_lib
 from fp4jax.dot_general import _qmatmul_fwd
@@ -69,9 +70,8 @@ def time_blocks(steps: dict, x, w, g, *, iters: int, warmup: int, runs: int) -> 
     for i in range(warmup):
       jax.block_until_ready(steps[name](x, w, g, jax.random.key(1 + i)))
   block_s = {name: [] for name in names}
-  for b in range(runs):
-    for j in range(len(names)):
-      name = names[(b + j) % len(names)]
+  for b, order in enumerate(interleave.block_orders(names, runs)):
+    for name in order:
       times = []
       for i in range(iters):
         key = jax.random.key(100 + b * iters + i)  # a fresh key per step, as in training
@@ -138,9 +138,10 @@ def main(argv=None):
   compiled = {spec: compile_step(recipe, x, w, g) for spec, recipe in zip(specs, recipes)}
   block_s = time_blocks({spec: step for spec, (step, _) in compiled.items()}, x, w, g, iters=args.iters,
                         warmup=args.warmup, runs=args.runs)
+  paired = interleave.paired_ratios(block_s, "bf16")
   rows = []
   for spec, recipe in zip(specs, recipes):
-    ratios = [t / b for t, b in zip(block_s[spec], block_s["bf16"])]
+    ratios = paired[spec]
     rows.append((spec, compiled[spec][1], statistics.median(block_s[spec]), statistics.median(ratios), min(ratios),
                  residual_bytes(recipe, x, w)))
   base_b = rows[0][5]

@@ -21,6 +21,7 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flax import nnx  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from benchmarks import interleave  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fp4jax.pretrain import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fp4jax.pretrain import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fp4jax.pretrain import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -66,9 +67,8 @@ def time_meshes(shapes, recipe: str, *, steps: int, runs: int, batch: int, seq: 
   runs_by_shape = {shape: list(setup_mesh(shape, recipe, batch, seq)) for shape in shapes}
   block_s = {shape: [] for shape in shapes}
   losses = {}
-  for b in range(runs):
-    for j in range(len(shapes)):
-      shape = shapes[(b + j) % len(shapes)]
+  for b, order in enumerate(interleave.block_orders(shapes, runs)):
+    for shape in order:
       run = runs_by_shape[shape]
       times = []
       for i in range(steps):
@@ -79,8 +79,8 @@ def time_meshes(shapes, recipe: str, *, steps: int, runs: int, batch: int, seq: 
         times.append(time.perf_counter() - t0)
       block_s[shape].append(statistics.median(times))
       losses[shape] = float(m["loss"])
-  base = block_s[shapes[0]]
-  return {shape: {"ratios": [t / b for t, b in zip(block_s[shape], base)],
+  ratios = interleave.paired_ratios(block_s, shapes[0])
+  return {shape: {"ratios": ratios[shape],
                   "ms": 1e3 * statistics.median(block_s[shape]), "loss": losses[shape]} for shape in shapes}
 
 

@@ -12,8 +12,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from fp4jax import arg_checks
 from fp4jax import blocks
 from fp4jax import formats
 from fp4jax import eden
@@ -33,23 +33,13 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 # --- validation ---------------------------------------------------------------------------------------------------
 
-def _check_flag(name: str, value) -> None:
-  # A string such as "false" is truthy: refuse it rather than quantize as if it were True.
-  if not isinstance(value, (bool, np.bool_)):
-    raise ValueError(f"{name} must be True or False; got {value!r}.")
-
-
 def _check_axis(shape, axis, block_2d) -> int:
   """The non-negative blocked axis of an array of `shape`, or a ValueError naming what does not fit."""
-  _check_flag("block_2d", block_2d)
+  arg_checks.flag("block_2d", block_2d)
   ndim = len(shape)
   if ndim < 1 or (block_2d and ndim < 2):
     raise ValueError(f"cannot quantize an array of shape {tuple(shape)} with block_2d={block_2d}.")
-  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-    raise ValueError(f"axis must be an int; got {axis!r}.")
-  if not -ndim <= axis < ndim:
-    raise ValueError(f"axis {axis} is out of range for an array of rank {ndim}.")
-  axis = int(axis) % ndim
+  axis = arg_checks.axis_index(axis, ndim)
   if block_2d and axis < ndim - 2:
     raise ValueError(f"block_2d blocks span the last two axes; axis must be one of them, got axis={axis}.")
   return axis
@@ -58,7 +48,7 @@ def _check_axis(shape, axis, block_2d) -> int:
 def check_arguments(x, fmt, axis, block_2d, rounding, key, random_bits, sr_bits="hash", pad=False) -> int:
   """The non-negative blocked axis, after checking quantize's arguments for array `x` and format `fmt` (a ValueError
   names the first that does not fit); shared with the Pallas quantizer (pallas_kernels.quantize_nvfp4)."""
-  _check_flag("pad", pad)
+  arg_checks.flag("pad", pad)
   if key is not None:
     keys.check_key_or_hash_seed(key, sr_bits, "key")
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
@@ -89,7 +79,7 @@ def _blocked_axes(fmt, ndim, axis, block_2d):
 
 
 def _padded_shape(shape, fmt, blocked_axes, pad):
-  _check_flag("pad", pad)
+  arg_checks.flag("pad", pad)
   padded = list(shape)
   for a in blocked_axes:
     n, b = shape[a], fmt.block_size

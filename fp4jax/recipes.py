@@ -20,6 +20,7 @@ from typing import Literal
 
 import numpy as np
 
+from fp4jax import arg_checks
 from fp4jax import formats
 from fp4jax import prng
 from fp4jax import recipe_names
@@ -32,14 +33,6 @@ BACKENDS = ("xla", "pallas")
 RHT_SIGNS = ("fixed", "none", "per_call")
 GEMM_MODES = ("auto", "bf16", "f32")
 ROUNDINGS = ("nearest", "stochastic")
-
-
-def _flag(name: str, value) -> bool:
-  """`value` as a plain bool (NumPy's too: a recipe's name and its stored JSON take plain ones); ValueError else."""
-  # A string such as "false" is truthy: it would switch the option on.
-  if not isinstance(value, (bool, np.bool_)):
-    raise ValueError(f"{name} must be True or False; got {value!r}.")
-  return bool(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +55,7 @@ class OperandConfig:
 
   def __post_init__(self):
     for field in ("block_2d", "rht", "pad", "requantize", "clip_mask"):
-      object.__setattr__(self, field, _flag(field, getattr(self, field)))
+      object.__setattr__(self, field, arg_checks.flag(field, getattr(self, field)))
     if self.rounding not in ROUNDINGS:
       raise ValueError(f"rounding must be one of {ROUNDINGS}; got {self.rounding!r}.")
     if self.fmt is not None and not isinstance(self.fmt, formats.FormatBase):
@@ -158,7 +151,7 @@ class Recipe:
 
   def __post_init__(self):
     rht_lib.check_size(self.rht_size)
-    object.__setattr__(self, "reuse_fprop_weight", _flag("reuse_fprop_weight", self.reuse_fprop_weight))
+    object.__setattr__(self, "reuse_fprop_weight", arg_checks.flag("reuse_fprop_weight", self.reuse_fprop_weight))
     if self.rht_signs not in RHT_SIGNS:
       raise ValueError(f"rht_signs must be one of {RHT_SIGNS}; got {self.rht_signs!r}.")
     if self.fprop_rht_signs is not None and self.fprop_rht_signs not in RHT_SIGNS:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax import arg_checks
 from fp4jax import explicit_axes
 from fp4jax import grids
 from fp4jax import keys
@@ -110,13 +111,8 @@ def random_hadamard(x, *, size: int = 16, axis: int = -1, signs=None, inverse: b
   x = jnp.asarray(x)
   if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):  # float64 too: the transform is float32 arithmetic
     raise ValueError(f"random_hadamard takes float32, bfloat16 or float16 input; got dtype {x.dtype.name}.")
-  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-    raise ValueError(f"axis must be an int; got {axis!r}.")
-  if not isinstance(inverse, (bool, np.bool_)):  # a string such as "False" is truthy: it would run the inverse
-    raise ValueError(f"inverse must be True or False; got {inverse!r}.")
-  if not -x.ndim <= axis < x.ndim:
-    raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}.")
-  axis %= x.ndim
+  axis = arg_checks.axis_index(axis, x.ndim)
+  arg_checks.flag("inverse", inverse)
   n = x.shape[axis]
   if n % size:
     raise ValueError(f"RHT size {size} does not divide the length {n} of axis {axis} (shape {x.shape}).")

@@ -32,6 +32,7 @@ import time
 from unittest import mock
 
 from benchmarks.gpu import report
+from benchmarks.interleave import block_orders, paired_ratios
 
 
 SMALL_BATCH_SEQ = (32, 128)  # the `small` model's train rows: sequences x tokens
@@ -279,20 +280,6 @@ def _time_loops(sec: report.Section, trainer_loop, steps: int, skip: int, corpus
                      f"(synchronous {sync['loss']:.4f}); {over['counted']} periods counted")
       except Exception as e:  # pylint: disable=broad-except
         sec.fail(label, e)
-
-
-def block_orders(names: list[str], n_blocks: int, offset: int = 0) -> list[list[str]]:
-  """The order of the recipes in each timed block: every recipe in every block, so that a drift of the machine's
-  speed during the run (clocks, heat, other load) hits all alike, rotated by one from block to block (and by
-  `offset`, the `repeat` process's number) so that no recipe always runs first."""
-  n = len(names)
-  return [[names[(b + offset + j) % n] for j in range(n)] for b in range(n_blocks)]
-
-
-def paired_ratios(block_s: dict[str, list[float]], base: str) -> dict[str, list[float]]:
-  """Each recipe's block medians over the baseline's of the same block (timed one after the other, so that a drift
-  of the machine's speed moves both)."""
-  return {name: [t / b for t, b in zip(times, block_s[base])] for name, times in block_s.items()}
 
 
 def _train_step(run: dict) -> float:

@@ -652,3 +652,14 @@ def test_linear_layer_recipes_take_turns_block_by_block(monkeypatch):
                                      warmup=1, runs=2)
   assert order == ["bf16"] * 2 + ["nvfp4"] * 4 + ["bf16"] * 2
   assert block_s == {"bf16": [1.0, 2.0], "nvfp4": [1.5, 3.0]}
+
+
+def test_block_orders_rotate_and_ratios_pair_blocks():
+  """Every run in every block, the first rotating by one per block (and by the offset); ratios pair block b with the
+  baseline's block b (a drift between blocks cancels)."""
+  from benchmarks import interleave  # pylint: disable=g-import-not-at-top
+  assert interleave.block_orders(["a", "b", "c"], 4) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                         ["a", "b", "c"]]
+  assert interleave.block_orders(["a", "b"], 2, offset=1) == [["b", "a"], ["a", "b"]]
+  ratios = interleave.paired_ratios({"base": [1.0, 2.0], "x": [1.5, 3.0]}, "base")
+  assert ratios == {"base": [1.0, 1.0], "x": [1.5, 1.5]}
