@@ -10,6 +10,7 @@ and writes into OUT:
   loss_curves.png              smoothed train loss (mean over seeds) and validation loss over tokens
   loss_gap.png                 relative loss gap to the reference over tokens, as in the paper's figures
 The plots average the seeds the table does (a run's finished ones; a run without any: its diverged ones).
+A run with a late switch to BF16 (precision_switch) has a dotted line in its color at the switch step.
 The gap of a run is computed per seed against the reference run with the same seed (same initialisation and data
 order), then averaged: (loss - loss_ref) / loss_ref * 100. `read_results(dir)` reads the written files back (a
 copied results folder needs only results.jsonl, curves.csv and sweep.json; `python -m experiments.report` redraws
@@ -56,9 +57,19 @@ def _row(summary: Mapping[str, Any]) -> dict[str, Any]:
   row["recipe_name"] = summary.get("recipe", "").split("'")[1] if "'" in summary.get("recipe", "") else None
   row["val_losses"] = summary.get("val_losses", {})
   row["overrides"] = summary.get("overrides", {})
+  row["switch_step"] = summary["switch_step"] if "switch_step" in summary else _switch_step(summary)
   # Summaries from before these were recorded lack them: their rows do too (see _provenance_lines).
   row.update({k: summary[k] for k in PROVENANCE_FIELDS if summary.get(k) is not None})
   return row
+
+
+def _switch_step(summary: Mapping[str, Any]) -> int | None:
+  """The step of a run's late switch to BF16 from its config, for summaries written before they recorded it
+  (PrecisionPolicy.switch_step: a fraction of the run rounds with Python's round)."""
+  switch_at = (summary.get("config") or {}).get("policy", {}).get("switch_at")
+  if switch_at is None or summary.get("steps") is None:
+    return None
+  return round(switch_at * summary["steps"]) if isinstance(switch_at, float) else int(switch_at)
 
 
 def collect(folder: str | pathlib.Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[tuple[str, int], dict]]:
@@ -461,14 +472,27 @@ def _save(fig, path: pathlib.Path) -> pathlib.Path:
   return path
 
 
+_SWITCH_NOTE = " (dotted lines: a run's switch to BF16, in its color)"
+
+
+def _mark_switches(ax, rows, run: str, color: str) -> bool:
+  """A dotted line at each step where `run`'s seeds switch to BF16; whether it drew one."""
+  tps = _tokens_per_step(rows, run)
+  steps = {r.get("switch_step") for r in rows if r["run"] == run} - {None}
+  for step in sorted(steps):
+    ax.axvline(step * tps / 1e6, color=color, ls=":", lw=1.0)
+  return bool(steps)
+
+
 def loss_curves_figure(meta, rows, curves, window: int | None = None):
   """Figure: smoothed train loss (mean over seeds, lines) and validation loss (markers) over tokens, per run."""
   window = window or _default_window(curves)
   fig, ax = _new_figure()
-  tail_values = []
+  tail_values, switched = [], False
   for i, name in enumerate(dict.fromkeys(r["run"] for r in rows)):
     label, diverged = _plot_label(rows, name)
     color = f"C{i % 10}"
+    switched |= _mark_switches(ax, rows, name, color)
     tps = _tokens_per_step(rows, name)
     seeds = _plotted_seeds(rows, name)
     steps, loss = _mean_curve(curves, name, "loss", "step", window, seeds)
@@ -489,7 +513,7 @@ def loss_curves_figure(meta, rows, curves, window: int | None = None):
     lo, hi = float(np.min(tail_values)), float(np.max(tail_values))
     pad = 0.05 * (hi - lo) if hi > lo else 0.05
     ax.set_ylim(lo - pad, hi + pad)
-  ax.set_xlabel("tokens (M)")
+  ax.set_xlabel("tokens (M)" + _SWITCH_NOTE * switched)
   ax.set_ylabel(f"loss (train: moving average over {window} steps; dots: validation)")
   ax.set_title(f"{meta.get('experiment', '')} ({rows[0].get('preset', '')}): loss, mean over seeds")
   ax.grid(alpha=0.3)
@@ -503,11 +527,13 @@ def loss_gap_figure(meta, rows, curves, reference: str, window: int | None = Non
   window = window or _default_window(curves)
   fig, ax = _new_figure()
   ax.axhline(0.0, color="k", lw=0.8)
+  switched = False
   for i, name in enumerate(dict.fromkeys(r["run"] for r in rows)):
     if name == reference:
       continue
     label, _ = _plot_label(rows, name)
     color, tps = f"C{i % 10}", _tokens_per_step(rows, name)
+    switched |= _mark_switches(ax, rows, name, color)
     seeds = _plotted_seeds(rows, name) & _plotted_seeds(rows, reference)  # the seeds the table's gap averages
     steps, gap = _paired_gap(curves, name, reference, "loss", "step", window, seeds)
     if steps is not None:
@@ -517,7 +543,7 @@ def loss_gap_figure(meta, rows, curves, reference: str, window: int | None = Non
     if vsteps is not None:
       keep = vsteps > 0
       ax.plot(vsteps[keep] * tps / 1e6, vgap[keep], "o", color=color, ms=3.5)
-  ax.set_xlabel("tokens (M)")
+  ax.set_xlabel("tokens (M)" + _SWITCH_NOTE * switched)
   ax.set_ylabel(f"relative loss gap to {reference} (%)")
   ax.set_title(f"{meta.get('experiment', '')}: (loss - loss_{reference}) / loss_{reference}, paired seeds "
                f"(lines: train, {window}-step average; dots: validation)", fontsize=9)

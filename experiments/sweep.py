@@ -404,7 +404,7 @@ def _summarize(sweep: Sweep, run: Run, seed: int, config: TrainConfig, folder: p
          "final_loss": summary["final_loss"] if summary else None,
          "val_losses": {str(k): v for k, v in sorted(val.items())},
          "bf16_blocks": list(policy.bf16_blocks(config.model.n_layers)),
-         "recipe": str(policy.recipe), "config": config.to_dict(),
+         "switch_step": policy.switch_step(config.steps), "recipe": str(policy.recipe), "config": config.to_dict(),
          "data": summary.get("data") if summary else None, **provenance(config)}
   if diverged is not None:
     out.update(diverged_step=diverged.step, error=str(diverged))

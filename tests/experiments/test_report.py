@@ -178,3 +178,29 @@ def test_a_log_that_disagrees_with_its_summary_is_said(tmp_path):
   _sweep(tmp_path / "fine", {"a": [2.0], "b": [2.1]}, seeds=1)
   report.write_report(tmp_path / "fine")
   assert "disagree" not in (tmp_path / "fine" / report.RESULTS_MD).read_text()
+
+
+def test_switch_runs_draw_a_dotted_line_at_their_switch_step(tmp_path):
+  """precision_switch plots drew nothing at the switch: "no switch" and "switch at 50 %" share one curve up to it,
+  and nothing said where they part. The step is the summary's switch_step, or from the config of older summaries."""
+  from experiments import precision_switch, sweep  # pylint: disable=g-import-not-at-top
+  _sweep(tmp_path, {"a": [2.0], "b": [2.1], "c": [2.2]}, seeds=1, steps=8)
+  for run, extra in (("b", {"switch_step": 6}), ("c", {"config": {"policy": {"switch_at": 0.25}}})):
+    path = tmp_path / run / "seed0" / "summary.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), **extra)))
+  meta, rows, curves = report.collect(tmp_path)
+  assert {r["run"]: r["switch_step"] for r in rows} == {"a": None, "b": 6, "c": 2}
+  for fig in (report.loss_curves_figure(meta, rows, curves, 1), report.loss_gap_figure(meta, rows, curves, "a", 1)):
+    ax = fig.axes[0]
+    vertical = [(line.get_xdata()[0], line.get_color()) for line in ax.get_lines() if line.get_linestyle() == ":"]
+    assert vertical == [(6 * 16 / 1e6, "C1"), (2 * 16 / 1e6, "C2")]
+    assert "dotted lines: a run's switch to BF16" in ax.get_xlabel()
+  plain = _sweep(tmp_path / "plain", {"a": [2.0]}, seeds=1)
+  assert "dotted" not in report.loss_curves_figure(*report.collect(plain), 1).axes[0].get_xlabel()
+  # What the sweep writes: the step the policy switches at, None without a switch.
+  switch = precision_switch.get_config("smoke")
+  for run in switch.runs:
+    config = switch.config(run, 0, tmp_path / "runs")
+    summary = sweep._summarize(switch, run, 0, config, tmp_path / "nowhere", "finished", 1.0)  # pylint: disable=protected-access
+    assert summary["switch_step"] == config.policy.switch_step(config.steps)
+    assert (summary["switch_step"] is None) == (run.overrides.get("switch_at") is None)
