@@ -161,8 +161,11 @@ def init_distributed(config: DistributedConfig | None = None) -> bool:
                        "array, a jit call): call it at the top of the program, right after the imports.")
   # Said first because a peer that never connects aborts this process from C++ (DEADLINE_EXCEEDED, SIGABRT)
   # after init_timeout: no Python exception to catch.
+  # A duplicated process id, a process never started and an unreachable coordinator all end in that same abort.
   print(f"fp4jax: process {config.process_id} of {config.num_processes} joining the run at {config.coordinator} "
-        f"(waiting up to {config.init_timeout}s for all processes)", file=sys.stderr, flush=True)
+        f"(waiting up to {config.init_timeout}s for all processes; if it aborts with DEADLINE_EXCEEDED, check that "
+        f"each {ENV_PROCESS_ID} from 0 to {config.num_processes - 1} was started exactly once and that every "
+        f"process can reach the coordinator)", file=sys.stderr, flush=True)
   # Only affects the CPU client; GPU runs use NCCL whatever this says.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=config.coordinator, num_processes=config.num_processes,

@@ -658,6 +658,7 @@ def test_missing_peer_fails_initialization_in_bounded_time(tmp_path):
                           env=env, capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode != 0
   assert f"process 0 of 2 joining the run at localhost:{port} (waiting up to 3s" in result.stderr
+  assert "check that each FP4JAX_PROCESS_ID from 0 to 1 was started exactly once" in result.stderr
   assert "DEADLINE_EXCEEDED" in result.stderr, result.stderr[-3000:]
   assert time.monotonic() - t0 < 100
   assert not (tmp_path / "x").exists()
