@@ -203,6 +203,12 @@ class TrainConfig:
                          f"{self.outcontrol.start} + window {self.outcontrol.window} - 1), beyond this "
                          f"{self.steps}-step run; use a smaller --outcontrol-start / --outcontrol-window.")
 
+  def check_new_run(self) -> None:
+    """Checks of a run about to start from step 0 that a stored config (resumed, evaluated) need not pass: OsciReset
+    with every linear layer in BF16 (it would reset nothing) trained before this check and must still load."""
+    if self.osci_reset.enabled:
+      self._check_a_layer_is_quantized(f"OsciReset (osci_reset_start={self.osci_reset.start})", "reset")
+
   def _check_a_layer_is_quantized(self, what: str, verb: str) -> None:
     if not self.policy.quantized_layers(model_lib.layer_names(self.model), self.model.n_layers):
       raise ValueError(f"{what} is on, but the precision policy keeps every linear layer in BF16 (--bf16-first, "

@@ -194,6 +194,8 @@ def train(config: TrainConfig, hooks: Sequence[Hook | Callable[[int, dict[str, A
                     "pass [hook].")
   user_hooks = [as_hook(h) for h in hooks]  # a hook that cannot be called fails here, not after the first step
   log = log if log and distributed.is_main_process() else (lambda _: None)
+  if not config.checkpointing.resume:
+    config.check_new_run()
   if config.mesh:  # a bad --mesh fails before the run folder is made
     sharding_lib.make_mesh(config.mesh)
   out, lock = runfolder.open_run_folder(config.out, resume=config.checkpointing.resume,

@@ -184,3 +184,15 @@ def test_outcontrol_needs_a_quantized_layer(policy):
   # OsciReset with nothing to reset trained before: a stored config of such a run still loads.
   stored = TrainConfig.from_options(model="tiny", steps=20, osci_reset_start=2, **policy).to_dict()
   assert TrainConfig.from_dict(stored).osci_reset.start == 2
+
+
+@pytest.mark.parametrize("policy", [dict(bf16_first=2), dict(bf16_pattern=".*")])
+def test_a_new_osci_reset_run_needs_a_quantized_layer(tmp_path, policy):
+  """OsciReset with every linear layer in BF16 started and trained, tracking and resetting nothing; a new run is now
+  refused before its folder is made (a stored config of such a run still loads and resumes, test above)."""
+  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
+  config = TrainConfig.from_options(model="tiny", steps=20, osci_reset_start=2, out=str(tmp_path / "run"), **policy)
+  with pytest.raises(ValueError, match=r"OsciReset \(osci_reset_start=2\) is on, but .* nothing to reset"):
+    trainer.train(config)
+  assert not (tmp_path / "run").exists()
+  TrainConfig.from_options(model="tiny", steps=20, osci_reset_start=2, bf16_first=1).check_new_run()
