@@ -204,10 +204,27 @@ class TrainConfig:
                          f"{self.steps}-step run; use a smaller --outcontrol-start / --outcontrol-window.")
 
   def check_new_run(self) -> None:
-    """Checks of a run about to start from step 0 that a stored config (resumed, evaluated) need not pass: OsciReset
-    with every linear layer in BF16 (it would reset nothing) trained before this check and must still load."""
+    """Checks of a run about to start from step 0 that a stored config (resumed, evaluated) need not pass: runs of
+    these settings trained before the checks, doing less than their names say, and their configs must still load.
+
+    Refused: OsciReset with every linear layer in BF16 (it resets nothing); a quantized recipe with every linear
+    layer in BF16 (a BF16 run under the recipe's name); OutControl whose channels are chosen no earlier than a late
+    switch of every GEMM to BF16 (it splits nothing)."""
     if self.osci_reset.enabled:
       self._check_a_layer_is_quantized(f"OsciReset (osci_reset_start={self.osci_reset.start})", "reset")
+    if (self.policy.recipe.is_quantized
+        and not self.policy.quantized_layers(model_lib.layer_names(self.model), self.model.n_layers)):
+      raise ValueError(f"The precision policy keeps every linear layer in BF16 (--bf16-first, --bf16-last, "
+                       f"--bf16-blocks, --bf16-pattern): this run would train BF16 under the recipe "
+                       f"{self.policy.recipe.name!r}. Pass --recipe bf16, or keep a layer quantized.")
+    switch = self.policy.switch_step(self.steps) if self.policy.switch == "all" else None
+    # OutControl runs its channels in MXFP8 from the step after select_step; the switch's steps are all BF16.
+    if self.outcontrol.enabled and switch is not None and switch <= self.outcontrol.select_step + 1:
+      raise ValueError(f"OutControl chooses its channels at step {self.outcontrol.select_step} (start "
+                       f"{self.outcontrol.start} + window {self.outcontrol.window} - 1), but every GEMM switches to "
+                       f"BF16 at step {switch} (switch_at={self.policy.switch_at!r}): no quantized step would split "
+                       "its channels. Use an earlier --outcontrol-start / shorter --outcontrol-window, a later "
+                       "--switch-at, or --switch forward.")
 
   def _check_a_layer_is_quantized(self, what: str, verb: str) -> None:
     if not self.policy.quantized_layers(model_lib.layer_names(self.model), self.model.n_layers):

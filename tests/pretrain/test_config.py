@@ -196,3 +196,25 @@ def test_a_new_osci_reset_run_needs_a_quantized_layer(tmp_path, policy):
     trainer.train(config)
   assert not (tmp_path / "run").exists()
   TrainConfig.from_options(model="tiny", steps=20, osci_reset_start=2, bf16_first=1).check_new_run()
+
+
+def test_a_new_run_whose_recipe_or_outcontrol_would_do_nothing_is_refused(tmp_path):
+  """Both trained under names that said otherwise: `--recipe nvfp4 --bf16-pattern '.*'` trained BF16 logged as nvfp4;
+  OutControl choosing its channels at step 4 of a run switched to BF16 at step 2 left every loss bit-identical to
+  the run without it, while the log said the top 50 % of channels ran in MXFP8."""
+  from fp4jax.pretrain import trainer  # pylint: disable=g-import-not-at-top
+  all_bf16 = TrainConfig.from_options(model="tiny", steps=8, bf16_pattern=".*", out=str(tmp_path / "a"))
+  with pytest.raises(ValueError, match=r"would train BF16 under the recipe 'nvfp4'\. Pass --recipe bf16"):
+    trainer.train(all_bf16)
+  TrainConfig.from_options(model="tiny", steps=8, recipe="bf16", bf16_pattern=".*").check_new_run()
+  oc = dict(model="tiny", steps=8, outcontrol_fraction=0.5, outcontrol_start=3, outcontrol_window=2)
+  for switch_at in (2, 5, 0.5):  # OutControl's channels would apply from step 5 on
+    late = TrainConfig.from_options(switch_at=switch_at, out=str(tmp_path / "b"), **oc)
+    with pytest.raises(ValueError, match=r"chooses its channels at step 4 .* BF16 at step \d"):
+      trainer.train(late)
+  assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+  TrainConfig.from_options(switch_at=6, **oc).check_new_run()  # step 5 splits its channels
+  TrainConfig.from_options(switch_at=2, switch="forward", **oc).check_new_run()  # Dgrad and Wgrad stay quantized
+  # A stored config of such a run still loads (and resumes: train() runs these checks only without --resume).
+  stored = TrainConfig.from_dict(all_bf16.to_dict())
+  assert stored.policy.pattern == ".*"
