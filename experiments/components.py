@@ -27,9 +27,10 @@ def get_config(preset: str) -> sweep.Sweep:
           sweep.Run("no_rht", {"recipe": "nvfp4:rht=false"}, "- RHT"),
           sweep.Run("no_sr", {"recipe": "nvfp4:stochastic_rounding=false"}, "- stochastic rounding"),
           sweep.Run("no_2d", {"recipe": "nvfp4:weight_2d=false"}, "- 2D weight blocks"),
-          # Both counts its own: a --set bf16_first=K must not give the all-NVFP4 run BF16 blocks.
-          sweep.Run("no_hp_layers", {"recipe": "nvfp4", "bf16_first": 0, "bf16_last": 0},
-                    "- BF16 blocks (all NVFP4)")]
+          # Every BF16-layer setting its own: a --set bf16_first=K (or bf16_blocks, bf16_pattern) must not give the
+          # all-NVFP4 run BF16 layers.
+          sweep.Run("no_hp_layers", {"recipe": "nvfp4", "bf16_first": 0, "bf16_last": 0, "bf16_blocks": (),
+                                     "bf16_pattern": None}, "- BF16 blocks (all NVFP4)")]
   if preset == "smoke":
     runs = [r for r in runs if r.name in ("bf16", "full", "no_sr")]
   return sweep.Sweep(experiment="components", preset=preset, runs=tuple(runs), base=base, seeds=SEEDS[preset],

@@ -21,6 +21,12 @@ SEEDS = {"smoke": 1, "cpu": 2, "gpu": 1}
 KS = {"smoke": (1,), "cpu": (1, 2), "gpu": (1, 2, 4)}
 
 
+# The runs pin every BF16-layer setting (what the experiment varies), so that a --set of one (bf16_first,
+# bf16_blocks, bf16_pattern, ...) cannot turn "none" or "first k" into another run's setting under its label.
+def _bf16(first: int, last: int) -> dict:
+  return {"recipe": "nvfp4", "bf16_first": first, "bf16_last": last, "bf16_blocks": (), "bf16_pattern": None}
+
+
 def _n_layers(base: dict) -> int:
   return base.get("model.n_layers", model_lib.MODEL_PRESETS[base["model"]].n_layers)
 
@@ -29,15 +35,12 @@ def get_config(preset: str) -> sweep.Sweep:
   """The BF16-layer sweep for `preset`: python -m experiments.high_precision_layers --preset PRESET --out DIR."""
   base = sweep.base_overrides(preset)
   runs = [sweep.Run("bf16", {"recipe": "bf16"}, "BF16"),
-          # Each run sets both counts (what the experiment varies), so a --set bf16_first/bf16_last cannot turn
-          # "none" or "first k" into another run's setting.
-          sweep.Run("none", {"recipe": "nvfp4", "bf16_first": 0, "bf16_last": 0}, "NVFP4 everywhere")]
+          sweep.Run("none", _bf16(0, 0), "NVFP4 everywhere")]
   for k in KS[preset]:
-    runs += [sweep.Run(f"first{k}", {"recipe": "nvfp4", "bf16_first": k, "bf16_last": 0}, f"first {k} BF16"),
-             sweep.Run(f"last{k}", {"recipe": "nvfp4", "bf16_first": 0, "bf16_last": k}, f"last {k} BF16")]
+    runs += [sweep.Run(f"first{k}", _bf16(k, 0), f"first {k} BF16"),
+             sweep.Run(f"last{k}", _bf16(0, k), f"last {k} BF16")]
     if 2 * k < _n_layers(base):  # else no block is left in NVFP4: the BF16 run under another name
-      runs.append(sweep.Run(f"first{k}_last{k}", {"recipe": "nvfp4", "bf16_first": k, "bf16_last": k},
-                            f"first {k} + last {k} BF16"))
+      runs.append(sweep.Run(f"first{k}_last{k}", _bf16(k, k), f"first {k} + last {k} BF16"))
   if preset == "smoke":
     runs = [r for r in runs if r.name in ("bf16", "none", "last1")]
   return sweep.Sweep(experiment="high_precision_layers", preset=preset, runs=tuple(runs), base=base,

@@ -80,6 +80,17 @@ def test_set_bf16_blocks_leaves_each_high_precision_run_its_own_blocks(tmp_path,
                     "last2": (2, 3)}
 
 
+@pytest.mark.parametrize("changes", [{"bf16_blocks": (0,)}, {"bf16_pattern": r".*mlp.*"}])
+@pytest.mark.parametrize("module", [high_precision_layers, components])
+def test_set_bf16_layers_leaves_the_runs_that_vary_them_alone(tmp_path, module, changes):
+  """`--set bf16_blocks=0` gave "NVFP4 everywhere" block 0 in BF16 (the same run as "first1" under two labels) and
+  components' "all NVFP4" run BF16 layers; `--set bf16_pattern` likewise."""
+  plain, changed = module.get_config("cpu"), module.get_config("cpu").with_overrides(changes)
+  for run in plain.runs:
+    if run.name.startswith(("none", "first", "last", "no_hp_layers")):
+      assert changed.config(run, 0, tmp_path).policy == plain.config(run, 0, tmp_path).policy, run.name
+
+
 def test_every_high_precision_run_keeps_a_block_in_nvfp4(tmp_path):
   """The cpu preset's "first 2 + last 2 BF16" covered all 4 blocks: a BF16 run reported as an NVFP4 variant."""
   for preset in ("smoke", "cpu", "gpu"):
