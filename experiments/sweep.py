@@ -440,6 +440,27 @@ def check_folders(sweep: Sweep, out: str | pathlib.Path, *, existing_only: bool 
   return configs
 
 
+def _training_settings(config: TrainConfig) -> dict[str, Any]:
+  """config.to_dict() with a fractional switch_at as the step it resolves to (0.8 and 0.9 of 5 steps: both 4)."""
+  settings = jsonable(config.to_dict())
+  settings["policy"]["switch_at"] = config.policy.switch_step(config.steps)
+  return settings
+
+
+def check_distinct_runs(configs: Mapping[tuple[str, int], TrainConfig]) -> None:
+  """Raises ValueError if two runs of a sweep would train the same thing (seed 0's configs compared, outside the
+  result-free fields): the report would show one result twice under two labels, as two findings."""
+  settings = {run: _training_settings(c) for (run, seed), c in configs.items() if seed == 0}
+  names = list(settings)
+  same = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+          if not config_lib.result_differences(settings[a], settings[b])]
+  if same:
+    pairs = "; ".join(f"{a!r} and {b!r}" for a, b in same)
+    raise ValueError(f"These runs of the sweep would train the same model on the same settings: {pairs} (a --set "
+                     "that overrides what they differ in, or fractions of the run that round to the same step). "
+                     "Change the settings, or pick one of each with --runs.")
+
+
 def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], None] | None = print,
               progress: bool = True, compile_cache: steps_lib.CompileCache | None = None,
               hooks_for: Callable[[str, int], Sequence[trainer.Hook]] | None = None,
@@ -463,6 +484,7 @@ def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], Non
                        "would mix the two sweeps' runs: use another --out.")
   jobs = [(run, seed) for run in sweep.runs for seed in range(sweep.seeds)]
   configs = check_folders(sweep, out)  # every config built and checked before the first run starts
+  check_distinct_runs(configs)
   if full is not None:
     check_folders(full, out, existing_only=True)
   out.mkdir(parents=True, exist_ok=True)
