@@ -9,6 +9,7 @@ Every subprocess is bounded by a timeout: a hang fails the test instead of CI.
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -284,6 +285,15 @@ def test_run_folder_refusal_on_one_process_makes_all_raise(tmp_path, monkeypatch
 def _run_digests(**options):
   fields = distributed.run_fields(config_lib.TrainConfig.from_options(**{"out": "x", **options}).to_dict())
   return list(fields), distributed.field_digests(fields), fields
+
+
+def test_the_help_names_the_options_each_process_may_set_on_its_own():
+  """`fp4jax train --help` still listed --profile as per-process after it had to agree (a mismatch deadlocked), and
+  left out --data.corpus, which may differ."""
+  flags = config_lib.field_flags()
+  listed = re.search(r"Processes started with different settings \(any but ([^)]*)\)", " ".join(cli.__doc__.split()))
+  named = set(re.findall(r"--[\w.-]+", listed.group(1)))
+  assert named == {flags[field] for field in distributed.PER_PROCESS_FIELDS}, named
 
 
 def test_run_config_digests_name_the_options_that_differ():
