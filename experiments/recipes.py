@@ -3,10 +3,10 @@
 BF16 (reference), NVIDIA's NVFP4 recipe (arXiv 2509.25149), NVIDIA + Four Over Six block scales (arXiv 2512.02010),
 NVIDIA + unbiased SR (block scales of the SR operands rounded up), TetraJet-v2 (arXiv 2510.27527: double-block
 scales, re-quantized transposed operands, RHT-16 + SR in the backward; without OsciReset/OutControl), TetraJet-v2 +
-OutControl (5 % of the input channels, those with the largest activation norms, in MXFP8; not in the smoke preset),
+OutControl (5 % of the input channels, those with the largest activation norms, in MXFP8),
 Quartet II (arXiv 2601.22813: MS-EDEN backward), Quartet II + 4/6 and Quartet (arXiv 2505.14669: MXFP4, fixed
-Hadamard-32 + QuEST forward with clip-masked gradients, RHT-32 + SR backward; not in the smoke preset). Every FP4
-run keeps the same last block(s) in BF16.
+Hadamard-32 + QuEST forward with clip-masked gradients, RHT-32 + SR backward). Every FP4 run keeps the same last
+block(s) in BF16. The smoke preset runs BF16, NVIDIA + 4/6 and Quartet II only.
 The published same-harness comparison (200M params, ~20B tokens, loss gap to BF16): NVIDIA +0.062, + 4/6 +0.060,
 TetraJet-v2 +0.055, Quartet II +0.051, Quartet II + 4/6 +0.045 (Quartet is not in it). At CPU scale the
 seed-to-seed spread is of the same size as these gaps: read the table with its standard deviations.

@@ -92,6 +92,8 @@ def quartet2(*, four_over_six: bool = False, rht_size: int = 128, stochastic_sca
   size `rht_size` with fresh signs per call along each backward GEMM's contraction axis, then NVFP4 with the EDEN
   correction over each Hadamard tile (eden_group = rht_size) and stochastically rounded block scales
   (`formats.NVFP4` scale_rule "eden"; their random bits come from `sr_bits`'s generator).
+  As in `tetrajet_v2`, the dequantized Fprop x is re-quantized in x's dtype: in a bfloat16 model its values are
+  rounded to bfloat16 before the RHT, where the released kernels keep float32 (a float32 x gives their operands).
   """
   _check_switches(four_over_six=four_over_six, stochastic_scales=stochastic_scales)
   recipe_names.check_random_bits(stochastic_scales, random_bits, "stochastic_scales")

@@ -245,3 +245,10 @@ def test_runs_that_would_train_the_same_settings_are_refused(tmp_path, no_traini
   bf16 = same.config(same.runs[0], 0, tmp_path / "a")
   with pytest.raises(ValueError, match="'a' and 'b'"):
     sweep_lib.check_distinct_runs({("a", 0): bf16, ("b", 0): bf16.replace(out=str(tmp_path / "b"))})
+
+
+def test_the_recipes_docstring_names_the_smoke_runs():
+  """The module docstring (also `--help`) marked two runs "not in the smoke preset", implying the others were."""
+  assert sorted(r.name for r in recipes.get_config("smoke").runs) == ["bf16", "nvidia-4over6", "quartet2"]
+  said = " ".join(recipes.__doc__.split())
+  assert "The smoke preset runs BF16, NVIDIA + 4/6 and Quartet II only." in said and "not in the smoke" not in said
