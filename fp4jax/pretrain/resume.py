@@ -333,7 +333,8 @@ def switch_mode_note(stored: TrainConfig, config: TrainConfig, start: int) -> st
   return None
 
 
-def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str | None:
+def schedule_note(stored: TrainConfig, config: TrainConfig, start: int, *, others_changed: bool = False
+                  ) -> str | None:
   """What resuming the checkpoint of `stored` at `start` under `config` does to the schedule (None: nothing)."""
   old_switch = stored.policy.switch_step(stored.steps)
   new_switch = config.policy.switch_step(config.steps)
@@ -342,7 +343,9 @@ def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str |
     return None
   if same_schedule and _bf16_from(old_switch, start) == _bf16_from(new_switch, start):
     return (f"Note: resuming at step {start} with the BF16 switch at step {new_switch} instead of {old_switch}: both "
-            f"lie at or before step {start}, so from there on the run is the stored run continued.")
+            f"lie at or before step {start}, so from there on the run is the stored run continued"
+            + (" as far as the switch goes (the other changed settings, said below, make it differ)." if others_changed
+               else "."))
   lr_old, lr_new = _lrs(stored, start + 1), _lrs(config, start + 1)
   switched_before = [s for s in (old_switch, new_switch) if s is not None and s < start]
   past_agrees = np.array_equal(lr_old[:start], lr_new[:start]) and (old_switch == new_switch or not switched_before)
@@ -352,7 +355,10 @@ def schedule_note(stored: TrainConfig, config: TrainConfig, start: int) -> str |
            + (f"with --steps {config.steps}: the {what} recomputed for {config.steps} steps." if longer else
               f"with other schedule settings: the {what} recomputed.")
            + f" LR at step {start}: {lr_old[start]:.4g} in the stored schedule, {lr_new[start]:.4g} now."]
-  if past_agrees:
+  if past_agrees and others_changed:
+    lines.append(f"Both schedules agree on steps 0..{start - 1} (the other changed settings, said below, make the "
+                 "run differ all the same).")
+  elif past_agrees:
     lines.append(f"Both schedules agree on steps 0..{start - 1}, so this run equals a fresh {config.steps}-step run "
                  f"with warmup_fraction {config.optimizer.warmup_fraction:.4g} and decay_fraction "
                  f"{config.optimizer.decay_fraction:.4g}.")

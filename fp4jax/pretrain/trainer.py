@@ -295,16 +295,21 @@ def _windows_note(stored: TrainConfig, config: TrainConfig, start: int) -> str |
           f"{start} on val_loss is measured on other windows: not comparable with the val_loss logged before.")
 
 
-def _changes_notes(stored_dict: dict, config: TrainConfig, *, schedule_said: bool) -> list[str]:
-  """What a resume says about settings that changed since the checkpoint: those that change training, and apart,
-  the validation and statistics settings (their own PRNG streams: training runs the same, only those records do
-  not)."""
+def _changes(stored_dict: dict, config: TrainConfig, *, schedule_said: bool) -> tuple[list[str], list[str]]:
+  """(changed settings that change training, changed validation settings), as flat option names; without those the
+  schedule note speaks for when `schedule_said`."""
   changed = config_lib.result_differences(stored_dict, config.to_dict())
   if schedule_said:  # the schedule note has said what these do
     changed = [c for c in changed if c not in ("steps", "warmup_fraction", "decay_fraction", "switch_at")]
   evaluation = config_lib.group_keys("evaluation")
-  recorded = [c for c in changed if c in evaluation]
-  trained = [c for c in changed if c not in evaluation]
+  return [c for c in changed if c not in evaluation], [c for c in changed if c in evaluation]
+
+
+def _changes_notes(stored_dict: dict, config: TrainConfig, *, schedule_said: bool) -> list[str]:
+  """What a resume says about settings that changed since the checkpoint: those that change training, and apart,
+  the validation and statistics settings (their own PRNG streams: training runs the same, only those records do
+  not)."""
+  trained, recorded = _changes(stored_dict, config, schedule_said=schedule_said)
   notes = []
   if trained:
     notes.append(f"Note: resuming with changed settings {trained}; the run will differ from an uninterrupted one.")
@@ -337,19 +342,20 @@ def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, 
   if int(state.step) != start:
     raise ckpt.CheckpointError(f"Checkpoint {start} holds step counter {int(state.step)}: inconsistent.")
   stored = TrainConfig.from_dict(meta["config"])
-  schedule = resume_lib.schedule_note(stored, config, start)
-  if schedule:
-    log(schedule)
-  note = resume_lib.gemm_mode_note(meta.get("gemm_mode"), config.policy.recipe)
-  for line in [*notes, note, resume_lib.switch_mode_note(stored, config, start)]:
-    if line:
-      log(line)
   stored_dict = meta["config"]
   if meta.get("data") and isinstance(stored_dict.get("data"), dict):
     # The data's identity was checked (or its change noted) above: how its path was typed, or where its token cache
     # lives, is no change of the run.
     same = {"corpus": config.data.corpus, "cache_dir": config.data.cache_dir}
     stored_dict = {**stored_dict, "data": {**stored_dict["data"], **same}}
+  others = _changes(stored_dict, config, schedule_said=True)[0]
+  schedule = resume_lib.schedule_note(stored, config, start, others_changed=bool(others))
+  if schedule:
+    log(schedule)
+  note = resume_lib.gemm_mode_note(meta.get("gemm_mode"), config.policy.recipe)
+  for line in [*notes, note, resume_lib.switch_mode_note(stored, config, start)]:
+    if line:
+      log(line)
   for line in _changes_notes(stored_dict, config, schedule_said=bool(schedule)):
     log(line)
   note = _windows_note(stored, config, start)

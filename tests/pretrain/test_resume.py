@@ -315,6 +315,18 @@ def test_schedule_note_says_what_a_new_steps_does():
   assert "the learning-rate schedule and the BF16 switch are recomputed for 200 steps" in switched
 
 
+def test_schedule_note_does_not_call_a_run_with_other_changes_a_fresh_run():
+  """`--resume --steps 8 --seed 7` of a finished 6-step run said "this run equals a fresh 8-step run", then that the
+  changed seed makes it differ from an uninterrupted one."""
+  stored = TrainConfig.from_options(steps=100, lr=1.0, warmup_fraction=0.1, decay_fraction=0.2)
+  longer = resume_lib.keep_schedule(stored, stored.replace(steps=200))
+  kept = resume_lib.schedule_note(stored, longer, 50, others_changed=True)
+  assert "agree on steps 0..49 (the other changed settings, said below, make the run differ" in kept
+  assert "equals a fresh" not in kept
+  switch = resume_lib.schedule_note(stored.replace(switch_at=10), stored.replace(switch_at=20), 30, others_changed=True)
+  assert "the stored run continued as far as the switch goes" in switch
+
+
 def test_changed_validation_settings_are_not_said_to_change_the_run():
   """Another --eval-every / --eval-batches / --stats-every was said to make the run differ from an uninterrupted
   one; validation and statistics have their own PRNG streams, so only their records change."""
@@ -382,3 +394,17 @@ def test_resume_with_fewer_kept_checkpoints_says_older_ones_go(env, tmp_path):
   manager = ckpt.open_manager(tmp_path, create=False)
   assert ckpt.available_steps(manager) == [6, 8, 10]  # what the note announced
   manager.close()
+
+
+@pytest.mark.slow
+def test_a_resume_with_other_changes_is_not_called_a_fresh_run(env, tmp_path):
+  """The schedule note said "this run equals a fresh 12-step run" of a resume that also changed weight decay (the
+  next note said the run differs)."""
+  stored = make_config(env, tmp_path, steps=8)
+  trainer.train(stored, log=None, compile_cache=env["cache"])
+  log = []
+  again = make_config(env, tmp_path, steps=12, resume=True, resume_step=4, weight_decay=0.0)
+  trainer.train(resume_lib.keep_schedule(stored, again), log=log.append, compile_cache=env["cache"])
+  text = "\n".join(log)
+  assert "Both schedules agree on steps 0..3 (the other changed settings, said below, make the run differ" in text
+  assert "equals a fresh" not in text and "changed settings ['weight_decay']" in text
