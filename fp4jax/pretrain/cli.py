@@ -23,9 +23,9 @@ whose content or tokenizer differs from the checkpoint's is refused: pass --data
 Multi-process (one process per host, all with the same arguments; see fp4jax.pretrain.distributed):
   FP4JAX_COORDINATOR=host0:12377 FP4JAX_NUM_PROCESSES=2 FP4JAX_PROCESS_ID=0 fp4jax train --mesh data=2,fsdp=2 ...
 Processes started with different settings (any but --data.cache_dir, --data.corpus, --progress and --log-every) all
-exit with code 2 before reading data, naming the options that differ; corpora whose contents differ, once read, too. A process whose command line, config, FP4JAX_*
-variables or data are invalid (a bad flag on one host) makes every process exit with code 2 at once, each naming
-that process's error.
+exit with code 2 before reading data, naming the options that differ; corpora whose contents differ, once read, too.
+A process whose command line, config, FP4JAX_* variables or data are invalid (a bad flag on one host) makes every
+process exit with code 2 at once, each naming that process's error.
 `fp4jax eval` runs the same way (every process evaluates, process 0 prints): its processes must share --out, --step,
 --eval-batches and --corpus, and one that cannot parse its flags or read its checkpoint's config and data (a missing
 or changed corpus on its host) makes every process exit with code 2 at once.
