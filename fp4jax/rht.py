@@ -61,7 +61,10 @@ def default_signs(size: int) -> tuple[int, ...]:
 
 
 def resolve_signs(size: int, signs=None) -> jax.Array:
-  """Sign vector as float32 [size]: None -> default_signs, a PRNG key -> random +-1, an array -> as given."""
+  """Sign vector as float32 [size]: None -> default_signs, a PRNG key -> random +-1, an array -> as given.
+
+  An array with an element other than +-1 raises ValueError; traced (inside jit or vmap), such elements become NaN.
+  """
   check_size(size)
   if signs is None:
     return jnp.asarray(default_signs(size), jnp.float32)
@@ -77,9 +80,11 @@ def resolve_signs(size: int, signs=None) -> jax.Array:
     raise ValueError(f"RHT signs must have shape ({size},) or be a PRNG key; got shape {signs.shape}.")
   try:
     values = np.asarray(signs, np.float64)
-  except jax.errors.TracerArrayConversionError:  # traced signs (inside jit) are checked where they are concrete
-    values = None
-  if values is not None and not np.all(np.abs(values) == 1):
+  except jax.errors.TracerArrayConversionError:  # traced signs (inside jit or vmap): no error can be raised
+    signs = signs.astype(jnp.float32)
+    # A sign that is not +-1 is NaN, so the transform's output is NaN rather than silently scaled.
+    return jnp.where(jnp.abs(signs) == 1, signs, jnp.float32(jnp.nan))
+  if not np.all(np.abs(values) == 1):
     raise ValueError(f"RHT signs must all be +1 or -1 (else the transform is not orthonormal); got {values}.")
   return signs.astype(jnp.float32)
 

@@ -352,3 +352,18 @@ def test_raw_key_data_gives_the_signs_of_its_typed_key():
   want = np.asarray(jax.random.rademacher(typed, (32,), dtype=jnp.float32))
   np.testing.assert_array_equal(np.asarray(rht.resolve_signs(32, raw)), want)
   np.testing.assert_array_equal(np.asarray(rht.resolve_signs(32, typed)), want)
+
+
+def test_traced_signs_other_than_plus_minus_one_give_nan():
+  """Eager, signs of 0.5 or 0 are refused; under jit or vmap they scaled the transform silently (|y| / |x| = 0.5)."""
+  x = jax.random.normal(jax.random.key(0), (4, 32))
+  for bad in (jnp.full((16,), 0.5), jnp.zeros((16,)), jnp.ones((16,)).at[3].set(-2.0)):
+    with pytest.raises(ValueError, match="must all be \\+1 or -1"):
+      rht.random_hadamard(x, signs=bad)
+    y = jax.jit(lambda x, s: rht.random_hadamard(x, signs=s))(x, bad)
+    assert np.isnan(np.asarray(y)).any()
+    yv = jax.vmap(lambda s: rht.random_hadamard(x, signs=s))(jnp.stack([bad, bad]))
+    assert np.isnan(np.asarray(yv)).any()
+  good = jnp.asarray(rht.default_signs(16), jnp.float32) * -1
+  np.testing.assert_array_equal(jax.jit(lambda x, s: rht.random_hadamard(x, signs=s))(x, good),
+                                rht.random_hadamard(x, signs=good))
