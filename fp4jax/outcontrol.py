@@ -118,6 +118,14 @@ def _check_idx(idx, k_features):
                      "would be counted once per repeat).")
 
 
+def _poison_unless_distinct(idx_k, k_features, *arrays):
+  """`arrays` as they are where the indices are distinct channels in [0, K), else all NaN: traced indices cannot be
+  refused, and a repeated one would be counted once per repeat in the forward but once in the backward."""
+  s = jnp.sort(idx_k)
+  ok = jnp.all((s >= 0) & (s < k_features)) & jnp.all(s[1:] != s[:-1])
+  return tuple(jnp.where(ok, a, jnp.asarray(jnp.nan, a.dtype)) for a in arrays)
+
+
 def _mxfp8(a, axis):
   return quantize(a, MXFP8, axis=axis, pad=True)
 
@@ -139,6 +147,7 @@ def split_operands(x_MxK, w_KxN, idx_k, recipe: recipes_lib.Recipe, key, *, back
   w_rest = jnp.where(keep[:, None], w_KxN, jnp.zeros((), w_KxN.dtype))
   rest = layer_operands(x_rest, w_rest, recipe, key, backward=backward, unit=unit)
   x_I, w_I = jnp.take(x_MxK, idx_k, axis=1), jnp.take(w_KxN, idx_k, axis=0)
+  x_I, w_I = _poison_unless_distinct(idx_k, x_MxK.shape[1], x_I, w_I)
   if recipe.fprop.lhs.quantized or recipe.fprop.rhs.quantized:
     x8, w8 = _mxfp8(x_I, axis=1), _mxfp8(w_I, axis=0)
     x_src, w_src = _values(x8), _values(w8)  # the backward re-quantizes the Fprop operands (linear_mix.py)
@@ -201,8 +210,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   """fp4jax.dot_general with OutControl: the input channels `outliers` (int array [k]) run in MXFP8.
 
   outliers=None (or an unquantized recipe) is exactly fp4jax.dot_general. The indices are distinct channels of the
-  contraction axis K; k is static. Known indices that repeat or leave [0, K) are refused; traced ones are not
-  checked (an out-of-range one gathers NaN). `out_sharding` as for fp4jax.dot_general.
+  contraction axis K; k is static. Known indices that repeat or leave [0, K) are refused; traced ones that do make
+  the output and gradients NaN. `out_sharding` as for fp4jax.dot_general.
   """
   recipe = recipes_lib.get_recipe(recipe)
   if outliers is None or not recipe.is_quantized:

@@ -212,6 +212,25 @@ def test_bad_outliers_raise():
       outcontrol.dot_general(x, w, DN, recipe=RNE, outliers=idx)
 
 
+def test_traced_outliers_that_repeat_or_leave_the_axis_give_nan():
+  """Eager, [1, 1] is refused; under jit it ran, counting channel 1 twice in the forward (and once in the
+  backward). [1, -1] wrapped to channel K - 1. Now both give NaN output and gradients; valid ones are unchanged."""
+  x, w, g = (jnp.asarray(a) for a in _inputs(3))
+
+  def run(idx):
+    f = lambda x, w, idx: outcontrol.dot_general(x, w, DN, recipe=RNE, outliers=idx)
+    y, vjp = jax.vjp(functools.partial(jax.jit(f), idx=idx), x, w)
+    return (y, *vjp(g))
+
+  for bad in ([1, 1], [1, -1], [3, K]):
+    assert all(np.isnan(np.asarray(a)).any() for a in run(jnp.asarray(bad))), bad
+  good = jnp.asarray([1, 2])
+  for traced, eager in zip(run(good), (outcontrol.dot_general(x, w, DN, recipe=RNE, outliers=good),
+                                      *jax.vjp(lambda x, w: outcontrol.dot_general(x, w, DN, recipe=RNE,
+                                                                                   outliers=good), x, w)[1](g))):
+    np.testing.assert_array_equal(traced, eager)
+
+
 def test_a_forward_switched_to_bf16_runs_the_outlier_channels_forward_in_bf16_too():
   """`switch="forward"` (the late switch of Fprop only): the outlier channels' Fprop ran in MXFP8 while the rest's
   ran in BF16 (5 % off the BF16 layer's output). Now all of Fprop is high precision, and the backward keeps the
