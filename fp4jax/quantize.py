@@ -335,6 +335,9 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
     raise ValueError(f"dequantize expects a QArray; got {type(q).__name__}.")
   if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
     raise ValueError(f"dequantize returns floating-point values; got dtype={jnp.dtype(dtype).name}.")
+  if jnp.dtype(dtype).itemsize < 2:  # float8 / float4 outputs: no saturation or NaN handling of theirs here
+    raise ValueError(f"dequantize returns float32, bfloat16, float16 or float64 values; got dtype="
+                     f"{jnp.dtype(dtype).name} (quantize to that format instead, e.g. fp4jax.quantize(x, 'fp8')).")
   qarray_lib.check_fields(q)
   return _on_auto_axes(functools.partial(_dequantize_jit, dtype=jnp.dtype(dtype)), q)
 

@@ -219,6 +219,13 @@ def test_dequantize_to_a_non_float_dtype_raises(dtype):
     fp4jax.dequantize(fp4jax.quantize(_x((4, 32)), fp4jax.NVFP4()), dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_dequantize_to_an_8_bit_float_is_refused(dtype):
+  """It passed the floating-point check, then failed inside the jitted body with a type-promotion error."""
+  with pytest.raises(ValueError, match="float32, bfloat16, float16 or float64 values; got dtype=float8"):
+    fp4jax.dequantize(fp4jax.quantize(_x((4, 32)), fp4jax.NVFP4()), dtype)
+
+
 @pytest.mark.parametrize("shape,fmt,kwargs", [((40, 40), "nvfp4", {}), ((40, 40), "nvfp4", {"block_2d": True}),
                                               ((8, 40), "nvfp4", {"axis": 0}), ((3, 200), "fp8", {}),
                                               ((64, 96), "mxfp4", {"block_2d": True}), ((5, 64), "fp8_tensor", {})])
