@@ -102,6 +102,8 @@ class QuantizedModel:
         raise ValueError(f"quantize_model: a rule quantizes {model_quantize.shown(path)!r}, an fp4jax.linen.Dense: "
                          "it runs its own `recipe` field (set it, Dense(..., recipe=...)); quantize_model edits "
                          "flax's nn.Dense / DenseGeneral layers. Narrow the rules so they match none of them.")
+      own = recipes_lib.get_recipe(module.recipe if module.recipe is not None else "bf16")
+      self._seen[path] = model_quantize.Layer(path, "fp4jax Dense", i, own)
     if context.method_name == "__call__" and isinstance(module, nn.Einsum):  # calls jnp.einsum: nothing to replace
       path = model_quantize.path_name(module.scope.path)
       i = model_quantize.first_match(self.rules, path)

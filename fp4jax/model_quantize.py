@@ -88,6 +88,8 @@ class Layer(NamedTuple):
   path: str
   kind: str  # the layer's class name
   rule: int | None  # index of the first matching rule
+  # fp4jax's own layers (nn.Linear, linen.Dense): the recipe they run by themselves, which no rule changes
+  own: recipes_lib.Recipe | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,19 +103,18 @@ class Report:
     """The recipe a layer runs (None: its own, unquantized computation)."""
     for layer in self.layers:
       if layer.path == path:
-        return None if layer.rule is None or not self.rules[layer.rule].quantizes else self.rules[layer.rule].recipe
+        return _recipe(self.rules, layer)
     raise KeyError(f"no linear layer at {path!r}; layers: {[layer.path for layer in self.layers]}")
 
   @property
   def quantized(self) -> dict[str, str]:
-    """{layer path: recipe name} of the layers that run quantized GEMMs."""
-    return {l.path: self.rules[l.rule].recipe.name for l in self.layers
-            if l.rule is not None and self.rules[l.rule].quantizes}
+    """{layer path: recipe name} of the layers that run quantized GEMMs (fp4jax's own layers by their recipe)."""
+    return {l.path: _recipe(self.rules, l).name for l in self.layers if _recipe(self.rules, l) is not None}
 
   @property
   def unmatched_layers(self) -> tuple[str, ...]:
-    """Paths of the layers no rule matched (they run their own computation)."""
-    return tuple(l.path for l in self.layers if l.rule is None)
+    """Paths of the flax layers no rule matched (they run their own computation)."""
+    return tuple(l.path for l in self.layers if l.rule is None and l.own is None)
 
   @property
   def unused_rules(self) -> tuple[str, ...]:
@@ -128,12 +129,22 @@ class Report:
       rule = self.rules[l.rule] if l.rule is not None else None
       what = ("no rule: left alone" if rule is None else
               f"rule {l.rule} '{rule.pattern}': " + (rule.recipe.name if rule.quantizes else "left alone"))
+      if l.own is not None:  # a rule cannot change it (a quantizing one is refused)
+        what = f"its own recipe: {l.own.name}" + ("" if rule is None else f" (rule {l.rule} '{rule.pattern}' "
+                                                                          "does not change it)")
       lines.append(f"  {shown(l.path):<{width}}  {l.kind:<14} {what}")
     unused = self.unused_rules
     quoted = ", ".join(f"'{p}'" for p in unused)
     lines.append(f"rules that matched no layer: {quoted}" if unused else
                  "every rule matched a layer")
     return "\n".join(lines)
+
+
+def _recipe(rules, layer: Layer) -> recipes_lib.Recipe | None:
+  """The quantized recipe `layer` runs, or None (its own, unquantized computation)."""
+  if layer.own is not None:
+    return layer.own if layer.own.is_quantized else None
+  return rules[layer.rule].recipe if layer.rule is not None and rules[layer.rule].quantizes else None
 
 
 def quantize_model(model: Any, rules, **kwargs):

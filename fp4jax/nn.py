@@ -199,7 +199,7 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
   """Runs the GEMMs of `model`'s nnx.Linear / LinearGeneral / Einsum layers under recipes chosen by path rules.
 
   fp4jax.nn.Linear layers carry their own `recipe` attribute: a quantizing rule that matches one is refused (set
-  its recipe instead); an unquantized rule leaves them as they are.
+  its recipe instead); an unquantized rule leaves them as they are. The report lists them with their own recipe.
 
   Args:
     model: any NNX model; edited in place (each quantized layer's `dot_general` / `einsum_op` becomes a
@@ -227,9 +227,11 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
   layers, plan, own_recipe = [], [], []
   for parts, module in nnx.iter_modules(model):
     if isinstance(module, Linear):  # fp4jax's own layer: its recipe is an attribute, not an injected dot_general
-      i = model_quantize.first_match(rules, model_quantize.path_name(parts))
+      path = model_quantize.path_name(parts)
+      i = model_quantize.first_match(rules, path)
       if i is not None and rules[i].quantizes:
-        own_recipe.append(model_quantize.shown(model_quantize.path_name(parts)))
+        own_recipe.append(model_quantize.shown(path))
+      layers.append(model_quantize.Layer(path, "fp4jax Linear", i, recipes_lib.get_recipe(module.recipe)))
       continue
     if not isinstance(module, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)):
       continue

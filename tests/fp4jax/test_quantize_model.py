@@ -116,6 +116,31 @@ def test_a_rule_quantizing_an_fp4jax_linear_is_refused():
   assert list(report.quantized) == ["b"] and model.a.recipe.name == "bf16"
 
 
+def test_the_report_lists_fp4jax_layers_with_their_own_recipe():
+  """A None rule on an fp4jax.nn.Linear running nvfp4 changed nothing, yet the report said "1 of 1 linear layers
+  quantized" (the other, still quantized, layer missing), listed the rule as matching no layer (as a typo), and
+  recipe_of raised KeyError for it. The same for fp4jax.linen.Dense."""
+  class Mixed(nnx.Module):
+    def __init__(self):
+      self.a = fp4jax.nn.Linear(32, 32, recipe="nvfp4", rngs=nnx.Rngs(0))
+      self.b = nnx.Linear(32, 32, rngs=nnx.Rngs(1))
+
+  report = fp4jax.quantize_model(Mixed(), [("a", None), (".*", "mxfp4")], rngs=0)
+  assert report.quantized == {"a": "nvfp4", "b": "mxfp4"} and report.recipe_of("a").name == "nvfp4"
+  assert report.unused_rules == () and report.unmatched_layers == ()
+  text = str(report)
+  assert "2 of 2 linear layers quantized" in text and "its own recipe: nvfp4 (rule 0 'a' does not change it)" in text
+
+  class MixedLinen(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+      return linen.Dense(D, name="plain")(fp4jax.linen.Dense(D, recipe="nvfp4", name="ours")(x))
+
+  mixed = fp4jax.quantize_model(MixedLinen(), [("ours", None), (".*", "mxfp4")])
+  mixed.init({"params": jax.random.key(0), "quant": jax.random.key(1)}, X_LINEN)
+  assert mixed.report.quantized == {"ours": "nvfp4", "plain": "mxfp4"} and mixed.report.unused_rules == ()
+
+
 def test_quantized_forward_equals_fp4jax_dot_general_on_the_layer_inputs():
   """The injected model's logits equal a twin whose layers call fp4jax.dot_general themselves, bit for bit.
   (NVFP4's forward GEMM uses no randomness, so the twin's fixed key changes nothing.)"""
