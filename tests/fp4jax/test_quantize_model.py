@@ -567,3 +567,16 @@ def test_rules_match_the_whole_layer_path():
   assert report.quantized == {"layers.1": "mxfp4-sr"}
   assert report.unmatched_layers == ("layers.0",)
   assert report.unused_rules == ("layers", "ayers.0")
+
+
+def test_an_evaluation_of_a_clone_leaves_the_training_keys_alone():
+  """README: every call draws from the layer's stream, an evaluation too; evaluating nnx.clone(model) does not."""
+  model = nnx.Sequential(nnx.Linear(32, 32, rngs=nnx.Rngs(0)))
+  fp4jax.quantize_model(model, [(".*", "nvfp4")], rngs=0)
+  counts = lambda m: [int(c) for c in jax.tree.leaves(nnx.state(m, nnx.RngCount))]
+  x = jnp.ones((16, 32))
+  evaluated = nnx.clone(model)
+  evaluated(x), evaluated(x)
+  assert counts(model) == [0] and counts(evaluated) == [2]
+  model(x)
+  assert counts(model) == [1]
