@@ -108,7 +108,8 @@ class QuantizedDotGeneral(nnx.Module):
   def __init__(self, recipe: recipes_lib.Recipe, path: str, quant_rngs=None, original=None):
     self.recipe, self.path = recipe, path
     self.original = original  # what the layer had before, restored by an unquantized rule
-    self.quant_rngs = quant_rngs if recipe.needs_key else nnx.data(None)
+    # Kept while a recipe without SR runs (it draws nothing), so a later SR recipe continues the stream.
+    self.quant_rngs = quant_rngs if quant_rngs is not None else nnx.data(None)
 
   def _key(self):
     return self.quant_rngs() if self.recipe.needs_key else None
@@ -261,7 +262,7 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
           raise ValueError(f"{path} ({type(module).__name__}): {e}") from None
   # A second call with the same seed forks the first call's streams again: a new layer skips those that layers keep.
   taken = {_stream_id(_stream_of(module)) for module, _, rule in plan
-           if rule is not None and rule.quantizes and rule.recipe.needs_key and _stream_of(module) is not None}
+           if rule is not None and rule.quantizes and _stream_of(module) is not None}
   for module, path, rule in plan:
     attr = "einsum_op" if isinstance(module, nnx.Einsum) else "dot_general"
     original = getattr(module, attr)
@@ -275,7 +276,7 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
     # A layer quantized by an earlier call keeps its stream: a late switch continues its keys instead of replaying
     # them from the seed (restore the layer with a None rule first to reseed it).
     kept = _stream_of(module)
-    stream = (kept if kept is not None else _quant_stream(rngs, _stack_shape(module), taken)) \
-        if rule.recipe.needs_key else None
+    stream = kept if kept is not None else (
+        _quant_stream(rngs, _stack_shape(module), taken) if rule.recipe.needs_key else None)
     setattr(module, attr, nnx.data(op(rule.recipe, model_quantize.shown(path), stream, original)))
   return model_quantize.Report(rules, tuple(layers))

@@ -513,6 +513,24 @@ def test_quantizing_again_continues_each_layers_stream():
   np.testing.assert_array_equal(jax.random.key_data(stream()()), first_key)
 
 
+def test_a_phase_without_stochastic_rounding_keeps_the_stream():
+  """nvfp4 -> fp8 -> nvfp4 dropped the stream in the fp8 phase (fp8 draws no key), so the second nvfp4 phase
+  restarted at the seed and replayed the first phase's noise; and a layer newly quantized with the same seed while
+  the other sat in fp8 could fork that layer's stream."""
+  model = nnx.Sequential(nnx.Linear(D, D, rngs=nnx.Rngs(0)), nnx.Linear(D, D, rngs=nnx.Rngs(1)))
+  x = jax.random.normal(jax.random.key(2), (B * T, D))
+  counts = lambda: [int(c) for c in jax.tree.leaves(nnx.state(model, nnx.RngCount))]
+  fp4jax.quantize_model(model, [(r"layers\.0", "nvfp4")], rngs=0)
+  model(x), model(x)
+  fp4jax.quantize_model(model, [(r"layers\.0", "fp8"), (r"layers\.1", "nvfp4")], rngs=0)
+  model(x)
+  data = lambda i: np.asarray(jax.random.key_data(model.layers[i].dot_general.quant_rngs.key[...]))
+  assert counts() == [2, 1] and not np.array_equal(data(0), data(1))
+  fp4jax.quantize_model(model, [(".*", "nvfp4")])  # both keep their streams: no rngs needed
+  model(x)
+  assert counts() == [3, 2]
+
+
 def test_a_layer_quantized_later_with_the_same_seed_gets_a_stream_of_its_own():
   """The second call forked the first call's streams again: a newly quantized layer got the stream an earlier one
   kept, and replayed its stochastic rounding key for key. It now gets what one call quantizing both gives it."""
