@@ -147,6 +147,11 @@ def _recipe(rules, layer: Layer) -> recipes_lib.Recipe | None:
   return rules[layer.rule].recipe if layer.rule is not None and rules[layer.rule].quantizes else None
 
 
+def _linen_quantized_model() -> type:
+  from fp4jax import linen as fp4jax_linen  # pylint: disable=g-import-not-at-top
+  return fp4jax_linen.QuantizedModel
+
+
 def quantize_model(model: Any, rules, **kwargs):
   """Quantizes the linear layers of a Flax model by ordered (regex, recipe) rules on their paths.
 
@@ -164,4 +169,7 @@ def quantize_model(model: Any, rules, **kwargs):
   if nnx is not None and isinstance(model, nnx.Module):
     from fp4jax import nn as fp4jax_nn  # pylint: disable=g-import-not-at-top
     return fp4jax_nn.quantize_model(model, rules, **kwargs)
+  if linen is not None and isinstance(model, _linen_quantized_model()):  # the result of an earlier call
+    raise ValueError("quantize_model expects a flax.linen.Module; got a QuantizedModel, the result of an earlier "
+                     "call: pass its model, quantize_model(qmodel.module, rules) (the new rules replace the old).")
   raise ValueError(f"quantize_model expects a flax.nnx.Module or flax.linen.Module; got {type(model).__name__}.")

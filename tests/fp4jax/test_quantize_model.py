@@ -598,3 +598,11 @@ def test_an_evaluation_of_a_clone_leaves_the_training_keys_alone():
   assert counts(model) == [0] and counts(evaluated) == [2]
   model(x)
   assert counts(model) == [1]
+
+
+def test_quantizing_a_linen_quantized_model_names_its_module():
+  """A QuantizedModel passed again got "expects a flax.nnx.Module or flax.linen.Module; got QuantizedModel"."""
+  qmodel = fp4jax.quantize_model(linen.Dense(D), [(".*", "nvfp4")])
+  with pytest.raises(ValueError, match=r"got a QuantizedModel, .* quantize_model\(qmodel.module, rules\)"):
+    fp4jax.quantize_model(qmodel, [(".*", "mxfp4")])
+  assert fp4jax.quantize_model(qmodel.module, [(".*", "mxfp4")]).module is qmodel.module
