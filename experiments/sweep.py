@@ -437,6 +437,11 @@ def check_folders(sweep: Sweep, out: str | pathlib.Path, *, existing_only: bool 
         _check_same_finished_data(folder, done, lambda c=config: identity(c.data))
       elif fp4jax.pretrain.checkpoint.checkpoint_dir(folder).is_dir():
         _check_same_unfinished(folder, config)
+      elif not existing_only:  # starts from step 0: what train() refuses of a new run, refused before any run
+        try:
+          config.check_new_run()
+        except ValueError as e:
+          raise ValueError(f"Sweep {sweep.experiment!r}, run {run.name!r}: {e}") from None
   return configs
 
 

@@ -209,7 +209,8 @@ def quantize_model(model: nnx.Module, rules, *, rngs: nnx.Rngs | int | None = No
       of None or "bf16" restores the layer's own computation. Layers no rule matches run their own computation too
       (a layer quantized by an earlier call is restored: each call sets every layer). A layer that an earlier call
       quantized with a stream and this one quantizes again keeps that stream, so its keys continue (they do not
-      restart at the seed); restore it first (a None rule) to reseed it.
+      restart at the seed), also through a phase whose recipe draws no key (fp8, no SR), where it stays in the
+      layer's state; restore it first (a None rule) to reseed it.
     rngs: nnx.Rngs with a "quant" stream (or an int seed for one), needed when a recipe uses stochastic rounding.
 
   The streams are model state (`nnx.RngKey` / `nnx.RngCount` under each quantized layer's `dot_general` or

@@ -252,3 +252,12 @@ def test_the_recipes_docstring_names_the_smoke_runs():
   assert sorted(r.name for r in recipes.get_config("smoke").runs) == ["bf16", "nvidia-4over6", "quartet2"]
   said = " ".join(recipes.__doc__.split())
   assert "The smoke preset runs BF16, NVIDIA + 4/6 and Quartet II only." in said and "not in the smoke" not in said
+
+
+def test_a_run_train_would_refuse_stops_the_sweep_before_any_run(tmp_path, no_training):
+  """recipes --set switch_at=0.1: the OutControl run (channels chosen at step 49, every GEMM BF16 from step 30) was
+  refused only on its turn, after the runs before it had trained, leaving its folder behind."""
+  sweep = recipes.get_config("cpu").with_overrides({"switch_at": 0.1})
+  with pytest.raises(ValueError, match=r"run 'tetrajet-v2-outcontrol': OutControl chooses its channels at step 49"):
+    sweep_lib.run_sweep(sweep, tmp_path / "out", log=None)
+  assert not (tmp_path / "out").exists()
