@@ -201,6 +201,7 @@ def test_switch_runs_draw_a_dotted_line_at_their_switch_step(tmp_path):
   switch = precision_switch.get_config("smoke")
   for run in switch.runs:
     config = switch.config(run, 0, tmp_path / "runs")
-    summary = sweep._summarize(switch, run, 0, config, tmp_path / "nowhere", "finished", 1.0)  # pylint: disable=protected-access
+    summarize = sweep._summarize  # pylint: disable=protected-access
+    summary = summarize(switch, run, 0, config, tmp_path / "nowhere", "finished", 1.0)
     assert summary["switch_step"] == config.policy.switch_step(config.steps)
     assert (summary["switch_step"] is None) == (run.overrides.get("switch_at") is None)
