@@ -452,18 +452,22 @@ def _training_settings(config: TrainConfig) -> dict[str, Any]:
   return settings
 
 
-def check_distinct_runs(configs: Mapping[tuple[str, int], TrainConfig]) -> None:
-  """Raises ValueError if two runs of a sweep would train the same thing (seed 0's configs compared, outside the
-  result-free fields): the report would show one result twice under two labels, as two findings."""
+def same_settings_runs(configs: Mapping[tuple[str, int], TrainConfig]) -> list[tuple[str, str]]:
+  """Pairs of runs of a sweep that would train the same thing (seed 0's configs compared, outside the result-free
+  fields): the report would show one result under two labels. On purpose for a reproducibility check; by accident
+  after a --set that overrides what they differ in, or fractions of the run that round to the same step."""
   settings = {run: _training_settings(c) for (run, seed), c in configs.items() if seed == 0}
   names = list(settings)
-  same = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+  return [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
           if not config_lib.result_differences(settings[a], settings[b])]
-  if same:
-    pairs = "; ".join(f"{a!r} and {b!r}" for a, b in same)
-    raise ValueError(f"These runs of the sweep would train the same model on the same settings: {pairs} (a --set "
-                     "that overrides what they differ in, or fractions of the run that round to the same step). "
-                     "Change the settings, or pick one of each with --runs.")
+
+
+def same_settings_note(pairs: Sequence[tuple[str, str]]) -> str:
+  """What run_sweep says of `same_settings_runs`' pairs."""
+  listed = "; ".join(f"{a!r} and {b!r}" for a, b in pairs)
+  return (f"Note: these runs train the same model on the same settings: {listed}"
+          + " (a --set that overrides what they differ in, or fractions of the run that round to the same step?): "
+          "the report shows each result under two labels.")
 
 
 def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], None] | None = print,
@@ -489,7 +493,9 @@ def run_sweep(sweep: Sweep, out: str | pathlib.Path, *, log: Callable[[str], Non
                        "would mix the two sweeps' runs: use another --out.")
   jobs = [(run, seed) for run in sweep.runs for seed in range(sweep.seeds)]
   configs = check_folders(sweep, out)  # every config built and checked before the first run starts
-  check_distinct_runs(configs)
+  same = same_settings_runs(configs)
+  if same:
+    log(same_settings_note(same))
   if full is not None:
     check_folders(full, out, existing_only=True)
   out.mkdir(parents=True, exist_ok=True)
