@@ -305,6 +305,13 @@ def _changes(stored_dict: dict, config: TrainConfig, *, schedule_said: bool) -> 
   return [c for c in changed if c not in evaluation], [c for c in changed if c in evaluation]
 
 
+def _unscheduled_changes(stored_dict: dict, config: TrainConfig) -> list[str]:
+  """The changed settings that change training beyond what the learning-rate schedule and the switch read: with
+  none, a resume whose schedule agrees on the steps taken equals a fresh run of the new settings."""
+  schedule = ("lr", "min_lr_ratio", "decay_shape")  # and what _changes leaves out when the schedule note speaks
+  return [c for c in _changes(stored_dict, config, schedule_said=True)[0] if c not in schedule]
+
+
 def _changes_notes(stored_dict: dict, config: TrainConfig, *, schedule_said: bool) -> list[str]:
   """What a resume says about settings that changed since the checkpoint: those that change training, and apart,
   the validation and statistics settings (their own PRNG streams: training runs the same, only those records do
@@ -348,8 +355,8 @@ def _resume(config, state, out, log, data: data_lib.DataIdentity) -> tuple[int, 
     # lives, is no change of the run.
     same = {"corpus": config.data.corpus, "cache_dir": config.data.cache_dir}
     stored_dict = {**stored_dict, "data": {**stored_dict["data"], **same}}
-  others = _changes(stored_dict, config, schedule_said=True)[0]
-  schedule = resume_lib.schedule_note(stored, config, start, others_changed=bool(others))
+  schedule = resume_lib.schedule_note(stored, config, start,
+                                     others_changed=bool(_unscheduled_changes(stored_dict, config)))
   if schedule:
     log(schedule)
   note = resume_lib.gemm_mode_note(meta.get("gemm_mode"), config.policy.recipe)

@@ -327,6 +327,16 @@ def test_schedule_note_does_not_call_a_run_with_other_changes_a_fresh_run():
   assert "the stored run continued as far as the switch goes" in switch
 
 
+def test_schedule_settings_are_not_other_changes():
+  """The schedule note compares with a fresh run of the new settings: a new min_lr_ratio, decay shape or lr is part
+  of that run (the note then says so), a new weight decay or seed is not, nor are validation settings."""
+  stored = TrainConfig.from_options(steps=100, lr=1.0, warmup_fraction=0.1, decay_fraction=0.2)
+  unscheduled = lambda **changes: trainer._unscheduled_changes(stored.to_dict(), stored.replace(**changes))
+  assert unscheduled(steps=200, min_lr_ratio=0.1, decay_shape="1-sqrt", lr=0.5, warmup_fraction=0.2) == []
+  assert unscheduled(steps=200, eval_every=7) == []
+  assert unscheduled(steps=200, weight_decay=0.0, seed=3) == ["seed", "weight_decay"]
+
+
 def test_changed_validation_settings_are_not_said_to_change_the_run():
   """Another --eval-every / --eval-batches / --stats-every was said to make the run differ from an uninterrupted
   one; validation and statistics have their own PRNG streams, so only their records change."""
