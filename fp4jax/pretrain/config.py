@@ -212,8 +212,7 @@ class TrainConfig:
     switch of every GEMM to BF16 (it splits nothing)."""
     if self.osci_reset.enabled:
       self._check_a_layer_is_quantized(f"OsciReset (osci_reset_start={self.osci_reset.start})", "reset")
-    if (self.policy.recipe.is_quantized
-        and not self.policy.quantized_layers(model_lib.layer_names(self.model), self.model.n_layers)):
+    if self.policy.recipe.is_quantized and not self._quantized_layers():
       raise ValueError(f"The precision policy keeps every linear layer in BF16 (--bf16-first, --bf16-last, "
                        f"--bf16-blocks, --bf16-pattern): this run would train BF16 under the recipe "
                        f"{self.policy.recipe.name!r}. Pass --recipe bf16, or keep a layer quantized.")
@@ -226,8 +225,11 @@ class TrainConfig:
                        "its channels. Use an earlier --outcontrol-start / shorter --outcontrol-window, a later "
                        "--switch-at, or --switch forward.")
 
+  def _quantized_layers(self) -> tuple[str, ...]:
+    return self.policy.quantized_layers(model_lib.layer_names(self.model), self.model.n_layers)
+
   def _check_a_layer_is_quantized(self, what: str, verb: str) -> None:
-    if not self.policy.quantized_layers(model_lib.layer_names(self.model), self.model.n_layers):
+    if not self._quantized_layers():
       raise ValueError(f"{what} is on, but the precision policy keeps every linear layer in BF16 (--bf16-first, "
                        f"--bf16-last, --bf16-blocks, --bf16-pattern): nothing to {verb}. Keep a layer quantized, or "
                        "turn it off.")
